@@ -1,0 +1,155 @@
+"""The interface every all-reduce backend implements.
+
+An `AllReduce` is created once per process group and topology, holds whatever it needs (buffers,
+flags, sequence counters) for its whole life, and is released with `close()`. A call is an
+in-place SUM: `comm.all_reduce_(x)` leaves the element-wise sum over the group's ranks in `x`.
+
+Each backend declares what it supports (`Capability`) so that selection can be a pure function
+over plain values (`spanllm.comm.selection`) and so that unsupported input fails loudly here,
+naming the value, the limit and the fix, instead of hanging inside a kernel.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from spanllm.comm.topology import Topology
+
+
+class AllReduceError(RuntimeError):
+    """A backend failed at run time (a peer timed out, a kernel reported an error)."""
+
+
+class AllReduceInputError(ValueError):
+    """The caller passed a tensor this backend cannot reduce."""
+
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "half",
+    torch.int32: "int32",
+    torch.float64: "double",
+    torch.int64: "int64",
+}
+"""nccl-tests' names for the dtypes we reduce (the `type` column of the benchmark)."""
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    aliases = {"float32": "float", "fp32": "float", "bf16": "bfloat16", "fp16": "half", "float16": "half",
+               "float64": "double", "fp64": "double", "int": "int32"}
+    name = aliases.get(name, name)
+    for dtype, n in DTYPE_NAMES.items():
+        if n == name:
+            return dtype
+    raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_NAMES.values())}")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a backend can reduce. `topology_rule` returns None when a topology is fine, else why not."""
+
+    dtypes: frozenset[torch.dtype]
+    device_types: frozenset[str]
+    max_bytes: int | None = None  # None: no limit of its own (a buffered backend sets it per instance)
+    topology_rule: Callable[[Topology], str | None] | None = field(default=None, compare=False)
+
+    def unsupported_reason(self, *, nbytes: int, dtype: torch.dtype, topology: Topology,
+                           device_type: str, max_bytes: int | None = None) -> str | None:
+        """None if this backend can run the call, else a sentence saying why not."""
+        if device_type not in self.device_types:
+            return f"runs on {sorted(self.device_types)}, not {device_type}"
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} not in {sorted(DTYPE_NAMES.get(d, str(d)) for d in self.dtypes)}"
+        limit = max_bytes if max_bytes is not None else self.max_bytes
+        if limit is not None and nbytes > limit:
+            return f"{nbytes} bytes exceed its buffer of {limit} bytes"
+        if self.topology_rule is not None:
+            return self.topology_rule(topology)
+        return None
+
+
+class AllReduce(ABC):
+    """In-place SUM all-reduce over one process group.
+
+    Subclasses set `name` and `capability` and implement `_all_reduce_`. The constructor is
+    collective over the group for backends that allocate shared buffers: every rank of the group
+    must create its communicators in the same order.
+    """
+
+    name: ClassVar[str]
+    capability: ClassVar[Capability]
+
+    def __init__(self, group: dist.ProcessGroup | None = None, topology: Topology | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.topology = topology if topology is not None else Topology.from_env(self.world_size)
+        if self.topology.world_size != self.world_size:
+            raise AllReduceInputError(
+                f"topology {self.topology} describes {self.topology.world_size} ranks but the process group "
+                f"has {self.world_size}; build Topology(world_size={self.world_size}, ranks_per_node=...)"
+            )
+        reason = self.capability.topology_rule(self.topology) if self.capability.topology_rule else None
+        if reason is not None:
+            raise AllReduceInputError(f"{self.name} cannot run on topology {self.topology}: {reason}")
+        self.closed = False
+
+    # The limit of this instance (buffered backends override with their allocation).
+    @property
+    def max_bytes(self) -> int | None:
+        return self.capability.max_bytes
+
+    def unsupported_reason(self, x: torch.Tensor) -> str | None:
+        return self.capability.unsupported_reason(
+            nbytes=x.numel() * x.element_size(), dtype=x.dtype, topology=self.topology,
+            device_type=x.device.type, max_bytes=self.max_bytes)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if self.closed:
+            raise AllReduceError(f"{self.name}: communicator was closed; create a new one")
+        if not isinstance(x, torch.Tensor):
+            raise AllReduceInputError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_contiguous():
+            raise AllReduceInputError(
+                f"{self.name}: tensor with shape {tuple(x.shape)} and stride {x.stride()} is not contiguous; "
+                "pass x.contiguous() (the reduction is in place, so copy back afterwards)")
+        reason = self.unsupported_reason(x)
+        if reason is not None:
+            fix = " (use algorithm 'auto', which falls back to one that fits, or a supported input)"
+            raise AllReduceInputError(f"{self.name} cannot reduce this tensor: {reason}{fix}")
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place; returns `x`."""
+        self.check_input(x)
+        if x.numel() == 0:
+            return x
+        self._all_reduce_(x)
+        return x
+
+    __call__ = all_reduce_
+
+    def algorithm_for(self, x: torch.Tensor) -> str:
+        """The name of the algorithm that runs for this tensor (`auto` names its choice)."""
+        return self.name
+
+    @abstractmethod
+    def _all_reduce_(self, x: torch.Tensor) -> None: ...
+
+    def close(self) -> None:
+        """Release buffers. Collective for backends with shared buffers."""
+        self.closed = True
+
+    def __enter__(self) -> "AllReduce":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, topology={self.topology})"

@@ -1,0 +1,54 @@
+"""Algorithm name -> implementation. The CLI, the benchmark, `auto` and the engine all use this table.
+
+Entries are import paths so that heavy imports (triton, NVSHMEM) happen only when a GPU backend is
+created: `import spanllm.comm` works on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch.distributed as dist
+
+from spanllm.comm.base import AllReduce
+from spanllm.comm.topology import Topology
+
+ALGORITHMS: dict[str, str] = {
+    # CPU reference executor running the schedules of spanllm.comm.schedule (gloo or NCCL point-to-point).
+    "ref_ring": "spanllm.comm.reference:RefRingAllReduce",
+    "ref_rd": "spanllm.comm.reference:RefRecursiveDoublingAllReduce",
+    "ref_hier": "spanllm.comm.reference:RefHierarchicalAllReduce",
+    # torch.distributed.all_reduce: the process group's own collective library.
+    "gloo": "spanllm.comm.torch_dist:GlooAllReduce",
+    "nccl": "spanllm.comm.torch_dist:NcclAllReduce",
+    # torch symmetric memory (intra-node only).
+    "torch_one_shot": "spanllm.comm.torch_symm:TorchOneShotAllReduce",
+    "torch_two_shot": "spanllm.comm.torch_symm:TorchTwoShotAllReduce",
+    # NVRAR: hierarchical all-reduce with Triton + NVSHMEM (GPU).
+    "nvrar": "spanllm.comm.nvrar:NvrarAllReduce",
+    # Size-based selection over the others, from a tuning table.
+    "auto": "spanllm.comm.auto:AutoAllReduce",
+}
+
+
+def algorithm_class(name: str) -> type[AllReduce]:
+    if name not in ALGORITHMS:
+        raise KeyError(f"unknown all-reduce algorithm {name!r}; registered: {', '.join(ALGORITHMS)}")
+    module, cls = ALGORITHMS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def algorithms_for_device(device_type: str) -> list[str]:
+    """Registered names whose backend runs on this device type (auto included)."""
+    out = []
+    for name in ALGORITHMS:
+        caps = algorithm_class(name).capability
+        if device_type in caps.device_types:
+            out.append(name)
+    return out
+
+
+def create(name: str, group: dist.ProcessGroup | None = None, topology: Topology | None = None,
+           **options) -> AllReduce:
+    """Build the named backend for a process group. Collective: call in the same order on every rank."""
+    return algorithm_class(name)(group=group, topology=topology, **options)
