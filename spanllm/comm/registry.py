@@ -7,6 +7,7 @@ created: `import spanllm.comm` works on any machine.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch.distributed as dist
 
@@ -50,5 +51,13 @@ def algorithms_for_device(device_type: str) -> list[str]:
 
 def create(name: str, group: dist.ProcessGroup | None = None, topology: Topology | None = None,
            **options) -> AllReduce:
-    """Build the named backend for a process group. Collective: call in the same order on every rank."""
-    return algorithm_class(name)(group=group, topology=topology, **options)
+    """Build the named backend for a process group. Collective: call in the same order on every rank.
+
+    `options` is one pool for all backends (max_bytes, timeout_s, tuning, device, ...): each backend
+    receives the keyword arguments its constructor declares, so one call site can build any of them.
+    """
+    cls = algorithm_class(name)
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    mine = {k: v for k, v in options.items() if takes_all or k in accepted}
+    return cls(group=group, topology=topology, **mine)

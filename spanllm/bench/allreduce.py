@@ -1,0 +1,189 @@
+"""`spanllm bench allreduce`: nccl-tests' all_reduce_perf contract for every registered algorithm.
+
+Rows: `size count type redop | time(us) algbw busbw #wrong algo` (time = median per call, max over
+ranks), one row per size and algorithm, `algo` naming what actually ran (auto names its choice).
+`--json FILE` holds the same rows plus machine, versions and settings. On CPU `--nprocs N` spawns N
+local gloo ranks; under torchrun it uses the launcher's ranks (NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from spanllm.bench.report import algbw_GBps, allreduce_busbw_GBps, write_json
+from spanllm.bench.timing import time_calls
+from spanllm.comm import Topology, registry
+from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
+from spanllm.launch import DistContext, launch, under_launcher
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def sizes_from(begin: int, end: int, factor: float) -> list[int]:
+    if begin <= 0 or end < begin:
+        raise ValueError(f"sizes -b {begin} -e {end}: need 0 < begin <= end")
+    if factor <= 1:
+        raise ValueError(f"-f {factor}: the size factor must be > 1")
+    out, s = [], begin
+    while s <= end:
+        out.append(int(s))
+        s = s * factor
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", default="8", help="smallest message (bytes; K/M suffixes)")
+    p.add_argument("-e", "--maxbytes", default="1M", help="largest message")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplication factor")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed samples per size")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up calls per size")
+    p.add_argument("-c", "--check", type=int, default=1, help="check results (1) or not (0)")
+    p.add_argument("--calls-per-sample", type=int, default=None,
+                   help="back-to-back calls per timed sample (default: 20 on GPU, 1 on CPU)")
+    p.add_argument("--dtype", default="float", help="float, bfloat16, half, int32, double, int64")
+    p.add_argument("--algos", default=None, help="comma-separated algorithms (default: all that run on this device)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE")
+    p.add_argument("--graph", dest="graph", action="store_true", default=None, help="CUDA-graph mode (GPU default)")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="eager launches on GPU")
+    p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer size of buffered GPU backends")
+    p.add_argument("--tuning", default=None, help="tuning table JSON for auto and nvrar (from spanllm tune)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="device spin-wait timeout of nvrar")
+    p.add_argument("--json", default=None, help="write every row plus machine, versions and settings here")
+    p.add_argument("--nprocs", type=int, default=4, help="local gloo ranks to spawn when not under a launcher")
+
+
+def comm_options(args, device: torch.device) -> dict:
+    opts = {"max_bytes": parse_size(args.buffer_bytes), "timeout_s": args.timeout_s, "device": device}
+    if args.tuning:
+        from spanllm.comm.tuning import TuningTable
+        opts["tuning"] = TuningTable.load(args.tuning)
+    return opts
+
+
+def fill_pattern(x: torch.Tensor, rank: int) -> None:
+    """x[i] = (i mod 13) + rank + 1: small integers, exact in every dtype after summing up to 16 ranks."""
+    i = torch.arange(x.numel(), device=x.device)
+    x.copy_(((i % 13) + rank + 1).to(x.dtype))
+
+
+def count_wrong(x: torch.Tensor, world_size: int) -> int:
+    i = torch.arange(x.numel(), device=x.device)
+    expected = (world_size * (i % 13) + world_size * (world_size + 1) // 2).to(x.dtype)
+    return int((x != expected).sum().item())
+
+
+def check_algorithm(comm, x: torch.Tensor, rank: int, world_size: int, graph: bool) -> int:
+    """Wrong elements after one eager call (and one CUDA-graph replay in graph mode)."""
+    fill_pattern(x, rank)
+    comm.all_reduce_(x)
+    wrong = count_wrong(x, world_size)
+    if graph and x.is_cuda:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(x.device)
+        s.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            comm.all_reduce_(x)
+        torch.cuda.current_stream(x.device).wait_stream(s)
+        fill_pattern(x, rank)  # change the input in place, then replay
+        g.replay()
+        wrong += count_wrong(x, world_size)
+        del g
+    return wrong
+
+
+HEADER = (f"#{'size':>12} {'count':>12} {'type':>9} {'redop':>6} | {'time(us)':>10} {'p99(us)':>9} "
+          f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}  algo")
+
+
+def format_row(r: dict) -> str:
+    return (f" {r['size']:>12} {r['count']:>12} {r['type']:>9} {r['redop']:>6} | {r['time_us']:>10.2f} "
+            f"{r['time_us_p99']:>9.2f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f} {r['wrong']:>7}  {r['ran']}")
+
+
+def bench_rank(ctx: DistContext, args) -> list[dict]:
+    dtype = dtype_from_name(args.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
+    graph = (ctx.device.type == "cuda") if args.graph is None else args.graph
+    if graph and ctx.device.type != "cuda":
+        raise SystemExit("--graph needs GPUs (CUDA graphs); drop it on CPU")
+    K = args.calls_per_sample or (20 if ctx.device.type == "cuda" else 1)
+    names = args.algos.split(",") if args.algos else registry.algorithms_for_device(ctx.device.type)
+    sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    opts = comm_options(args, ctx.device)
+    comms = {}
+    for name in names:  # construction is collective: same order everywhere
+        comms[name] = registry.create(name, topology=topo, **opts)
+    main = ctx.rank == 0
+    if main:
+        print(f"# spanllm bench allreduce: {ctx.world_size} ranks as {topo.num_nodes} node(s) x {topo.ranks_per_node}, "
+              f"backend {ctx.backend}, dtype {DTYPE_NAMES[dtype]}, {'CUDA graph' if graph else 'eager'}, "
+              f"{K} calls per sample, {args.iters} samples, {args.warmup_iters} warm-up calls")
+        print(f"# torch {torch.__version__}; algorithms: {', '.join(names)}")
+        print(HEADER)
+        sys.stdout.flush()
+    rows = []
+    for size in sizes:
+        count = max(1, size // itemsize)
+        x = torch.empty(count, dtype=dtype, device=ctx.device)
+        x0 = (torch.randn(count, device=ctx.device) * 1e-2).to(dtype) if dtype.is_floating_point \
+            else torch.randint(-3, 4, (count,), device=ctx.device, dtype=dtype)
+        for name, comm in comms.items():
+            reason = comm.unsupported_reason(x)
+            if reason is not None:
+                if main:
+                    print(f"# {name} skipped at {count * itemsize} bytes: {reason}")
+                continue
+            wrong = check_algorithm(comm, x, ctx.rank, ctx.world_size, graph) if args.check else 0
+            wrong_t = torch.tensor([wrong], dtype=torch.int64, device=ctx.device)
+            dist.all_reduce(wrong_t)
+            ran = comm.algorithm_for(x)
+            t = time_calls(lambda: comm.all_reduce_(x), reset=lambda: x.copy_(x0), samples=args.iters,
+                           warmup=args.warmup_iters, calls_per_sample=K, graph=graph, device=ctx.device)
+            nbytes = count * itemsize
+            row = {"size": nbytes, "count": count, "type": DTYPE_NAMES[dtype], "redop": "sum", "algo": name,
+                   "ran": ran if name != "auto" else f"auto->{ran}", "world_size": ctx.world_size,
+                   "ranks_per_node": topo.ranks_per_node, "topology": str(topo), "time_us": t.median_us,
+                   "time_us_p99": t.p99_us, "algbw_GBps": algbw_GBps(nbytes, t.median_us),
+                   "busbw_GBps": allreduce_busbw_GBps(nbytes, t.median_us, ctx.world_size),
+                   "wrong": int(wrong_t.item()), "graph": graph, "calls_per_sample": K, "samples_us": t.samples_us}
+            rows.append(row)
+            if main:
+                print(format_row(row))
+                sys.stdout.flush()
+    for comm in comms.values():
+        comm.close()
+    if main:
+        total_wrong = sum(r["wrong"] for r in rows)
+        print(f"# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+        if args.json:
+            settings = {"world_size": ctx.world_size, "ranks_per_node": topo.ranks_per_node, "topology": str(topo),
+                        "dtype": DTYPE_NAMES[dtype], "graph": graph, "calls_per_sample": K, "iters": args.iters,
+                        "warmup": args.warmup_iters, "algos": names, "backend": ctx.backend,
+                        "buffer_bytes": parse_size(args.buffer_bytes), "tuning": args.tuning}
+            write_json(args.json, "allreduce", settings, rows)
+            print(f"# wrote {args.json}")
+    return rows
+
+
+def run(args) -> int:
+    results = launch(bench_rank, args, nprocs=args.nprocs)
+    rows = results[0]
+    failed = any(r["wrong"] for r in rows)
+    if under_launcher() and torch.cuda.is_available():
+        # Processes that captured NCCL calls in CUDA graphs can hang in teardown: leave now.
+        sys.stdout.flush()
+        dist.barrier()
+        os._exit(1 if failed else 0)
+    return 1 if failed else 0

@@ -1,0 +1,259 @@
+"""The NVRAR all-reduce as ONE Triton kernel: intra-node reduce-scatter -> inter-node recursive
+doubling -> intra-node all-gather, with LL8 cells and no barriers.
+
+Importing this module imports triton; `spanllm.comm.nvrar` imports it only when a GPU backend is built.
+
+LL8 cells
+    Every message travels as 8-byte cells: the low 32 bits carry data (two 16-bit elements or one
+    32-bit element), the high 32 bits the call's sequence number. A cell is written with one 64-bit
+    store (or one 64-bit word of a put), which is never torn, so a reader that sees the current
+    sequence number in a cell also sees that cell's data: data and "ready" arrive together, and no
+    fence, flag or barrier is needed between writer and reader. The price is 2x bytes on the wire.
+
+Independent tiles
+    The shard each rank reduces is cut into tiles of BLOCK cells; a program (CTA) carries its tiles
+    through all three phases on its own. Every cross-rank dependency of a tile is between the programs
+    that own the same tile on the ranks involved, so programs never wait for each other and no
+    grid-wide synchronisation exists.
+
+Buffer reuse without acknowledgements
+    Receive slots are double-buffered by the parity of the sequence number. A rank writes call s+2
+    into a peer's parity-(s mod 2) slot only after its own call s+1 finished, which needed every
+    rank's call-(s+1) contribution, which each rank produced only after its call-s kernel finished
+    (kernels on one stream run in order). So the slot being overwritten was already consumed. The
+    same argument covers the nbi-put staging buffers: call s's puts were delivered before the peer
+    could finish call s. This requires that every rank issues the same sequence of calls on one
+    stream, which is the contract of any collective.
+
+Sequence number
+    A per-communicator int32 in device memory: every program reads it at start (s = seq + 1); the
+    last program to finish (a ticket counter) writes s back. All reads happen before any program
+    takes its ticket, so they all see the same value. It never touches the host, so a call captures
+    into a CUDA graph and each replay advances it. It wraps after 2^32 calls; stale cells then hold
+    s - 2, never s, and the zero-initialised buffers only matter for the first two calls.
+
+Timeouts
+    Every wait polls with a deadline read from %globaltimer. On expiry the program writes
+    (code, rank, phase, step, peer, seq) into a host-mapped record and traps: the stream is dead, the
+    host reads the record and raises an error naming them. No wait can spin forever and no program
+    continues with data it did not receive.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
+from triton.language import core
+
+PHASE_REDUCE_SCATTER = 1
+PHASE_INTER_NODE = 2
+PHASE_ALL_GATHER = 3
+PHASE_NAMES = {PHASE_REDUCE_SCATTER: "intra-node reduce-scatter", PHASE_INTER_NODE: "inter-node recursive doubling",
+               PHASE_ALL_GATHER: "intra-node all-gather"}
+ERR_RECORD_LEN = 8  # int64 words: [code, rank, phase, step, peer, seq, program, waited_ns]
+ERR_TIMEOUT = 1
+
+
+@core.extern
+def _putmem_nbi_block(dest, source, size_bytes, pe, _semantic=None):
+    """nvshmemx_putmem_nbi_block: the whole CTA copies `size_bytes` to PE `pe`'s symmetric `dest`.
+
+    `dest` is this PE's address of the symmetric buffer (the same offset on every PE); NVSHMEM picks
+    the transport (NVLink stores for P2P peers, RDMA for remote nodes). Non-blocking: completion is
+    implied by the protocol (see module docstring), not by a quiet.
+    """
+    return core.extern_elementwise(
+        "", "", [dest, source, size_bytes, pe],
+        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int32")):
+         ("nvshmemx_putmem_nbi_block", core.dtype("int32"))},
+        is_pure=False, _semantic=_semantic)
+
+
+@triton.jit
+def _globaltimer_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    # membar.sys first so the error record written just before is visible to the host.
+    tl.inline_asm_elementwise("membar.sys; trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_elems(x_ptr, cells, n, E: tl.constexpr):
+    """Elements of the given cells as a [BLOCK, E] tile (zeros past n)."""
+    offs = cells[:, None] * E + tl.arange(0, E)[None, :]
+    return tl.load(x_ptr + offs, mask=offs < n, other=0)
+
+
+@triton.jit
+def _store_elems(x_ptr, cells, n, v, E: tl.constexpr):
+    offs = cells[:, None] * E + tl.arange(0, E)[None, :]
+    tl.store(x_ptr + offs, v.to(x_ptr.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _pack(v, flag, E: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK, E] tile of 16-bit (E=2) or 32-bit (E=1) values -> [BLOCK] int64 cells tagged with `flag`."""
+    if E == 2:
+        lo, hi = tl.split(v)
+        bits = (lo.to(tl.uint16, bitcast=True).to(tl.int64)
+                | (hi.to(tl.uint16, bitcast=True).to(tl.int64) << 16))
+    else:
+        bits = tl.reshape(v, [BLOCK]).to(tl.uint32, bitcast=True).to(tl.int64)
+    return bits | (flag << 32)
+
+
+@triton.jit
+def _unpack(cells, DT: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK] int64 cells -> [BLOCK, E] tile of DT."""
+    if E == 2:
+        lo = (cells & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        hi = ((cells >> 16) & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        return tl.join(lo, hi)
+    else:
+        return tl.reshape((cells & 0xFFFFFFFF).to(tl.uint32).to(DT, bitcast=True), [BLOCK, 1])
+
+
+@triton.jit
+def _wait_cells(ptr, mask, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0):
+    """Spin until every masked cell at `ptr` carries `flag`; return the cells. Traps on the deadline."""
+    cells = tl.load(ptr, mask=mask, other=0, volatile=True)
+    pending = tl.sum(((((cells >> 32) & 0xFFFFFFFF) != flag) & mask).to(tl.int32), axis=0)
+    now = _globaltimer_ns()
+    while (pending > 0) & (now < deadline):
+        cells = tl.load(ptr, mask=mask, other=0, volatile=True)
+        pending = tl.sum(((((cells >> 32) & 0xFFFFFFFF) != flag) & mask).to(tl.int32), axis=0)
+        now = _globaltimer_ns()
+    if pending > 0:
+        tl.store(err_ptr + 1, rank)
+        tl.store(err_ptr + 2, phase)
+        tl.store(err_ptr + 3, step)
+        tl.store(err_ptr + 4, peer)
+        tl.store(err_ptr + 5, seq)
+        tl.store(err_ptr + 6, tl.program_id(0))
+        tl.store(err_ptr + 7, now - t0)
+        tl.store(err_ptr + 0, 1)
+        _trap()
+    return cells
+
+
+@requires_nvshmem
+@triton.jit(do_not_specialize=["n", "S", "rank", "local_rank", "node_first_rank", "timeout_ns", "PARITY_CELLS",
+                               "INTRA_OFF", "INTER_OFF", "STAGE_OFF", "GATHER_OFF", "SLOT"])
+def nvrar_kernel(
+    x_ptr,            # the caller's tensor, reduced in place (local memory, any allocation)
+    ws_ptr,           # int64 symmetric workspace of this rank (cells)
+    peer_ws_ptr,      # int64[G]: every local peer's workspace, mapped for direct stores (P2P)
+    round_send_pe,    # int32[R]: NVSHMEM PE I put to in inter round r, or -1
+    round_recv_peer,  # int32[R]: group rank I receive from in inter round r, or -1
+    round_recv_op,    # int32[R]: 0 = add what arrives, 1 = overwrite with it (fold's last round)
+    seq_ptr,          # int32[1]: sequence number of the last finished call
+    ticket_ptr,       # int32[1]: programs finished in the current call
+    err_ptr,          # int64[ERR_RECORD_LEN], host-mapped error record
+    n,                # elements in x
+    S,                # cells each rank reduces (the shard; the whole message in one-shot mode)
+    rank, local_rank, node_first_rank,
+    timeout_ns,
+    PARITY_CELLS,     # cells in one parity half of the workspace
+    INTRA_OFF, INTER_OFF, STAGE_OFF, GATHER_OFF,  # region offsets (cells) inside a parity half
+    SLOT,             # cells per slot (the largest S the workspace was sized for)
+    G: tl.constexpr,          # ranks per node
+    R: tl.constexpr,          # inter-node rounds (recursive doubling + fold)
+    E: tl.constexpr,          # elements per cell: 2 for 16-bit dtypes, 1 for 32-bit
+    ONE_SHOT: tl.constexpr,   # intra-node: every rank reduces the whole message (no all-gather)
+    BLOCK: tl.constexpr,      # cells per tile
+):
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    if DT == tl.int32:
+        ACC: tl.constexpr = tl.int32
+    else:
+        ACC: tl.constexpr = tl.float32
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    seq = tl.load(seq_ptr) + 1
+    flag = seq.to(tl.int64) & 0xFFFFFFFF
+    t0 = _globaltimer_ns()
+    deadline = t0 + timeout_ns
+    par = (seq & 1).to(tl.int64) * PARITY_CELLS
+    ws_addr = ws_ptr.to(tl.int64)  # NVSHMEM wants this rank's address of the symmetric buffer
+    if ONE_SHOT:
+        my_base = 0
+    else:
+        my_base = local_rank * S
+    n_tiles = tl.cdiv(S, BLOCK)
+    for tile in range(pid, n_tiles, nprog):
+        c = tile * BLOCK + tl.arange(0, BLOCK)  # cell index inside the shard
+        cm = c < S
+
+        # ---- intra-node reduce-scatter (or one-shot exchange): push my cells to each local peer
+        acc = tl.zeros([BLOCK, E], dtype=ACC)
+        if G > 1:
+            for j in tl.static_range(G):
+                if j != local_rank:
+                    if ONE_SHOT:
+                        base_j = 0
+                    else:
+                        base_j = j * S
+                    v = _load_elems(x_ptr, base_j + c, n, E)
+                    peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
+                    dst = peer + par + INTRA_OFF + local_rank * SLOT + c
+                    tl.store(dst, _pack(v, flag, E, BLOCK), mask=cm)
+            # Sum the local ranks' contributions in local-rank order (deterministic on every rank).
+            for j in tl.static_range(G):
+                if j == local_rank:
+                    acc += _load_elems(x_ptr, my_base + c, n, E).to(ACC)
+                else:
+                    src = ws_ptr + par + INTRA_OFF + j * SLOT + c
+                    cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0)
+                    acc += _unpack(cells, DT, E, BLOCK).to(ACC)
+        else:
+            acc += _load_elems(x_ptr, my_base + c, n, E).to(ACC)
+
+        # ---- inter-node recursive doubling on the shard, between ranks of the same local rank
+        for r in tl.static_range(R):
+            send_pe = tl.load(round_send_pe + r)
+            recv_peer = tl.load(round_recv_peer + r)
+            # Round to the wire dtype first so both partners add the same two values and agree bitwise.
+            acc = acc.to(DT).to(ACC)
+            if send_pe >= 0:
+                stage = ws_ptr + par + STAGE_OFF + r * SLOT + c
+                tl.store(stage, _pack(acc.to(DT), flag, E, BLOCK), mask=cm)
+                tl.debug_barrier()  # the whole CTA's staging stores precede the block-wide put
+                first = tile * BLOCK
+                ncells = tl.minimum(S - first, BLOCK)
+                off_bytes = (par + INTER_OFF + r * SLOT + first) * 8
+                src_bytes = (par + STAGE_OFF + r * SLOT + first) * 8
+                _putmem_nbi_block(ws_addr + off_bytes, ws_addr + src_bytes, ncells.to(tl.int64) * 8, send_pe)
+            if recv_peer >= 0:
+                src = ws_ptr + par + INTER_OFF + r * SLOT + c
+                cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 2, r, recv_peer, seq, t0)
+                v = _unpack(cells, DT, E, BLOCK).to(ACC)
+                if tl.load(round_recv_op + r) == 0:
+                    acc = acc + v
+                else:
+                    acc = v
+        out = acc.to(DT)
+        _store_elems(x_ptr, my_base + c, n, out, E)
+
+        # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
+        if G > 1:
+            if not ONE_SHOT:
+                packed = _pack(out, flag, E, BLOCK)
+                for j in tl.static_range(G):
+                    if j != local_rank:
+                        peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
+                        tl.store(peer + par + GATHER_OFF + local_rank * SLOT + c, packed, mask=cm)
+                for j in tl.static_range(G):
+                    if j != local_rank:
+                        src = ws_ptr + par + GATHER_OFF + j * SLOT + c
+                        cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0)
+                        _store_elems(x_ptr, j * S + c, n, _unpack(cells, DT, E, BLOCK), E)
+
+    # ---- ticket: the last program to finish publishes the new sequence number
+    done = tl.atomic_add(ticket_ptr, 1)
+    if done == nprog - 1:
+        tl.store(ticket_ptr, 0)
+        tl.store(seq_ptr, seq)

@@ -1,0 +1,91 @@
+"""The reference executor: runs any schedule of `spanllm.comm.schedule` over torch.distributed point-to-point.
+
+It is the semantic oracle of the library. It is deliberately plain: per round, post every send and
+receive, wait for all of them, then apply the receives (add or overwrite) in the schedule's order.
+Fast backends are tested against it with the same inputs and exact expected values.
+
+It runs wherever the process group can send and receive: gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spanllm.comm.base import AllReduce, AllReduceInputError, Capability
+from spanllm.comm.schedule import SCHEDULES, Schedule
+
+_CODES = {dt: i for i, dt in enumerate(
+    [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.float64, torch.int64])}
+
+
+class RefAllReduce(AllReduce):
+    """Executes `SCHEDULES[schedule_name]`. `check_sizes` verifies that every rank passed the same
+    element count and dtype before running (one small all-gather), so a mismatch is an error and not
+    a hang or a silent partial sum."""
+
+    schedule_name: str
+    capability = Capability(dtypes=frozenset(_CODES), device_types=frozenset({"cpu", "cuda"}))
+
+    def __init__(self, group=None, topology=None, *, check_sizes: bool = True) -> None:
+        super().__init__(group, topology)
+        self.check_sizes = check_sizes
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self._schedules: dict[int, Schedule] = {}
+
+    def schedule(self, length: int) -> Schedule:
+        if length not in self._schedules:
+            self._schedules[length] = SCHEDULES[self.schedule_name](self.rank, self.topology, length)
+        return self._schedules[length]
+
+    def _check_same_input(self, x: torch.Tensor) -> None:
+        mine = torch.tensor([x.numel(), _CODES[x.dtype]], dtype=torch.int64, device=x.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        seen = [tuple(int(v) for v in t.tolist()) for t in everyone]
+        if len(set(seen)) != 1:
+            names = {v: k for k, v in _CODES.items()}
+            desc = ", ".join(f"rank {r}: {n} x {names[c]}" for r, (n, c) in enumerate(seen))
+            raise AllReduceInputError(
+                f"{self.name}: ranks passed different tensors ({desc}); every rank must pass the same "
+                "element count and dtype")
+
+    def _all_reduce_(self, x: torch.Tensor) -> None:
+        if self.check_sizes:
+            self._check_same_input(x)
+        flat = x.view(-1)
+        for rnd in self.schedule(flat.numel()).rounds:
+            works, incoming = [], []
+            for s in rnd.sends:
+                works.append(dist.isend(flat[s.start:s.stop], self._global[s.peer], group=self.group))
+            for r in rnd.recvs:
+                buf = torch.empty(r.stop - r.start, dtype=x.dtype, device=x.device)
+                works.append(dist.irecv(buf, self._global[r.peer], group=self.group))
+                incoming.append((r, buf))
+            for w in works:
+                w.wait()
+            for r, buf in incoming:
+                if r.op == "reduce":
+                    flat[r.start:r.stop] += buf
+                else:
+                    flat[r.start:r.stop] = buf
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        self._all_reduce_(x)  # also for empty tensors: every rank must still agree on the size
+        return x
+
+
+class RefRingAllReduce(RefAllReduce):
+    name = "ref_ring"
+    schedule_name = "ring"
+
+
+class RefRecursiveDoublingAllReduce(RefAllReduce):
+    name = "ref_rd"
+    schedule_name = "recursive_doubling"
+
+
+class RefHierarchicalAllReduce(RefAllReduce):
+    name = "ref_hier"
+    schedule_name = "hierarchical"

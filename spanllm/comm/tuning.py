@@ -1,0 +1,64 @@
+"""The tuning table: measured best algorithm (and nvrar launch parameters) per topology, dtype and size.
+
+Written by `spanllm tune`, read by `auto` and `nvrar`. Lookup takes the smallest measured size that is
+>= the message (a message is treated like the next measured size up), else the largest measured one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from spanllm.comm.base import DTYPE_NAMES
+from spanllm.comm.topology import Topology
+
+
+@dataclass(frozen=True)
+class TuningEntry:
+    topology: str            # "NODESxRANKS_PER_NODE"
+    dtype: str               # nccl-tests dtype name
+    size: int                # bytes
+    best: str                # registered algorithm name
+    nvrar_launch: dict | None = None   # best nvrar LaunchParams at this size, as a dict
+    times_us: dict[str, float] = field(default_factory=dict)  # every candidate measured
+
+
+@dataclass
+class TuningTable:
+    entries: list[TuningEntry]
+    meta: dict = field(default_factory=dict)
+
+    def lookup(self, nbytes: int, dtype: torch.dtype, topology: Topology) -> TuningEntry | None:
+        mine = sorted((e for e in self.entries if e.topology == str(topology) and e.dtype == DTYPE_NAMES.get(dtype)),
+                      key=lambda e: e.size)
+        if not mine:
+            return None
+        for e in mine:
+            if e.size >= nbytes:
+                return e
+        return mine[-1]
+
+    def nvrar_launch(self, nbytes: int, dtype: torch.dtype, topology: Topology):
+        e = self.lookup(nbytes, dtype, topology)
+        if e is None or e.nvrar_launch is None:
+            return None
+        from spanllm.comm.nvrar import LaunchParams
+        return LaunchParams(**e.nvrar_launch)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"kind": "tuning", **self.meta, "entries": [asdict(e) for e in self.entries]}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "TuningTable":
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read tuning table {path!r}: {e}; write one with `spanllm tune --out {path}`") from e
+        if doc.get("kind") != "tuning" or "entries" not in doc:
+            raise ValueError(f"{path!r} is not a tuning table (kind={doc.get('kind')!r}); write one with `spanllm tune`")
+        meta = {k: v for k, v in doc.items() if k not in ("kind", "entries")}
+        return cls([TuningEntry(**e) for e in doc["entries"]], meta)
