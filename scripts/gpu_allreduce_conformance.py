@@ -1,0 +1,93 @@
+"""GPU conformance run of the all-reduce backends (torchrun, one process per GPU).
+
+    torchrun --nproc-per-node 2 scripts/gpu_allreduce_conformance.py --ranks-per-node 1 --out r.json
+
+Runs the cases of spanllm.comm.conformance for nvrar (several launch variants) and the baselines, and
+writes every CaseResult to --out. tests/test_gpu.py asserts on that file; scripts/gpu_check.sh runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from spanllm.comm import Topology, registry
+from spanllm.comm import conformance as C
+from spanllm.comm.nvrar import LaunchParams
+from spanllm.launch import init_from_launcher
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks-per-node", type=int, default=None)
+    ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--max-bytes", type=int, default=8 << 20)
+    ap.add_argument("--baselines", default="nccl,torch_one_shot,torch_two_shot")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    ctx = init_from_launcher("nccl")
+    dev = ctx.device
+    topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
+    t_start = time.time()
+    results: list[dict] = []
+    variants = {"default": None,
+                "rs_b4x256": LaunchParams(one_shot=False, num_blocks=4, block=256, num_warps=4),
+                "rs_b64x1024": LaunchParams(one_shot=False, num_blocks=64, block=1024, num_warps=8)}
+    if topo.ranks_per_node > 1:
+        variants["os_b8x512"] = LaunchParams(one_shot=True, num_blocks=8, block=512, num_warps=4)
+    comms = {}
+    for name, launch in variants.items():
+        comms[f"nvrar:{name}"] = registry.create("nvrar", topology=topo, max_bytes=args.max_bytes, launch=launch,
+                                                 one_shot_max_bytes=args.max_bytes, device=dev)
+    for name in [b for b in args.baselines.split(",") if b]:
+        cls = registry.algorithm_class(name)
+        if cls.capability.topology_rule and cls.capability.topology_rule(topo):
+            continue
+        comms[name] = registry.create(name, topology=topo, max_bytes=args.max_bytes, device=dev)
+    # NVSHMEM PE numbering assumption: PE == global rank.
+    from torch.distributed._symmetric_memory import _nvshmem_triton  # noqa: F401  (import check only)
+    itemmax = args.max_bytes
+    lengths = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
+    for key, comm in comms.items():
+        t0 = time.time()
+        lens = lengths + [itemmax // 4, itemmax // 2]  # the buffer maximum for 4- and 2-byte dtypes
+        res = C.case_lengths(comm, lens, dtypes if key.startswith("nvrar") else [torch.float32, torch.bfloat16], dev)
+        res.append(C.case_bitwise_identical(comm, 300_001, torch.bfloat16, dev))
+        res.append(C.case_bitwise_identical(comm, 4099, torch.float32, dev))
+        res.append(C.case_straggler(comm, 65536, torch.bfloat16, 0.05, dev))
+        res.append(C.case_cuda_graph(comm, 12_289, torch.bfloat16, 200, dev))
+        res.append(C.case_cuda_graph(comm, 1 << 20, torch.bfloat16, 50, dev))
+        calls = args.calls if key.startswith("nvrar") else min(args.calls, 1000)
+        res.append(C.case_back_to_back(comm, 8192, torch.bfloat16, calls, dev))
+        res.append(C.case_back_to_back(comm, 100_003, torch.float32, max(1, calls // 10), dev))
+        res += C.case_bad_inputs(comm, dev)
+        if hasattr(comm, "synchronize"):
+            comm.synchronize()
+        for r in res:
+            d = r.as_dict()
+            d["comm"] = key
+            results.append(d)
+        if ctx.rank == 0:
+            bad = sum(r.wrong for r in res)
+            print(f"[{key}] {len(res)} cases, {bad} wrong, {time.time() - t0:.1f}s", flush=True)
+    if ctx.rank == 0:
+        doc = {"kind": "gpu_conformance", "topology": str(topo), "world_size": ctx.world_size,
+               "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+               "seconds": time.time() - t_start, "results": results}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}: {sum(r['wrong'] for r in results)} wrong in {len(results)} cases", flush=True)
+    sys.stdout.flush()
+    dist.barrier()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
