@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def comm_options(args, device: torch.device) -> dict:
-    opts = {"max_bytes": parse_size(args.buffer_bytes), "timeout_s": args.timeout_s, "device": device}
+    buffer = parse_size(args.buffer_bytes)
+    opts = {"max_bytes": buffer, "one_shot_max_bytes": buffer, "timeout_s": args.timeout_s, "device": device}
     if args.tuning:
         from spanllm.comm.tuning import TuningTable
         opts["tuning"] = TuningTable.load(args.tuning)
@@ -122,10 +123,16 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     names = args.algos.split(",") if args.algos else registry.algorithms_for_device(ctx.device.type)
     sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     opts = comm_options(args, ctx.device)
+    main = ctx.rank == 0
     comms = {}
     for name in names:  # construction is collective: same order everywhere
+        rule = registry.algorithm_class(name).capability.topology_rule
+        reason = rule(topo) if rule else None
+        if reason is not None:
+            if main:
+                print(f"# {name} skipped on topology {topo}: {reason}")
+            continue
         comms[name] = registry.create(name, topology=topo, **opts)
-    main = ctx.rank == 0
     if main:
         print(f"# spanllm bench allreduce: {ctx.world_size} ranks as {topo.num_nodes} node(s) x {topo.ranks_per_node}, "
               f"backend {ctx.backend}, dtype {DTYPE_NAMES[dtype]}, {'CUDA graph' if graph else 'eager'}, "

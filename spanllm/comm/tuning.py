@@ -53,6 +53,10 @@ class TuningTable:
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":
+        """One table, or several comma-separated ones (e.g. one per topology) merged."""
+        if "," in path:
+            tables = [cls.load(p) for p in path.split(",") if p]
+            return cls([e for t in tables for e in t.entries], tables[0].meta)
         try:
             with open(path) as f:
                 doc = json.load(f)

@@ -1,0 +1,125 @@
+"""`spanllm tune`: measure every candidate per message size and write the tuning table (JSON).
+
+Candidates: the process group's collective (nccl / gloo), torch symmetric memory where the topology
+allows it, and nvrar over a grid of launch parameters (one-shot or reduce-scatter, programs, tile
+size). Each is checked for exact results before it is timed; the fastest correct one per size
+becomes the entry's `best`, and the fastest nvrar launch is kept too, so `nvrar` itself runs tuned.
+Timing uses the benchmark's discipline (spanllm.bench.timing): CUDA graphs, max over ranks, median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from spanllm.bench.allreduce import check_algorithm, parse_size, sizes_from
+from spanllm.bench.report import machine_info, versions
+from spanllm.bench.timing import time_calls
+from spanllm.comm import Topology, registry
+from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
+from spanllm.comm.tuning import TuningEntry, TuningTable
+from spanllm.launch import DistContext, launch, under_launcher
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", default="1K")
+    p.add_argument("-e", "--maxbytes", default="16M")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    p.add_argument("-n", "--iters", type=int, default=7, help="timed samples per candidate")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer of the GPU backends (largest nvrar message)")
+    p.add_argument("--blocks", default="2,4,8,16,32,64", help="nvrar program counts to try")
+    p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")
+    p.add_argument("--out", required=True, help="tuning table JSON to write")
+    p.add_argument("--nprocs", type=int, default=2, help="local gloo ranks when not under a launcher")
+
+
+def nvrar_grid(args, topo: Topology, nbytes: int, one_shot_max: int):
+    from spanllm.comm.nvrar import LaunchParams
+
+    modes = [False, True] if topo.ranks_per_node > 1 and nbytes <= one_shot_max else [False]
+    g = topo.ranks_per_node
+    for one_shot, nb, tile in itertools.product(modes, [int(b) for b in args.blocks.split(",")],
+                                                [int(t) for t in args.tiles.split(",")]):
+        shard_cells = -(-nbytes // 4) if (one_shot or g == 1) else -(-nbytes // (4 * g))
+        if nb > 1 and nb > -(-shard_cells // tile):
+            continue  # more programs than tiles: same kernel as a smaller grid
+        yield LaunchParams(one_shot=one_shot, num_blocks=nb, block=tile, num_warps=4 if tile <= 512 else 8)
+
+
+def tune_rank(ctx: DistContext, args) -> dict:
+    dtype = dtype_from_name(args.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
+    gpu = ctx.device.type == "cuda"
+    buffer_bytes = parse_size(args.buffer_bytes)
+    names = ["nccl", "torch_one_shot", "torch_two_shot", "nvrar"] if gpu else ["gloo", "ref_hier", "ref_rd", "ref_ring"]
+    comms = {}
+    for name in names:
+        rule = registry.algorithm_class(name).capability.topology_rule
+        if rule and rule(topo):
+            continue
+        comms[name] = registry.create(name, topology=topo, max_bytes=buffer_bytes, one_shot_max_bytes=buffer_bytes,
+                                      device=ctx.device)
+    entries = []
+    main = ctx.rank == 0
+    for size in sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor):
+        count = max(1, size // itemsize)
+        nbytes = count * itemsize
+        x = torch.empty(count, dtype=dtype, device=ctx.device)
+        x0 = (torch.randn(count, device=ctx.device) * 1e-2).to(dtype)
+        times: dict[str, float] = {}
+        best_launch, best_launch_t = None, float("inf")
+        for name, comm in comms.items():
+            if comm.unsupported_reason(x) is not None:
+                continue
+            launches = list(nvrar_grid(args, topo, nbytes, comm.one_shot_max_bytes)) if name == "nvrar" else [None]
+            for lp in launches:
+                if lp is not None:
+                    comm.fixed_launch = lp
+                if check_algorithm(comm, x, ctx.rank, ctx.world_size, graph=gpu):
+                    if main:
+                        print(f"# {name} {lp.short() if lp else ''} gave wrong results at {nbytes} bytes: not a candidate")
+                    continue
+                t = time_calls(lambda: comm.all_reduce_(x), reset=lambda: x.copy_(x0), samples=args.iters,
+                               warmup=3, calls_per_sample=20 if gpu else 1, graph=gpu, device=ctx.device).median_us
+                key = name if lp is None else f"nvrar[{lp.short()}]"
+                times[key] = t
+                if lp is not None and t < best_launch_t:
+                    best_launch, best_launch_t = lp, t
+            if name == "nvrar":
+                comm.fixed_launch = None
+        best_key = min(times, key=times.get)
+        best = best_key.split("[")[0]
+        entries.append(TuningEntry(str(topo), DTYPE_NAMES[dtype], nbytes, best,
+                                   asdict(best_launch) if best_launch else None, times))
+        if main:
+            ranked = sorted(times.items(), key=lambda kv: kv[1])[:4]
+            print(f"{nbytes:>10} B  best {best_key:<28} {times[best_key]:8.2f} us   "
+                  + "  ".join(f"{k}={v:.2f}" for k, v in ranked[1:]), flush=True)
+    for c in comms.values():
+        c.close()
+    table = TuningTable(entries, {"machine": machine_info(), "versions": versions(),
+                                  "settings": {"topology": str(topo), "dtype": DTYPE_NAMES[dtype],
+                                               "buffer_bytes": buffer_bytes, "blocks": args.blocks, "tiles": args.tiles,
+                                               "iters": args.iters}})
+    if main:
+        table.save(args.out)
+        print(f"# wrote {args.out} ({len(entries)} sizes)")
+    return {"entries": len(entries)}
+
+
+def run(args) -> int:
+    launch(tune_rank, args, nprocs=args.nprocs)
+    if under_launcher() and torch.cuda.is_available():
+        sys.stdout.flush()
+        dist.barrier()
+        os._exit(0)
+    return 0
