@@ -57,6 +57,7 @@ class Capability:
     dtypes: frozenset[torch.dtype]
     device_types: frozenset[str]
     max_bytes: int | None = None  # None: no limit of its own (a buffered backend sets it per instance)
+    size_multiple_bytes: int = 1  # message size must be a multiple of this (e.g. 4 for torch's symm-mem ops)
     topology_rule: Callable[[Topology], str | None] | None = field(default=None, compare=False)
 
     def unsupported_reason(self, *, nbytes: int, dtype: torch.dtype, topology: Topology,
@@ -66,6 +67,8 @@ class Capability:
             return f"runs on {sorted(self.device_types)}, not {device_type}"
         if dtype not in self.dtypes:
             return f"dtype {dtype} not in {sorted(DTYPE_NAMES.get(d, str(d)) for d in self.dtypes)}"
+        if nbytes % self.size_multiple_bytes:
+            return f"{nbytes} bytes is not a multiple of {self.size_multiple_bytes} bytes"
         limit = max_bytes if max_bytes is not None else self.max_bytes
         if limit is not None and nbytes > limit:
             return f"{nbytes} bytes exceed its buffer of {limit} bytes"

@@ -90,16 +90,17 @@ def _trap():
 
 
 @triton.jit
-def _load_elems(x_ptr, cells, n, E: tl.constexpr):
-    """Elements of the given cells as a [BLOCK, E] tile (zeros past n)."""
+def _load_elems(x_ptr, cells, cell_mask, n, E: tl.constexpr):
+    """Elements of the given cells as a [BLOCK, E] tile (zeros past n and outside cell_mask)."""
     offs = cells[:, None] * E + tl.arange(0, E)[None, :]
-    return tl.load(x_ptr + offs, mask=offs < n, other=0)
+    return tl.load(x_ptr + offs, mask=(offs < n) & cell_mask[:, None], other=0)
 
 
 @triton.jit
-def _store_elems(x_ptr, cells, n, v, E: tl.constexpr):
+def _store_elems(x_ptr, cells, cell_mask, n, v, E: tl.constexpr):
+    # cell_mask keeps a partial last tile of one shard from writing into the next shard's elements.
     offs = cells[:, None] * E + tl.arange(0, E)[None, :]
-    tl.store(x_ptr + offs, v.to(x_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(x_ptr + offs, v.to(x_ptr.dtype.element_ty), mask=(offs < n) & cell_mask[:, None])
 
 
 @triton.jit
@@ -207,20 +208,20 @@ def nvrar_kernel(
                         base_j = 0
                     else:
                         base_j = j * S
-                    v = _load_elems(x_ptr, base_j + c, n, E)
+                    v = _load_elems(x_ptr, base_j + c, cm, n, E)
                     peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
                     dst = peer + par + INTRA_OFF + local_rank * SLOT + c
                     tl.store(dst, _pack(v, flag, E, BLOCK), mask=cm)
             # Sum the local ranks' contributions in local-rank order (deterministic on every rank).
             for j in tl.static_range(G):
                 if j == local_rank:
-                    acc += _load_elems(x_ptr, my_base + c, n, E).to(ACC)
+                    acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
                 else:
                     src = ws_ptr + par + INTRA_OFF + j * SLOT + c
                     cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0)
                     acc += _unpack(cells, DT, E, BLOCK).to(ACC)
         else:
-            acc += _load_elems(x_ptr, my_base + c, n, E).to(ACC)
+            acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
 
         # ---- inter-node recursive doubling on the shard, between ranks of the same local rank
         for r in tl.static_range(R):
@@ -246,7 +247,7 @@ def nvrar_kernel(
                 else:
                     acc = v
         out = acc.to(DT)
-        _store_elems(x_ptr, my_base + c, n, out, E)
+        _store_elems(x_ptr, my_base + c, cm, n, out, E)
 
         # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
         if G > 1:
@@ -260,7 +261,7 @@ def nvrar_kernel(
                     if j != local_rank:
                         src = ws_ptr + par + GATHER_OFF + j * SLOT + c
                         cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0)
-                        _store_elems(x_ptr, j * S + c, n, _unpack(cells, DT, E, BLOCK), E)
+                        _store_elems(x_ptr, j * S + c, cm, n, _unpack(cells, DT, E, BLOCK), E)
 
     # ---- ticket: the last program to finish publishes the new sequence number
     done = tl.atomic_add(ticket_ptr, 1)

@@ -25,7 +25,7 @@ def _single_node(t: Topology) -> str | None:
 
 class TorchSymmAllReduce(AllReduce):
     capability = Capability(dtypes=frozenset({torch.bfloat16, torch.float32}), device_types=frozenset({"cuda"}),
-                            topology_rule=_single_node)
+                            size_multiple_bytes=4, topology_rule=_single_node)
 
     def __init__(self, group=None, topology=None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  device: torch.device | None = None) -> None:
@@ -66,7 +66,7 @@ def _single_node_of_2_4_8(t: Topology) -> str | None:
 class TorchTwoShotAllReduce(TorchSymmAllReduce):
     name = "torch_two_shot"
     capability = Capability(dtypes=frozenset({torch.bfloat16, torch.float32}), device_types=frozenset({"cuda"}),
-                            topology_rule=_single_node_of_2_4_8)
+                            size_multiple_bytes=4, topology_rule=_single_node_of_2_4_8)
 
     def _all_reduce_(self, x: torch.Tensor) -> None:
         buf = self._symm_view(x)

@@ -1,0 +1,12 @@
+"""spanllm.perf: the analytical performance model and planner. Pure Python + numpy; no torch, no GPU.
+
+  hardware.py         cluster presets: the one table of constants, each with its source
+  allreduce_model.py  all-reduce schedules counted as steps and bytes per link -> alpha-beta time
+  model_shape.py      Llama 3.1 shapes (8B / 70B / 405B)
+  inference.py        prefill / decode time for TP x PP, memory per GPU
+  plan.py             `spanllm plan`: rank layouts x all-reduce algorithms
+  measurements.py     reading results/*.json (all-reduce sweeps, engine runs)
+  calibrate.py        `spanllm perf calibrate`: fit all-reduce constants to a sweep
+  validate.py         `spanllm perf validate`: predicted vs measured, with the error
+  paper_claims.py     the NVRAR paper's headline numbers as checks on the presets
+"""

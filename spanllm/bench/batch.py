@@ -1,0 +1,299 @@
+"""`spanllm bench batch`: offline batch benchmark of the engine.
+
+For every all-reduce backend and batch size: TTFT, time per output token (TPOT), end-to-end batch
+latency and output throughput (median over `--iters` runs after `--warmup`, each run's time the
+maximum over ranks), plus a breakdown of one decode step into GEMM / attention / all-reduce /
+pipeline / idle / other. The breakdown comes from a separate eager pass with per-op timers (events
+cannot be placed inside a CUDA graph, and timers would perturb the totals), so it describes eager
+decode; `breakdown_step_ms` is that pass's step time. `--no-breakdown` skips it.
+
+    spanllm bench batch --model tiny --nprocs 2 --batch-sizes 1,4 --allreduce gloo,ref_ring
+    torchrun --nproc-per-node 2 -m spanllm.cli bench batch --model llama3.1-70b --allreduce nccl,nvrar \\
+        --workload decode-heavy --batch-sizes 1,8,32 --json results/batch.json --plot results/batch.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from spanllm.engine.config import EngineConfig, resolve_model
+from spanllm.engine.generate import add_model_arguments, resolve_dtype
+from spanllm.engine.parallel_dims import ParallelDims
+from spanllm.engine.sampler import SamplingParams
+from spanllm.engine.timers import CATEGORIES
+from spanllm.launch import DistContext, launch
+
+WORKLOADS = {"decode-heavy": (128, 512), "prefill-heavy": (2048, 32)}  # (prompt_len, decode_len)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    model: str
+    batch_sizes: tuple[int, ...]
+    prompt_len: int
+    decode_len: int
+    workload: str
+    allreduce: tuple[str, ...]  # empty: the device default (nccl on GPU, gloo on CPU)
+    warmup: int
+    iters: int
+    breakdown: bool
+    dtype: str
+    seed: int
+    cuda_graphs: bool
+    ranks_per_node: int | None
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-heavy",
+                        help="decode-heavy = prompt 128, decode 512; prefill-heavy = prompt 2048, decode 32")
+    parser.add_argument("--prompt-len", type=int, default=None, help="overrides the workload's prompt length")
+    parser.add_argument("--decode-len", type=int, default=None, help="overrides the workload's decode length")
+    parser.add_argument("--allreduce", default="", help="comma-separated registered all-reduce names (default: nccl "
+                                                        "on GPU, gloo on CPU)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the eager per-op timing pass")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--plot", default=None, help="write a PNG of where decode time goes")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_arguments(parser)
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (1 = naive schedule)")
+
+
+def _csv(text: str, cast=str) -> tuple:
+    try:
+        return tuple(cast(t.strip()) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise SystemExit(f"{text!r}: expected a comma-separated list") from None
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    prompt_len, decode_len = WORKLOADS[args.workload]
+    workload = args.workload
+    if args.prompt_len is not None or args.decode_len is not None:
+        prompt_len = args.prompt_len if args.prompt_len is not None else prompt_len
+        decode_len = args.decode_len if args.decode_len is not None else decode_len
+        workload = f"{args.workload} (prompt {prompt_len}, decode {decode_len})"
+    if prompt_len < 1 or decode_len < 1:
+        raise SystemExit(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
+    batch_sizes = _csv(args.batch_sizes, int)
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
+    return BenchSettings(model=args.model, batch_sizes=batch_sizes, prompt_len=prompt_len, decode_len=decode_len,
+                         workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
+                         breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
+                         cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node)
+
+
+def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
+    from spanllm.engine.llm import LLM
+
+    engine = EngineConfig(max_batch_size=max(s.batch_sizes), max_seq_len=s.prompt_len + s.decode_len,
+                          dtype=resolve_dtype(s.dtype, ctx.device), cuda_graphs=s.cuda_graphs,
+                          micro_batches=micro_batches, seed=s.seed)
+    return LLM(resolve_model(s.model), engine, dims=dims, device=ctx.device, ranks_per_node=s.ranks_per_node)
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: str) -> dict:
+    """One row: run the batch warmup + iters times (collective over all ranks)."""
+    rng = random.Random(s.seed + batch)
+    vocab = llm.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(s.prompt_len)] for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=s.decode_len, ignore_eos=True)
+    mb = min(micro_batches, batch)
+    for _ in range(s.warmup):
+        llm.generate(prompts, params, micro_batches=mb)
+    ttft, e2e = [], []
+    for _ in range(s.iters):
+        out = llm.generate(prompts, params, micro_batches=mb)
+        per_rank = _gather((out.ttft_ms, out.e2e_ms)) if dist.is_initialized() else [(out.ttft_ms, out.e2e_ms)]
+        ttft.append(max(r[0] for r in per_rank))
+        e2e.append(max(r[1] for r in per_rank))
+    ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
+    tpot_ms = (e2e_ms - ttft_ms) / (s.decode_len - 1) if s.decode_len > 1 else 0.0
+
+    breakdown = stage_breakdown = step_ms = None
+    if s.breakdown and s.decode_len > 1:
+        llm.timers.enabled = True
+        try:
+            out = llm.generate(prompts, params, micro_batches=mb)
+        finally:
+            llm.timers.enabled = False
+        b = out.breakdown
+        mine = (llm.groups.stage, b.per_step(), b.total_ms / max(b.steps, 1))
+        per_rank = _gather(mine) if dist.is_initialized() else [mine]
+        stage_breakdown = []
+        for stage in range(llm.dims.pp):
+            rows = [r for r in per_rank if r[0] == stage]
+            stage_breakdown.append({c: statistics.fmean(r[1][c] for r in rows) for c in CATEGORIES})
+        breakdown = {c: statistics.fmean(st[c] for st in stage_breakdown) for c in CATEGORIES}
+        step_ms = statistics.fmean(r[2] for r in per_rank)
+
+    cfg = llm.config
+    return {
+        "model": cfg.name, "model_label": cfg.label, "truncated_layers": cfg.truncated_layers,
+        "tp": llm.dims.tp, "pp": llm.dims.pp, "micro_batches": mb, "batch": batch,
+        "prompt_len": s.prompt_len, "decode_len": s.decode_len, "workload": s.workload,
+        "allreduce": allreduce, "allreduce_ran": llm.allreduce_ran(max(1, batch // mb)),
+        "allreduce_ran_prefill": llm.allreduce_ran_prefill(max(1, batch // mb), s.prompt_len),
+        "dtype": str(llm.engine.dtype).replace("torch.", ""),
+        "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms,
+        "throughput_tok_s": batch * s.decode_len / (e2e_ms / 1e3) if e2e_ms > 0 else 0.0,
+        "breakdown_ms": breakdown, "stage_breakdown_ms": stage_breakdown, "breakdown_step_ms": step_ms,
+        "breakdown_mode": "eager pass with per-op timers" if breakdown is not None else None,
+        "cuda_graphs": llm.cuda_graphs, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
+    }
+
+
+def run_layout(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: list[int],
+               log=print) -> tuple[list[dict], list[str]]:
+    """Every all-reduce x micro-batching x batch size for one layout; returns (rows, skipped reasons)."""
+    from spanllm.comm.base import AllReduceInputError
+
+    t0 = time.perf_counter()
+    llm = build_llm(ctx, s, dims, micro_batches[0])
+    init_s = time.perf_counter() - t0  # weights (random on device, or read from the checkpoint) + KV cache
+    rows, skipped = [], []
+    names = s.allreduce or (llm.allreduce_name,)
+    if dims.tp == 1:
+        names = ("none",)  # no tensor parallelism: nothing to all-reduce
+    try:
+        if ctx.is_main:
+            log(f"{llm.describe()} | built in {init_s:.1f} s")
+        for name in names:
+            if name != "none" and name != llm.allreduce_name:
+                try:
+                    llm.use_allreduce(name)
+                except (AllReduceInputError, ImportError, KeyError) as e:
+                    skipped.append(f"{dims} all-reduce {name}: {e}")
+                    if ctx.is_main:
+                        log(f"skipped {dims} with all-reduce {name}: {e}")
+                    continue
+            for mb in micro_batches:
+                for batch in s.batch_sizes:
+                    if mb > batch:
+                        continue
+                    row = measure(llm, s, batch, mb, name)
+                    row["init_s"] = init_s
+                    rows.append(row)
+                    if ctx.is_main:
+                        log(_row_line(row))
+    finally:
+        llm.close()
+        del llm
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, skipped
+
+
+def _row_line(r: dict) -> str:
+    return (f"  TP={r['tp']} PP={r['pp']} mb={r['micro_batches']} batch={r['batch']} {r['allreduce']}"
+            f"->{r['allreduce_ran']}: TTFT {r['ttft_ms']:.2f} ms, TPOT {r['tpot_ms']:.3f} ms, "
+            f"E2E {r['e2e_ms']:.1f} ms, {r['throughput_tok_s']:.1f} tok/s")
+
+
+def _bench_rank(ctx: DistContext, s: BenchSettings, tp: int | None, pp: int, micro_batches: int):
+    dims = ParallelDims(tp or ctx.world_size // pp, pp, ctx.world_size)
+    return run_layout(ctx, s, dims, [micro_batches])
+
+
+# --- reporting --------------------------------------------------------------------------------------------
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("layout", "batch", "all-reduce (ran)", "graphs", "TTFT ms", "TPOT ms", "E2E ms", "tok/s",
+                "decode step: gemm/attn/AR/pipe/idle/other ms"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        b = r["breakdown_ms"]
+        parts = "-" if b is None else "/".join(f"{b[c]:.2f}" for c in CATEGORIES)
+        table.add_row(f"TP{r['tp']}xPP{r['pp']} mb{r['micro_batches']}", str(r["batch"]),
+                      f"{r['allreduce']} ({r['allreduce_ran']})", "yes" if r["cuda_graphs"] else "no",
+                      f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.3f}", f"{r['e2e_ms']:.1f}",
+                      f"{r['throughput_tok_s']:.1f}", parts)
+    Console(width=max(Console().width, 160)).print(table)
+
+
+def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
+    """Stacked bars: per row, the decode step split into categories (eager pass), and the measured TPOT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"TP{r['tp']}xPP{r['pp']}\nmb{r['micro_batches']} b{r['batch']}\n{r['allreduce_ran']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 5))
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
+    colors = {"gemm": "#4c72b0", "attention": "#55a868", "allreduce": "#c44e52", "pipeline": "#8172b2",
+              "idle": "#cccccc", "other": "#937860"}
+    for c in CATEGORIES:
+        vals = [(r["breakdown_ms"] or {}).get(c, 0.0) for r in rows]
+        ax.bar(x, vals, bottom=bottom, label=c, color=colors[c])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.scatter(list(x), [r["tpot_ms"] for r in rows], marker="_", s=600, color="black", zorder=3,
+               label="TPOT (timed runs)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], world: int, json_path: str | None,
+           plot_path: str | None) -> None:
+    label = rows[0]["model_label"] if rows else s.model
+    title = f"{kind}: {label}, world {world}, {s.workload}"
+    print_table(rows, title)
+    if any(r["breakdown_ms"] is not None for r in rows):
+        print("breakdown columns: one decode step from a separate eager pass with per-op timers "
+              "(no CUDA graphs there); TTFT/TPOT/E2E come from the timed runs"
+              + (" with CUDA graphs" if any(r["cuda_graphs"] for r in rows) else ""))
+    for line in skipped:
+        print(f"skipped: {line}")
+    if json_path:
+        from spanllm.bench.report import write_json
+
+        settings = {**asdict(s), "world_size": world}
+        write_json(json_path, kind, settings, rows, skipped=skipped)
+        print(f"wrote {json_path}")
+    if plot_path and rows:
+        plot_breakdown(rows, plot_path, title)
+        print(f"wrote {plot_path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings_from_args(args)
+    results = launch(_bench_rank, s, args.tp, args.pp, args.micro_batches, nprocs=args.nprocs)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    rows, skipped = results[0]
+    world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
+    report("batch", s, rows, skipped, world, args.json, args.plot)
+    return 0

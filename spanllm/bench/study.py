@@ -1,0 +1,91 @@
+"""`spanllm bench study`: TP vs TP x PP for one model, world size and workload, in one run.
+
+Every valid layout of the world (TP=N; TP=g x PP=N/g for each divisor g; PP=N) runs with every
+all-reduce backend asked for (layouts without TP run once: there is nothing to all-reduce), and,
+for pipelined layouts, with the naive schedule (1 micro-batch) and with micro-batches. Rows have
+the schema of `spanllm bench batch`; the PNG stacks where one decode step's time goes per layout.
+Layouts or backends that cannot run are listed with the reason, never dropped silently.
+
+    spanllm bench study --model tiny --nprocs 4 --ranks-per-node 2 --batch-sizes 4 --prompt-len 32 --decode-len 16
+    torchrun --nproc-per-node 2 -m spanllm.cli bench study --model llama3.1-405b:layers=8 \\
+        --allreduce nccl,nvrar --workload decode-heavy --batch-sizes 8 --json results/study.json --plot results/study.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+
+from spanllm.bench.batch import BenchSettings, add_bench_arguments, report, run_layout, settings_from_args
+from spanllm.comm.topology import Topology
+from spanllm.engine.config import ModelConfig, resolve_model
+from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
+from spanllm.launch import DistContext, launch
+
+DEFAULT_ALLREDUCE = {"cuda": ("nccl", "nvrar"), "cpu": ("gloo", "ref_ring")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_arguments(parser)
+    parser.add_argument("--micro-batches", default="1,pp",
+                        help="micro-batch counts for pipelined layouts; 'pp' means the layout's stage count")
+
+
+def layouts(cfg: ModelConfig, world: int, topology: Topology) -> tuple[list[ParallelDims], list[str]]:
+    """Every (tp, pp) with tp * pp = world, TP=N first; plus the reasons the invalid ones were left out."""
+    valid, skipped = [], []
+    for tp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
+        dims = ParallelDims(tp, world // tp, world)
+        try:
+            dims.validate_for(cfg)
+            dims.validate_for_topology(topology)
+        except ParallelLayoutError as e:
+            skipped.append(f"{dims}: {e}")
+            continue
+        valid.append(dims)
+    return valid, skipped
+
+
+def micro_batch_counts(spec: str, pp: int) -> list[int]:
+    if pp == 1:
+        return [1]
+    out = []
+    for t in spec.split(","):
+        t = t.strip()
+        n = pp if t == "pp" else int(t)
+        if n < 1:
+            raise SystemExit(f"--micro-batches {spec!r}: counts must be >= 1 (or 'pp')")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str) -> tuple[list[dict], list[str]]:
+    cfg = resolve_model(s.model)
+    topology = Topology.from_env(ctx.world_size, s.ranks_per_node)
+    if not s.allreduce:
+        s = replace(s, allreduce=DEFAULT_ALLREDUCE[ctx.device.type])
+    valid, skipped = layouts(cfg, ctx.world_size, topology)
+    if ctx.is_main:
+        print(f"study: {cfg.label} on {ctx.world_size} ranks ({topology} nodes x ranks), layouts: "
+              f"{', '.join(map(str, valid))}; all-reduce: {', '.join(s.allreduce)}")
+        for line in skipped:
+            print(f"skipped layout {line}")
+    rows: list[dict] = []
+    for dims in valid:
+        r, sk = run_layout(ctx, s, dims, micro_batch_counts(mb_spec, dims.pp))
+        rows += r
+        skipped += sk
+    return rows, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings_from_args(args)
+    results = launch(_study_rank, s, args.micro_batches, nprocs=args.nprocs)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    rows, skipped = results[0]
+    world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
+    report("study", s, rows, skipped, world, args.json, args.plot)
+    return 0

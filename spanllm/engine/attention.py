@@ -1,0 +1,72 @@
+"""Attention over the KV cache: RoPE, cache write, scaled dot-product attention (SDPA).
+
+Prefill (a right-padded batch starting at position 0) attends causally to its own keys; padding sits
+after each sequence's last token, so causal masking alone keeps real queries off padded keys. Decode
+(one token per sequence at its own position) writes its key/value at that position and attends to
+cache positions <= it; positions between a prompt's end and the padded prompt length hold padding
+keys until decode overwrites them, and the mask never exposes them before that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spanllm.engine.rope import apply_rotary
+from spanllm.engine.timers import Timers
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward pass of one (micro-)batch, shared by every layer."""
+
+    is_prefill: bool
+    slot_start: int  # the batch occupies cache slots [slot_start, slot_start + B)
+    positions: torch.Tensor  # [B, T] int64; decode: T = 1, the position being written
+    cos: torch.Tensor  # [B, 1, T, d]
+    sin: torch.Tensor  # [B, 1, T, d]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, kv_len] bool, decode only
+    kv_len: int = 0  # cache positions decode attends over (max_seq_len inside a CUDA graph)
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads_local: int, num_kv_heads_local: int, head_dim: int, timers: Timers) -> None:
+        super().__init__()
+        self.num_heads = num_heads_local
+        self.num_kv_heads = num_kv_heads_local
+        self.head_dim = head_dim
+        self.timers = timers
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [B, T, hq*d], k/v [B, T, hkv*d], cache views [B, hkv, S, d] -> [B, T, hq*d]."""
+        with self.timers.region("attention"):
+            b, t, _ = q.shape
+            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, hq, T, d]
+            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, hkv, T, d]
+            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = apply_rotary(q, meta.cos, meta.sin)
+            k = apply_rotary(k, meta.cos, meta.sin)
+            k_cache, v_cache = cache
+            if meta.is_prefill:
+                k_cache[:, :, :t] = k
+                v_cache[:, :, :t] = v
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                rows = torch.arange(b, device=q.device)
+                pos = meta.positions[:, 0]
+                k_cache[rows, :, pos] = k[:, :, 0]  # [B, hkv, d] at each sequence's own position
+                v_cache[rows, :, pos] = v[:, :, 0]
+                # GQA as plain multi-head attention: the g = hq/hkv query heads of one KV head become g
+                # query rows of that head ([B, hkv, g, d]), so the masked fused kernels apply (enable_gqa
+                # with a mask would fall back to the math kernel on GPU).
+                group = self.num_heads // self.num_kv_heads
+                out = F.scaled_dot_product_attention(
+                    q.reshape(b, self.num_kv_heads, group, self.head_dim),
+                    k_cache[:, :, : meta.kv_len], v_cache[:, :, : meta.kv_len],
+                    attn_mask=meta.decode_mask)  # [B, hkv, g, d]
+                out = out.reshape(b, self.num_heads, 1, self.head_dim)  # [B, hq, 1, d]
+            return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)

@@ -1,0 +1,114 @@
+"""`spanllm generate`: generate tokens from a preset (random weights) or an HF checkpoint directory.
+
+    spanllm generate --model tiny --prompt-ids 1,2,3 --max-new-tokens 8 --nprocs 2        # CPU, TP=2 on gloo
+    torchrun --nproc-per-node 2 -m spanllm.cli generate --model DIR --prompt "Hello" --allreduce nccl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from spanllm.engine.config import EngineConfig, parse_dtype, resolve_model
+from spanllm.engine.parallel_dims import ParallelDims
+from spanllm.engine.sampler import SamplingParams
+from spanllm.launch import DistContext, launch
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared with `spanllm bench batch` / `bench study`."""
+    parser.add_argument("--model", required=True,
+                        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N) or HF checkpoint dir")
+    parser.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed")
+    parser.add_argument("--nprocs", type=int, default=1, help="local CPU ranks over gloo (ignored under torchrun)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per (virtual) node; default LOCAL_WORLD_SIZE")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on GPU")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return parse_dtype(name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt-ids", action="append", default=[],
+                        help="comma-separated token ids; repeat for a batch")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="text prompt (needs a checkpoint dir with a tokenizer); repeat for a batch")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
+    parser.add_argument("--allreduce", default=None, help="registered all-reduce name (default: nccl on GPU, gloo on CPU)")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
+    from spanllm.engine.llm import LLM
+
+    cfg = resolve_model(args.model)
+    tokenizer = None
+    prompts = [_parse_ids(p) for p in args.prompt_ids]
+    if args.prompt:
+        if cfg.checkpoint_dir is None:
+            raise SystemExit(f"--prompt needs a checkpoint directory with a tokenizer; {args.model!r} is a preset "
+                             "(use --prompt-ids)")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.checkpoint_dir)
+        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+    if not prompts:
+        raise SystemExit("give at least one --prompt-ids or --prompt")
+    tp = args.tp or ctx.world_size // args.pp
+    engine = EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
+                          dtype=resolve_dtype(args.dtype, ctx.device), cuda_graphs=not args.no_cuda_graphs,
+                          micro_batches=args.micro_batches, seed=args.seed)
+    llm = LLM(cfg, engine, dims=ParallelDims(tp, args.pp, ctx.world_size), allreduce=args.allreduce,
+              device=ctx.device, ranks_per_node=args.ranks_per_node)
+    try:
+        params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.ignore_eos)
+        out = llm.generate(prompts, params)
+        texts = [tokenizer.decode(t) for t in out.token_ids] if tokenizer is not None else None
+        return {"describe": llm.describe(), "allreduce_ran": llm.allreduce_ran(len(prompts)), "prompts": prompts,
+                "tokens": out.token_ids, "texts": texts, "ttft_ms": out.ttft_ms, "e2e_ms": out.e2e_ms}
+    finally:
+        llm.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    # Argument errors here, before any rank starts.
+    if args.prompt and not os.path.isdir(args.model):
+        raise SystemExit(f"--prompt needs a checkpoint directory with a tokenizer; {args.model!r} is a preset "
+                         "(use --prompt-ids)")
+    if not args.prompt and not args.prompt_ids:
+        raise SystemExit("give at least one --prompt-ids or --prompt")
+    for p in args.prompt_ids:
+        _parse_ids(p)
+    results = launch(_generate_rank, args, nprocs=args.nprocs)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    r = results[0]
+    print(r["describe"])
+    print(f"all-reduce that ran (decode step, batch {len(r['prompts'])}): {r['allreduce_ran']}")
+    for i, toks in enumerate(r["tokens"]):
+        print(f"[{i}] prompt ids: {','.join(map(str, r['prompts'][i]))}")
+        print(f"[{i}] generated ids: {','.join(map(str, toks))}")
+        if r["texts"] is not None:
+            print(f"[{i}] text: {r['texts'][i]!r}")
+    print(f"TTFT {r['ttft_ms']:.1f} ms, end-to-end {r['e2e_ms']:.1f} ms (rank 0)")
+    return 0

@@ -1,0 +1,198 @@
+"""Tensor-parallel building blocks (vLLM names): column- and row-parallel linears, vocab-parallel
+embedding and LM head, RMSNorm.
+
+Communication inside the model:
+- `RowParallelLinear` is the only layer that calls the injected communicator (`comm.all_reduce_`):
+  two calls per decoder layer (attention output and MLP down projection) when tp > 1.
+- `VocabParallelEmbedding` sums the partial lookups with `torch.distributed.all_reduce` on the TP
+  group, and `ParallelLMHead` gathers logit shards with an all-gather: process-group
+  collectives, not the communicator, once per forward each, outside the decoder layers.
+
+Parameters are created with `torch.empty` on the target device (never initialized on the CPU and
+copied); the loader fills them from a checkpoint or with seeded random values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from spanllm.engine.timers import Timers
+
+
+class Communicator(Protocol):
+    """What the engine needs from an all-reduce backend (`spanllm.comm.AllReduce` or a stand-in)."""
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class TPContext:
+    """What a parallel layer needs: its place in the TP group, the group, the communicator, the timers."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    comm: Communicator | None = None
+    # The process group's own collective (nccl/gloo) for messages the chosen communicator cannot take
+    # (prefill activations exceed nvrar's buffer). Which one ran is reported by LLM.allreduce_ran*.
+    large_comm: Communicator | None = None
+    timers: Timers = field(default_factory=Timers)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and self.comm is None:
+            raise ValueError(f"tp size {self.size} needs a communicator (an object with all_reduce_); got None")
+
+    def comm_for(self, x: torch.Tensor) -> Communicator:
+        """The communicator that reduces `x`: the chosen one, or large_comm where the chosen one cannot."""
+        if self.large_comm is not None:
+            why = getattr(self.comm, "unsupported_reason", None)
+            if why is not None and why(x) is not None:
+                return self.large_comm
+        return self.comm
+
+    def empty(self, *shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape, device=self.device, dtype=self.dtype), requires_grad=False)
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by tp={parts}; choose a tp that divides {total}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows: each rank holds out_features/tp rows; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_local = divide(out_features, tp.size, "out_features")
+        self.weight = tp.empty(self.out_local, in_features)  # [out/tp, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/tp]
+        with self.tp.timers.region("gemm"):
+            return F.linear(x, self.weight)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. Rank r owns query heads [r*hq, (r+1)*hq) and the KV heads they read.
+
+    tp <= kv heads: each rank owns kv/tp KV heads. tp > kv heads (kv must divide tp): each KV head is
+    replicated on tp/kv consecutive ranks, and rank r holds KV head r // (tp/kv). Local output layout:
+    [q (hq*d) | k (hkv*d) | v (hkv*d)].
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, tp: TPContext) -> None:
+        self.num_heads_local = divide(num_heads, tp.size, "num_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads_local = divide(num_kv_heads, tp.size, "num_kv_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads_local
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tp={tp.size} > num_kv_heads={num_kv_heads} but not a multiple of it: KV heads "
+                                 f"cannot be replicated evenly; use a tp that divides or is a multiple of {num_kv_heads}")
+            self.num_kv_heads_local = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        self.q_head_start = tp.rank * self.num_heads_local
+        self.head_dim = head_dim
+        out_total = (self.num_heads_local + 2 * self.num_kv_heads_local) * head_dim * tp.size
+        super().__init__(hidden, out_total, tp)
+        self.q_size = self.num_heads_local * head_dim
+        self.kv_size = self.num_kv_heads_local * head_dim
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Fused gate and up projections: local output [gate (ffn/tp) | up (ffn/tp)]."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPContext) -> None:
+        self.intermediate_local = divide(intermediate, tp.size, "intermediate_size")
+        self.start = tp.rank * self.intermediate_local
+        super().__init__(hidden, 2 * intermediate, tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T, W split by input columns. The model's one all-reduce call site."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_local = divide(in_features, tp.size, "in_features")
+        self.in_start = tp.rank * self.in_local
+        self.weight = tp.empty(out_features, self.in_local)  # [out, in/tp]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
+        timers = self.tp.timers
+        with timers.region("gemm"):
+            y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            with timers.region("allreduce"):
+                self.tp.comm_for(y).all_reduce_(y)  # in place; y is a fresh contiguous tensor
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split in rows: rank r holds ids [r*Vp, (r+1)*Vp), Vp = ceil(V/tp).
+
+    Rows past the real vocabulary (padding on the last rank) exist only to keep shards equal.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.vocab_local = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_local
+        self.vocab_stop = min(self.vocab_start + self.vocab_local, vocab_size)  # real rows: [start, stop)
+        self.weight = tp.empty(self.vocab_local, hidden)  # [Vp, hidden]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] int64 -> [B, T, hidden]
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        owned = (local >= 0) & (local < self.vocab_local)
+        out = F.embedding(local.clamp(0, self.vocab_local - 1), self.weight)
+        out = out * owned.unsqueeze(-1).to(out.dtype)
+        dist.all_reduce(out, group=self.tp.group)  # process-group collective, not the communicator
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over the local vocabulary rows, then gathered: every TP rank gets the full row."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        with self.tp.timers.region("gemm"):
+            local = F.linear(h, self.weight)  # [N, Vp]
+        if self.tp.size > 1:
+            n = local.shape[0]
+            gathered = torch.empty(self.tp.size * n, self.vocab_local, device=local.device, dtype=local.dtype)
+            _all_gather_single(gathered, local, group=self.tp.group)  # [tp*N, Vp], rank-major
+            local = gathered.view(self.tp.size, n, self.vocab_local).transpose(0, 1).reshape(n, -1)  # [N, tp*Vp]
+        return local[:, : self.vocab_size].float()
+
+
+# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in float32 and cast back (as HF Llama does)."""
+
+    def __init__(self, hidden: int, eps: float, tp: TPContext) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = tp.empty(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)

@@ -1,0 +1,165 @@
+"""Weights: HF safetensors (one file or a sharded index), each rank reading only its shard; or seeded
+random values generated on the device (for benchmarks with preset shapes).
+
+Checkpoint reading uses `safe_open(...).get_slice(name)[rows]`, so a rank touches only the bytes of
+its own rows / columns. The fused parameters are filled piecewise: qkv_proj from q_proj, k_proj and
+v_proj; gate_up_proj from gate_proj and up_proj.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from spanllm.engine.layers import ParallelLMHead, VocabParallelEmbedding
+from spanllm.engine.model import LlamaDecoderLayer, LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model built from its config."""
+
+
+class CheckpointReader:
+    """Name -> file map over an HF checkpoint directory; slices are read lazily."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open  # optional dependency: only checkpoint loading needs it
+
+        self._safe_open = safe_open
+        self.directory = directory
+        index = os.path.join(directory, INDEX_FILE)
+        single = os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.isfile(single):
+            with safe_open(single, framework="pt") as f:
+                self.weight_map = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            raise CheckpointError(f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
+                                  "save_pretrained(..., safe_serialization=True)")
+        self._handles: dict[str, object] = {}
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.directory!r} "
+                                  f"({len(self.weight_map)} tensors present); does config.json match the weights?")
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = self._safe_open(os.path.join(self.directory, fname), framework="pt")
+        return self._handles[fname]
+
+    def read(self, name: str, expected_shape: tuple[int, ...], dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor `name`, after checking its full shape."""
+        sl = self._file(name).get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(expected_shape):
+            raise CheckpointError(f"tensor {name!r} has shape {shape} in the checkpoint but the config implies "
+                                  f"{tuple(expected_shape)}; the checkpoint and config.json disagree")
+        if dim == 0:
+            return sl[start:stop]
+        return sl[:, start:stop]
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.__exit__(None, None, None)
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Copy rows/cols [start, stop) along `dim` of checkpoint tensor `name` into rows [offset, ...) of a param."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+    offset: int = 0
+
+
+def _layer_pieces(layer: LlamaDecoderLayer, hidden: int, heads: int, kv_heads: int, ffn: int):
+    p = f"model.layers.{layer.layer_id}."
+    qkv = layer.self_attn.qkv_proj
+    d = qkv.head_dim
+    q0, kv0 = qkv.q_head_start * d, qkv.kv_head_start * d
+    yield layer.input_layernorm.weight, [_Piece(p + "input_layernorm.weight", (hidden,), 0, 0, hidden)]
+    yield layer.post_attention_layernorm.weight, [
+        _Piece(p + "post_attention_layernorm.weight", (hidden,), 0, 0, hidden)]
+    yield qkv.weight, [
+        _Piece(p + "self_attn.q_proj.weight", (heads * d, hidden), 0, q0, q0 + qkv.q_size, 0),
+        _Piece(p + "self_attn.k_proj.weight", (kv_heads * d, hidden), 0, kv0, kv0 + qkv.kv_size, qkv.q_size),
+        _Piece(p + "self_attn.v_proj.weight", (kv_heads * d, hidden), 0, kv0, kv0 + qkv.kv_size,
+               qkv.q_size + qkv.kv_size)]
+    o = layer.self_attn.o_proj
+    yield o.weight, [_Piece(p + "self_attn.o_proj.weight", (hidden, heads * d), 1, o.in_start, o.in_start + o.in_local)]
+    gu = layer.mlp.gate_up_proj
+    f0, fl = gu.start, gu.intermediate_local
+    yield gu.weight, [_Piece(p + "mlp.gate_proj.weight", (ffn, hidden), 0, f0, f0 + fl, 0),
+                      _Piece(p + "mlp.up_proj.weight", (ffn, hidden), 0, f0, f0 + fl, fl)]
+    dn = layer.mlp.down_proj
+    yield dn.weight, [_Piece(p + "mlp.down_proj.weight", (hidden, ffn), 1, dn.in_start, dn.in_start + dn.in_local)]
+
+
+def _vocab_piece(mod: VocabParallelEmbedding, name: str, hidden: int) -> _Piece:
+    return _Piece(name, (mod.vocab_size, hidden), 0, mod.vocab_start, mod.vocab_stop)
+
+
+def checkpoint_plan(model: LlamaForCausalLM):
+    """(parameter, pieces) for every parameter this stage holds."""
+    cfg = model.config
+    h = cfg.hidden_size
+    emb = model.model.embed_tokens
+    if emb is not None:
+        yield emb.weight, [_vocab_piece(emb, "model.embed_tokens.weight", h)]
+    for layer in model.model.layers.values():
+        yield from _layer_pieces(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+    if model.model.norm is not None:
+        yield model.model.norm.weight, [_Piece("model.norm.weight", (h,), 0, 0, h)]
+    head: ParallelLMHead | None = model.lm_head
+    if head is not None and not (emb is not None and head.weight is emb.weight):
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        yield head.weight, [_vocab_piece(head, name, h)]
+
+
+@torch.no_grad()
+def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
+    """Fill this stage's shard of every parameter from an HF safetensors checkpoint."""
+    reader = CheckpointReader(directory)
+    try:
+        for param, pieces in checkpoint_plan(model):
+            if pieces[0].name in ("model.embed_tokens.weight", "lm_head.weight"):
+                param.zero_()  # padding rows past the vocabulary stay zero
+            for pc in pieces:
+                t = reader.read(pc.name, pc.full_shape, pc.dim, pc.start, pc.stop)
+                if param.dim() == 1:
+                    param.copy_(t)
+                elif pc.dim == 0:
+                    param[pc.offset: pc.offset + t.shape[0]].copy_(t)
+                else:
+                    param.copy_(t)
+    finally:
+        reader.close()
+
+
+@torch.no_grad()
+def random_init(model: LlamaForCausalLM, seed: int, rank: int, std: float = 0.02) -> None:
+    """Seeded N(0, std) weights generated on the parameters' device (norm weights = 1).
+
+    Each rank draws its own shard from a generator seeded by (seed, rank): fast (no host work, no
+    copies) and reproducible, but a random model sharded at tp=2 is not the same network as at tp=4.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + rank)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)

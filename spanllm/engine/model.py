@@ -1,0 +1,100 @@
+"""Llama (3 / 3.1) for causal LM, tensor-parallel, and cut into pipeline stages.
+
+A pipeline stage is this same class with the parts it does not run left as None (torchtitan's way):
+the embedding lives on the first stage, the final norm and LM head on the last, and `layers` holds
+only the stage's decoder layers, keyed by their original index so checkpoint names stay
+`model.layers.{i}.*` on every stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spanllm.engine.attention import Attention, AttentionMetadata
+from spanllm.engine.config import ModelConfig
+from spanllm.engine.kv_cache import KVCache
+from spanllm.engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                   RowParallelLinear, TPContext, VocabParallelEmbedding)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
+        self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local, cfg.head_dim,
+                              tp.timers)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:  # [B, T, hidden]
+        qkv = self.qkv_proj(h)  # [B, T, (hq + 2 hkv) d]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, meta, cache))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [B, T, ffn/tp]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPContext) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
+        self.mlp = LlamaMLP(cfg, tp)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        cache = kv_cache.layer(self.layer_id, meta.slot_start, h.shape[0])
+        h = h + self.self_attn(self.input_layernorm(h), meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if first else None
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(cfg, i, tp) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp) if last else None
+
+
+class LlamaForCausalLM(nn.Module):
+    """One pipeline stage (the whole model when pp=1). `forward` takes token ids on the first stage and
+    hidden states elsewhere; it returns logits [B, vocab] (float32) on the last stage, hidden states
+    [B, T, hidden] elsewhere."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, layer_ids: range | None = None, first: bool = True,
+                 last: bool = True) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.is_first, self.is_last = first, last
+        self.model = LlamaModel(cfg, tp, self.layer_ids, first, last)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp) if last else None
+        if cfg.tie_word_embeddings and first and last:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                last_index: torch.Tensor | None = None) -> torch.Tensor:
+        """x: ids [B, T] (first stage) or hidden [B, T, hidden]. last_index [B]: the position whose logits
+        are wanted (prefill: length - 1; None in decode, where T = 1)."""
+        h = self.model.embed_tokens(x) if self.is_first else x  # [B, T, hidden]
+        for layer in self.model.layers.values():
+            h = layer(h, meta, kv_cache)
+        if not self.is_last:
+            return h
+        if last_index is None:
+            h = h[:, -1]  # [B, hidden]
+        else:
+            h = h[torch.arange(h.shape[0], device=h.device), last_index]  # [B, hidden]
+        return self.lm_head(self.model.norm(h))  # [B, vocab] float32

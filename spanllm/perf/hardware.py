@@ -1,0 +1,330 @@
+"""Cluster presets: the one table of hardware and per-algorithm constants the performance model uses.
+
+Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (DESIGN.md
+section 7), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
+hwLat tables and the LL / LL128 / tree bandwidth factors), [fit] least squares over measured points
+(named), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
+to replace with `spanllm perf calibrate` once a sweep on that cluster exists.
+
+Units are in the field names: GB = 1e9 bytes, GBps = 1e9 bytes/s (= 1e3 bytes/us), us = microseconds.
+Link bandwidths are per GPU and per direction.
+
+A user cluster is a JSON or TOML file with the same field names (see `load_cluster`); `algos` entries
+that it leaves out are filled from the defaults below, built from its own link latencies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ClusterSpecError(ValueError):
+    """A cluster preset or preset file with a missing or impossible value."""
+
+
+@dataclass(frozen=True)
+class AlgoCost:
+    """Per-call constants of one all-reduce algorithm (one protocol) on one cluster.
+
+    time = launches + base_us + nvlink_steps * nvlink_step_us + net_steps * net_step_us
+           + wire_factor * payload bytes / (link bandwidth * bw_efficiency)
+    A step's cost includes the link's own latency (flag seen by the peer) and the algorithm's work
+    per step (poll, reduce, fence).
+    """
+
+    base_us: float  # fixed per-call cost beyond launches (NCCL's baseLat; 0 for a single fused kernel)
+    nvlink_step_us: float  # cost of one step whose transfer crosses NVLink
+    net_step_us: float  # cost of one step whose transfer crosses the network
+    wire_factor: float  # wire bytes per payload byte (LL: 8-byte line carries 4 data bytes -> 2)
+    bw_efficiency: float  # fraction of the link bandwidth the protocol reaches
+    kernels: int = 1  # kernel launches (CUDA-graph nodes) per call
+    eager_us: float = 0.0  # extra host cost per call outside a CUDA graph
+    picked_above_bytes: int = 0  # a protocol variant the library was measured not to pick up to this size
+
+    def __post_init__(self) -> None:
+        for name in ("base_us", "nvlink_step_us", "net_step_us", "eager_us"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ClusterSpecError(f"AlgoCost.{name}={v!r} must be a finite number >= 0 (microseconds)")
+        if not 1.0 <= self.wire_factor <= 8.0:
+            raise ClusterSpecError(f"AlgoCost.wire_factor={self.wire_factor!r} must lie in [1, 8] "
+                                   "(wire bytes per payload byte; LL protocols use 2)")
+        if not 0.0 < self.bw_efficiency <= 1.0:
+            raise ClusterSpecError(f"AlgoCost.bw_efficiency={self.bw_efficiency!r} must lie in (0, 1] "
+                                   "(fraction of link bandwidth reached)")
+        if not isinstance(self.picked_above_bytes, int) or self.picked_above_bytes < 0:
+            raise ClusterSpecError(f"AlgoCost.picked_above_bytes={self.picked_above_bytes!r} must be an integer >= 0")
+        if not isinstance(self.kernels, int) or self.kernels < 1:
+            raise ClusterSpecError(f"AlgoCost.kernels={self.kernels!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    description: str
+    gpu: str
+    gpus_per_node: int
+    gpu_memory_GB: float
+    hbm_GBps: float  # datasheet peak
+    hbm_efficiency: float  # achieved / peak for streaming reads (weights, KV cache)
+    bf16_TFLOPs: float  # datasheet dense peak
+    gemm_efficiency: float  # achieved / peak for large bf16 GEMMs
+    nvlink_GBps: float  # per GPU, per direction; 0 only with one GPU per node
+    nvlink_latency_us: float  # one-way: a flag stored to the peer is seen after this long
+    nic_GBps_per_gpu: float  # network bandwidth per GPU, per direction; 0 = no network (one host)
+    nic_latency_us: float  # one-way small put GPU -> remote GPU, through the transport actually used
+    graph_node_us: float  # one kernel node inside a replayed CUDA graph
+    kernel_launch_us: float  # one eager kernel launch from Python
+    algos: Mapping[str, AlgoCost] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ClusterSpecError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
+        positive = ("gpu_memory_GB", "hbm_GBps", "bf16_TFLOPs", "graph_node_us", "kernel_launch_us",
+                    "nvlink_latency_us", "nic_latency_us")
+        for name in positive:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ClusterSpecError(f"{self.name}: {name}={v!r} must be a finite number > 0")
+        for name in ("hbm_efficiency", "gemm_efficiency"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ClusterSpecError(f"{self.name}: {name}={v!r} must lie in (0, 1] (achieved / peak)")
+        if self.nvlink_GBps < 0 or self.nic_GBps_per_gpu < 0:
+            raise ClusterSpecError(f"{self.name}: link bandwidths must be >= 0 "
+                                   f"(nvlink_GBps={self.nvlink_GBps}, nic_GBps_per_gpu={self.nic_GBps_per_gpu})")
+        if self.gpus_per_node > 1 and self.nvlink_GBps <= 0:
+            raise ClusterSpecError(f"{self.name}: nvlink_GBps={self.nvlink_GBps} but gpus_per_node="
+                                   f"{self.gpus_per_node}; give the intra-node link bandwidth per GPU per direction")
+        for key, cost in self.algos.items():
+            if not isinstance(cost, AlgoCost):
+                raise ClusterSpecError(f"{self.name}: algos[{key!r}] is {type(cost).__name__}, expected AlgoCost")
+
+    @property
+    def has_network(self) -> bool:
+        return self.nic_GBps_per_gpu > 0
+
+    def algo(self, key: str) -> AlgoCost:
+        if key not in self.algos:
+            raise ClusterSpecError(f"cluster {self.name!r} has no constants for {key!r}; "
+                                   f"known: {', '.join(sorted(self.algos))}")
+        return self.algos[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-algorithm defaults.
+
+# [NCCL] src/graph/tuning.cc (2.2x): baseLat per call, hwLat per hop on NVLink / network, for
+# (algorithm, protocol). Bandwidth: NCCL caps LL at 1/4 of the bus bandwidth (= 2x wire bytes at 50%
+# efficiency), LL128 at 0.92 x (120/128 payload per line), tree at 0.92 x. Simple: full bandwidth.
+# [measured] eager_us: NCCL through torch.distributed took 29-34 us per call without graphs vs 11.5 us
+# captured at small sizes on the H200 host (DESIGN.md section 7): ~20 us of host path per call.
+NCCL_EAGER_US = 20.0
+# [measured on the H200 host, assumed elsewhere] NCCL's nominal model would switch to LL128 / Simple
+# well below 2 MiB (20 us at 2 MiB on 2 H200s) but the measured calls stay on the LL-like line
+# (31.2 us at 2 MiB): LL128 and Simple are only considered above this size.
+NCCL_LL_UP_TO_BYTES = 2 * 1024 * 1024
+_LL = dict(wire_factor=2.0, bw_efficiency=0.5, eager_us=NCCL_EAGER_US)
+_LL128 = dict(wire_factor=128 / 120, bw_efficiency=0.92, eager_us=NCCL_EAGER_US, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
+_SIMPLE = dict(wire_factor=1.0, eager_us=NCCL_EAGER_US, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
+NCCL_PROTOCOLS: dict[str, AlgoCost] = {
+    "nccl_ring/LL": AlgoCost(base_us=6.6, nvlink_step_us=0.6, net_step_us=2.7, **_LL),
+    "nccl_ring/LL128": AlgoCost(base_us=14.0, nvlink_step_us=1.9, net_step_us=4.0, **_LL128),
+    "nccl_ring/Simple": AlgoCost(base_us=8.4, nvlink_step_us=3.4, net_step_us=14.0, bw_efficiency=1.0, **_SIMPLE),
+    "nccl_tree/LL": AlgoCost(base_us=6.8, nvlink_step_us=0.6, net_step_us=5.0, **_LL),
+    "nccl_tree/LL128": AlgoCost(base_us=14.0, nvlink_step_us=1.25, net_step_us=8.5, **_LL128),
+    "nccl_tree/Simple": AlgoCost(base_us=8.4, nvlink_step_us=4.0, net_step_us=14.0, bw_efficiency=0.92, **_SIMPLE),
+}
+
+# [assumed] NVRAR / flat recursive doubling (LL8 cells): per step the receiver polls the 8-byte cells
+# and adds them; 0.5 us of poll + add on top of the link's own one-way latency, 80% of link bandwidth.
+LL8_POLL_ADD_US = 0.5
+LL8_BW_EFFICIENCY = 0.8
+
+# [fit] torch symmetric-memory one-shot / two-shot on the H200 host: least squares (spanllm.perf.calibrate)
+# over DESIGN.md section 7 rows 4 KiB, 512 KiB, 2 MiB (128 KiB and 1 MiB held out for the test
+# tests/perf/test_perf_hardware.py). Used on every NVLink cluster: same kernels, same flag protocol.
+TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.17, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.381)
+TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=1.97, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.702)
+
+
+def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float) -> dict[str, AlgoCost]:
+    """The per-algorithm table for a cluster with these link latencies (NCCL's own constants are fixed)."""
+    ll8 = AlgoCost(base_us=0.0, nvlink_step_us=nvlink_latency_us + LL8_POLL_ADD_US,
+                   net_step_us=nic_latency_us + LL8_POLL_ADD_US, wire_factor=2.0, bw_efficiency=LL8_BW_EFFICIENCY)
+    return {**NCCL_PROTOCOLS, "torch_one_shot": TORCH_ONE_SHOT, "torch_two_shot": TORCH_TWO_SHOT,
+            "nvrar": ll8, "recursive_doubling": ll8}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The presets.
+
+# This lab host: 2 x H200 joined by NVLink (NV18), no network card.
+_H200_NVLINK_LATENCY_US = 1.3  # [measured] flag ping-pong over NVLink, one way (DESIGN.md section 7)
+# [fit] NCCL on 2 ranks, DESIGN.md section 7 rows 4 KiB, 512 KiB, 2 MiB (128 KiB, 1 MiB held out).
+_HOST_NCCL_FIT = {k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.79, bw_efficiency=0.460)
+                  for k in ("nccl_ring/LL", "nccl_tree/LL")}
+
+PRESETS: dict[str, ClusterSpec] = {
+    "h200x2": ClusterSpec(
+        name="h200x2", description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
+        gpu="H200 141GB", gpus_per_node=2,
+        gpu_memory_GB=141.0,  # [datasheet] H200 SXM
+        hbm_GBps=4800.0,  # [datasheet] H200 HBM3e 4.8 TB/s
+        hbm_efficiency=4300.0 / 4800.0,  # [measured] ~4.3 TB/s device-to-device copy
+        bf16_TFLOPs=989.0,  # [datasheet] H100/H200 SXM dense bf16
+        gemm_efficiency=790.0 / 989.0,  # [measured] ~790 TFLOP/s bf16 GEMM on random data
+        nvlink_GBps=450.0,  # [datasheet] NVLink 4, 18 links x 25 GB/s per direction
+        nvlink_latency_us=_H200_NVLINK_LATENCY_US,
+        nic_GBps_per_gpu=0.0,  # [measured] no network card on this host (only rdma_cm)
+        nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
+        graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
+        kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
+        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US), **_HOST_NCCL_FIT},
+    ),
+    "dgx-h100": ClusterSpec(
+        name="dgx-h100", description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
+        gpu="H100 80GB", gpus_per_node=8,
+        gpu_memory_GB=80.0,  # [datasheet]
+        hbm_GBps=3350.0,  # [datasheet] H100 SXM HBM3 3.35 TB/s
+        hbm_efficiency=0.9,  # [assumed] same copy efficiency as measured on H200 (4.3 / 4.8)
+        bf16_TFLOPs=989.0,  # [datasheet]
+        gemm_efficiency=0.8,  # [assumed] as measured on H200 (790 / 989)
+        nvlink_GBps=450.0,  # [datasheet] 900 GB/s bidirectional per GPU
+        nvlink_latency_us=1.3,  # [assumed] as measured on the H200 host (same NVLink generation)
+        nic_GBps_per_gpu=50.0,  # [datasheet] one ConnectX-7 400 Gb/s NDR per GPU
+        nic_latency_us=4.0,  # [assumed] GPU-initiated put over NDR through one switch level
+        graph_node_us=0.5,  # [assumed] as measured on H200
+        kernel_launch_us=5.0,  # [assumed]
+        algos=default_algo_costs(1.3, 4.0),
+    ),
+    "dgx-h200": ClusterSpec(
+        name="dgx-h200", description="DGX H200: 8 x H200 141GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
+        gpu="H200 141GB", gpus_per_node=8,
+        gpu_memory_GB=141.0,  # [datasheet]
+        hbm_GBps=4800.0,  # [datasheet]
+        hbm_efficiency=4300.0 / 4800.0,  # [measured] on the H200 host
+        bf16_TFLOPs=989.0,  # [datasheet]
+        gemm_efficiency=790.0 / 989.0,  # [measured] on the H200 host
+        nvlink_GBps=450.0,  # [datasheet]
+        nvlink_latency_us=1.3,  # [measured] on the H200 host
+        nic_GBps_per_gpu=50.0,  # [datasheet] 8 x 400 Gb/s NDR, one per GPU
+        nic_latency_us=4.0,  # [assumed] as DGX H100
+        graph_node_us=0.5,  # [measured] on the H200 host
+        kernel_launch_us=5.0,  # [assumed]
+        algos=default_algo_costs(1.3, 4.0),
+    ),
+    "perlmutter": ClusterSpec(
+        name="perlmutter", description="NERSC Perlmutter GPU node: 4 x A100 40GB over NVLink 3, 4 x Slingshot-11",
+        gpu="A100 40GB", gpus_per_node=4,
+        gpu_memory_GB=40.0,  # [datasheet] A100 SXM4 40GB (the NVRAR tuning artifact names this part)
+        hbm_GBps=1555.0,  # [datasheet] A100 40GB HBM2
+        hbm_efficiency=0.85,  # [assumed] typical achieved copy bandwidth on A100
+        bf16_TFLOPs=312.0,  # [datasheet] A100 dense bf16
+        gemm_efficiency=0.75,  # [assumed] typical large-GEMM efficiency on A100
+        nvlink_GBps=300.0,  # [datasheet] NVLink 3, 600 GB/s bidirectional per GPU
+        nvlink_latency_us=1.5,  # [assumed] a little above Hopper's measured 1.3 us
+        nic_GBps_per_gpu=25.0,  # [datasheet] 4 x Slingshot-11 (Cassini) 200 Gb/s per node, one per GPU
+        nic_latency_us=6.0,  # [assumed] ~2 us fabric + NVSHMEM libfabric/cxi CPU proxy (no IBGDA on Slingshot)
+        graph_node_us=0.6,  # [assumed] slightly above the H200 measurement
+        kernel_launch_us=5.0,  # [assumed]
+        algos=default_algo_costs(1.5, 6.0),
+    ),
+    "vista": ClusterSpec(
+        name="vista", description="TACC Vista GH200 node: 1 x GH200 96GB per node, InfiniBand NDR 400 Gb/s",
+        gpu="GH200 96GB", gpus_per_node=1,
+        gpu_memory_GB=96.0,  # [datasheet] GH200 HBM3 96 GB
+        hbm_GBps=4000.0,  # [datasheet] GH200 96GB HBM3 4 TB/s
+        hbm_efficiency=0.9,  # [assumed] as measured on H200
+        bf16_TFLOPs=989.0,  # [datasheet] Hopper dense bf16
+        gemm_efficiency=0.8,  # [assumed] as measured on H200
+        nvlink_GBps=0.0,  # one GPU per node: no intra-node link
+        nvlink_latency_us=1.3,  # unused with one GPU per node
+        nic_GBps_per_gpu=50.0,  # [datasheet] one NDR 400 Gb/s port per node
+        nic_latency_us=4.0,  # [assumed] NVSHMEM over IB (IBRC proxy or IBGDA), one switch tier
+        graph_node_us=0.5,  # [assumed] as measured on H200
+        kernel_launch_us=5.0,  # [assumed]
+        algos=default_algo_costs(1.3, 4.0),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files.
+
+def cluster_to_dict(spec: ClusterSpec) -> dict[str, Any]:
+    d = asdict(spec)
+    d["algos"] = {k: asdict(v) for k, v in spec.algos.items()}
+    return d
+
+
+def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSpec:
+    """A ClusterSpec from plain values. `base` names a preset whose values fill the fields left out."""
+    d = dict(d)
+    base_name = d.pop("base", None)
+    base: dict[str, Any] = {}
+    if base_name is not None:
+        if base_name not in PRESETS:
+            raise ClusterSpecError(f"{source}: base={base_name!r} is not a preset; presets: {', '.join(PRESETS)}")
+        base = cluster_to_dict(PRESETS[base_name])
+    known = {f.name for f in fields(ClusterSpec)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ClusterSpecError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+    merged = {**base, **d}
+    missing = sorted(known - set(merged) - {"algos"})
+    if missing:
+        raise ClusterSpecError(f"{source}: missing field(s) {missing}; give them or set base = one of {list(PRESETS)}")
+    defaults = default_algo_costs(float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]))
+    # from the base preset keep only entries that are not its latency-derived defaults (fitted ones),
+    # so that a file changing a latency also moves the defaults built from it
+    algos_in = {}
+    if base_name is not None:
+        spec = PRESETS[base_name]
+        base_defaults = default_algo_costs(spec.nvlink_latency_us, spec.nic_latency_us)
+        algos_in = {k: asdict(v) for k, v in spec.algos.items() if base_defaults.get(k) != v}
+    algos_in.update(d.get("algos", {}))
+    algos: dict[str, AlgoCost] = {}
+    for key in set(defaults) | set(algos_in):
+        if key in algos_in:
+            start = asdict(defaults[key]) if key in defaults else {}
+            try:
+                algos[key] = AlgoCost(**{**start, **algos_in[key]})
+            except TypeError as e:
+                raise ClusterSpecError(f"{source}: algos[{key!r}]: {e}") from None
+        else:
+            algos[key] = defaults[key]
+    merged["algos"] = algos
+    return ClusterSpec(**merged)
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """A preset by name, or a cluster file (.json or .toml) with ClusterSpec's field names."""
+    s = str(name_or_path)
+    if s in PRESETS:
+        return PRESETS[s]
+    path = Path(s)
+    if not path.suffix:
+        raise ClusterSpecError(f"unknown cluster {s!r}: presets are {', '.join(PRESETS)}; "
+                               "or pass a .json / .toml file with ClusterSpec's fields")
+    if not path.is_file():
+        raise ClusterSpecError(f"cluster file {s!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    elif path.suffix == ".toml":
+        data = tomllib.loads(text)
+    else:
+        raise ClusterSpecError(f"cluster file {s!r}: suffix {path.suffix!r} not understood; use .json or .toml")
+    return cluster_from_dict(data, source=s)
+
+
+def save_cluster(spec: ClusterSpec, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cluster_to_dict(spec), indent=2) + "\n")

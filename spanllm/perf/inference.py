@@ -1,0 +1,267 @@
+"""Inference time model: prefill and decode of a Llama-family model under TP x PP on a cluster.
+
+Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
+  GEMMs       max(FLOPs / (peak x gemm_eff), (weights + activations) bytes / (HBM x hbm_eff))
+              FLOPs = 2 * tokens * layer_params / tp                         (roofline)
+  attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x context x 2 x kv_heads/tp x head_dim x 2 B
+              prefill: 2 * batch * prompt^2 * hidden / tp FLOPs (causal half of QK^T and PV)
+  all-reduce  2 per layer (after attention-out and after MLP-down), tokens x hidden x 2 bytes each
+  launches    decode in a CUDA graph: kernels_per_layer x graph_node_us, serial with the work;
+              eager prefill: the GPU work hides launches unless it is shorter than them
+Pipeline (pp stages of ceil(layers / pp) layers, m micro-batches of batch / m):
+  TTFT  = sum of stage times + transfers + (m - 1) x slowest stage          (GPipe fill)
+  TPOT  = max(m x slowest stage, sum of stage times + transfers)            (a token needs the
+          whole pipe before its next step; m micro-batches keep every stage busy)
+  E2E   = TTFT + (decode_len - 1) x TPOT, decode at the mean context prompt + decode_len / 2
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from spanllm.perf.allreduce_model import allreduce_cost, transfer_us
+from spanllm.perf.hardware import ClusterSpec
+from spanllm.perf.model_shape import ModelShape
+
+KERNELS_PER_LAYER = 12  # [assumed] 2 norms, qkv, rope, attention, o-proj, 2 residual adds, gate_up, act, down, + comm
+P2P_OVERHEAD_US = 10.0  # [assumed] one pipeline send/recv pair through torch.distributed, beyond the wire time
+MEMORY_USABLE_FRACTION = 0.9  # [assumed] the rest: CUDA context, communication buffers, allocator slack
+
+
+class InferenceModelError(ValueError):
+    """A layout or workload the model cannot price."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int = 1
+    micro_batches: int = 1
+    tp_ranks_per_node: int | None = None  # None: as many of the TP group per node as fit (whole nodes)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "micro_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InferenceModelError(f"Layout.{name}={v!r} must be an integer >= 1")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        s = f"TP{self.tp}" + (f" x PP{self.pp}" if self.pp > 1 else "")
+        return s + (f" (m={self.micro_batches})" if self.micro_batches > 1 else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    prompt_len: int
+    decode_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_len", "decode_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InferenceModelError(f"Workload.{name}={v!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Memory:
+    weights_GB: float
+    kv_cache_GB: float
+    activations_GB: float
+    capacity_GB: float  # usable per GPU
+
+    @property
+    def total_GB(self) -> float:
+        return self.weights_GB + self.kv_cache_GB + self.activations_GB
+
+    @property
+    def fits(self) -> bool:
+        return self.total_GB <= self.capacity_GB
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+    throughput_tok_s: float
+    prefill_ms: dict[str, float] = field(default_factory=dict)  # critical path of TTFT, by component
+    decode_ms: dict[str, float] = field(default_factory=dict)  # critical path of one decode step
+    decode_idle_fraction: float = 0.0  # pipeline bubble: share of a decode step a stage waits
+    allreduce_variant: str = ""  # what the decode all-reduce resolves to (e.g. 'nccl_tree/LL')
+    memory: Memory | None = None
+
+
+# --- small pure pieces --------------------------------------------------------------------------------
+
+def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec) -> float:
+    """Roofline: compute-bound or HBM-bound, whichever is slower (1 TFLOP/s = 1e6 FLOP per us)."""
+    return max(flops / (cluster.bf16_TFLOPs * 1e6 * cluster.gemm_efficiency),
+               nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency))
+
+
+def hbm_read_us(nbytes: float, cluster: ClusterSpec) -> float:
+    return nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency)
+
+
+def kv_heads_per_gpu(model: ModelShape, tp: int) -> int:
+    """KV heads split over TP ranks; replicated (one per GPU) once tp exceeds kv_heads."""
+    return max(1, model.kv_heads // tp)
+
+
+def layer_gemm_us(model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec) -> float:
+    h, f, d = model.hidden, model.ffn, model.dtype_bytes
+    kvd = kv_heads_per_gpu(model, tp) * model.head_dim
+    weights = model.layer_params / tp * d
+    # inputs + outputs of qkv, o, gate_up, down on this GPU
+    acts = tokens * d * (h + (h / tp + 2 * kvd) + h / tp + h + h + 2 * f / tp + f / tp + h)
+    return gemm_time_us(2 * tokens * model.layer_params / tp, weights + acts, cluster)
+
+
+def decode_attention_us(model: ModelShape, batch: int, context: float, tp: int, cluster: ClusterSpec) -> float:
+    return hbm_read_us(batch * context * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp)), cluster)
+
+
+def prefill_attention_us(model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec) -> float:
+    flops = 2 * batch * prompt * prompt * model.hidden / tp
+    kv_write = batch * prompt * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp))
+    return gemm_time_us(flops, kv_write, cluster)
+
+
+def lm_head_us(model: ModelShape, rows: int, tp: int, cluster: ClusterSpec) -> float:
+    """Vocab-parallel output projection for `rows` positions (the last token of each sequence)."""
+    params = model.embedding_params / tp
+    return gemm_time_us(2 * rows * params, params * model.dtype_bytes, cluster)
+
+
+def tp_group_shape(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
+    """(nodes, ranks per node) of one TP group, node-major placement."""
+    g = cluster.gpus_per_node
+    if layout.tp_ranks_per_node is not None:
+        rpn = layout.tp_ranks_per_node
+        if layout.tp % rpn:
+            raise InferenceModelError(f"tp={layout.tp} is not divisible by tp_ranks_per_node={rpn}")
+        return layout.tp // rpn, rpn
+    if layout.tp <= g:
+        if g % layout.tp:
+            raise InferenceModelError(f"tp={layout.tp} does not divide the {g} GPUs of a node; pick a divisor of {g}")
+        return 1, layout.tp
+    if layout.tp % g:
+        raise InferenceModelError(f"tp={layout.tp} spans nodes but is not a multiple of {g} GPUs per node")
+    return layout.tp // g, g
+
+
+def stage_boundaries_over_network(layout: Layout, cluster: ClusterSpec) -> int:
+    """How many of the pp - 1 stage boundaries cross hosts (stage s holds GPUs [s*tp, (s+1)*tp))."""
+    g = cluster.gpus_per_node
+    return sum(1 for s in range(layout.pp - 1) if (s + 1) * layout.tp % g == 0)
+
+
+def pp_transfer_us(nbytes: float, over_network: bool, cluster: ClusterSpec) -> float:
+    if over_network:
+        return P2P_OVERHEAD_US + cluster.nic_latency_us + transfer_us(nbytes, cluster.nic_GBps_per_gpu)
+    return P2P_OVERHEAD_US + cluster.nvlink_latency_us + transfer_us(nbytes, cluster.nvlink_GBps)
+
+
+def memory_per_gpu(model: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> Memory:
+    """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache + one layer's activations."""
+    layers = math.ceil(model.layers / layout.pp)
+    emb = model.embedding_params / layout.tp * (2 if layout.pp == 1 else 1)
+    weights = (layers * model.layer_params / layout.tp + emb) * model.dtype_bytes
+    kv = (workload.batch * (workload.prompt_len + workload.decode_len) * layers
+          * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, layout.tp)))
+    rows = workload.batch // layout.micro_batches * workload.prompt_len
+    acts = rows * model.dtype_bytes * (4 * model.hidden + 3 * model.ffn / layout.tp)
+    return Memory(weights / 1e9, kv / 1e9, acts / 1e9, cluster.gpu_memory_GB * MEMORY_USABLE_FRACTION)
+
+
+# --- the estimate -------------------------------------------------------------------------------------
+
+def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode) -> dict[str, float]:
+    nodes, rpn = tp_group_shape(layout, cluster)
+    ar = 0.0
+    if layout.tp > 1:
+        ar = 2 * allreduce_cost(algo, rows * model.hidden * model.dtype_bytes, cluster, nodes, rpn, graph)[0]
+    gemm = layer_gemm_us(model, rows, layout.tp, cluster)
+    if decode and graph:
+        launch = KERNELS_PER_LAYER * cluster.graph_node_us
+    else:  # eager: launches overlap GPU work, they cost only what the work does not hide
+        launch = max(0.0, KERNELS_PER_LAYER * cluster.kernel_launch_us - (gemm + attention_us + ar))
+    return {"gemm": gemm / 1e3, "attention": attention_us / 1e3, "allreduce": ar / 1e3, "launch": launch / 1e3}
+
+
+def _pipeline(stage: dict[str, float], last_extra: float, xfer_ms: float, layout: Layout, fill: bool):
+    """Critical path over pp equal stages (+ the last stage's LM head) and m micro-batches.
+
+    Returns (total ms, its components, the share of the time a stage waits)."""
+    pp, m = layout.pp, layout.micro_batches
+    stage_ms = sum(stage.values())
+    slowest = stage_ms + last_extra
+    traverse = pp * stage_ms + last_extra + xfer_ms
+    if fill:  # prefill: fill the pipe once, then one slowest stage per further micro-batch
+        total = traverse + (m - 1) * slowest
+        parts = {k: v * (pp + m - 1) for k, v in stage.items()}
+        parts["lm_head"], parts["pp_transfer"] = last_extra * m, xfer_ms
+    elif m * slowest >= traverse:  # decode, stages saturated: transfers hide behind other micro-batches
+        total = m * slowest
+        parts = {k: v * m for k, v in stage.items()}
+        parts["lm_head"], parts["pp_transfer"] = last_extra * m, 0.0
+    else:  # decode, latency-bound: one micro-batch's token walks through the whole pipe
+        total = traverse
+        parts = {k: v * pp for k, v in stage.items()}
+        parts["lm_head"], parts["pp_transfer"] = last_extra, xfer_ms
+    return total, parts, (1.0 - m * slowest / total) if total else 0.0
+
+
+def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: Workload, algo: str = "nccl",
+             cuda_graphs: bool = True, prefill_algo: str | None = None) -> Estimate:
+    """TTFT, time per output token and batch latency of `workload` on `layout` with all-reduce `algo`.
+
+    `prefill_algo` (default: the same as `algo`) prices prefill's all-reduces separately, e.g. NCCL
+    for prefill as YALIS does.
+    """
+    b, m = workload.batch, layout.micro_batches
+    if b % m:
+        raise InferenceModelError(f"batch={b} is not divisible by micro_batches={m}; pick a divisor of {b}")
+    if layout.pp > model.layers:
+        raise InferenceModelError(f"pp={layout.pp} exceeds the model's {model.layers} layers")
+    if layout.gpus > cluster.gpus_per_node and not cluster.has_network:
+        raise InferenceModelError(f"{layout} needs {layout.gpus} GPUs; cluster {cluster.name!r} is one host of "
+                                  f"{cluster.gpus_per_node} without a network")
+    mb = b // m
+    layers = math.ceil(model.layers / layout.pp)
+    hops_net = stage_boundaries_over_network(layout, cluster)
+
+    def xfer_ms(rows: int) -> float:
+        nbytes = rows * model.hidden * model.dtype_bytes
+        hops_nvlink = layout.pp - 1 - hops_net
+        return ((hops_net * pp_transfer_us(nbytes, True, cluster) if hops_net else 0.0)
+                + (hops_nvlink * pp_transfer_us(nbytes, False, cluster) if hops_nvlink else 0.0)) / 1e3
+
+    # prefill
+    rows = mb * workload.prompt_len
+    layer = _layer_ms(model, cluster, layout, rows, prefill_attention_us(model, mb, workload.prompt_len, layout.tp,
+                      cluster), prefill_algo or algo, False, False)
+    stage = {k: v * layers for k, v in layer.items()}
+    ttft, prefill_parts, _ = _pipeline(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3, xfer_ms(rows),
+                                       layout, fill=True)
+    # decode, at the mean context length
+    context = workload.prompt_len + workload.decode_len / 2
+    layer = _layer_ms(model, cluster, layout, mb, decode_attention_us(model, mb, context, layout.tp, cluster), algo,
+                      cuda_graphs, True)
+    stage = {k: v * layers for k, v in layer.items()}
+    tpot, decode_parts, idle = _pipeline(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3, xfer_ms(mb),
+                                         layout, fill=False)
+    e2e = ttft + (workload.decode_len - 1) * tpot
+    variant = ""
+    if layout.tp > 1:
+        nodes, rpn = tp_group_shape(layout, cluster)
+        variant = allreduce_cost(algo, mb * model.hidden * model.dtype_bytes, cluster, nodes, rpn, cuda_graphs)[1]
+    return Estimate(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e, throughput_tok_s=b * workload.decode_len / (e2e / 1e3),
+                    prefill_ms=prefill_parts, decode_ms=decode_parts, decode_idle_fraction=idle,
+                    allreduce_variant=variant, memory=memory_per_gpu(model, layout, workload, cluster))

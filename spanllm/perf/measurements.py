@@ -1,0 +1,99 @@
+"""Reading measurement files: `spanllm bench allreduce --json` sweeps and engine batch / study runs.
+
+Only plain records come out (dataclasses of numbers and names); nothing here knows the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"bfloat16": 2, "half": 2, "float16": 2, "float": 4, "float32": 4, "int32": 4, "double": 8,
+               "float64": 8, "int64": 8}
+
+
+class MeasurementError(ValueError):
+    """A results file that does not follow the schema."""
+
+
+@dataclass(frozen=True)
+class AllReduceMeasurement:
+    source: str  # file it came from
+    algo: str  # the algorithm that ran (row "ran", else "algo")
+    requested: str
+    nbytes: int
+    dtype: str
+    nodes: int
+    ranks_per_node: int
+    graph: bool
+    time_us: float
+
+
+@dataclass(frozen=True)
+class EngineMeasurement:
+    source: str
+    kind: str  # "batch" or "study"
+    row: dict[str, Any]  # the row as written by the benchmark
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    """'2x4' -> (2 nodes, 4 ranks per node)."""
+    try:
+        a, b = str(text).lower().split("x")
+        nodes, rpn = int(a), int(b)
+    except ValueError:
+        raise MeasurementError(f"topology {text!r} is not of the form NODESxRANKS_PER_NODE (e.g. '2x1')") from None
+    if nodes < 1 or rpn < 1:
+        raise MeasurementError(f"topology {text!r}: nodes and ranks per node must be >= 1")
+    return nodes, rpn
+
+
+def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasurement]:
+    """Timed, correct rows of one all-reduce sweep (rows with wrong > 0 or no time are left out)."""
+    settings = doc.get("settings", {})
+    out = []
+    for i, row in enumerate(doc.get("rows", [])):
+        try:
+            if row.get("wrong", 0) or row.get("time_us") is None:
+                continue
+            if "topology" in row:
+                nodes, rpn = parse_topology(row["topology"])
+            else:
+                rpn = int(row.get("ranks_per_node", settings["ranks_per_node"]))
+                nodes = int(row.get("world_size", settings["world_size"])) // rpn
+            out.append(AllReduceMeasurement(
+                source=source, algo=str(row.get("ran") or row["algo"]), requested=str(row["algo"]),
+                nbytes=int(row["size"]), dtype=str(row.get("type", settings.get("dtype", "bfloat16"))),
+                nodes=nodes, ranks_per_node=rpn, graph=bool(row.get("graph", settings.get("graph", True))),
+                time_us=float(row["time_us"])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MeasurementError(f"{source}: row {i} does not follow the all-reduce schema ({e!r})") from None
+    return out
+
+
+def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[EngineMeasurement], list[str]]:
+    """All-reduce rows, engine rows, and one line per file that was skipped (with why)."""
+    ar, eng, skipped = [], [], []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            skipped.append(f"{path}: not readable JSON ({e})")
+            continue
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind == "allreduce":
+            ar += allreduce_rows(doc, str(path))
+        elif kind in ("batch", "study"):
+            rpn = (doc.get("settings") or {}).get("ranks_per_node")
+            extra = {"ranks_per_node": rpn} if rpn else {}
+            eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in doc.get("rows", [])]
+        else:
+            skipped.append(f"{path}: kind={kind!r} is not a measurement the model predicts")
+    return ar, eng, skipped
+
+
+def result_files(results_dir: Path) -> list[Path]:
+    """results/*.json, without the validation report itself."""
+    return sorted(p for p in Path(results_dir).glob("*.json") if p.name != "perf_validation.json")

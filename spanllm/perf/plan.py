@@ -1,0 +1,177 @@
+"""`spanllm plan`: rank parallel layouts x all-reduce algorithms for a model, cluster, node count and workload.
+
+Layouts: every (tp, pp) with tp * pp = nodes * gpus_per_node whose TP group is a divisor of a node or
+whole nodes and divides the attention heads (TP over all GPUs; TP inside a node x PP across nodes;
+the splits between), each with 1 micro-batch and, for PP, with pp micro-batches when the batch
+divides. All-reduce: every modelled algorithm the TP group supports; the choice prices decode, while
+prefill's large all-reduces are priced with NCCL (NVRAR's LL8 doubles wire bytes; spanllm's `auto`
+falls back to NCCL for large messages, and YALIS keeps NCCL for prefill). Layouts whose weights + KV
+cache + activations exceed GPU memory are listed as not fitting and never named best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from spanllm.perf.allreduce_model import place, supports
+from spanllm.perf.hardware import ClusterSpec, load_cluster
+from spanllm.perf.inference import Estimate, Layout, Workload, estimate, tp_group_shape
+from spanllm.perf.model_shape import ModelShape, get_model
+
+PLAN_ALGOS = ("nccl", "nvrar", "torch_one_shot", "torch_two_shot")
+PREFILL_ALGO = "nccl"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    layout: Layout
+    algo: str
+    estimate: Estimate
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.memory is not None and self.estimate.memory.fits
+
+
+def candidate_layouts(model: ModelShape, cluster: ClusterSpec, nodes: int, batch: int) -> list[Layout]:
+    gpus = nodes * cluster.gpus_per_node
+    g = cluster.gpus_per_node
+    out = []
+    for tp in range(1, gpus + 1):
+        if gpus % tp or model.heads % tp or not (g % tp == 0 or tp % g == 0):
+            continue
+        pp = gpus // tp
+        if pp > model.layers:
+            continue
+        for m in sorted({1, pp}):
+            if batch % m == 0:
+                out.append(Layout(tp, pp, m))
+    return out
+
+
+def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
+    if layout.tp == 1:
+        return ["none"]
+    pl = place(cluster, *tp_group_shape(layout, cluster))
+    return [a for a in PLAN_ALGOS if supports(a, cluster, pl) is None]
+
+
+def plan(model: ModelShape, cluster: ClusterSpec, nodes: int, workload: Workload,
+         cuda_graphs: bool = True) -> list[PlanRow]:
+    """Every layout x algorithm, fitting rows first, each group by end-to-end batch latency."""
+    rows = []
+    for layout in candidate_layouts(model, cluster, nodes, workload.batch):
+        for algo in tp_algos(layout, cluster):
+            a = "nccl" if algo == "none" else algo
+            est = estimate(model, cluster, layout, workload, a, cuda_graphs, prefill_algo=PREFILL_ALGO)
+            rows.append(PlanRow(layout, algo, est))
+    return sorted(rows, key=lambda r: (not r.fits, r.estimate.e2e_ms))
+
+
+def best(rows: list[PlanRow]) -> PlanRow | None:
+    fitting = [r for r in rows if r.fits]
+    return fitting[0] if fitting else None
+
+
+def row_to_dict(r: PlanRow, cluster: ClusterSpec) -> dict:
+    e = r.estimate
+    nodes, rpn = tp_group_shape(r.layout, cluster)
+    return {"layout": str(r.layout), "tp": r.layout.tp, "pp": r.layout.pp, "micro_batches": r.layout.micro_batches,
+            "tp_group": f"{nodes}x{rpn}", "allreduce": r.algo, "allreduce_variant": e.allreduce_variant,
+            "ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "e2e_ms": e.e2e_ms, "throughput_tok_s": e.throughput_tok_s,
+            "prefill_ms": e.prefill_ms, "decode_ms": e.decode_ms, "decode_idle_fraction": e.decode_idle_fraction,
+            "memory_GB": asdict(e.memory) | {"total_GB": e.memory.total_GB}, "fits": r.fits}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama3.1-405b", help="llama3.1-8b, llama3.1-70b or llama3.1-405b")
+    parser.add_argument("--cluster", default="perlmutter",
+                        help="preset (h200x2, dgx-h100, dgx-h200, perlmutter, vista) or a .json/.toml cluster file")
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
+    parser.add_argument("--decode", type=int, default=256, help="generated tokens per sequence")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="price decode launched eagerly")
+    parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT + decode time per row")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    model, cluster = get_model(args.model), load_cluster(args.cluster)
+    workload = Workload(args.batch, args.prompt, args.decode)
+    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs)
+    console = Console(width=170) if not Console().is_terminal else Console()
+    if not rows:
+        console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
+        return 1
+    doc = {"model": model.name, "cluster": cluster.name, "nodes": args.nodes, "gpus": args.nodes * cluster.gpus_per_node,
+           "workload": asdict(workload), "cuda_graphs": not args.no_cuda_graphs, "prefill_allreduce": PREFILL_ALGO,
+           "rows": [row_to_dict(r, cluster) for r in rows]}
+    b = best(rows)
+    doc["best"] = row_to_dict(b, cluster) if b else None
+    if args.json is not None and str(args.json) == "-":
+        print(json.dumps(doc, indent=2))
+        return 0 if b else 1
+    table = Table(title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
+                        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}")
+    for col in ("#", "layout", "TP group", "all-reduce (decode)", "TTFT ms", "TPOT ms", "E2E ms", "tok/s",
+                "decode % GEMM/attn/AR/PP/idle", "GB/GPU"):
+        table.add_column(col, justify="right" if col not in ("layout", "all-reduce (decode)") else "left")
+    shown = rows[: args.top] if args.top else rows
+    for i, r in enumerate(shown, 1):
+        e, d = r.estimate, r.estimate.decode_ms
+        tot = sum(d.values()) or 1.0
+        split = "/".join(f"{100 * x:.0f}" for x in (d["gemm"] / tot, d["attention"] / tot, d["allreduce"] / tot,
+                                                     d["pp_transfer"] / tot, e.decode_idle_fraction))
+        nodes, rpn = tp_group_shape(r.layout, cluster)
+        mem = f"{e.memory.total_GB:.1f}" + ("" if r.fits else f" > {e.memory.capacity_GB:.0f} (does not fit)")
+        algo = r.algo if r.algo == "none" else f"{r.algo} ({e.allreduce_variant})" if e.allreduce_variant != r.algo else r.algo
+        table.add_row(str(i), str(r.layout), f"{nodes}x{rpn}", algo, f"{e.ttft_ms:.1f}", f"{e.tpot_ms:.2f}",
+                      f"{e.e2e_ms:.0f}", f"{e.throughput_tok_s:.0f}", split, mem,
+                      style=None if r.fits else "dim")
+    console.print(table)
+    console.print(f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
+                  f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py).")
+    if b:
+        console.print(f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
+                      f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms")
+    else:
+        console.print("[bold red]no layout fits in GPU memory[/bold red]: add nodes or use a smaller model")
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot_rows(rows, args.plot, table.title)
+        console.print(f"wrote {args.plot}")
+    return 0 if b else 1
+
+
+def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.fits][:20] or rows[:20]
+    labels = [f"{r.layout} {r.algo}" for r in rows]
+    ttft = [r.estimate.ttft_ms / 1e3 for r in rows]
+    dec = [(r.estimate.e2e_ms - r.estimate.ttft_ms) / 1e3 for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    y = range(len(rows))
+    ax.barh(y, ttft, label="TTFT (prefill)")
+    ax.barh(y, dec, left=ttft, label="decode")
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted end-to-end batch latency (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

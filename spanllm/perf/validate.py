@@ -1,0 +1,237 @@
+"""`spanllm perf validate`: predicted vs measured for every measurement under results/, with the error.
+
+What predicts what, so that no prediction is fitted to the point that validates it:
+  allreduce/preset          the preset's constants as shipped (hardware.py). On the H200 host, NCCL,
+                            one-shot and two-shot were fitted to DESIGN.md's 4 KiB / 512 KiB / 2 MiB
+                            rows; a new sweep of the same host at those sizes is a re-measurement, not
+                            the fitted point, but is the least independent category.
+  allreduce/holdout-sizes   per (file, algorithm, topology): fit (calibrate) on every other size,
+                            predict the sizes in between.
+  allreduce/cross-topology  per algorithm with several topologies (e.g. 1x2 and 2x1): fit on all
+                            other topologies, predict this one.
+  engine/ttft|tpot|e2e      batch / study rows from the inference model, with all-reduce constants
+                            calibrated on the all-reduce sweeps (separate measurements) when there are
+                            any, else the preset; GEMM / HBM constants are datasheet or separately
+                            measured figures.
+Plus the paper's headline claims on the Perlmutter and Vista presets (paper_claims.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
+from spanllm.perf.calibrate import CalibrationError, calibrate
+from spanllm.perf.hardware import PRESETS, ClusterSpec, load_cluster
+from spanllm.perf.inference import InferenceModelError, Layout, Workload, estimate
+from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
+from spanllm.perf.model_shape import ModelShapeError, get_model
+from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
+
+REPORT_NAME = "perf_validation.json"
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    return (predicted - measured) / measured
+
+
+def _record(category: str, label: str, predicted: float, measured: float, source: str, fitted_on: str) -> dict:
+    return {"category": category, "label": label, "predicted": predicted, "measured": measured,
+            "rel_error": rel_error(predicted, measured), "source": source, "fitted_on": fitted_on}
+
+
+def _ar_label(m: AllReduceMeasurement) -> str:
+    return f"{m.algo} {m.nodes}x{m.ranks_per_node} {m.nbytes} B{'' if m.graph else ' eager'}"
+
+
+def _predict(m: AllReduceMeasurement, cluster: ClusterSpec) -> float:
+    return allreduce_time_us(model_name(m.algo), m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph)
+
+
+def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> tuple[list[dict], list[str]]:
+    records, skipped = [], []
+    usable = []
+    for m in ms:
+        try:
+            records.append(_record("allreduce/preset", _ar_label(m), _predict(m, cluster), m.time_us, m.source,
+                                   f"preset {cluster.name}"))
+            usable.append(m)
+        except (AllReduceModelError, ValueError) as e:
+            skipped.append(f"{_ar_label(m)}: {e}")
+    groups: dict[tuple, list[AllReduceMeasurement]] = {}
+    for m in usable:
+        groups.setdefault((m.source, m.algo, m.nodes, m.ranks_per_node, m.graph), []).append(m)
+    for (source, algo, n, g, _), rows in groups.items():
+        sizes = sorted({m.nbytes for m in rows})
+        fit_sizes = set(sizes[0::2])
+        fit = [m for m in rows if m.nbytes in fit_sizes]
+        test = [m for m in rows if m.nbytes not in fit_sizes]
+        if not test:
+            continue
+        try:
+            fitted, fits, _ = calibrate(fit, cluster)
+        except (CalibrationError, ValueError) as e:
+            skipped.append(f"holdout {algo} {n}x{g}: {e}")
+            continue
+        if not fits:
+            skipped.append(f"holdout {algo} {n}x{g}: too few sizes to fit ({len(fit_sizes)})")
+            continue
+        for m in test:
+            records.append(_record("allreduce/holdout-sizes", _ar_label(m), _predict(m, fitted), m.time_us, source,
+                                   f"sizes {sorted(fit_sizes)}"))
+    by_algo: dict[str, set] = {}
+    for m in usable:
+        by_algo.setdefault(m.algo, set()).add((m.nodes, m.ranks_per_node))
+    for algo, topos in by_algo.items():
+        for topo in sorted(topos) if len(topos) > 1 else []:
+            fit = [m for m in usable if m.algo == algo and (m.nodes, m.ranks_per_node) != topo]
+            test = [m for m in usable if m.algo == algo and (m.nodes, m.ranks_per_node) == topo]
+            try:
+                fitted, fits, _ = calibrate(fit, cluster)
+            except (CalibrationError, ValueError) as e:
+                skipped.append(f"cross-topology {algo} {topo}: {e}")
+                continue
+            if not fits:
+                continue
+            others = sorted({f"{a}x{b}" for a, b in topos if (a, b) != topo})
+            for m in test:
+                records.append(_record("allreduce/cross-topology", _ar_label(m), _predict(m, fitted), m.time_us,
+                                       m.source, f"topologies {others}"))
+    return records, skipped
+
+
+def engine_records(es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str) -> tuple[list[dict], list[str]]:
+    records, skipped = [], []
+    for e in es:
+        r = e.row
+        try:
+            model = get_model(str(r["model"]))
+            if r.get("truncated_layers"):
+                model = model.truncated(int(r["truncated_layers"]))
+            tp, rpn = int(r["tp"]), r.get("ranks_per_node")
+            layout = Layout(tp, int(r.get("pp", 1)), int(r.get("micro_batches", 1)),
+                            tp_ranks_per_node=min(int(rpn), tp) if rpn else None)
+            w = Workload(int(r["batch"]), int(r["prompt_len"]), int(r["decode_len"]))
+            ran = str(r.get("allreduce_ran") or r.get("allreduce") or "nccl")
+            algo = "nccl" if tp == 1 or ran == "none" else model_name(ran)  # no all-reduce at tp 1
+            est = estimate(model, cluster, layout, w, algo, bool(r.get("cuda_graphs", True)))
+        except (KeyError, TypeError, ValueError, ModelShapeError, InferenceModelError, AllReduceModelError) as ex:
+            skipped.append(f"{e.source}: engine row {r.get('model')} tp={r.get('tp')} pp={r.get('pp')}: {ex}")
+            continue
+        label = f"{model.name} {layout} {algo} b{w.batch} p{w.prompt_len} d{w.decode_len}"
+        for metric, predicted in (("ttft", est.ttft_ms), ("tpot", est.tpot_ms), ("e2e", est.e2e_ms)):
+            measured = r.get(f"{metric}_ms")
+            if measured:
+                records.append(_record(f"engine/{metric}", label, predicted, float(measured), e.source, fitted_on))
+    return records, skipped
+
+
+def summarize(records: list[dict]) -> dict[str, dict]:
+    cats: dict[str, list[float]] = {}
+    for r in records:
+        cats.setdefault(r["category"], []).append(abs(r["rel_error"]))
+    return {c: {"n": len(v), "median_abs_rel_error": statistics.median(v), "max_abs_rel_error": max(v)}
+            for c, v in sorted(cats.items())}
+
+
+def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
+    """The whole report as plain data (also what `spanllm perf validate` writes)."""
+    ar, eng, skipped = load_results(result_files(results_dir))
+    records, s1 = allreduce_records(ar, cluster)
+    engine_cluster, fitted_on = cluster, f"preset {cluster.name}"
+    if ar:
+        try:
+            engine_cluster, fits, _ = calibrate(ar, cluster)
+            if fits:
+                fitted_on = f"all-reduce constants calibrated on {len(ar)} all-reduce rows ({', '.join(f.algo for f in fits)})"
+        except (CalibrationError, ValueError):
+            pass
+    erecs, s2 = engine_records(eng, engine_cluster, fitted_on)
+    claims = [asdict(c) for name in ("perlmutter", "vista")
+              for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))]
+    return {"cluster": cluster.name, "results_dir": str(results_dir), "measurements": len(ar) + len(eng),
+            "records": records + erecs, "summary": summarize(records + erecs), "paper_claims": claims,
+            "skipped": skipped + s1 + s2, "method": __doc__.split("\n\n", 1)[1].strip()}
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    cats = sorted({r["category"] for r in report["records"]})
+    for c in cats:
+        rs = [r for r in report["records"] if r["category"] == c]
+        ax.scatter([r["measured"] for r in rs], [r["predicted"] for r in rs], label=c, s=14)
+    vals = [v for r in report["records"] for v in (r["measured"], r["predicted"]) if v > 0]
+    lo, hi = min(vals) / 1.5, max(vals) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (us for all-reduce, ms for engine)")
+    ax.set_ylabel("predicted")
+    ax.set_title(f"spanllm.perf: predicted vs measured ({report['cluster']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results", type=Path, default=Path("results"), help="folder of measurement JSON files")
+    parser.add_argument("--cluster", default="h200x2", help="preset or cluster file the measurements were taken on")
+    parser.add_argument("--out", type=Path, default=None, help=f"report path (default: RESULTS/{REPORT_NAME})")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the report)")
+    parser.add_argument("--rows", type=int, default=40, help="print at most this many records (all go to the report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160) if not Console().is_terminal else Console()
+    report = validate(args.results, load_cluster(args.cluster))
+    out = args.out or args.results / REPORT_NAME
+    if not report["records"]:
+        console.print(f"[bold]no measurements[/bold] in {args.results}/*.json that the model predicts "
+                      f"({report['measurements']} rows read): run `spanllm bench allreduce --json` or "
+                      "`spanllm bench batch` on a GPU machine and commit the JSON under results/")
+    else:
+        t = Table(title=f"predicted vs measured ({len(report['records'])} records, cluster {report['cluster']})")
+        for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):
+            t.add_column(col)
+        for r in report["records"][: args.rows]:
+            t.add_row(r["category"], r["label"], f"{r['predicted']:.4g}", f"{r['measured']:.4g}",
+                      f"{r['rel_error']:+.1%}", r["fitted_on"])
+        console.print(t)
+        s = Table(title="median |relative error| per category")
+        for col in ("category", "n", "median |err|", "max |err|"):
+            s.add_column(col)
+        for c, v in report["summary"].items():
+            s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
+        console.print(s)
+    c = Table(title="paper headline claims on the presets (no constant fitted to them)")
+    for col in ("claim", "cluster", "predicted min / median / max", "claimed", "consistent", "max at"):
+        c.add_column(col)
+    for k in report["paper_claims"]:
+        c.add_row(k["claim"], k["cluster"], f"{k['predicted_min']:.2f} / {k['predicted_median']:.2f} / "
+                  f"{k['predicted_max']:.2f}", f"{k['band'][0]:.2f}-{k['band'][1]:.2f}",
+                  "yes" if k["consistent"] else "NO", k["where_max"])
+    console.print(c)
+    for line in report["skipped"]:
+        console.print(f"skipped: {line}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {out}")
+    if report["records"]:
+        png = args.plot or out.with_suffix(".png")
+        plot_report(report, png)
+        console.print(f"wrote {png}")
+    return 0

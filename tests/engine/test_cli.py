@@ -1,0 +1,71 @@
+"""`spanllm generate`, `spanllm bench batch` and `spanllm bench study` end to end on local gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_workers import NEW_TOKENS, PROMPTS
+from spanllm.cli import main
+
+ROW_KEYS = {"model", "truncated_layers", "tp", "pp", "micro_batches", "batch", "prompt_len", "decode_len", "workload",
+            "allreduce", "allreduce_ran", "dtype", "ttft_ms", "tpot_ms", "e2e_ms", "throughput_tok_s", "breakdown_ms",
+            "cuda_graphs"}
+BREAKDOWN_KEYS = {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
+
+
+def test_generate_cli_tp2_matches_transformers(hf_checkpoint, hf_reference, capsys):
+    single, _, _ = hf_checkpoint
+    argv = ["generate", "--model", single, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--nprocs", "2",
+            "--allreduce", "gloo"]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TP=2 x PP=1" in out and "all-reduce that ran (decode step, batch 3): gloo" in out
+    for i, toks in enumerate(hf_reference[0]):
+        assert f"[{i}] generated ids: {','.join(map(str, toks))}" in out
+
+
+def test_generate_cli_rejects_text_prompt_for_preset():
+    with pytest.raises(SystemExit, match="--prompt needs a checkpoint directory"):
+        main(["generate", "--model", "tiny", "--prompt", "hello"])
+
+
+def _load(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_bench_batch_json_schema(tmp_path, capsys):
+    js, png = tmp_path / "batch.json", tmp_path / "batch.png"
+    assert main(["bench", "batch", "--model", "tiny:layers=2", "--nprocs", "2", "--batch-sizes", "1,2",
+                 "--prompt-len", "8", "--decode-len", "4", "--allreduce", "gloo,ref_ring", "--iters", "1",
+                 "--warmup", "0", "--json", str(js), "--plot", str(png)]) == 0
+    doc = _load(js)
+    assert doc["kind"] == "batch" and {"machine", "versions", "settings", "rows"} <= set(doc)
+    rows = doc["rows"]
+    assert [(r["allreduce"], r["batch"]) for r in rows] == [("gloo", 1), ("gloo", 2), ("ref_ring", 1), ("ref_ring", 2)]
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert set(r["breakdown_ms"]) == BREAKDOWN_KEYS
+        assert r["allreduce_ran"] == r["allreduce"]
+        assert (r["truncated_layers"], r["tp"], r["pp"], r["prompt_len"], r["decode_len"]) == (2, 2, 1, 8, 4)
+        assert r["cuda_graphs"] is False and r["dtype"] == "float32"
+        assert r["e2e_ms"] > r["ttft_ms"] > 0
+        assert r["throughput_tok_s"] == pytest.approx(r["batch"] * 4 / (r["e2e_ms"] / 1e3))
+    assert png.stat().st_size > 0
+    assert "TRUNCATED: 2 of 4 layers" in capsys.readouterr().out
+
+
+def test_bench_study_runs_every_layout(tmp_path):
+    js = tmp_path / "study.json"
+    assert main(["bench", "study", "--model", "tiny", "--nprocs", "2", "--batch-sizes", "2", "--prompt-len", "8",
+                 "--decode-len", "4", "--allreduce", "gloo", "--iters", "1", "--warmup", "0", "--no-breakdown",
+                 "--json", str(js)]) == 0
+    rows = _load(js)["rows"]
+    assert [(r["tp"], r["pp"], r["micro_batches"], r["allreduce"]) for r in rows] == [
+        (2, 1, 1, "gloo"), (1, 2, 1, "none"), (1, 2, 2, "none")]
+    assert all(r["breakdown_ms"] is None for r in rows)
+    assert all(ROW_KEYS <= set(r) for r in rows)

@@ -1,0 +1,44 @@
+"""GPU-only (one GPU, no process group): CUDA-graph decode against eager decode and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_workers import NEW_TOKENS, PROMPTS, engine_config, generate
+from spanllm.engine.llm import LLM
+from spanllm.engine.sampler import SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_cuda_graph_decode_matches_transformers_fp32(hf_checkpoint, hf_reference):
+    llm = LLM(hf_checkpoint[0], engine_config(), device=torch.device("cuda", 0))
+    assert llm.cuda_graphs
+    res = generate(llm, PROMPTS, NEW_TOKENS)
+    assert llm.runner.captured_buckets == [(len(PROMPTS), 0)]
+    assert res["tokens"] == hf_reference[0]
+    for i in range(len(PROMPTS)):
+        # TF32 may be on for matmuls: looser than the CPU tolerance.
+        torch.testing.assert_close(res["logits"][:, i], hf_reference[1][i], atol=5e-3, rtol=0)
+    # Replaying the captured graphs again (micro-batches: one more bucket per slot range) gives the same tokens.
+    again = generate(llm, PROMPTS, NEW_TOKENS, micro_batches=3)
+    assert again["tokens"] == hf_reference[0]
+    assert llm.runner.captured_buckets == [(1, 0), (1, 1), (1, 2), (3, 0)]
+
+
+def test_cuda_graph_equals_eager_bf16(hf_checkpoint):
+    dev = torch.device("cuda", 0)
+    graphs = generate(LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16), device=dev), PROMPTS, NEW_TOKENS)
+    eager = generate(LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, cuda_graphs=False), device=dev),
+                     PROMPTS, NEW_TOKENS)
+    assert graphs["tokens"] == eager["tokens"]
+    torch.testing.assert_close(graphs["logits"], eager["logits"], atol=3e-2, rtol=0)
+
+
+def test_breakdown_disables_graphs_and_times_on_gpu(hf_checkpoint):
+    llm = LLM(hf_checkpoint[0], engine_config(breakdown=True), device=torch.device("cuda", 0))
+    assert not llm.cuda_graphs and "breakdown timers need eager decode" in llm.describe()
+    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert out.breakdown.steps == 3 and out.breakdown.ms["gemm"] > 0

@@ -1,0 +1,126 @@
+import pytest
+
+from spanllm.perf.allreduce_model import (
+    AllReduceModelError, allreduce_cost, allreduce_time_us, cost_terms, place, recursive_doubling_steps,
+    time_from_terms_us,
+)
+from spanllm.perf.hardware import PRESETS
+
+MB = 1e6
+
+
+def t(key, nbytes, c, nodes, rpn=None, graph=True):
+    pl = place(c, nodes, rpn)
+    return time_from_terms_us(cost_terms(key, nbytes, c, pl), c.algo(key), c, graph)
+
+
+def test_recursive_doubling_steps_fold_non_powers_of_two():
+    assert [recursive_doubling_steps(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)] == [0, 1, 3, 2, 4, 4, 4, 3, 5, 4]
+
+
+def test_nvrar_hand_computed(round_cluster):
+    # 4 nodes x 4 GPUs, 1 MB: launch 0.5
+    # intra RS + AG: 2 steps x 2 us + 2 * 3/4 * 1e6 B / 100 GB/s = 4 + 15
+    # inter: log2(4) = 2 steps x 5 us + 2 * (1e6/4 B x 2 wire) / 10 GB/s = 10 + 100
+    assert allreduce_time_us("nvrar", MB, round_cluster, 4) == pytest.approx(0.5 + 19 + 110)
+    # 3 nodes fold: 1 + 2 = 3 steps of the shard
+    assert allreduce_time_us("nvrar", MB, round_cluster, 3) == pytest.approx(0.5 + 19 + 3 * 5 + 3 * 50)
+    # eager: 5 us launch instead of 0.5
+    assert allreduce_time_us("nvrar", MB, round_cluster, 4, graph=False) == pytest.approx(5 + 19 + 110)
+
+
+def test_flat_recursive_doubling_hand_computed(round_cluster):
+    # 16 ranks: 4 steps of the full 1 MB with LL8 (2x): first 2 inside the node, last 2 across
+    intra = 2 * (2.0 + 2 * MB / 100e3)
+    inter = 2 * (5.0 + 2 * MB / 10e3)
+    assert allreduce_time_us("recursive_doubling", MB, round_cluster, 4) == pytest.approx(0.5 + intra + inter)
+
+
+def test_nccl_ring_and_tree_hand_computed(round_cluster):
+    c = round_cluster
+    # ring LL, 4 nodes x 4: 30 steps, 6 over the network; 2*15/16 MB x 2 wire at 10 GB/s x 0.5
+    assert t("nccl_ring/LL", MB, c, 4) == pytest.approx(0.5 + 6.6 + 24 * 0.6 + 6 * 2.7 + 2 * 15 / 16 * MB * 2 / 5e3)
+    # tree LL: 2*(4-1) NVLink steps + 2*log2(4) network steps; 2 MB x 2 wire at 10 GB/s x 0.5
+    assert t("nccl_tree/LL", MB, c, 4) == pytest.approx(0.5 + 6.8 + 6 * 0.6 + 4 * 5.0 + 2 * MB * 2 / 5e3)
+    # one node: ring over NVLink only
+    assert t("nccl_ring/Simple", MB, c, 1) == pytest.approx(0.5 + 8.4 + 6 * 3.4 + 2 * 3 / 4 * MB / 100e3)
+    # nccl = the fastest variant NCCL's tuner may pick
+    best = min(t(k, MB, c, 4) for k in ("nccl_ring/LL", "nccl_tree/LL"))  # LL128/Simple only above 2 MiB
+    assert allreduce_time_us("nccl", MB, c, 4) == pytest.approx(best)
+    big = 64 * MB
+    assert allreduce_cost("nccl", big, c, 4)[1] in ("nccl_ring/Simple", "nccl_tree/Simple", "nccl_tree/LL128",
+                                                    "nccl_ring/LL128")
+    assert allreduce_time_us("nccl", MB, c, 4, graph=False) == pytest.approx(best - 0.5 + 5.0 + 20.0)
+
+
+def test_one_and_two_shot_hand_computed(round_cluster):
+    c = round_cluster
+    one, two = c.algo("torch_one_shot"), c.algo("torch_two_shot")
+    assert allreduce_time_us("torch_one_shot", MB, c, 1) == pytest.approx(
+        0.5 + 2 * one.nvlink_step_us + 3 * MB / (100e3 * one.bw_efficiency))
+    assert allreduce_time_us("torch_two_shot", MB, c, 1) == pytest.approx(
+        0.5 + 3 * two.nvlink_step_us + 2 * 3 / 4 * MB / (100e3 * two.bw_efficiency))
+    with pytest.raises(AllReduceModelError, match="needs every rank on one host"):
+        allreduce_time_us("torch_one_shot", MB, c, 2)
+
+
+def test_single_host_nvrar_virtual_nodes_use_nvlink():
+    host = PRESETS["h200x2"]
+    cost = host.algo("nvrar")
+    small = 4096
+    # 1 node x 2 GPUs: reduce-scatter + all-gather, 2 NVLink steps, (g-1)/g M each
+    assert allreduce_time_us("nvrar", small, host, 1, 2) == pytest.approx(
+        0.5 + 2 * cost.nvlink_step_us + small / (450e3 * cost.bw_efficiency))
+    # 2 virtual nodes x 1 GPU: one recursive-doubling step of the whole message in LL8 cells over NVLink
+    assert allreduce_time_us("nvrar", small, host, 2, 1) == pytest.approx(
+        0.5 + cost.nvlink_step_us + 2 * small / (450e3 * cost.bw_efficiency))
+    # the 2 us floor of DESIGN.md section 7: one kernel + one flag hop
+    assert 1.8 < allreduce_time_us("nvrar", small, host, 2, 1) < 3.0
+
+
+def test_placement_errors():
+    host = PRESETS["h200x2"]
+    with pytest.raises(AllReduceModelError, match="has no network"):
+        place(host, 2, 2)
+    with pytest.raises(AllReduceModelError, match="ranks_per_node=3 must lie in"):
+        place(host, 1, 3)
+    with pytest.raises(AllReduceModelError, match="whole hosts only"):
+        place(PRESETS["perlmutter"], 4, 2)
+    assert place(PRESETS["perlmutter"], 2, 2).physical_nodes == 1  # 4 ranks fit one node: virtual nodes
+    with pytest.raises(AllReduceModelError, match="not a GPU|unknown"):
+        allreduce_time_us("ring", MB, host, 1)
+
+
+@pytest.mark.parametrize("cluster", ["perlmutter", "vista", "dgx-h100", "h200x2"])
+@pytest.mark.parametrize("algo", ["nccl", "nvrar", "recursive_doubling", "auto"])
+def test_monotone_in_size_latency_bound_small_bandwidth_bound_large(cluster, algo):
+    c = PRESETS[cluster]
+    nodes = 1 if not c.has_network else 4
+    sizes = [2 ** k for k in range(8, 31, 2)]
+    times = [allreduce_time_us(algo, s, c, nodes) for s in sizes]
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    # latency-bound: 256 B and 1 KiB cost nearly the same; bandwidth-bound: 4x bytes ~ 4x time
+    assert times[1] / times[0] < 1.1
+    assert 3.0 < times[-1] / times[-2] <= 4.0 + 1e-9
+
+
+def test_more_nodes_cost_more():
+    c = PRESETS["perlmutter"]
+    for algo in ("nccl", "nvrar"):
+        ts = [allreduce_time_us(algo, 512 * 1024, c, n) for n in (2, 4, 8, 16)]
+        assert ts == sorted(ts)
+
+
+def test_nvrar_beats_nccl_small_and_loses_large_on_gh200():
+    c = PRESETS["vista"]  # one GPU per node: NVRAR is pure recursive doubling with LL8's 2x wire bytes
+    assert allreduce_time_us("nvrar", 128 * 1024, c, 8) < allreduce_time_us("nccl", 128 * 1024, c, 8)
+    assert allreduce_time_us("nvrar", 256 * 2 ** 20, c, 8) > allreduce_time_us("nccl", 256 * 2 ** 20, c, 8)
+
+
+def test_auto_is_the_fastest_supported():
+    c = PRESETS["dgx-h100"]
+    for s in (4096, 2 ** 20, 2 ** 28):
+        t_auto, chosen = allreduce_cost("auto", s, c, 1)
+        assert t_auto == min(allreduce_time_us(a, s, c, 1) for a in ("nccl", "torch_one_shot", "torch_two_shot", "nvrar"))
+        assert chosen in ("nccl", "torch_one_shot", "torch_two_shot", "nvrar")
+    assert allreduce_time_us("nccl", 123, c, 1, 1) == 0.0  # a group of one rank has nothing to reduce

@@ -1,0 +1,71 @@
+import json
+from argparse import Namespace
+
+from spanllm.perf import plan as plan_mod
+from spanllm.perf.hardware import PRESETS
+from spanllm.perf.inference import Layout, Workload
+from spanllm.perf.model_shape import MODELS
+from spanllm.perf.plan import best, candidate_layouts, plan
+
+DECODE_HEAVY = Workload(batch=8, prompt_len=128, decode_len=1024)
+PREFILL_HEAVY = Workload(batch=8, prompt_len=4096, decode_len=4)
+
+
+def _fast_and_slow_network(make_cluster):
+    fast = make_cluster(name="fast", nic_GBps_per_gpu=100.0, nic_latency_us=1.0,
+                        algos={k: {"net_step_us": 1.0} for k in ("nvrar", "nccl_ring/LL", "nccl_tree/LL")})
+    slow = make_cluster(name="slow", nic_GBps_per_gpu=1.0, nic_latency_us=500.0,
+                        algos={k: {"net_step_us": 500.0} for k in ("nvrar", "nccl_ring/LL", "nccl_tree/LL",
+                                                                     "nccl_ring/LL128", "nccl_tree/LL128",
+                                                                     "nccl_ring/Simple", "nccl_tree/Simple")})
+    return fast, slow
+
+
+def test_candidate_layouts():
+    lay = candidate_layouts(MODELS["llama3.1-405b"], PRESETS["perlmutter"], 8, 16)
+    pairs = {(l.tp, l.pp) for l in lay}
+    assert {(32, 1), (4, 8), (8, 4), (16, 2), (1, 32), (2, 16)} <= pairs
+    assert Layout(4, 8, 8) in lay and Layout(4, 8, 1) in lay
+
+
+def test_tp_wins_decode_heavy_when_allreduce_is_cheap_and_hp_when_it_is_not(make_cluster):
+    m = MODELS["llama3.1-70b"]
+    fast, slow = _fast_and_slow_network(make_cluster)
+    b_fast = best(plan(m, fast, 4, DECODE_HEAVY))
+    assert b_fast.layout.pp == 1 and b_fast.layout.tp == 16
+    b_slow = best(plan(m, slow, 4, DECODE_HEAVY))
+    assert b_slow.layout.tp <= 4 and b_slow.layout.pp > 1  # TP stays inside a node, PP across
+
+
+def test_hp_wins_prefill_heavy_on_perlmutter():
+    rows = plan(MODELS["llama3.1-70b"], PRESETS["perlmutter"], 4, PREFILL_HEAVY)
+    by = {(r.layout, r.algo): r.estimate for r in rows}
+    assert by[(Layout(4, 4, 4), "nccl")].ttft_ms < by[(Layout(16), "nccl")].ttft_ms
+
+
+def test_nvrar_beats_nccl_for_multinode_tp_decode():
+    rows = plan(MODELS["llama3.1-405b"], PRESETS["perlmutter"], 8, DECODE_HEAVY)
+    by = {(r.layout, r.algo): r.estimate for r in rows}
+    assert by[(Layout(32), "nvrar")].tpot_ms < by[(Layout(32), "nccl")].tpot_ms
+    # prefill is priced with NCCL for both
+    assert by[(Layout(32), "nvrar")].ttft_ms == by[(Layout(32), "nccl")].ttft_ms
+
+
+def test_layouts_that_do_not_fit_are_reported_and_never_best():
+    rows = plan(MODELS["llama3.1-405b"], PRESETS["perlmutter"], 4, DECODE_HEAVY)  # 16 x 40 GB < 810 GB
+    assert rows and not any(r.fits for r in rows)
+    assert best(rows) is None
+    rows = plan(MODELS["llama3.1-405b"], PRESETS["perlmutter"], 8, DECODE_HEAVY)
+    assert best(rows).fits and rows[0] is best(rows)
+
+
+def test_cli_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    args = Namespace(model="llama3.1-8b", cluster="h200x2", nodes=1, batch=4, prompt=256, decode=32,
+                     no_cuda_graphs=False, top=0, json=out, plot=png)
+    assert plan_mod.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["best"]["layout"] == doc["rows"][0]["layout"]
+    assert {"ttft_ms", "tpot_ms", "e2e_ms", "decode_ms", "memory_GB", "fits"} <= set(doc["rows"][0])
+    assert png.stat().st_size > 1000
+    assert "best:" in capsys.readouterr().out

@@ -1,0 +1,89 @@
+import json
+from argparse import Namespace
+
+import pytest
+
+from spanllm.perf import validate as val
+from spanllm.perf.hardware import PRESETS
+from spanllm.perf.inference import Layout, Workload, estimate
+from spanllm.perf.model_shape import MODELS
+
+SIZES = [2 ** k for k in range(12, 23)]
+
+
+def engine_doc():
+    m = MODELS["llama3.1-8b"]
+    rows = []
+    for tp, pp, algo in ((2, 1, "nccl"), (2, 1, "nvrar"), (1, 2, "nccl")):
+        e = estimate(m, PRESETS["h200x2"], Layout(tp, pp), Workload(4, 256, 32), algo)
+        rows.append({"model": "llama3.1-8b", "truncated_layers": None, "tp": tp, "pp": pp, "micro_batches": 1,
+                     "batch": 4, "prompt_len": 256, "decode_len": 32, "workload": "decode-heavy", "allreduce": algo,
+                     "allreduce_ran": algo, "dtype": "bfloat16", "ttft_ms": e.ttft_ms * 1.2, "tpot_ms": e.tpot_ms * 0.9,
+                     "e2e_ms": e.e2e_ms, "throughput_tok_s": 1.0, "breakdown_ms": {}, "cuda_graphs": True})
+    rows[2]["allreduce_ran"] = "none"  # what the engine writes at tp 1
+    rows[1]["model"] = "llama3.1-8b:layers=32"  # the engine's preset spelling
+    rows.append({**rows[0], "model": "mystery-3b"})  # unknown models are skipped, with why
+    return {"kind": "batch", "machine": {}, "versions": {}, "settings": {"ranks_per_node": 2}, "rows": rows}
+
+
+@pytest.fixture
+def results(tmp_path, bench):
+    row, bench_doc = bench
+    # a host sweep: linear truth per algorithm on both topologies
+    truth = {"nccl": (11.0, 80e3), "torch_two_shot": (6.5, 300e3), "nvrar": (2.5, 150e3)}
+    rows = []
+    for algo, (a, bw) in truth.items():
+        for topo in ("1x2", "2x1") if algo == "nvrar" else ("1x2",):
+            rows += [row(algo, s, a + s / bw, topology=topo) for s in SIZES]
+    rows.append(row("ref_ring", 4096, 900.0))
+    (tmp_path / "allreduce_h200.json").write_text(json.dumps(bench_doc(rows)))
+    (tmp_path / "batch_8b.json").write_text(json.dumps(engine_doc()))
+    (tmp_path / "notes.json").write_text(json.dumps({"kind": "tuning"}))
+    return tmp_path
+
+
+def test_report_on_synthetic_results(results):
+    rep = val.validate(results, PRESETS["h200x2"])
+    cats = rep["summary"]
+    assert {"allreduce/preset", "allreduce/holdout-sizes", "allreduce/cross-topology", "engine/ttft", "engine/tpot",
+            "engine/e2e"} <= set(cats)
+    # linear truths are recovered from every other size: held-out errors are small
+    assert cats["allreduce/holdout-sizes"]["median_abs_rel_error"] < 0.05
+    # the engine rows were built from the preset model with TTFT x 1.2 and TPOT x 0.9; validation prices
+    # them with all-reduce constants calibrated on the sweep, so the errors are near |1/1.2 - 1|, |1/0.9 - 1|
+    assert cats["engine/ttft"]["median_abs_rel_error"] == pytest.approx(1 - 1 / 1.2, abs=0.06)
+    assert cats["engine/tpot"]["median_abs_rel_error"] == pytest.approx(1 / 0.9 - 1, abs=0.06)
+    # no record was predicted by a fit that included it
+    for r in rep["records"]:
+        if r["category"] == "allreduce/holdout-sizes":
+            size = int(r["label"].split()[2])
+            assert str(size) not in r["fitted_on"].replace("[", " ").replace("]", " ").replace(",", " ").split()
+        if r["category"] == "allreduce/cross-topology":
+            topo = r["label"].split()[1]
+            assert topo not in r["fitted_on"]
+    assert any("ref_ring" in s for s in rep["skipped"]) and any("mystery-3b" in s for s in rep["skipped"])
+    assert any("notes.json" in s for s in rep["skipped"])
+    assert {c["cluster"] for c in rep["paper_claims"]} == {"perlmutter", "vista"}
+    assert sum(r["category"] == "engine/tpot" for r in rep["records"]) == 3  # all three known-model rows
+
+
+def test_cli_writes_report_and_plot(results, capsys):
+    assert val.run(Namespace(results=results, cluster="h200x2", out=None, plot=None, rows=5)) == 0
+    rep = json.loads((results / "perf_validation.json").read_text())
+    assert rep["records"] and (results / "perf_validation.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "median |relative error| per category" in out
+    # the report itself is not read back as a measurement
+    assert val.validate(results, PRESETS["h200x2"])["measurements"] == rep["measurements"]
+
+
+def test_no_measurements_is_said_clearly(tmp_path, capsys):
+    assert val.run(Namespace(results=tmp_path, cluster="h200x2", out=None, plot=None, rows=5)) == 0
+    out = capsys.readouterr().out
+    assert "no measurements" in out
+    rep = json.loads((tmp_path / "perf_validation.json").read_text())
+    assert rep["records"] == [] and rep["summary"] == {} and len(rep["paper_claims"]) == 4
+
+
+def test_rel_error():
+    assert val.rel_error(11.0, 10.0) == pytest.approx(0.1) and val.rel_error(9.0, 10.0) == pytest.approx(-0.1)
