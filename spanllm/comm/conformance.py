@@ -68,10 +68,13 @@ def case_lengths(comm: AllReduce, lengths: list[int], dtypes: list[torch.dtype],
     return out
 
 
-def case_bitwise_identical(comm: AllReduce, n: int, dtype: torch.dtype, device, seed: int = 0) -> CaseResult:
-    """Random (non-integer) inputs: the rounding may differ from other algorithms, but never between ranks."""
+def case_bitwise_identical(comm: AllReduce, n: int, dtype: torch.dtype, device, seed: int = 0) -> CaseResult | None:
+    """Random (non-integer) inputs: the rounding may differ from other algorithms, but never between ranks.
+    None when the backend does not take this size/dtype."""
     g = torch.Generator(device="cpu").manual_seed(seed + comm.rank)
     x = torch.randn(n, generator=g).to(dtype).to(device)
+    if comm.unsupported_reason(x) is not None:
+        return None
     comm.all_reduce_(x)
     same = identical_across_ranks(x, comm.group)
     return CaseResult("bitwise_identical", comm.algorithm_for(x), 0 if same else 1, {"n": n, "dtype": str(dtype)})

@@ -51,8 +51,13 @@ class ModelRunner:
         return self.graphs_allowed and not self.model.tp.timers.enabled
 
     def reset_graphs(self) -> None:
-        """Drop captured graphs (after swapping the communicator: the old one is baked into them)."""
+        """Drop captured graphs (after swapping the communicator: the old one is baked into them).
+
+        The memory pool goes with them: once its last graph is freed, torch's allocator must not see
+        the pool id again (capturing into it trips an internal assert), so the next capture opens a new one.
+        """
         self._graphs.clear()
+        self._pool = None
 
     @property
     def hidden_size(self) -> int:
