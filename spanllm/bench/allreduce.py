@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuning", default=None, help="tuning table JSON for auto and nvrar (from spanllm tune)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="device spin-wait timeout of nvrar")
     p.add_argument("--json", default=None, help="write every row plus machine, versions and settings here")
+    p.add_argument("--plot", default=None, help="write a PNG of latency vs size (needs --json and matplotlib)")
     p.add_argument("--nprocs", type=int, default=4, help="local gloo ranks to spawn when not under a launcher")
 
 
@@ -181,10 +182,19 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                         "buffer_bytes": parse_size(args.buffer_bytes), "tuning": args.tuning}
             write_json(args.json, "allreduce", settings, rows)
             print(f"# wrote {args.json}")
+            if args.plot:
+                import json
+
+                from spanllm.bench.allreduce_plot import plot_allreduce
+                with open(args.json) as f:
+                    plot_allreduce([json.load(f)], args.plot)
+                print(f"# wrote {args.plot}")
     return rows
 
 
 def run(args) -> int:
+    if args.plot and not args.json:
+        raise SystemExit("--plot draws from the JSON rows: add --json FILE")
     results = launch(bench_rank, args, nprocs=args.nprocs)
     rows = results[0]
     failed = any(r["wrong"] for r in rows)

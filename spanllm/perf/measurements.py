@@ -50,6 +50,11 @@ def parse_topology(text: str) -> tuple[int, int]:
     return nodes, rpn
 
 
+def ran_algorithm(ran: str) -> str:
+    """The modelled algorithm behind a benchmark's `ran` column: 'auto->nvrar[os/b8x256w4]' -> 'nvrar'."""
+    return ran.split("->")[-1].split("[")[0]
+
+
 def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasurement]:
     """Timed, correct rows of one all-reduce sweep (rows with wrong > 0 or no time are left out)."""
     settings = doc.get("settings", {})
@@ -64,7 +69,7 @@ def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasuremen
                 rpn = int(row.get("ranks_per_node", settings["ranks_per_node"]))
                 nodes = int(row.get("world_size", settings["world_size"])) // rpn
             out.append(AllReduceMeasurement(
-                source=source, algo=str(row.get("ran") or row["algo"]), requested=str(row["algo"]),
+                source=source, algo=ran_algorithm(str(row.get("ran") or row["algo"])), requested=str(row["algo"]),
                 nbytes=int(row["size"]), dtype=str(row.get("type", settings.get("dtype", "bfloat16"))),
                 nodes=nodes, ranks_per_node=rpn, graph=bool(row.get("graph", settings.get("graph", True))),
                 time_us=float(row["time_us"])))
@@ -95,5 +100,5 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
 
 
 def result_files(results_dir: Path) -> list[Path]:
-    """results/*.json, without the validation report itself."""
-    return sorted(p for p in Path(results_dir).glob("*.json") if p.name != "perf_validation.json")
+    """Every JSON under results/ (machine sub-folders included), without the validation report itself."""
+    return sorted(p for p in Path(results_dir).rglob("*.json") if p.name != "perf_validation.json")

@@ -1,0 +1,60 @@
+"""Latency vs message size, one line per algorithm and one panel per topology, from bench JSON files.
+
+    python -m spanllm.bench.allreduce_plot results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 4.8), squeeze=False)
+    for ax, doc in zip(axes[0], docs):
+        rows = doc["rows"]
+        for algo in dict.fromkeys(r["algo"] for r in rows):
+            mine = sorted((r for r in rows if r["algo"] == algo), key=lambda r: r["size"])
+            ax.plot([r["size"] for r in mine], [r["time_us"] for r in mine], marker="o", ms=3,
+                    ls="--" if algo == "auto" else "-", label=algo)
+        s = doc.get("settings", {})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("time per call (us), median, max over ranks")
+        ax.set_title(f"{s.get('topology', '?')} (nodes x GPUs), {s.get('dtype', '')}, "
+                     f"{'CUDA graph' if s.get('graph') else 'eager'}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    gpus = (docs[0].get("machine") or {}).get("gpus") or []
+    fig.suptitle(title or f"spanllm bench allreduce on {len(gpus)} x {gpus[0] if gpus else 'CPU'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("json", nargs="+", help="spanllm bench allreduce --json files")
+    ap.add_argument("-o", "--out", required=True, help="PNG to write")
+    args = ap.parse_args(argv)
+    docs = []
+    for p in args.json:
+        with open(p) as f:
+            doc = json.load(f)
+        if doc.get("kind") != "allreduce":
+            raise SystemExit(f"{p}: kind={doc.get('kind')!r}, not an all-reduce benchmark")
+        docs.append(doc)
+    plot_allreduce(docs, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
