@@ -5,7 +5,15 @@ latency and output throughput (median over `--iters` runs after `--warmup`, each
 maximum over ranks), plus a breakdown of one decode step into GEMM / attention / all-reduce /
 pipeline / idle / other. The breakdown comes from a separate eager pass with per-op timers (events
 cannot be placed inside a CUDA graph, and timers would perturb the totals), so it describes eager
-decode; `breakdown_step_ms` is that pass's step time. `--no-breakdown` skips it.
+decode; `breakdown_step_ms` is that pass's step time. `--no-breakdown` skips it. The pass reports
+per-step averages, so it decodes only `breakdown_steps` steps (`--breakdown-steps`, default 32, at
+most decode_len - 1; each row's JSON says how many): the first steps of the sequence, so attention
+there reads a slightly shorter context than the timed runs' average.
+
+Cost per row: warm-up runs (`--warmup`) decode only `warmup_decode_len` tokens (min(decode_len, 32)):
+their job is to capture the row's CUDA graph and warm up the communicator, not to be timed. Decode
+graphs stay captured across rows and iterations (one per batch size); only swapping the all-reduce
+drops them.
 
     spanllm bench batch --model tiny --nprocs 2 --batch-sizes 1,4 --allreduce gloo,ref_ring
     torchrun --nproc-per-node 2 -m spanllm.cli bench batch --model llama3.1-70b --allreduce nccl,nvrar \\
@@ -49,6 +57,10 @@ class BenchSettings:
     seed: int
     cuda_graphs: bool
     ranks_per_node: int | None
+    breakdown_steps: int = 32  # decode steps of the eager breakdown pass
+
+
+WARMUP_DECODE_LEN = 32  # decode tokens of a warm-up run (captures the graph; not timed)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +75,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the eager per-op timing pass")
+    parser.add_argument("--breakdown-steps", type=int, default=32,
+                        help="decode steps of the eager per-op timing pass (per-step averages; default 32)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--plot", default=None, help="write a PNG of where decode time goes")
 
@@ -90,13 +104,16 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         workload = f"{args.workload} (prompt {prompt_len}, decode {decode_len})"
     if prompt_len < 1 or decode_len < 1:
         raise SystemExit(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
+    if args.breakdown_steps < 1:
+        raise SystemExit(f"--breakdown-steps {args.breakdown_steps}: must be >= 1")
     batch_sizes = _csv(args.batch_sizes, int)
     if not batch_sizes or min(batch_sizes) < 1:
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
     return BenchSettings(model=args.model, batch_sizes=batch_sizes, prompt_len=prompt_len, decode_len=decode_len,
                          workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
                          breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
-                         cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node)
+                         cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
+                         breakdown_steps=args.breakdown_steps)
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
@@ -121,8 +138,10 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     prompts = [[rng.randrange(vocab) for _ in range(s.prompt_len)] for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_new_tokens=s.decode_len, ignore_eos=True)
     mb = min(micro_batches, batch)
+    warmup_len = min(s.decode_len, WARMUP_DECODE_LEN)
     for _ in range(s.warmup):
-        llm.generate(prompts, params, micro_batches=mb)
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=warmup_len, ignore_eos=True),
+                     micro_batches=mb)
     ttft, e2e = [], []
     for _ in range(s.iters):
         out = llm.generate(prompts, params, micro_batches=mb)
@@ -132,13 +151,16 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
     tpot_ms = (e2e_ms - ttft_ms) / (s.decode_len - 1) if s.decode_len > 1 else 0.0
 
-    breakdown = stage_breakdown = step_ms = None
+    breakdown = stage_breakdown = step_ms = breakdown_steps = None
     if s.breakdown and s.decode_len > 1:
+        breakdown_steps = min(s.breakdown_steps, s.decode_len - 1)
         llm.timers.enabled = True
         try:
-            out = llm.generate(prompts, params, micro_batches=mb)
+            out = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=breakdown_steps + 1,
+                                                       ignore_eos=True), micro_batches=mb)
         finally:
             llm.timers.enabled = False
+        assert out.breakdown.steps == breakdown_steps, (out.breakdown.steps, breakdown_steps)
         b = out.breakdown
         mine = (llm.groups.stage, b.per_step(), b.total_ms / max(b.steps, 1))
         per_rank = _gather(mine) if dist.is_initialized() else [mine]
@@ -161,6 +183,7 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "throughput_tok_s": batch * s.decode_len / (e2e_ms / 1e3) if e2e_ms > 0 else 0.0,
         "breakdown_ms": breakdown, "stage_breakdown_ms": stage_breakdown, "breakdown_step_ms": step_ms,
         "breakdown_mode": "eager pass with per-op timers" if breakdown is not None else None,
+        "breakdown_steps": breakdown_steps, "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
 

@@ -28,8 +28,9 @@ class AttentionMetadata:
     positions: torch.Tensor  # [B, T] int64; decode: T = 1, the position being written
     cos: torch.Tensor  # [B, 1, T, d]
     sin: torch.Tensor  # [B, 1, T, d]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, kv_len] bool, decode only
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, kv_len] additive (0 / -inf, model dtype), decode only
     kv_len: int = 0  # cache positions decode attends over (max_seq_len inside a CUDA graph)
+    rows: torch.Tensor | None = None  # [B] arange, decode only (built once per forward, not per layer)
 
 
 class Attention(nn.Module):
@@ -40,23 +41,24 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.timers = timers
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [B, T, hq*d], k/v [B, T, hkv*d], cache views [B, hkv, S, d] -> [B, T, hq*d]."""
+        """qk [B, T, (hq+hkv)*d] (queries then keys, as the fused projection lays them out), v [B, T, hkv*d],
+        cache views [B, hkv, S, d] -> [B, T, hq*d]. Queries and keys are rotated together (one set of
+        RoPE kernels per layer, not two)."""
         with self.timers.region("attention"):
-            b, t, _ = q.shape
-            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, hq, T, d]
-            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, hkv, T, d]
+            b, t, _ = qk.shape
+            qk = qk.view(b, t, self.num_heads + self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, hq+hkv, T, d]
+            qk = apply_rotary(qk, meta.cos, meta.sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [B, hq, T, d], [B, hkv, T, d]
             v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = apply_rotary(q, meta.cos, meta.sin)
-            k = apply_rotary(k, meta.cos, meta.sin)
             k_cache, v_cache = cache
             if meta.is_prefill:
                 k_cache[:, :, :t] = k
                 v_cache[:, :, :t] = v
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
-                rows = torch.arange(b, device=q.device)
+                rows = meta.rows if meta.rows is not None else torch.arange(b, device=q.device)
                 pos = meta.positions[:, 0]
                 k_cache[rows, :, pos] = k[:, :, 0]  # [B, hkv, d] at each sequence's own position
                 v_cache[rows, :, pos] = v[:, :, 0]

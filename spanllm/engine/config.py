@@ -215,6 +215,9 @@ class EngineConfig:
     breakdown: bool = False  # per-op decode timers; forces eager decode so events can be placed
     micro_batches: int = 1  # pipeline micro-batches (1 = naive schedule: the whole batch per stage)
     seed: int = 0
+    # pp = 1 decode checks for stop tokens every this many steps (one device->host sync each time), so a
+    # batch that has stopped runs up to eos_check_interval - 1 extra steps (their tokens are dropped).
+    eos_check_interval: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -223,3 +226,5 @@ class EngineConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 2 (a prompt token and a generated one)")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
+        if self.eos_check_interval < 1:
+            raise ValueError(f"eos_check_interval={self.eos_check_interval} must be >= 1")

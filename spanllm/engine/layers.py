@@ -175,7 +175,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             n = local.shape[0]
             gathered = torch.empty(self.tp.size * n, self.vocab_local, device=local.device, dtype=local.dtype)
             _all_gather_single(gathered, local, group=self.tp.group)  # [tp*N, Vp], rank-major
-            local = gathered.view(self.tp.size, n, self.vocab_local).transpose(0, 1).reshape(n, -1)  # [N, tp*Vp]
+            # One copy: rank-major -> row-major and to float32 together ([N, tp, Vp] -> [N, tp*Vp]).
+            full = gathered.view(self.tp.size, n, self.vocab_local).transpose(0, 1).float().reshape(n, -1)
+            return full[:, : self.vocab_size]
         return local[:, : self.vocab_size].float()
 
 
@@ -192,7 +194,7 @@ class RMSNorm(nn.Module):
         self.weight = tp.empty(hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # F.rms_norm (x * rsqrt(mean(x^2) + eps), fused on recent CUDA builds) replaces five elementwise
+        # kernels per norm; the weight is applied after the cast back, as HF does.
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -29,8 +29,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:  # [B, T, hidden]
         qkv = self.qkv_proj(h)  # [B, T, (hq + 2 hkv) d]
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, meta, cache))
+        qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        return self.o_proj(self.attn(qk, v, meta, cache))
 
 
 class LlamaMLP(nn.Module):

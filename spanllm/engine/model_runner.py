@@ -1,12 +1,24 @@
 """ModelRunner: runs one stage's model over the KV cache, prefill eagerly, decode eagerly or replaying
 a CUDA graph.
 
-Decode graphs are captured per (batch size, first cache slot) on first use: the batch size is the
-bucket (a generate call keeps its batch size for its whole decode, finished sequences included, so
-no padding rows are needed and none can write into another micro-batch's slots). Inside a graph the
-attention reads the whole cache length (`max_seq_len`) under a mask computed from the positions
-tensor, so one graph serves every step. The communicator's all-reduce is captured with the rest:
-it must be graph-capturable (NCCL's `dist.all_reduce` on the current stream is).
+Two decode entry points:
+
+- `decode(x, positions, ...)`: one forward of a stage (any pipeline depth): input in, logits or hidden
+  states out. Pipelined stages use it (their input arrives from a neighbour each step).
+- `start_steps(...)` + `step(...)`: the whole-model (pp = 1) step, device-resident. A `DecodeSteps`
+  bucket holds static buffers (the input tokens, their positions, a step counter and the history of
+  generated tokens); one step runs embedding -> layers -> final norm -> LM head -> logits gather ->
+  sampling (greedy argmax, or temperature/top-p with the sampler's device generator), writes the new
+  token into the history and the next input, and advances positions and the counter, all on the
+  device. With CUDA graphs the step is one graph replay and the host does nothing else per step.
+
+Graphs are captured per (batch size, first cache slot[, sampling]) on first use: the batch size is
+the bucket (a generate call keeps its batch size for its whole decode, finished sequences included,
+so no padding rows are needed and none can write into another micro-batch's slots). Inside a graph
+the attention reads the whole cache length (`max_seq_len`) under a mask computed from the positions
+tensor, so one graph serves every step. The communicator's all-reduce (and the embedding's
+all-reduce and the logits all-gather) are captured with the rest: they must be graph-capturable
+(NCCL collectives on the current stream are).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from spanllm.engine.config import EngineConfig
 from spanllm.engine.kv_cache import KVCache
 from spanllm.engine.model import LlamaForCausalLM
 from spanllm.engine.rope import RotaryEmbedding
+from spanllm.engine.sampler import Sampler, SamplingParams
 
 
 @dataclass
@@ -28,6 +41,28 @@ class _DecodeGraph:
     x: torch.Tensor  # static input: ids [B, 1] or hidden [B, 1, hidden]
     positions: torch.Tensor  # static [B] int64
     out: torch.Tensor  # static output: logits [B, vocab] or hidden [B, 1, hidden]
+
+
+class DecodeSteps:
+    """Static device buffers of one whole-model decode bucket (pp = 1): batch rows [slot_start, +batch).
+
+    tokens [B, 1]: the next step's input ids; positions [B]: where they go in the cache; step [1]: the
+    history column the next sampled token goes to; history [B, max_seq_len]: column 0 is the token
+    sampled after prefill, column s the token of decode step s. logits [B, vocab]: the last step's
+    logits (a static graph output when captured)."""
+
+    def __init__(self, batch: int, slot_start: int, sample_key: tuple, max_seq_len: int,
+                 device: torch.device) -> None:
+        self.batch, self.slot_start, self.sample_key = batch, slot_start, sample_key
+        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
+        self.history = torch.zeros(batch, max_seq_len, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: "torch.cuda.CUDAGraph | None" = None
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.positions, self.step, self.history
 
 
 class ModelRunner:
@@ -43,7 +78,13 @@ class ModelRunner:
                                     engine.dtype)
         self.graphs_allowed = engine.cuda_graphs and device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._steps: dict[tuple, DecodeSteps] = {}
         self._pool = None
+        # Built once: cache-position ids for the decode mask, and the mask's two values (SDPA adds a float
+        # mask; a bool one it would convert in every layer).
+        self._keys = torch.arange(engine.max_seq_len, device=device)
+        self._mask_open = torch.zeros((), dtype=engine.dtype, device=device)
+        self._mask_shut = torch.full((), float("-inf"), dtype=engine.dtype, device=device)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -57,6 +98,7 @@ class ModelRunner:
         the pool id again (capturing into it trips an internal assert), so the next capture opens a new one.
         """
         self._graphs.clear()
+        self._steps.clear()
         self._pool = None
 
     @property
@@ -95,9 +137,11 @@ class ModelRunner:
     def _decode_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
         pos = positions[:, None]  # [B, 1]
         cos, sin = self.rope.lookup(pos)
-        keys = torch.arange(kv_len, device=self.device)
-        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, kv_len]
-        meta = AttentionMetadata(False, slot_start, pos, cos, sin, mask, kv_len)
+        allowed = self._keys[None, :kv_len] <= pos  # [B, kv_len]
+        mask = torch.where(allowed, self._mask_open, self._mask_shut)[:, None, None, :]  # [B, 1, 1, kv_len] additive
+        b = x.shape[0]
+        rows = self._keys[:b] if b <= self._keys.shape[0] else torch.arange(b, device=self.device)
+        meta = AttentionMetadata(False, slot_start, pos, cos, sin, mask, kv_len, rows)
         return self.model(x, meta, self.kv_cache)
 
     def _capture(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int) -> _DecodeGraph:
@@ -118,6 +162,81 @@ class ModelRunner:
             out = self._decode_forward(static_x, static_pos, slot_start, kv_len)
         return _DecodeGraph(graph, static_x, static_pos, out)
 
+    # --- the device-resident whole-model step (pp = 1) ---------------------------------------------------
+    def start_steps(self, slot_start: int, first_tokens: torch.Tensor, positions: torch.Tensor,
+                    params: SamplingParams, sampler: Sampler) -> DecodeSteps:
+        """The bucket for batch rows [slot_start, +len(first_tokens)), its buffers set for decode step 1:
+        first_tokens [B] (sampled after prefill) become the input and history column 0; positions [B]
+        are where they go (the prompt lengths). Device copies only."""
+        if not self.model.is_first or not self.model.is_last:
+            raise ValueError("start_steps runs the whole model (pp = 1); pipeline stages use decode()")
+        b = first_tokens.shape[0]
+        key = (b, slot_start, _sample_key(params))
+        st = self._steps.get(key)
+        if st is None:
+            st = self._steps[key] = DecodeSteps(b, slot_start, key[2], self.engine.max_seq_len, self.device)
+        st.tokens.copy_(first_tokens[:, None])
+        st.positions.copy_(positions)
+        st.history[:, 0].copy_(first_tokens)
+        st.step.fill_(1)
+        return st
+
+    @torch.no_grad()
+    def step(self, st: DecodeSteps, params: SamplingParams, sampler: Sampler, kv_len: int) -> torch.Tensor:
+        """One decode step of the bucket, entirely on the device; returns its logits [B, vocab] (a static
+        buffer with CUDA graphs: the next step overwrites it). kv_len bounds the eager attention (as in
+        decode()); the graph attends over max_seq_len under its mask."""
+        if not self.use_cuda_graphs:
+            st.logits = self._step_body(st, params, sampler, kv_len)
+            return st.logits
+        if st.graph is None:
+            self._capture_step(st, params, sampler)
+        st.graph.replay()
+        return st.logits
+
+    def _step_body(self, st: DecodeSteps, params: SamplingParams, sampler: Sampler, kv_len: int) -> torch.Tensor:
+        logits = self._decode_forward(st.tokens, st.positions, st.slot_start, kv_len)
+        nxt = sampler(logits, params)[:, None]  # [B, 1]
+        st.history.index_copy_(1, st.step, nxt)
+        st.tokens.copy_(nxt)
+        st.positions.add_(1)
+        st.step.add_(1)
+        return logits
+
+    def _capture_step(self, st: DecodeSteps, params: SamplingParams, sampler: Sampler) -> None:
+        kv_len = self.engine.max_seq_len
+        # Warm up on a side stream (lazy inits, NCCL communicator setup), restoring the buffers after each
+        # run: the step writes this step's K/V at these positions, which the first replay writes again
+        # (and the token it sampled at position + 1, which the mask hides until a real step overwrites it).
+        saved = [t.clone() for t in st.state()]
+        rng = sampler.generator.get_state() if params.temperature != 0.0 else None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step_body(st, params, sampler, kv_len)
+                for t, s0 in zip(st.state(), saved):
+                    t.copy_(s0)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if rng is not None:
+            sampler.generator.set_state(rng)  # the warm-up draws do not count
+            # The sampler's own generator (not the default one): registered, each replay advances its
+            # Philox offset, so every step draws fresh numbers and eager draws in between stay in sequence.
+            graph.register_generator_state(sampler.generator)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            st.logits = self._step_body(st, params, sampler, kv_len)
+        st.graph = graph  # capture ran nothing: the buffers still hold this step's input
+
     @property
     def captured_buckets(self) -> list[tuple[int, int]]:
-        return sorted(self._graphs)
+        """(batch, first slot) of every captured decode graph (stage forwards and whole-model steps)."""
+        keys = set(self._graphs) | {k[:2] for k, st in self._steps.items() if st.graph is not None}
+        return sorted(keys)
+
+
+def _sample_key(params: SamplingParams) -> tuple:
+    """What a captured step bakes in of the sampling parameters (greedy ignores top_p)."""
+    return ("greedy",) if params.temperature == 0.0 else ("sample", params.temperature, params.top_p)

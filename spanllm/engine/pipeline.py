@@ -11,10 +11,16 @@ the world group; tokens travel back in a group of their own (one per TP rank: fi
 so at pp=2, where both directions join the same two ranks, the two streams of messages never queue
 behind each other. Sends are posted asynchronously and completed at the end of the phase.
 
+pp=1 runs the device-resident loop (`ModelRunner.start_steps` / `step`): one CUDA-graph replay per
+step and micro-batch holds the whole step, sampling included, and feeds the sampled token back as
+the next input on the device; no per-step host sync, allocation or host->device copy.
+
 Stopping: with pp=1 the loop ends when every sequence has produced a stop token (unless
-`ignore_eos`). With pp>1 middle stages never see tokens, so the loop always runs `max_new_tokens`
-steps and tokens after a stop token are dropped from the result (deciding earlier would need a
-collective per step, which would serialize the stages).
+`ignore_eos`), checked every `EngineConfig.eos_check_interval` steps (default 16, one device->host
+sync per check; up to interval - 1 steps may run past the last stop, their tokens dropped, and
+`decode_steps` counts the steps that ran). With pp>1 middle stages never see tokens, so the loop always
+runs `max_new_tokens` steps and tokens after a stop token are dropped from the result (deciding
+earlier would need a collective per step, which would serialize the stages).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class GenerationOutput:
     token_ids: list[list[int]]  # generated ids per sequence (through the first stop token)
     ttft_ms: float  # this rank: start to the first token of every sequence (prefill + sampling)
     e2e_ms: float  # this rank: start to the last token
-    decode_steps: int  # decode steps run after prefill
+    decode_steps: int  # decode steps run (pp=1 with stop tokens: up to eos_check_interval - 1 past the last stop)
     breakdown: Breakdown = field(default_factory=Breakdown)  # per-op decode time (empty when timers are off)
     logits: torch.Tensor | None = None  # [steps, B, vocab] float32 on CPU, only with keep_logits=True
 
@@ -155,32 +161,10 @@ class PipelineExecutor:
         self._complete_sends()
         ttft_ms = clock.now_ms()
 
-        done = self._all_stopped(out[:, :1], stop_ids, params) if pp == 1 else False
-        step = 1
-        while step < steps and not done:
-            self.timers.step_begin()
-            for s0, b in chunks:
-                if not first:
-                    x = self._recv((b, 1, hidden), dtype, prev, None)
-                else:
-                    if pp > 1:
-                        out[s0: s0 + b, step - 1] = self._recv((b,), torch.int64, g.last_stage_peer, self.token_group)
-                    x = out[s0: s0 + b, step - 1: step]  # [b, 1]
-                positions = lengths[s0: s0 + b] + (step - 1)  # where this step's input token goes
-                kv_len = max(lengths_host[s0: s0 + b]) + step
-                y = runner.decode(x, positions, s0, kv_len)
-                if last:
-                    if kept is not None:
-                        kept[step, s0: s0 + b] = y
-                    out[s0: s0 + b, step] = self.sampler(y, params)
-                    if pp > 1 and step < steps - 1:
-                        self._send(out[s0: s0 + b, step], g.first_stage_peer, self.token_group)
-                else:
-                    self._send(y, nxt, None)
-            self.timers.step_end()
-            step += 1
-            if pp == 1:
-                done = self._all_stopped(out[:, :step], stop_ids, params)
+        if pp == 1:
+            out, step = self._decode_whole_model(out, chunks, lengths, lengths_host, params, stop_ids, kept)
+        else:
+            step = self._decode_pipelined(out, chunks, lengths, lengths_host, params, kept)
         self._complete_sends()
         e2e_ms = clock.now_ms()
 
@@ -189,17 +173,78 @@ class PipelineExecutor:
             dist.broadcast(out, src=g.dims.rank_of(pp - 1, 0))
             if kept is not None:
                 dist.broadcast(kept, src=g.dims.rank_of(pp - 1, 0))
-        rows = out[:, :step].tolist()
+        rows = out[:, :step].tolist()  # the one device->host copy of the tokens
         token_ids = [_truncate_at_stop(r, stop_ids, params.ignore_eos) for r in rows]
         return GenerationOutput(token_ids, ttft_ms, e2e_ms, step - 1, self.timers.breakdown,
                                 None if kept is None else kept[:step].cpu())
 
-    @staticmethod
-    def _all_stopped(generated: torch.Tensor, stop_ids: tuple[int, ...], params: SamplingParams) -> bool:
-        if params.ignore_eos or not stop_ids:
-            return False
-        stops = torch.tensor(stop_ids, device=generated.device)
-        return bool(torch.isin(generated, stops).any(dim=1).all())  # host sync, only when EOS can stop
+    def _decode_whole_model(self, out: torch.Tensor, chunks: list[tuple[int, int]], lengths: torch.Tensor,
+                            lengths_host: list[int], params: SamplingParams, stop_ids: tuple[int, ...],
+                            kept: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """pp = 1: the device-resident loop. Each step of each micro-batch is `runner.step` (one graph
+        replay on GPU): the sampled token becomes the next input and lands in the bucket's history on the
+        device, so the host only launches. Stop tokens are checked every `eos_check_interval` steps (one
+        sync each); the tokens come to the host once, after the timed region. Returns (tokens [B, step],
+        step): `step - 1` decode steps ran."""
+        runner, steps = self.runner, params.max_new_tokens
+        interval = runner.engine.eos_check_interval
+        stops = (torch.tensor(stop_ids, dtype=torch.int64, device=self.device)
+                 if stop_ids and not params.ignore_eos else None)
+        buckets = [runner.start_steps(s0, out[s0: s0 + b, 0], lengths[s0: s0 + b], params, self.sampler)
+                   for s0, b in chunks]
+        # The first token is already synced (TTFT): checking it costs no extra wait.
+        done = stops is not None and _all_stopped([out[:, :1]], stops)
+        step = 1
+        while step < steps and not done:
+            self.timers.step_begin()
+            for (s0, b), st in zip(chunks, buckets):
+                kv_len = max(lengths_host[s0: s0 + b]) + step  # eager attention bound; graphs ignore it
+                logits = runner.step(st, params, self.sampler, kv_len)
+                if kept is not None:
+                    kept[step, s0: s0 + b] = logits
+            self.timers.step_end()
+            step += 1
+            if stops is not None and (step - 1) % interval == 0:
+                done = _all_stopped([st.history[:, :step] for st in buckets], stops)
+        return torch.cat([st.history[:, :step] for st in buckets]), step
+
+    def _decode_pipelined(self, out: torch.Tensor, chunks: list[tuple[int, int]], lengths: torch.Tensor,
+                          lengths_host: list[int], params: SamplingParams, kept: torch.Tensor | None) -> int:
+        """pp > 1: every stage runs `max_new_tokens` steps, exchanging activations and tokens each step.
+        Returns the step count (`step - 1` decode steps ran)."""
+        g, runner, steps = self.groups, self.runner, params.max_new_tokens
+        hidden, dtype = runner.hidden_size, runner.engine.dtype
+        prev, nxt = g.prev_rank, g.next_rank
+        first, last = g.is_first_stage, g.is_last_stage
+        step = 1
+        while step < steps:
+            self.timers.step_begin()
+            for s0, b in chunks:
+                if not first:
+                    x = self._recv((b, 1, hidden), dtype, prev, None)
+                else:
+                    out[s0: s0 + b, step - 1] = self._recv((b,), torch.int64, g.last_stage_peer, self.token_group)
+                    x = out[s0: s0 + b, step - 1: step]  # [b, 1]
+                positions = lengths[s0: s0 + b] + (step - 1)  # where this step's input token goes
+                kv_len = max(lengths_host[s0: s0 + b]) + step
+                y = runner.decode(x, positions, s0, kv_len)
+                if last:
+                    if kept is not None:
+                        kept[step, s0: s0 + b] = y
+                    out[s0: s0 + b, step] = self.sampler(y, params)
+                    if step < steps - 1:
+                        self._send(out[s0: s0 + b, step], g.first_stage_peer, self.token_group)
+                else:
+                    self._send(y, nxt, None)
+            self.timers.step_end()
+            step += 1
+        return step
+
+
+def _all_stopped(generated: list[torch.Tensor], stops: torch.Tensor) -> bool:
+    """Whether every row of every [b, n] token block holds a stop token (one host sync)."""
+    flags = [torch.isin(t, stops).any(dim=1).all() for t in generated]
+    return bool(torch.stack(flags).all())
 
 
 def _truncate_at_stop(row: list[int], stop_ids: tuple[int, ...], ignore_eos: bool) -> list[int]:
