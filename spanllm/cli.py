@@ -15,7 +15,6 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench allreduce", "spanllm.bench.allreduce", "nccl-tests-style all-reduce benchmark over every registered algorithm"),
     ("bench batch", "spanllm.bench.batch", "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown"),
     ("bench study", "spanllm.bench.study", "TP vs TP x PP study: every layout x every all-reduce backend in one run"),
-    ("bench serve", "spanllm.bench.serve", "online serving benchmark: arrivals, continuous batching, latency percentiles"),
     ("tune", "spanllm.comm.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
     ("generate", "spanllm.engine.generate", "generate tokens with the engine (preset or HF checkpoint)"),
     ("plan", "spanllm.perf.plan", "rank parallel layouts x all-reduce algorithms for a model on a cluster"),

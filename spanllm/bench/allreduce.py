@@ -23,11 +23,15 @@ from spanllm.launch import DistContext, launch, under_launcher
 
 
 def parse_size(text: str) -> int:
+    """'8', '64K', '1M', '2G' (optionally with a trailing B) -> bytes."""
     t = text.strip().upper().removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if t and t[-1] in mult:
-        return int(float(t[:-1]) * mult[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a byte count; write e.g. 8, 64K, 1M or 2G") from None
 
 
 def sizes_from(begin: int, end: int, factor: float) -> list[int]:
@@ -195,6 +199,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
 def run(args) -> int:
     if args.plot and not args.json:
         raise SystemExit("--plot draws from the JSON rows: add --json FILE")
+    sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)  # fail before spawning
     results = launch(bench_rank, args, nprocs=args.nprocs)
     rows = results[0]
     failed = any(r["wrong"] for r in rows)

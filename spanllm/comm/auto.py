@@ -50,7 +50,7 @@ class AutoAllReduce(AllReduce):
 
     def _all_reduce_(self, x: torch.Tensor) -> None:
         self.last_choice = self.choose(x)
-        self.backends[self.last_choice.algorithm]._all_reduce_(x)
+        self.backends[self.last_choice.algorithm].all_reduce_(x)  # the backend's own checks run too
 
     def close(self) -> None:
         for b in self.backends.values():

@@ -77,6 +77,25 @@ class Capability:
         return None
 
 
+_DTYPE_CODES = {dt: i for i, dt in enumerate(
+    [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.float64, torch.int64])}
+
+
+def check_same_input(x: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:
+    """Raise AllReduceInputError on every rank unless all ranks of `group` pass the same element count and
+    dtype. One small all-gather: a mismatch becomes an error instead of a hang, an abort or a partial sum."""
+    code = _DTYPE_CODES.get(x.dtype, -1)
+    mine = torch.tensor([x.numel(), code], dtype=torch.int64, device=x.device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    seen = [tuple(int(v) for v in t.tolist()) for t in everyone]
+    if len(set(seen)) != 1:
+        names = {v: k for k, v in _DTYPE_CODES.items()}
+        desc = ", ".join(f"rank {r}: {n} x {names.get(c, 'unknown dtype')}" for r, (n, c) in enumerate(seen))
+        raise AllReduceInputError(
+            f"{name}: ranks passed different tensors ({desc}); every rank must pass the same element count and dtype")
+
+
 class AllReduce(ABC):
     """In-place SUM all-reduce over one process group.
 

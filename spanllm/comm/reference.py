@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spanllm.comm.base import AllReduce, AllReduceInputError, Capability
+from spanllm.comm.base import _DTYPE_CODES, AllReduce, Capability, check_same_input
 from spanllm.comm.schedule import SCHEDULES, Schedule
-
-_CODES = {dt: i for i, dt in enumerate(
-    [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.float64, torch.int64])}
 
 
 class RefAllReduce(AllReduce):
@@ -25,7 +22,7 @@ class RefAllReduce(AllReduce):
     a hang or a silent partial sum."""
 
     schedule_name: str
-    capability = Capability(dtypes=frozenset(_CODES), device_types=frozenset({"cpu", "cuda"}))
+    capability = Capability(dtypes=frozenset(_DTYPE_CODES), device_types=frozenset({"cpu", "cuda"}))
 
     def __init__(self, group=None, topology=None, *, check_sizes: bool = True) -> None:
         super().__init__(group, topology)
@@ -38,21 +35,9 @@ class RefAllReduce(AllReduce):
             self._schedules[length] = SCHEDULES[self.schedule_name](self.rank, self.topology, length)
         return self._schedules[length]
 
-    def _check_same_input(self, x: torch.Tensor) -> None:
-        mine = torch.tensor([x.numel(), _CODES[x.dtype]], dtype=torch.int64, device=x.device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.group)
-        seen = [tuple(int(v) for v in t.tolist()) for t in everyone]
-        if len(set(seen)) != 1:
-            names = {v: k for k, v in _CODES.items()}
-            desc = ", ".join(f"rank {r}: {n} x {names[c]}" for r, (n, c) in enumerate(seen))
-            raise AllReduceInputError(
-                f"{self.name}: ranks passed different tensors ({desc}); every rank must pass the same "
-                "element count and dtype")
-
     def _all_reduce_(self, x: torch.Tensor) -> None:
         if self.check_sizes:
-            self._check_same_input(x)
+            check_same_input(x, self.group, self.name)
         flat = x.view(-1)
         for rnd in self.schedule(flat.numel()).rounds:
             works, incoming = [], []

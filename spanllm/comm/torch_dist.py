@@ -9,19 +9,33 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spanllm.comm.base import AllReduce, AllReduceInputError, Capability
+from spanllm.comm.base import AllReduce, AllReduceInputError, Capability, check_same_input
 
 
 class TorchDistAllReduce(AllReduce):
-    backend: str
+    """`check_sizes` (default: on for gloo, off for NCCL's hot path) first verifies that every rank passed
+    the same element count and dtype: gloo aborts the process on a mismatch; NCCL's watchdog would
+    time out after minutes."""
 
-    def __init__(self, group=None, topology=None) -> None:
+    backend: str
+    check_sizes_default: bool
+
+    def __init__(self, group=None, topology=None, *, check_sizes: bool | None = None) -> None:
         super().__init__(group, topology)
+        self.check_sizes = self.check_sizes_default if check_sizes is None else check_sizes
         actual = dist.get_backend(self.group)
         if self.backend not in actual.split(":")[-1] and self.backend not in actual:
             raise AllReduceInputError(
                 f"{self.name}: the process group's backend is {actual!r}, not {self.backend!r}; "
                 f"use the algorithm named after the group's backend")
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        if self.check_sizes:  # also for empty tensors: every rank must agree
+            check_same_input(x, self.group, self.name)
+        if x.numel():
+            self._all_reduce_(x)
+        return x
 
     def _all_reduce_(self, x: torch.Tensor) -> None:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
@@ -30,6 +44,7 @@ class TorchDistAllReduce(AllReduce):
 class GlooAllReduce(TorchDistAllReduce):
     name = "gloo"
     backend = "gloo"
+    check_sizes_default = True
     capability = Capability(
         dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
         device_types=frozenset({"cpu"}))
@@ -38,6 +53,7 @@ class GlooAllReduce(TorchDistAllReduce):
 class NcclAllReduce(TorchDistAllReduce):
     name = "nccl"
     backend = "nccl"
+    check_sizes_default = False
     capability = Capability(
         dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
         device_types=frozenset({"cuda"}))

@@ -62,7 +62,15 @@ class TuningTable:
                 doc = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read tuning table {path!r}: {e}; write one with `spanllm tune --out {path}`") from e
-        if doc.get("kind") != "tuning" or "entries" not in doc:
-            raise ValueError(f"{path!r} is not a tuning table (kind={doc.get('kind')!r}); write one with `spanllm tune`")
+        if not isinstance(doc, dict) or doc.get("kind") != "tuning" or "entries" not in doc:
+            kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"{path!r} is not a tuning table (kind={kind!r}); write one with `spanllm tune`")
         meta = {k: v for k, v in doc.items() if k not in ("kind", "entries")}
-        return cls([TuningEntry(**e) for e in doc["entries"]], meta)
+        entries = []
+        for i, e in enumerate(doc["entries"]):
+            try:
+                entries.append(TuningEntry(**e))
+            except TypeError as err:
+                raise ValueError(f"{path!r}: entry {i} ({e!r}) is not a tuning entry ({err}); "
+                                 "regenerate the table with `spanllm tune`") from None
+        return cls(entries, meta)
