@@ -39,8 +39,11 @@ def main() -> int:
     variants = {"default": None,
                 "rs_b4x256": LaunchParams(one_shot=False, num_blocks=4, block=256, num_warps=4),
                 "rs_b64x1024": LaunchParams(one_shot=False, num_blocks=64, block=1024, num_warps=8)}
+    variants["simple_rs_b16x512"] = LaunchParams(one_shot=False, num_blocks=16, block=512, num_warps=4, protocol="simple")
     if topo.ranks_per_node > 1:
         variants["os_b8x512"] = LaunchParams(one_shot=True, num_blocks=8, block=512, num_warps=4)
+        variants["simple_os_b8x256"] = LaunchParams(one_shot=True, num_blocks=8, block=256, num_warps=4,
+                                                    protocol="simple")
     comms = {}
     for name, launch in variants.items():
         comms[f"nvrar:{name}"] = registry.create("nvrar", topology=topo, max_bytes=args.max_bytes, launch=launch,

@@ -7,7 +7,8 @@ and the communicator object whose lifetime holds the symmetric buffers, the sequ
 the error record.
 
 Launch parameters
-    `LaunchParams(one_shot, num_blocks, block, num_warps)`. `one_shot` replaces the intra-node
+    `LaunchParams(one_shot, num_blocks, block, num_warps, protocol)`; protocol "ll8" (data+flag cells)
+    or "simple" (raw data + a flag per tile: half the bytes, one more fence per tile). `one_shot` replaces the intra-node
     reduce-scatter + all-gather by one exchange of the whole message (every local rank then reduces
     everything, and the inter-node rounds carry the whole message): one NVLink latency instead of two,
     for g times the bytes. A tuning table (`spanllm tune`) picks per size; `default_launch` is the
@@ -17,7 +18,7 @@ Launch parameters
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,23 +41,34 @@ def elements_per_cell(dtype: torch.dtype) -> int:
     return 4 // size
 
 
+PROTOCOLS = ("ll8", "simple")
+SIMPLE_MIN_BLOCK = 256  # the SIMPLE flag area holds one word per tile of at least this many cells
+
+
 @dataclass(frozen=True)
 class LaunchParams:
     one_shot: bool = False
     num_blocks: int = 16
     block: int = 512      # cells per tile (power of two)
     num_warps: int = 4
+    protocol: str = "ll8"  # "ll8": data+flag cells (2x bytes); "simple": raw data + one flag per tile
 
     def __post_init__(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"block={self.block} cells must be a power of two >= 16")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={self.protocol!r} must be one of {PROTOCOLS}")
+        if self.protocol == "simple" and self.block < SIMPLE_MIN_BLOCK:
+            raise ValueError(f"protocol 'simple' needs block >= {SIMPLE_MIN_BLOCK} cells (one flag word per tile); "
+                             f"got block={self.block}")
         if not 1 <= self.num_blocks <= 1024:
             raise ValueError(f"num_blocks={self.num_blocks} must be in [1, 1024]")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
 
     def short(self) -> str:
-        return f"{'os' if self.one_shot else 'rs'}/b{self.num_blocks}x{self.block}w{self.num_warps}"
+        proto = "" if self.protocol == "ll8" else "/simple"
+        return f"{'os' if self.one_shot else 'rs'}/b{self.num_blocks}x{self.block}w{self.num_warps}{proto}"
 
 
 def default_launch(nbytes: int, topology: Topology, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES) -> LaunchParams:
@@ -93,7 +105,8 @@ def inter_rounds(rank: int, topology: Topology) -> list[InterRound]:
 class WorkspaceLayout:
     """Cell offsets of the symmetric workspace. One parity half holds, each of `slot` cells:
     G intra-node receive slots (one per local source), R inter-node receive slots, R staging slots
-    (sources of the NVSHMEM puts) and G all-gather receive slots. Two halves alternate by call parity."""
+    (sources of the NVSHMEM puts) and G all-gather receive slots. Two halves alternate by call parity.
+    After them, the SIMPLE protocol's flag words: [2 parities][2G + R regions][max_tiles]."""
 
     G: int
     R: int
@@ -103,10 +116,19 @@ class WorkspaceLayout:
     stage: int
     gather: int
     parity_cells: int
+    max_tiles: int = 0
+
+    @property
+    def flags(self) -> int:
+        return 2 * self.parity_cells
+
+    @property
+    def flag_cells(self) -> int:
+        return 2 * (2 * self.G + self.R) * self.max_tiles
 
     @property
     def total_cells(self) -> int:
-        return 2 * self.parity_cells
+        return 2 * self.parity_cells + self.flag_cells
 
     @property
     def total_bytes(self) -> int:
@@ -126,7 +148,8 @@ def workspace_layout(topology: Topology, num_rounds: int, max_bytes: int, one_sh
     stage = inter + num_rounds * slot
     gather = stage + num_rounds * slot
     parity = gather + intra_slots * slot
-    return WorkspaceLayout(g, num_rounds, slot, intra, inter, stage, gather, max(parity, 64))
+    max_tiles = -(-slot // SIMPLE_MIN_BLOCK)
+    return WorkspaceLayout(g, num_rounds, slot, intra, inter, stage, gather, max(parity, 64), max_tiles)
 
 
 class NvrarAllReduce(AllReduce):
@@ -183,7 +206,7 @@ class NvrarAllReduce(AllReduce):
         else:
             p = default_launch(nbytes, self.topology, self.one_shot_max_bytes)
         if p.one_shot and (self.topology.ranks_per_node == 1 or nbytes > self.one_shot_max_bytes):
-            p = LaunchParams(False, p.num_blocks, p.block, p.num_warps)
+            p = replace(p, one_shot=False)
         return p
 
     def algorithm_for(self, x: torch.Tensor) -> str:
@@ -204,8 +227,9 @@ class NvrarAllReduce(AllReduce):
             self.seq, self.ticket, self.err,
             n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
             int(self.timeout_s * 1e9), L.parity_cells, L.intra, L.inter, L.stage, L.gather, L.slot,
+            L.flags, L.max_tiles,
             G=g, R=max(len(self.rounds), 0), E=elements_per_cell(x.dtype), ONE_SHOT=p.one_shot, BLOCK=p.block,
-            num_warps=p.num_warps)
+            PROTO=PROTOCOLS.index(p.protocol), num_warps=p.num_warps)
 
     # ---- errors ---------------------------------------------------------------------------------
 

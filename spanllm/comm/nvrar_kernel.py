@@ -10,6 +10,13 @@ LL8 cells
     sequence number in a cell also sees that cell's data: data and "ready" arrive together, and no
     fence, flag or barrier is needed between writer and reader. The price is 2x bytes on the wire.
 
+SIMPLE protocol (PROTO=1, for larger messages)
+    Raw data (4 bytes per cell, half of LL8's wire bytes) and one 64-bit flag word per tile and source:
+    the writer stores the tile, synchronises the CTA and releases the flag at system scope; over
+    NVSHMEM it is one putmem_signal_nbi_block, whose signal NVSHMEM delivers after the data. The
+    reader spins on the flag, fences (acq_rel, system scope) and reads the data from L2 (.cg). Same
+    parity double buffering and sequence numbers as LL8. Chosen per size by the tuning table.
+
 Independent tiles
     The shard each rank reduces is cut into tiles of BLOCK cells; a program (CTA) carries its tiles
     through all three phases on its own. Every cross-rank dependency of a tile is between the programs
@@ -71,6 +78,18 @@ def _putmem_nbi_block(dest, source, size_bytes, pe, _semantic=None):
 
 
 @core.extern
+def _putmem_signal_nbi_block(dest, source, size_bytes, sig_addr, signal, sig_op, pe, _semantic=None):
+    """nvshmemx_putmem_signal_nbi_block: like the put, then sets the 64-bit word `sig_addr` on PE `pe` to
+    `signal` (sig_op 0 = NVSHMEM_SIGNAL_SET) once the data is delivered: NVSHMEM orders the signal after
+    the data, so a reader that sees the signal may read the data."""
+    return core.extern_elementwise(
+        "", "", [dest, source, size_bytes, sig_addr, signal, sig_op, pe],
+        {(core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("int64"), core.dtype("uint64"),
+          core.dtype("int32"), core.dtype("int32")): ("nvshmemx_putmem_signal_nbi_block", core.dtype("int32"))},
+        is_pure=False, _semantic=_semantic)
+
+
+@core.extern
 def _my_pe(_semantic=None):
     """nvshmem_my_pe. Every kernel calls it so that its module always references NVSHMEM's device state:
     torch initialises each compiled module for NVSHMEM and fails on one that never uses it (R=0)."""
@@ -87,6 +106,11 @@ def _globaltimer_ns():
 def _trap():
     # membar.sys first so the error record written just before is visible to the host.
     tl.inline_asm_elementwise("membar.sys; trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fence_acq_rel_sys():
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -127,6 +151,34 @@ def _unpack(cells, DT: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _report_timeout(err_ptr, rank, phase, step, peer, seq, waited_ns):
+    tl.store(err_ptr + 1, rank)
+    tl.store(err_ptr + 2, phase)
+    tl.store(err_ptr + 3, step)
+    tl.store(err_ptr + 4, peer)
+    tl.store(err_ptr + 5, seq)
+    tl.store(err_ptr + 6, tl.program_id(0))
+    tl.store(err_ptr + 7, waited_ns)
+    tl.store(err_ptr + 0, 1)
+    _trap()
+
+
+@triton.jit
+def _wait_flag(flag_ptr, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0):
+    """SIMPLE protocol: spin until the 64-bit flag word equals `flag`, then acquire (system scope)."""
+    f = tl.load(flag_ptr, volatile=True)
+    now = _globaltimer_ns()
+    while (f != flag) & (now < deadline):
+        f = tl.load(flag_ptr, volatile=True)
+        now = _globaltimer_ns()
+    if f != flag:
+        _report_timeout(err_ptr, rank, phase, step, peer, seq, now - t0)
+    # Every thread fences after seeing the flag, so its data loads cannot be ordered before it; the
+    # writer released the flag after its data stores (or NVSHMEM signalled after delivering the data).
+    _fence_acq_rel_sys()
+
+
+@triton.jit
 def _wait_cells(ptr, mask, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0):
     """Spin until every masked cell at `ptr` carries `flag`; return the cells. Traps on the deadline."""
     cells = tl.load(ptr, mask=mask, other=0, volatile=True)
@@ -137,21 +189,44 @@ def _wait_cells(ptr, mask, flag, deadline, err_ptr, rank, phase, step, peer, seq
         pending = tl.sum(((((cells >> 32) & 0xFFFFFFFF) != flag) & mask).to(tl.int32), axis=0)
         now = _globaltimer_ns()
     if pending > 0:
-        tl.store(err_ptr + 1, rank)
-        tl.store(err_ptr + 2, phase)
-        tl.store(err_ptr + 3, step)
-        tl.store(err_ptr + 4, peer)
-        tl.store(err_ptr + 5, seq)
-        tl.store(err_ptr + 6, tl.program_id(0))
-        tl.store(err_ptr + 7, now - t0)
-        tl.store(err_ptr + 0, 1)
-        _trap()
+        _report_timeout(err_ptr, rank, phase, step, peer, seq, now - t0)
     return cells
+
+
+@triton.jit
+def _push(slot_ptr, flag_ptr, c, cm, v, flag, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """Write one tile `v` ([BLOCK, E] in the wire dtype) into a peer's slot through its mapped pointer.
+
+    LL8 (PROTO 0): tagged cells, nothing else to do. SIMPLE (PROTO 1): raw elements (half the bytes),
+    then, after the whole CTA's stores, one system-scope release of the tile's flag word."""
+    if PROTO == 0:
+        tl.store(slot_ptr + c, _pack(v, flag, E, BLOCK), mask=cm)
+    else:
+        # Raw data: cell c's 4 data bytes as 32-bit word c of the slot (the low half of its LL8 cell).
+        words = slot_ptr.to(tl.pointer_type(tl.int32))
+        tl.store(words + c, _pack(v, 0, E, BLOCK).to(tl.int32), mask=cm)
+        tl.debug_barrier()  # the whole CTA's stores precede the flag (bar.sync, then a system-scope release)
+        tl.atomic_xchg(flag_ptr, flag, sem="release", scope="sys")
+
+
+@triton.jit
+def _pull(slot_ptr, flag_ptr, c, cm, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0,
+          DT: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """Wait for one tile in my own slot and return it as [BLOCK, E] of DT."""
+    if PROTO == 0:
+        cells = _wait_cells(slot_ptr + c, cm, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0)
+        return _unpack(cells, DT, E, BLOCK)
+    else:
+        _wait_flag(flag_ptr, flag, deadline, err_ptr, rank, phase, step, peer, seq, t0)
+        words = slot_ptr.to(tl.pointer_type(tl.int32))
+        # .cg: L2, never a stale L1 line from the call that used this parity two calls ago.
+        w = tl.load(words + c, mask=cm, other=0, cache_modifier=".cg")
+        return _unpack(w.to(tl.int64) & 0xFFFFFFFF, DT, E, BLOCK)
 
 
 @requires_nvshmem
 @triton.jit(do_not_specialize=["n", "S", "rank", "local_rank", "node_first_rank", "timeout_ns", "PARITY_CELLS",
-                               "INTRA_OFF", "INTER_OFF", "STAGE_OFF", "GATHER_OFF", "SLOT"])
+                               "INTRA_OFF", "INTER_OFF", "STAGE_OFF", "GATHER_OFF", "SLOT", "FLAG_OFF", "MAX_TILES"])
 def nvrar_kernel(
     x_ptr,            # the caller's tensor, reduced in place (local memory, any allocation)
     ws_ptr,           # int64 symmetric workspace of this rank (cells)
@@ -169,11 +244,14 @@ def nvrar_kernel(
     PARITY_CELLS,     # cells in one parity half of the workspace
     INTRA_OFF, INTER_OFF, STAGE_OFF, GATHER_OFF,  # region offsets (cells) inside a parity half
     SLOT,             # cells per slot (the largest S the workspace was sized for)
+    FLAG_OFF,         # SIMPLE only: first cell of the per-tile flag words, [2 parities][2G+R regions][MAX_TILES]
+    MAX_TILES,
     G: tl.constexpr,          # ranks per node
     R: tl.constexpr,          # inter-node rounds (recursive doubling + fold)
-    E: tl.constexpr,          # elements per cell: 2 for 16-bit dtypes, 1 for 32-bit
+    E: tl.constexpr,          # elements per cell (LL8: per 4 data bytes): 2 for 16-bit dtypes, 1 for 32-bit
     ONE_SHOT: tl.constexpr,   # intra-node: every rank reduces the whole message (no all-gather)
     BLOCK: tl.constexpr,      # cells per tile
+    PROTO: tl.constexpr,      # 0 = LL8 cells, 1 = SIMPLE (raw data + per-tile flag / NVSHMEM signal)
 ):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if DT == tl.int32:
@@ -188,7 +266,11 @@ def nvrar_kernel(
     flag = seq.to(tl.int64) & 0xFFFFFFFF
     t0 = _globaltimer_ns()
     deadline = t0 + timeout_ns
-    par = (seq & 1).to(tl.int64) * PARITY_CELLS
+    parity = (seq & 1).to(tl.int64)
+    par = parity * PARITY_CELLS
+    # SIMPLE flag words of this parity: region k (0..G-1 intra sources, G..G+R-1 inter rounds,
+    # G+R..2G+R-1 gather sources), tile t -> flags + k * MAX_TILES + t.
+    flags_off = FLAG_OFF + parity * (2 * G + R) * MAX_TILES
     ws_addr = ws_ptr.to(tl.int64)  # NVSHMEM wants this rank's address of the symmetric buffer
     if ONE_SHOT:
         my_base = 0
@@ -210,16 +292,16 @@ def nvrar_kernel(
                         base_j = j * S
                     v = _load_elems(x_ptr, base_j + c, cm, n, E)
                     peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
-                    dst = peer + par + INTRA_OFF + local_rank * SLOT + c
-                    tl.store(dst, _pack(v, flag, E, BLOCK), mask=cm)
+                    _push(peer + par + INTRA_OFF + local_rank * SLOT, peer + flags_off + local_rank * MAX_TILES + tile,
+                          c, cm, v, flag, E, BLOCK, PROTO)
             # Sum the local ranks' contributions in local-rank order (deterministic on every rank).
             for j in tl.static_range(G):
                 if j == local_rank:
                     acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
                 else:
-                    src = ws_ptr + par + INTRA_OFF + j * SLOT + c
-                    cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0)
-                    acc += _unpack(cells, DT, E, BLOCK).to(ACC)
+                    v = _pull(ws_ptr + par + INTRA_OFF + j * SLOT, ws_ptr + flags_off + j * MAX_TILES + tile, c, cm,
+                              flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
+                    acc += v.to(ACC)
         else:
             acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
 
@@ -229,19 +311,27 @@ def nvrar_kernel(
             recv_peer = tl.load(round_recv_peer + r)
             # Round to the wire dtype first so both partners add the same two values and agree bitwise.
             acc = acc.to(DT).to(ACC)
+            flag_word = flags_off + (G + r) * MAX_TILES + tile
             if send_pe >= 0:
-                stage = ws_ptr + par + STAGE_OFF + r * SLOT + c
-                tl.store(stage, _pack(acc.to(DT), flag, E, BLOCK), mask=cm)
-                tl.debug_barrier()  # the whole CTA's staging stores precede the block-wide put
+                # Stage locally (LL8 cells or raw), then one block-wide NVSHMEM put of the tile.
                 first = tile * BLOCK
-                ncells = tl.minimum(S - first, BLOCK)
-                off_bytes = (par + INTER_OFF + r * SLOT + first) * 8
-                src_bytes = (par + STAGE_OFF + r * SLOT + first) * 8
-                _putmem_nbi_block(ws_addr + off_bytes, ws_addr + src_bytes, ncells.to(tl.int64) * 8, send_pe)
+                ncells = tl.minimum(S - first, BLOCK).to(tl.int64)
+                off_bytes = (par + INTER_OFF + r * SLOT) * 8
+                src_bytes = (par + STAGE_OFF + r * SLOT) * 8
+                if PROTO == 0:
+                    tl.store(ws_ptr + par + STAGE_OFF + r * SLOT + c, _pack(acc.to(DT), flag, E, BLOCK), mask=cm)
+                    tl.debug_barrier()  # the whole CTA's staging stores precede the block-wide put
+                    _putmem_nbi_block(ws_addr + off_bytes + first * 8, ws_addr + src_bytes + first * 8, ncells * 8, send_pe)
+                else:
+                    stage = (ws_ptr + par + STAGE_OFF + r * SLOT).to(tl.pointer_type(tl.int32))
+                    tl.store(stage + c, _pack(acc.to(DT), 0, E, BLOCK).to(tl.int32), mask=cm)
+                    tl.debug_barrier()
+                    # Raw data of cell c sits at bytes [4c, 4c + 4) of the slot.
+                    _putmem_signal_nbi_block(ws_addr + off_bytes + first * 4, ws_addr + src_bytes + first * 4, ncells * 4,
+                                             ws_addr + flag_word * 8, flag.to(tl.uint64), 0, send_pe)
             if recv_peer >= 0:
-                src = ws_ptr + par + INTER_OFF + r * SLOT + c
-                cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 2, r, recv_peer, seq, t0)
-                v = _unpack(cells, DT, E, BLOCK).to(ACC)
+                v = _pull(ws_ptr + par + INTER_OFF + r * SLOT, ws_ptr + flag_word, c, cm, flag, deadline, err_ptr,
+                          rank, 2, r, recv_peer, seq, t0, DT, E, BLOCK, PROTO).to(ACC)
                 if tl.load(round_recv_op + r) == 0:
                     acc = acc + v
                 else:
@@ -252,16 +342,16 @@ def nvrar_kernel(
         # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
         if G > 1:
             if not ONE_SHOT:
-                packed = _pack(out, flag, E, BLOCK)
                 for j in tl.static_range(G):
                     if j != local_rank:
                         peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
-                        tl.store(peer + par + GATHER_OFF + local_rank * SLOT + c, packed, mask=cm)
+                        _push(peer + par + GATHER_OFF + local_rank * SLOT,
+                              peer + flags_off + (G + R + local_rank) * MAX_TILES + tile, c, cm, out, flag, E, BLOCK, PROTO)
                 for j in tl.static_range(G):
                     if j != local_rank:
-                        src = ws_ptr + par + GATHER_OFF + j * SLOT + c
-                        cells = _wait_cells(src, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0)
-                        _store_elems(x_ptr, j * S + c, cm, n, _unpack(cells, DT, E, BLOCK), E)
+                        v = _pull(ws_ptr + par + GATHER_OFF + j * SLOT, ws_ptr + flags_off + (G + R + j) * MAX_TILES + tile,
+                                  c, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
+                        _store_elems(x_ptr, j * S + c, cm, n, v, E)
 
     # ---- ticket: the last program to finish publishes the new sequence number
     done = tl.atomic_add(ticket_ptr, 1)

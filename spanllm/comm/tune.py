@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer of the GPU backends (largest nvrar message)")
     p.add_argument("--blocks", default="1,2,4,8,16,32,64", help="nvrar program counts to try")
     p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")
+    p.add_argument("--protocols", default="ll8", help="nvrar protocols to try: ll8, simple (comma-separated)")
     p.add_argument("--out", required=True, help="tuning table JSON to write")
     p.add_argument("--nprocs", type=int, default=2, help="local gloo ranks when not under a launcher")
 
@@ -46,12 +47,18 @@ def nvrar_grid(args, topo: Topology, nbytes: int, one_shot_max: int):
 
     modes = [False, True] if topo.ranks_per_node > 1 and nbytes <= one_shot_max else [False]
     g = topo.ranks_per_node
-    for one_shot, nb, tile in itertools.product(modes, [int(b) for b in args.blocks.split(",")],
-                                                [int(t) for t in args.tiles.split(",")]):
+    from spanllm.comm.nvrar import SIMPLE_MIN_BLOCK
+
+    for proto, one_shot, nb, tile in itertools.product(args.protocols.split(","), modes,
+                                                       [int(b) for b in args.blocks.split(",")],
+                                                       [int(t) for t in args.tiles.split(",")]):
         shard_cells = -(-nbytes // 4) if (one_shot or g == 1) else -(-nbytes // (4 * g))
         if nb > 1 and nb > -(-shard_cells // tile):
             continue  # more programs than tiles: same kernel as a smaller grid
-        yield LaunchParams(one_shot=one_shot, num_blocks=nb, block=tile, num_warps=4 if tile <= 512 else 8)
+        if proto == "simple" and tile < SIMPLE_MIN_BLOCK:
+            continue
+        yield LaunchParams(one_shot=one_shot, num_blocks=nb, block=tile, num_warps=4 if tile <= 512 else 8,
+                           protocol=proto)
 
 
 def tune_rank(ctx: DistContext, args) -> dict:
@@ -109,6 +116,7 @@ def tune_rank(ctx: DistContext, args) -> dict:
     table = TuningTable(entries, {"machine": machine_info(), "versions": versions(),
                                   "settings": {"topology": str(topo), "dtype": DTYPE_NAMES[dtype],
                                                "buffer_bytes": buffer_bytes, "blocks": args.blocks, "tiles": args.tiles,
+                                               "protocols": args.protocols,
                                                "iters": args.iters}})
     if main:
         table.save(args.out)

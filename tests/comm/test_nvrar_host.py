@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spanllm.comm.base import AllReduceInputError
-from spanllm.comm.nvrar import (DEFAULT_ONE_SHOT_MAX_BYTES, SUPPORTED_DTYPES, InterRound, LaunchParams, NvrarAllReduce,
+from spanllm.comm.nvrar import (DEFAULT_ONE_SHOT_MAX_BYTES, SIMPLE_MIN_BLOCK, SUPPORTED_DTYPES, InterRound, LaunchParams, NvrarAllReduce,
                                 default_launch, elements_per_cell, inter_rounds, workspace_layout)
 from spanllm.comm.schedule import recursive_doubling_schedule
 from spanllm.comm.topology import Topology
@@ -100,7 +100,10 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
                 assert a1 <= b0, (L, regions)
             assert regions[0][0] >= 0 and regions[-1][1] <= L.parity_cells
             assert L.parity_cells >= 64
-            assert L.total_cells == 2 * L.parity_cells and L.total_bytes == 8 * L.total_cells
+            # SIMPLE flags: one word per (parity, region, tile of >= SIMPLE_MIN_BLOCK cells), after both halves.
+            assert L.max_tiles == -(-L.slot // SIMPLE_MIN_BLOCK)
+            assert L.flags == 2 * L.parity_cells and L.flag_cells == 2 * (2 * g + R) * L.max_tiles
+            assert L.total_cells == 2 * L.parity_cells + L.flag_cells and L.total_bytes == 8 * L.total_cells
 
 
 def test_workspace_layout_explicit_2x2_8MiB():
@@ -108,7 +111,8 @@ def test_workspace_layout_explicit_2x2_8MiB():
     slot = 1 << 20  # 2 Mi cells of 4 data bytes, halved by 2 local ranks
     assert (L.slot, L.intra, L.inter, L.stage, L.gather, L.parity_cells) == \
         (slot, 0, 2 * slot, 3 * slot, 4 * slot, 6 * slot)
-    assert L.total_bytes == 96 * MiB
+    assert L.max_tiles == slot // 256 and L.flag_cells == 2 * 5 * (slot // 256)
+    assert L.total_bytes == 96 * MiB + 8 * 2 * 5 * 4096
 
 
 def test_workspace_layout_one_shot_sizes_the_slot():
@@ -218,3 +222,12 @@ def test_nvrar_capability_is_gpu_only():
     assert cap.dtypes == SUPPORTED_DTYPES == frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int32})
     for dtype in SUPPORTED_DTYPES:
         assert elements_per_cell(dtype) in (1, 2)
+
+
+def test_launch_params_protocol_validation():
+    assert LaunchParams(protocol="simple", block=256).short().endswith("/simple")
+    assert LaunchParams().protocol == "ll8" and "/simple" not in LaunchParams().short()
+    with pytest.raises(ValueError, match="protocol='ll16' must be one of"):
+        LaunchParams(protocol="ll16")
+    with pytest.raises(ValueError, match="needs block >= 256 cells"):
+        LaunchParams(protocol="simple", block=128)
