@@ -80,7 +80,26 @@ def main() -> int:
         if ctx.rank == 0:
             bad = sum(r.wrong for r in res)
             print(f"[{key}] {len(res)} cases, {bad} wrong, {time.time() - t0:.1f}s", flush=True)
+    # Protocols and modes alternating on ONE communicator (a tuning table does this per size): the
+    # regions must not alias, or stale data of one protocol passes for a flag of the other.
+    mixed = comms["nvrar:default"]
+    launches = [LaunchParams(protocol="ll8", block=512, num_blocks=8), LaunchParams(protocol="simple", block=512, num_blocks=8)]
+    if topo.ranks_per_node > 1:
+        launches += [LaunchParams(one_shot=True, protocol="simple", block=256, num_blocks=4),
+                     LaunchParams(one_shot=True, protocol="ll8", block=256, num_blocks=4)]
+    wrong = torch.zeros((), dtype=torch.int64, device=dev)
+    for k in range(400):
+        mixed.fixed_launch = launches[k % len(launches)]
+        n = (4099, 65_536, 300_001)[k % 3]
+        x = C.pattern(n, ctx.rank, torch.int32 if k % 2 else torch.bfloat16, dev, salt=k % 7)
+        mixed.all_reduce_(x)
+        wrong += (x != C.expected(n, ctx.world_size, x.dtype, dev, salt=k % 7)).sum()
+    mixed.fixed_launch = None
+    mixed.synchronize()
+    results.append({"case": "alternating_protocols", "algorithm": "nvrar", "wrong": int(wrong), "comm": "nvrar:default",
+                    "detail": {"calls": 400, "launches": [p.short() for p in launches]}})
     if ctx.rank == 0:
+        print(f"[nvrar alternating protocols] 400 calls, {int(wrong)} wrong", flush=True)
         doc = {"kind": "gpu_conformance", "topology": str(topo), "world_size": ctx.world_size,
                "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "seconds": time.time() - t_start, "results": results}

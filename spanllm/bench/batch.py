@@ -57,6 +57,7 @@ class BenchSettings:
     seed: int
     cuda_graphs: bool
     ranks_per_node: int | None
+    tuning: str | None = None
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
 
 
@@ -72,6 +73,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-len", type=int, default=None, help="overrides the workload's decode length")
     parser.add_argument("--allreduce", default="", help="comma-separated registered all-reduce names (default: nccl "
                                                         "on GPU, gloo on CPU)")
+    parser.add_argument("--tuning", default=None, help="tuning table(s) from `spanllm tune` for nvrar / auto (comma-separated)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the eager per-op timing pass")
@@ -113,7 +115,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
                          breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
-                         breakdown_steps=args.breakdown_steps)
+                         breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None))
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
@@ -122,7 +124,12 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batc
     engine = EngineConfig(max_batch_size=max(s.batch_sizes), max_seq_len=s.prompt_len + s.decode_len,
                           dtype=resolve_dtype(s.dtype, ctx.device), cuda_graphs=s.cuda_graphs,
                           micro_batches=micro_batches, seed=s.seed)
-    return LLM(resolve_model(s.model), engine, dims=dims, device=ctx.device, ranks_per_node=s.ranks_per_node)
+    tuning = None
+    if s.tuning:
+        from spanllm.comm.tuning import TuningTable
+        tuning = TuningTable.load(s.tuning)
+    return LLM(resolve_model(s.model), engine, dims=dims, device=ctx.device, ranks_per_node=s.ranks_per_node,
+               tuning=tuning)
 
 
 def _gather(obj):

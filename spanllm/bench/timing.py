@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 
+SPIN_CYCLES = 100_000  # about 50 us at H200 clocks: longer than the host needs to enqueue a graph replay
+
+
 @dataclass(frozen=True)
 class Timing:
     median_us: float
@@ -67,6 +70,9 @@ def time_calls(fn: Callable[[], None], *, reset: Callable[[], None] | None = Non
         for start, end in events:
             reset()
             dist.barrier(group=group)
+            # The barrier leaves the stream idle; a short device spin keeps it busy while the host enqueues
+            # the replay, so the launch latency of the graph is not counted inside the sample.
+            torch.cuda._sleep(SPIN_CYCLES)
             start.record()
             if graph_obj is not None:
                 graph_obj.replay()

@@ -7,6 +7,7 @@ Construction is collective (it builds every candidate in a fixed order). `algori
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from spanllm.comm import registry
 from spanllm.comm.base import AllReduce, Capability
@@ -25,7 +26,10 @@ class AutoAllReduce(AllReduce):
     def __init__(self, group=None, topology=None, *, tuning: TuningTable | None = None,
                  device: torch.device | None = None, candidates: tuple[str, ...] | None = None, **options) -> None:
         super().__init__(group, topology)
-        device_type = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device is not None:
+            device_type = device.type
+        else:  # the group's backend decides, not whether this machine has GPUs
+            device_type = "cuda" if "nccl" in str(dist.get_backend(self.group)) else "cpu"
         self.device_type = device_type
         self.table = tuning
         names = candidates or CANDIDATES[device_type]

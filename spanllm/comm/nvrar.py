@@ -30,6 +30,7 @@ from spanllm.comm.topology import Topology
 DEFAULT_MAX_BYTES = 8 << 20
 DEFAULT_ONE_SHOT_MAX_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 30.0
+MAX_BUFFER_BYTES = 1 << 30
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int32})
 
 
@@ -117,6 +118,19 @@ class WorkspaceLayout:
     gather: int
     parity_cells: int
     max_tiles: int = 0
+    # SIMPLE's own slots (raw 4-byte words: half a slot each). They must not alias LL8's: raw words written
+    # into LL8 cells could later pass for a flag (a stale cell read as ready) when both protocols are used.
+    simple_slot: int = 0
+    simple_intra: int = 0
+    simple_inter: int = 0
+    simple_stage: int = 0
+    simple_gather: int = 0
+
+    def offsets(self, protocol: str) -> tuple[int, int, int, int, int]:
+        """(intra, inter, stage, gather, slot) in cells for one protocol."""
+        if protocol == "simple":
+            return self.simple_intra, self.simple_inter, self.simple_stage, self.simple_gather, self.simple_slot
+        return self.intra, self.inter, self.stage, self.gather, self.slot
 
     @property
     def flags(self) -> int:
@@ -147,9 +161,15 @@ def workspace_layout(topology: Topology, num_rounds: int, max_bytes: int, one_sh
     inter = intra + intra_slots * slot
     stage = inter + num_rounds * slot
     gather = stage + num_rounds * slot
-    parity = gather + intra_slots * slot
+    simple_slot = -(-slot // 2)  # raw data: 4 bytes per cell instead of 8
+    s_intra = gather + intra_slots * slot
+    s_inter = s_intra + intra_slots * simple_slot
+    s_stage = s_inter + num_rounds * simple_slot
+    s_gather = s_stage + num_rounds * simple_slot
+    parity = s_gather + intra_slots * simple_slot
     max_tiles = -(-slot // SIMPLE_MIN_BLOCK)
-    return WorkspaceLayout(g, num_rounds, slot, intra, inter, stage, gather, max(parity, 64), max_tiles)
+    return WorkspaceLayout(g, num_rounds, slot, intra, inter, stage, gather, max(parity, 64), max_tiles,
+                           simple_slot, s_intra, s_inter, s_stage, s_gather)
 
 
 class NvrarAllReduce(AllReduce):
@@ -162,8 +182,9 @@ class NvrarAllReduce(AllReduce):
         super().__init__(group, topology)
         from spanllm.comm import nvrar_kernel, symm  # triton + NVSHMEM, GPU only
 
-        if max_bytes <= 0:
-            raise AllReduceInputError(f"nvrar: max_bytes={max_bytes} must be positive")
+        if not 0 < max_bytes < MAX_BUFFER_BYTES:
+            raise AllReduceInputError(f"nvrar: max_bytes={max_bytes} must be in (0, {MAX_BUFFER_BYTES}): element "
+                                      "offsets are 32-bit; larger messages belong to NCCL (use 'auto')")
         self._kernel = nvrar_kernel
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._max_bytes = max_bytes
@@ -226,7 +247,7 @@ class NvrarAllReduce(AllReduce):
             x, self.ws, self.peer_ptrs, self.round_send_pe, self.round_recv_peer, self.round_recv_op,
             self.seq, self.ticket, self.err,
             n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
-            int(self.timeout_s * 1e9), L.parity_cells, L.intra, L.inter, L.stage, L.gather, L.slot,
+            int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol),
             L.flags, L.max_tiles,
             G=g, R=max(len(self.rounds), 0), E=elements_per_cell(x.dtype), ONE_SHOT=p.one_shot, BLOCK=p.block,
             PROTO=PROTOCOLS.index(p.protocol), num_warps=p.num_warps)

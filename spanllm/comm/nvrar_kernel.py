@@ -314,7 +314,7 @@ def nvrar_kernel(
             flag_word = flags_off + (G + r) * MAX_TILES + tile
             if send_pe >= 0:
                 # Stage locally (LL8 cells or raw), then one block-wide NVSHMEM put of the tile.
-                first = tile * BLOCK
+                first = tile.to(tl.int64) * BLOCK  # int64: byte offsets below exceed 2^31 for big shards
                 ncells = tl.minimum(S - first, BLOCK).to(tl.int64)
                 off_bytes = (par + INTER_OFF + r * SLOT) * 8
                 src_bytes = (par + STAGE_OFF + r * SLOT) * 8

@@ -91,7 +91,10 @@ def tune_rank(ctx: DistContext, args) -> dict:
             for lp in launches:
                 if lp is not None:
                     comm.fixed_launch = lp
-                if check_algorithm(comm, x, ctx.rank, ctx.world_size, graph=gpu):
+                wrong = torch.tensor([check_algorithm(comm, x, ctx.rank, ctx.world_size, graph=gpu)],
+                                     dtype=torch.int64, device=ctx.device)
+                dist.all_reduce(wrong)  # every rank must skip the same candidates, or their calls mismatch
+                if int(wrong.item()):
                     if main:
                         print(f"# {name} {lp.short() if lp else ''} gave wrong results at {nbytes} bytes: not a candidate")
                     continue
@@ -103,6 +106,9 @@ def tune_rank(ctx: DistContext, args) -> dict:
                     best_launch, best_launch_t = lp, t
             if name == "nvrar":
                 comm.fixed_launch = None
+        if not times:
+            raise RuntimeError(f"no candidate gave correct results at {nbytes} bytes on topology {topo}; "
+                               "see the lines above and run `spanllm bench allreduce` on this size")
         best_key = min(times, key=times.get)
         best = best_key.split("[")[0]
         entries.append(TuningEntry(str(topo), DTYPE_NAMES[dtype], nbytes, best,

@@ -218,6 +218,9 @@ class EngineConfig:
     # pp = 1 decode checks for stop tokens every this many steps (one device->host sync each time), so a
     # batch that has stopped runs up to eos_check_interval - 1 extra steps (their tokens are dropped).
     eos_check_interval: int = 16
+    # A buffered all-reduce (nvrar, torch symm-mem) takes messages up to this size (decode); larger ones
+    # (prefill activations) go to the group's own collective, as in the paper's engine.
+    allreduce_max_bytes: int = 2 << 20
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -40,9 +40,10 @@ def default_allreduce(device: torch.device) -> str:
 class LLM:
     def __init__(self, model: str | ModelConfig, engine: EngineConfig | None = None, *,
                  dims: ParallelDims | None = None, allreduce: str | None = None, comm: Communicator | None = None,
-                 device: torch.device | None = None, ranks_per_node: int | None = None) -> None:
+                 device: torch.device | None = None, ranks_per_node: int | None = None, tuning=None) -> None:
         self.config = resolve_model(model) if isinstance(model, str) else model
         self.engine = engine or EngineConfig()
+        self.tuning = tuning  # spanllm.comm.tuning.TuningTable for nvrar / auto, or None
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -63,10 +64,8 @@ class LLM:
         if comm is not None and allreduce is not None:
             raise ValueError("pass either comm= (an object) or allreduce= (a registered name), not both")
         if comm is None and self.dims.tp > 1:
-            from spanllm.comm import create
-
             allreduce = allreduce or default_allreduce(self.device)
-            comm = create(allreduce, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology))
+            comm = self._create_comm(allreduce)
             self._owns_comm = True
         self.comm = comm
         self.large_comm = None
@@ -113,14 +112,18 @@ class LLM:
         probe = getattr(comm, "algorithm_for", None)
         return probe(x) if probe is not None else getattr(comm, "name", type(comm).__name__)
 
+    def _create_comm(self, name: str) -> Communicator:
+        """A registered all-reduce on this rank's TP group (collective over the group)."""
+        from spanllm.comm import create
+
+        return create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology),
+                      device=self.device, tuning=self.tuning, max_bytes=self.engine.allreduce_max_bytes)
+
     def _ensure_large_comm(self, comm: Communicator | None) -> None:
         """A buffered backend (nvrar, torch symm-mem) takes decode-sized messages; larger ones (prefill)
         go to the group's own collective, as in the paper's engine. allreduce_ran_prefill() names it."""
         if self.dims.tp > 1 and self.large_comm is None and getattr(comm, "max_bytes", None) is not None:
-            from spanllm.comm import create
-
-            self.large_comm = create(default_allreduce(self.device), group=self.groups.tp_group,
-                                     topology=self.dims.tp_topology(self.topology))
+            self.large_comm = self._create_comm(default_allreduce(self.device))
 
     def use_allreduce(self, name: str | None = None, comm: Communicator | None = None) -> None:
         """Swap the communicator the row-parallel layers call (by registered name, or an object), keeping
@@ -130,9 +133,7 @@ class LLM:
         if (name is None) == (comm is None):
             raise ValueError("pass exactly one of name= or comm=")
         if name is not None:
-            from spanllm.comm import create
-
-            comm = create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology))
+            comm = self._create_comm(name)
         if self._owns_comm and self.comm is not None:
             self.comm.close()
         self._owns_comm = name is not None

@@ -187,8 +187,10 @@ class ModelRunner:
         buffer with CUDA graphs: the next step overwrites it). kv_len bounds the eager attention (as in
         decode()); the graph attends over max_seq_len under its mask."""
         if not self.use_cuda_graphs:
-            st.logits = self._step_body(st, params, sampler, kv_len)
-            return st.logits
+            # Never overwrite st.logits here: with a captured graph it is the graph's static output
+            # (timers may switch a bucket to eager and back), and freeing it would hand its memory back
+            # to the pool while the graph still writes there.
+            return self._step_body(st, params, sampler, kv_len)
         if st.graph is None:
             self._capture_step(st, params, sampler)
         st.graph.replay()

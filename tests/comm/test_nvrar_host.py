@@ -94,8 +94,13 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
             if g > 1:
                 assert L.slot >= -(-min(os_max, max_bytes) // 4)
             intra_slots = g if g > 1 else 0
+            ss = L.simple_slot
+            assert ss * 8 >= shard_cells * 4  # raw data: 4 bytes per cell
             regions = sorted([(L.intra, L.intra + intra_slots * L.slot), (L.inter, L.inter + R * L.slot),
-                              (L.stage, L.stage + R * L.slot), (L.gather, L.gather + intra_slots * L.slot)])
+                              (L.stage, L.stage + R * L.slot), (L.gather, L.gather + intra_slots * L.slot),
+                              (L.simple_intra, L.simple_intra + intra_slots * ss),
+                              (L.simple_inter, L.simple_inter + R * ss), (L.simple_stage, L.simple_stage + R * ss),
+                              (L.simple_gather, L.simple_gather + intra_slots * ss)])
             for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
                 assert a1 <= b0, (L, regions)
             assert regions[0][0] >= 0 and regions[-1][1] <= L.parity_cells
@@ -110,9 +115,14 @@ def test_workspace_layout_explicit_2x2_8MiB():
     L = workspace_layout(Topology(4, 2), 1, 8 * MiB, MiB)
     slot = 1 << 20  # 2 Mi cells of 4 data bytes, halved by 2 local ranks
     assert (L.slot, L.intra, L.inter, L.stage, L.gather, L.parity_cells) == \
-        (slot, 0, 2 * slot, 3 * slot, 4 * slot, 6 * slot)
+        (slot, 0, 2 * slot, 3 * slot, 4 * slot, 9 * slot)
+    half = slot // 2  # SIMPLE's own slots after LL8's: raw data needs half the bytes
+    assert (L.simple_slot, L.simple_intra, L.simple_inter, L.simple_stage, L.simple_gather) == \
+        (half, 6 * slot, 7 * slot, 7 * slot + half, 8 * slot)
+    assert L.offsets("ll8") == (0, 2 * slot, 3 * slot, 4 * slot, slot)
+    assert L.offsets("simple") == (6 * slot, 7 * slot, 7 * slot + half, 8 * slot, half)
     assert L.max_tiles == slot // 256 and L.flag_cells == 2 * 5 * (slot // 256)
-    assert L.total_bytes == 96 * MiB + 8 * 2 * 5 * 4096
+    assert L.total_bytes == 144 * MiB + 8 * 2 * 5 * 4096
 
 
 def test_workspace_layout_one_shot_sizes_the_slot():
@@ -120,12 +130,14 @@ def test_workspace_layout_one_shot_sizes_the_slot():
     # more than the 128 Ki cells of a reduce-scatter shard of 2 MiB.
     L = workspace_layout(Topology(4, 4), 0, 2 * MiB, MiB)
     assert L.slot == 256 * 1024
-    assert L.inter == L.stage == L.gather == 4 * L.slot and L.parity_cells == 8 * L.slot
+    assert L.inter == L.stage == L.gather == 4 * L.slot
+    assert L.parity_cells == 8 * L.slot + 8 * L.simple_slot  # LL8's 8 slots, then SIMPLE's 8 half-size ones
 
 
 def test_workspace_layout_one_rank_per_node_has_no_intra_slots():
     L = workspace_layout(Topology(4, 1), 2, 4096, MiB)
-    assert (L.slot, L.intra, L.inter, L.stage, L.gather, L.parity_cells) == (1024, 0, 0, 2048, 4096, 4096)
+    assert (L.slot, L.intra, L.inter, L.stage, L.gather) == (1024, 0, 0, 2048, 4096)
+    assert (L.simple_slot, L.simple_inter, L.simple_stage, L.parity_cells) == (512, 4096, 5120, 6144)
 
 
 def test_workspace_layout_minimum_parity():
