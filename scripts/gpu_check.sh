@@ -12,6 +12,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Never use NVLink multicast on the shared GPU hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NVSHMEM's symmetric heap defaults to 1 GiB per GPU; the conformance run holds several nvrar workspaces
+# (each nvrar.describe()['workspace_MiB']), so give it room.
+export NVSHMEM_SYMMETRIC_SIZE="${NVSHMEM_SYMMETRIC_SIZE:-8G}"
 OUTDIR="${OUT:-results/gpu_run}"
 mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -40,7 +40,14 @@ def allocate(numel: int, dtype: torch.dtype, device: torch.device, group: dist.P
     """A zeroed symmetric tensor and its rendezvous handle. Collective over `group`."""
     sm = symm_mem()
     ensure_nvshmem_backend(device)
-    t = sm.empty(numel, dtype=dtype, device=device)
+    try:
+        t = sm.empty(numel, dtype=dtype, device=device)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raise RuntimeError(
+            f"symmetric allocation of {nbytes / 2**20:.1f} MiB failed ({e}). NVSHMEM's symmetric heap is "
+            "NVSHMEM_SYMMETRIC_SIZE per GPU (default 1 GiB) and holds every communicator's buffers: raise it "
+            "(e.g. NVSHMEM_SYMMETRIC_SIZE=8G) or create communicators with a smaller max_bytes") from e
     t.zero_()
     hdl = sm.rendezvous(t, group)
     torch.cuda.synchronize(device)
