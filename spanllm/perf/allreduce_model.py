@@ -1,23 +1,35 @@
 """All-reduce cost model: per algorithm, how many steps cross which link and how many bytes they carry.
 
-Notation: M payload bytes, P ranks, N nodes, g = P / N ranks per node, node-major numbering.
-An algorithm's *schedule* (`cost_terms`) is counted in plain numbers -- launches, NVLink steps,
-network steps, wire bytes per link -- and the time is the alpha-beta sum over them with the
+Notation: M payload bytes, P ranks, N nodes, g = P / N ranks per node, node-major numbering, w the
+protocol's wire bytes per payload byte (LL / LL8 cells: 2). An algorithm's *schedule* (`cost_terms`)
+is counted in plain numbers -- launches, NVLink steps, network steps, wire bytes per link, local
+(HBM) bytes that sit on the critical path -- and the time is the alpha-beta sum over them with the
 cluster's constants (`time_from_terms_us`):
 
     t = kernels * (graph_node_us | kernel_launch_us) [+ eager_us] + base_us
         + nvlink_steps * nvlink_step_us + net_steps * net_step_us
         + nvlink_wire_bytes / (nvlink_GBps * eff) + net_wire_bytes / (nic_GBps_per_gpu * eff)
+        + local_bytes / (hbm_GBps * hbm_efficiency)
 
 Schedules (bytes on the critical path of one GPU):
-  nccl ring       2(P-1) steps, 2(N-1) of them over the network; 2(P-1)/P * M on the slowest link
-  nccl tree       2(g-1) NVLink steps + 2 ceil(log2 N) network steps; 2M on the slowest link
+  nccl ring       2(P-1) steps, 2(N-1) of them over the network; 2(P-1)/P * w M on the slowest link
+  nccl tree       2(g-1) NVLink steps + 2 ceil(log2 N) network steps; 2 w M on the slowest link
   nccl            min over {ring, tree} x {LL, LL128, Simple}, as NCCL's own tuner picks
-  torch one-shot  2 barrier steps; reads (P-1) M from peers (one host only)
-  torch two-shot  3 barrier steps; 2(P-1)/P * M (reduce-scatter + all-gather; one host only)
-  recursive doubling (flat)  log2 P steps of the full M (the first log2 g inside a node), LL8 cells
-  nvrar           intra reduce-scatter (1 step, (g-1)/g M) -> recursive doubling across nodes on the
-                  shard (log2 N steps of M/g, LL8 cells) -> intra all-gather (1 step, (g-1)/g M)
+  torch one-shot  one kernel (`one_shot_all_reduce_copy_out`): copies the input into the symmetric
+                  buffer (2M local bytes), barrier, reads (P-1) M from peers, barrier: 2 steps
+  torch two-shot  two kernels (`buf.copy_(x)`, then `two_shot_all_reduce_out`): 2M local bytes,
+                  3 barrier steps, 2(P-1)/P * M over NVLink (reduce-scatter + all-gather)
+  recursive doubling (flat)  log2 P steps of w M (the first log2 g inside a node), LL8 cells
+  nvrar           ONE kernel (spanllm.comm.nvrar_kernel), no barriers, LL8 cells (w = 2) unless the
+                  launch says SIMPLE (w = 1):
+                    one-shot (g > 1, launch 'os'): 1 NVLink exchange phase, (g-1) w M pushed
+                    reduce-scatter (launch 'rs'):  2 NVLink exchange phases (push reduce-scatter,
+                                                   push all-gather), (g-1)/g w M each
+                    inter-node: log2 N recursive-doubling rounds on the shard S (S = M in one-shot
+                    mode, M/g otherwise), each a local staging copy of w S (local bytes) and one
+                    NVSHMEM block put of w S over the link (NVLink when the nodes are virtual)
+                  os vs rs is what the tuned table chose (`launch`, from a bench row's `ran` column,
+                  e.g. 'nvrar[os/b8x256w4]'); without it the faster of the two (what tuning picks).
 Non-power-of-two counts in recursive doubling fold: the extra ranks hand their data to a partner
 first and get the result last, +2 steps of the same size.
 
@@ -114,10 +126,34 @@ class CostTerms:
     net_steps: float = 0.0
     nvlink_wire_bytes: float = 0.0
     net_wire_bytes: float = 0.0
+    local_bytes: float = 0.0  # HBM traffic on the critical path that no transfer hides (copies, staging)
 
     def __add__(self, other: "CostTerms") -> "CostTerms":
         return CostTerms(self.nvlink_steps + other.nvlink_steps, self.net_steps + other.net_steps,
-                         self.nvlink_wire_bytes + other.nvlink_wire_bytes, self.net_wire_bytes + other.net_wire_bytes)
+                         self.nvlink_wire_bytes + other.nvlink_wire_bytes, self.net_wire_bytes + other.net_wire_bytes,
+                         self.local_bytes + other.local_bytes)
+
+
+@dataclass(frozen=True)
+class NvrarLaunch:
+    """What the nvrar kernel was launched with, as far as the model needs it."""
+
+    one_shot: bool
+    protocol: str = "ll8"  # "ll8" (8-byte data+flag cells, 2x wire bytes) or "simple" (raw data + flag per tile)
+
+    @property
+    def tag(self) -> str:
+        return ("os" if self.one_shot else "rs") + ("" if self.protocol == "ll8" else "/simple")
+
+
+def parse_launch(text: str | None) -> NvrarLaunch | None:
+    """'os/b8x256w4' -> one-shot LL8; 'rs/b64x1024w8/simple' -> reduce-scatter SIMPLE; '' or None -> None."""
+    if not text:
+        return None
+    parts = str(text).strip("[]").split("/")
+    if parts[0] not in ("os", "rs"):
+        raise AllReduceModelError(f"nvrar launch {text!r}: expected 'os/...' or 'rs/...' (LaunchParams.describe())")
+    return NvrarLaunch(one_shot=parts[0] == "os", protocol="simple" if "simple" in parts[1:] else "ll8")
 
 
 def recursive_doubling_steps(n: int) -> int:
@@ -136,14 +172,14 @@ def _bytes(b: float, over_network: bool) -> CostTerms:
     return CostTerms(net_wire_bytes=b) if over_network else CostTerms(nvlink_wire_bytes=b)
 
 
-def ring_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
+def ring_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     p, n = pl.world, pl.physical_nodes
     inter = 2 * (n - 1)
     return (CostTerms(nvlink_steps=2 * (p - 1) - inter, net_steps=inter)
             + _bytes(2 * (p - 1) / p * nbytes * wire, pl.over_network))
 
 
-def tree_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
+def tree_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     if pl.world == 1:
         return CostTerms()
     g, n = pl.physical_ranks_per_node, pl.physical_nodes
@@ -151,16 +187,18 @@ def tree_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
             + _bytes(2 * nbytes * wire, pl.over_network))
 
 
-def one_shot_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
-    return CostTerms(nvlink_steps=2, nvlink_wire_bytes=(pl.world - 1) * nbytes * wire)
+def one_shot_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
+    # copy-in of the caller's tensor (read + write M) precedes the first barrier
+    return CostTerms(nvlink_steps=2, nvlink_wire_bytes=(pl.world - 1) * nbytes * wire, local_bytes=2 * nbytes)
 
 
-def two_shot_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
+def two_shot_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     p = pl.world
-    return CostTerms(nvlink_steps=3, nvlink_wire_bytes=2 * (p - 1) / p * nbytes * wire)
+    # the separate copy kernel (read + write M) runs before the reduce kernel
+    return CostTerms(nvlink_steps=3, nvlink_wire_bytes=2 * (p - 1) / p * nbytes * wire, local_bytes=2 * nbytes)
 
 
-def flat_rd_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
+def flat_rd_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     p, g = pl.world, pl.physical_ranks_per_node
     total = recursive_doubling_steps(p)
     # node-major numbering: partners at distance 2^s < g share a node (g a power of two)
@@ -170,12 +208,27 @@ def flat_rd_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
                      net_wire_bytes=inter * nbytes * wire)
 
 
-def nvrar_terms(nbytes: float, pl: Placement, wire: float) -> CostTerms:
+def nvrar_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
+    """The kernel's phases (module docstring); `launch` None means reduce-scatter mode (call `nvrar_launches`)."""
     g = pl.ranks_per_node
-    shard = nbytes / g
-    intra = CostTerms() if g == 1 else CostTerms(nvlink_steps=2, nvlink_wire_bytes=2 * (g - 1) / g * nbytes)
+    one_shot = g > 1 and launch is not None and launch.one_shot
+    if launch is not None and launch.protocol == "simple":
+        wire = 1.0
+    shard = nbytes if one_shot else nbytes / g
+    if g == 1:
+        intra = CostTerms()
+    elif one_shot:
+        intra = CostTerms(nvlink_steps=1, nvlink_wire_bytes=(g - 1) * nbytes * wire)
+    else:
+        intra = CostTerms(nvlink_steps=2, nvlink_wire_bytes=2 * (g - 1) / g * nbytes * wire)
     k = recursive_doubling_steps(pl.nodes)
-    return intra + _steps(k, pl.over_network) + _bytes(k * shard * wire, pl.over_network)
+    staging = CostTerms(local_bytes=k * shard * wire)
+    return intra + staging + _steps(k, pl.over_network) + _bytes(k * shard * wire, pl.over_network)
+
+
+def nvrar_launches(pl: Placement) -> tuple[NvrarLaunch, ...]:
+    """The launch modes a tuned table chooses among here (one-shot only with several ranks per node)."""
+    return (NvrarLaunch(True), NvrarLaunch(False)) if pl.ranks_per_node > 1 else (NvrarLaunch(False),)
 
 
 SCHEDULES = {
@@ -190,13 +243,24 @@ def schedule_of(key: str) -> str:
     return key.split("/")[0]
 
 
-def cost_terms(key: str, nbytes: float, cluster: ClusterSpec, pl: Placement) -> CostTerms:
-    return SCHEDULES[schedule_of(key)](nbytes, pl, cluster.algo(key).wire_factor)
+def cost_terms(key: str, nbytes: float, cluster: ClusterSpec, pl: Placement,
+               launch: NvrarLaunch | None = None) -> CostTerms:
+    return SCHEDULES[schedule_of(key)](nbytes, pl, cluster.algo(key).wire_factor, launch)
+
+
+def fixed_us(cost: AlgoCost, cluster: ClusterSpec, graph: bool = True) -> float:
+    """Per-call cost that no step or byte count scales: launches (graph nodes or eager), host path, base."""
+    launch = cost.kernels * (cluster.graph_node_us if graph else cluster.kernel_launch_us)
+    return launch + (0.0 if graph else cost.eager_us) + cost.base_us
+
+
+def local_us(terms: CostTerms, cluster: ClusterSpec) -> float:
+    """Critical-path local copies at the measured HBM copy bandwidth."""
+    return transfer_us(terms.local_bytes, cluster.hbm_GBps * cluster.hbm_efficiency) if terms.local_bytes else 0.0
 
 
 def time_from_terms_us(terms: CostTerms, cost: AlgoCost, cluster: ClusterSpec, graph: bool = True) -> float:
-    launch = cost.kernels * (cluster.graph_node_us if graph else cluster.kernel_launch_us)
-    t = launch + (0.0 if graph else cost.eager_us) + cost.base_us
+    t = fixed_us(cost, cluster, graph) + local_us(terms, cluster)
     t += terms.nvlink_steps * cost.nvlink_step_us + terms.net_steps * cost.net_step_us
     if terms.nvlink_wire_bytes:
         t += transfer_us(terms.nvlink_wire_bytes, cluster.nvlink_GBps * cost.bw_efficiency)
@@ -223,8 +287,11 @@ def supports(algo: str, cluster: ClusterSpec, pl: Placement) -> str | None:
 
 
 def allreduce_cost(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, ranks_per_node: int | None = None,
-                   graph: bool = True) -> tuple[float, str]:
-    """(time in us, the variant that gives it: e.g. 'nccl_tree/LL', or the algorithm `auto` chose)."""
+                   graph: bool = True, launch: str | NvrarLaunch | None = None) -> tuple[float, str]:
+    """(time in us, the variant that gives it: e.g. 'nccl_tree/LL', 'nvrar[os]', or what `auto` chose).
+
+    `launch`: for nvrar, the launch the tuned table chose ('os/b8x256w4', a bench row's `ran` bracket);
+    None: the faster of one-shot and reduce-scatter (what tuning picks)."""
     if nbytes < 0:
         raise AllReduceModelError(f"nbytes={nbytes} must be >= 0")
     pl = place(cluster, nodes, ranks_per_node)
@@ -237,6 +304,11 @@ def allreduce_cost(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, r
         options = [(allreduce_cost(a, nbytes, cluster, nodes, ranks_per_node, graph)[0], a)
                    for a in AUTO_CANDIDATES if supports(a, cluster, pl) is None]
         return min(options)
+    if algo == "nvrar":
+        given = parse_launch(launch) if isinstance(launch, str) or launch is None else launch
+        cost = cluster.algo("nvrar")
+        return min((time_from_terms_us(nvrar_terms(nbytes, pl, cost.wire_factor, lc), cost, cluster, graph),
+                    f"nvrar[{lc.tag}]") for lc in ((given,) if given else nvrar_launches(pl)))
     keys = [k for k in NCCL_VARIANTS.get(algo, (algo,)) if nbytes > cluster.algo(k).picked_above_bytes
             or cluster.algo(k).picked_above_bytes == 0]
     if not keys:
@@ -247,6 +319,6 @@ def allreduce_cost(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, r
 
 
 def allreduce_time_us(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, ranks_per_node: int | None = None,
-                      graph: bool = True) -> float:
+                      graph: bool = True, launch: str | NvrarLaunch | None = None) -> float:
     """Modelled time of one all-reduce call of `nbytes` over nodes x ranks_per_node GPUs of `cluster`."""
-    return allreduce_cost(algo, nbytes, cluster, nodes, ranks_per_node, graph)[0]
+    return allreduce_cost(algo, nbytes, cluster, nodes, ranks_per_node, graph, launch)[0]

@@ -141,18 +141,27 @@ NCCL_PROTOCOLS: dict[str, AlgoCost] = {
     "nccl_tree/Simple": AlgoCost(base_us=8.4, nvlink_step_us=4.0, net_step_us=14.0, bw_efficiency=0.92, **_SIMPLE),
 }
 
-# [assumed] NVRAR / flat recursive doubling (LL8 cells): per step the receiver polls the 8-byte cells
-# and adds them; 0.5 us of poll + add on top of the link's own one-way latency, 80% of link bandwidth.
+# [assumed] NVRAR / flat recursive doubling (LL8 cells) on clusters without a sweep: per step the receiver
+# polls the 8-byte cells and adds them; 0.5 us of poll + add on top of the link's own one-way latency, 80% of
+# link bandwidth, no per-call kernel cost (base_us 0). The H200 host's fit (below) found 3.65 us per call and
+# 59% of NVLink bandwidth: these defaults are optimistic until a sweep on that cluster replaces them.
 LL8_POLL_ADD_US = 0.5
 LL8_BW_EFFICIENCY = 0.8
 
-# [fit] torch symmetric-memory one-shot / two-shot on the H200 host: least squares (spanllm.perf.calibrate)
-# over DESIGN.md section 7 rows 4 KiB, 512 KiB, 2 MiB (128 KiB and 1 MiB held out for the test
-# tests/perf/test_perf_hardware.py). Used on every NVLink cluster: same kernels, same flag protocol.
-TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.17, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.381)
-TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=1.97, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.702)
+# [fit] torch symmetric-memory one-shot / two-shot on the H200 host, fitted by `spanllm perf calibrate`
+# (relative least squares) to results/h200x2/allreduce_1x2_bf16.json, rows of the sizes H200X2_FIT_SIZES
+# below (every other size of the sweep, 1 KiB .. 16 MiB; the rest are held out for `perf validate`):
+# 8 torch_one_shot rows, 10 torch_two_shot rows (2 of them `auto->torch_two_shot`). base_us is not
+# separable from the barrier cost (every call has the same barrier count) and stays 0.
+# Structure (allreduce_model): one-shot = 1 kernel, in-kernel copy-in + 2 barriers; two-shot = 2 kernels
+# (`buf.copy_(x)` + `two_shot_all_reduce_out`, spanllm.comm.torch_symm) + copy + 3 barriers. The two
+# fits agree on the barrier cost (3.45 vs 3.53 us), which the old single-kernel two-shot model missed
+# (it predicted ~6.4 us at small sizes vs 10.9-12 us measured). Used on every NVLink cluster: same
+# kernels, same flag protocol.
+TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.452, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.338)
+TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.533, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.659, kernels=2)
 
 
 def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float) -> dict[str, AlgoCost]:
@@ -168,9 +177,56 @@ def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float) -> dict[
 
 # This lab host: 2 x H200 joined by NVLink (NV18), no network card.
 _H200_NVLINK_LATENCY_US = 1.3  # [measured] flag ping-pong over NVLink, one way (DESIGN.md section 7)
-# [fit] NCCL on 2 ranks, DESIGN.md section 7 rows 4 KiB, 512 KiB, 2 MiB (128 KiB, 1 MiB held out).
-_HOST_NCCL_FIT = {k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.79, bw_efficiency=0.460)
-                  for k in ("nccl_ring/LL", "nccl_tree/LL")}
+
+
+@dataclass(frozen=True)
+class PresetFit:
+    """Which measurements a preset's [fit] constants came from (so validation never scores them)."""
+
+    file: str  # path relative to the repository root
+    topology: str  # NODESxRANKS_PER_NODE of the rows used
+    sizes: tuple[int, ...]  # message sizes of the rows used (every algorithm in `algos`)
+    algos: tuple[str, ...]  # the algorithms (bench `ran` names) whose rows were used
+    constants: tuple[str, ...]  # the AlgoCost entries fitted to them
+
+    def describe(self) -> str:
+        return (f"{', '.join(self.constants)} fitted to {self.file} ({self.topology}; {', '.join(self.algos)}; "
+                f"sizes {', '.join(str(s) for s in self.sizes)} B)")
+
+
+H200X2_FIT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB, 4 KiB, ..., 16 MiB: every other sweep size
+H200X2_FIT = PresetFit(
+    file="results/h200x2/allreduce_1x2_bf16.json", topology="1x2", sizes=H200X2_FIT_SIZES,
+    algos=("nccl", "torch_one_shot", "torch_two_shot", "nvrar"),
+    constants=("nccl_ring/LL", "nccl_tree/LL", "nccl_ring/Simple", "nccl_tree/Simple", "torch_one_shot",
+               "torch_two_shot", "nvrar"))
+
+# [fit] NCCL 2.28.9 on 2 ranks, results/h200x2/allreduce_1x2_bf16.json, nccl rows of H200X2_FIT_SIZES:
+# LL (ring and tree) on the 6 rows <= 2 MiB (1 KiB .. 1 MiB), Simple (ring and tree) on the 2 rows above
+# (4 MiB, 16 MiB: NCCL has left LL there, 30.6 -> 36.0 us for 2x the bytes). base_us stays NCCL's own
+# (2 ranks: always 2 ring steps, a fixed cost is not separable); the step cost and efficiency are fitted.
+# LL128 keeps NCCL's nominal constants but, as `calibrate` does, is considered only above the measured range
+# (16 MiB): every row above 2 MiB lies on the one fitted line, and nominal LL128 would undercut it by ~20%.
+_HOST_NCCL_FIT = {
+    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.659, bw_efficiency=0.632)
+       for k in ("nccl_ring/LL", "nccl_tree/LL")},
+    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=6.483, bw_efficiency=0.658)
+       for k in ("nccl_ring/Simple", "nccl_tree/Simple")},
+    **{k: replace(NCCL_PROTOCOLS[k], picked_above_bytes=16 * 1024 * 1024)
+       for k in ("nccl_ring/LL128", "nccl_tree/LL128")},
+}
+# [fit] NVRAR (spanllm.comm.nvrar_kernel, LL8 cells) on 1 node x 2 GPUs, results/h200x2/allreduce_1x2_bf16.json,
+# the 14 nvrar rows (8 `nvrar`, 6 `auto->nvrar`) of H200X2_FIT_SIZES, each priced with the launch its `ran`
+# column names: one-shot (1 NVLink exchange phase) up to 256 KiB, reduce-scatter (2 phases) above. Both phase
+# counts in one file separate the per-call cost from the per-phase cost:
+#   base_us        3.654  per-call kernel cost beyond the 0.5 us graph node (sequence load, programs, ticket)
+#   nvlink_step_us 0.353  per NVLink exchange phase (weakly determined: one-shot and reduce-scatter rows never
+#                         share a size in this file; the tuning sweep tuning_1x2_bf16.json shows rs - os
+#                         ~1.1-1.4 us at <= 64 KiB, i.e. ~1 us more per phase)
+#   bw_efficiency  0.594  effective P2P store bandwidth 0.594 x 450 = 267 GB/s of LL8 wire bytes (2x payload)
+# net_step_us is not measured on this host (no network): the default, link latency + 0.5.
+_HOST_NVRAR_FIT = AlgoCost(base_us=3.654, nvlink_step_us=0.353, net_step_us=_H200_NVLINK_LATENCY_US + 0.5,
+                           wire_factor=2.0, bw_efficiency=0.594)
 
 PRESETS: dict[str, ClusterSpec] = {
     "h200x2": ClusterSpec(
@@ -187,7 +243,8 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
         graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
-        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US), **_HOST_NCCL_FIT},
+        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US), **_HOST_NCCL_FIT,
+               "nvrar": _HOST_NVRAR_FIT},
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100", description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
@@ -254,6 +311,9 @@ PRESETS: dict[str, ClusterSpec] = {
         algos=default_algo_costs(1.3, 4.0),
     ),
 }
+
+PRESET_FITS: dict[str, PresetFit] = {"h200x2": H200X2_FIT}
+"""Preset name -> the measurements its [fit] constants came from (`perf validate` leaves those rows out)."""
 
 
 # ---------------------------------------------------------------------------------------------------

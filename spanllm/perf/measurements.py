@@ -29,6 +29,7 @@ class AllReduceMeasurement:
     ranks_per_node: int
     graph: bool
     time_us: float
+    launch: str = ""  # nvrar launch the tuned table chose, from `ran` ('os/b8x256w4'); '' when not given
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ def ran_algorithm(ran: str) -> str:
     return ran.split("->")[-1].split("[")[0]
 
 
+def ran_launch(ran: str) -> str:
+    """The launch parameters in a `ran` column: 'auto->nvrar[os/b8x256w4]' -> 'os/b8x256w4'; none -> ''."""
+    last = ran.split("->")[-1]
+    return last.split("[", 1)[1].rstrip("]") if "[" in last else ""
+
+
 def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasurement]:
     """Timed, correct rows of one all-reduce sweep (rows with wrong > 0 or no time are left out)."""
     settings = doc.get("settings", {})
@@ -68,8 +75,9 @@ def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasuremen
             else:
                 rpn = int(row.get("ranks_per_node", settings["ranks_per_node"]))
                 nodes = int(row.get("world_size", settings["world_size"])) // rpn
+            ran = str(row.get("ran") or row["algo"])
             out.append(AllReduceMeasurement(
-                source=source, algo=ran_algorithm(str(row.get("ran") or row["algo"])), requested=str(row["algo"]),
+                source=source, algo=ran_algorithm(ran), requested=str(row["algo"]), launch=ran_launch(ran),
                 nbytes=int(row["size"]), dtype=str(row.get("type", settings.get("dtype", "bfloat16"))),
                 nodes=nodes, ranks_per_node=rpn, graph=bool(row.get("graph", settings.get("graph", True))),
                 time_us=float(row["time_us"])))

@@ -1,14 +1,18 @@
 """`spanllm perf validate`: predicted vs measured for every measurement under results/, with the error.
 
 What predicts what, so that no prediction is fitted to the point that validates it:
-  allreduce/preset          the preset's constants as shipped (hardware.py). On the H200 host, NCCL,
-                            one-shot and two-shot were fitted to DESIGN.md's 4 KiB / 512 KiB / 2 MiB
-                            rows; a new sweep of the same host at those sizes is a re-measurement, not
-                            the fitted point, but is the least independent category.
+  allreduce/preset          the preset's constants as shipped (hardware.py). Where hardware.PRESET_FITS
+                            names the rows a preset was fitted to (h200x2: every other size, 1 KiB ..
+                            16 MiB, of results/h200x2/allreduce_1x2_bf16.json, for nccl, torch one-shot,
+                            torch two-shot and nvrar), those rows are left out: this category is the
+                            1x2 sizes in between plus every 2x1 row (a topology the preset never saw).
   allreduce/holdout-sizes   per (file, algorithm, topology): fit (calibrate) on every other size,
                             predict the sizes in between.
   allreduce/cross-topology  per algorithm with several topologies (e.g. 1x2 and 2x1): fit on all
-                            other topologies, predict this one.
+                            other topologies, predict this one (both directions on the H200 host).
+  Every fit prices nvrar rows with the launch their `ran` column names (one-shot: 1 NVLink phase,
+  reduce-scatter: 2, 2x1: 1 recursive-doubling round + a local staging copy); base_us is fitted only
+  where the rows hold two phase counts (1x2), else kept from the preset.
   engine/ttft|tpot|e2e      batch / study rows from the inference model, with all-reduce constants
                             calibrated on the all-reduce sweeps (separate measurements) when there are
                             any, else the preset; GEMM / HBM constants are datasheet or separately
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
 from spanllm.perf.calibrate import CalibrationError, calibrate
-from spanllm.perf.hardware import PRESETS, ClusterSpec, load_cluster
+from spanllm.perf.hardware import PRESET_FITS, PRESETS, ClusterSpec, PresetFit, load_cluster
 from spanllm.perf.inference import InferenceModelError, Layout, Workload, estimate
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
 from spanllm.perf.model_shape import ModelShapeError, get_model
@@ -50,19 +54,41 @@ def _ar_label(m: AllReduceMeasurement) -> str:
 
 
 def _predict(m: AllReduceMeasurement, cluster: ClusterSpec) -> float:
-    return allreduce_time_us(model_name(m.algo), m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph)
+    algo = model_name(m.algo)
+    return allreduce_time_us(algo, m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph,
+                             launch=m.launch or None if algo == "nvrar" else None)
+
+
+def preset_fitted(m: AllReduceMeasurement, fit: PresetFit | None) -> bool:
+    """Whether the preset's constants were fitted to this row (then it cannot validate them)."""
+    if fit is None:
+        return False
+    same_file = Path(m.source).resolve().as_posix().endswith(fit.file) or Path(m.source).as_posix().endswith(fit.file)
+    return (same_file and f"{m.nodes}x{m.ranks_per_node}" == fit.topology and m.nbytes in fit.sizes
+            and m.algo in fit.algos)
 
 
 def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> tuple[list[dict], list[str]]:
     records, skipped = [], []
     usable = []
+    pfit = PRESET_FITS.get(cluster.name)
+    in_fit = 0
     for m in ms:
         try:
-            records.append(_record("allreduce/preset", _ar_label(m), _predict(m, cluster), m.time_us, m.source,
-                                   f"preset {cluster.name}"))
+            predicted = _predict(m, cluster)
             usable.append(m)
         except (AllReduceModelError, ValueError) as e:
             skipped.append(f"{_ar_label(m)}: {e}")
+            continue
+        if preset_fitted(m, pfit):
+            in_fit += 1
+            continue
+        records.append(_record("allreduce/preset", _ar_label(m), predicted, m.time_us, m.source,
+                               f"preset {cluster.name}: {pfit.file} {pfit.topology}, every other size" if pfit
+                               else f"preset {cluster.name}"))
+    if in_fit:
+        skipped.append(f"allreduce/preset: {in_fit} rows left out, the preset's constants were fitted to them "
+                       f"({pfit.describe()})")
     groups: dict[tuple, list[AllReduceMeasurement]] = {}
     for m in usable:
         groups.setdefault((m.source, m.algo, m.nodes, m.ranks_per_node, m.graph), []).append(m)
@@ -152,11 +178,15 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         except (CalibrationError, ValueError):
             pass
     erecs, s2 = engine_records(eng, engine_cluster, fitted_on)
+    pfit = PRESET_FITS.get(cluster.name)
+    constants = {key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
+                 for key in (pfit.constants if pfit else ())}
     claims = [asdict(c) for name in ("perlmutter", "vista")
               for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))]
     return {"cluster": cluster.name, "results_dir": str(results_dir), "measurements": len(ar) + len(eng),
             "records": records + erecs, "summary": summarize(records + erecs), "paper_claims": claims,
-            "skipped": skipped + s1 + s2, "method": __doc__.split("\n\n", 1)[1].strip()}
+            "skipped": skipped + s1 + s2, "preset_constants": constants,
+            "preset_fit": asdict(pfit) if pfit else None, "method": __doc__.split("\n\n", 1)[1].strip()}
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -217,6 +247,17 @@ def run(args: argparse.Namespace) -> int:
         for c, v in report["summary"].items():
             s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
         console.print(s)
+    if report.get("preset_fit"):
+        f = report["preset_fit"]
+        k = Table(title=f"preset {report['cluster']}: constants fitted to {f['file']} ({f['topology']}, sizes "
+                        f"{', '.join(str(x) for x in f['sizes'])} B; those rows are not scored)")
+        for col in ("entry", "kernels", "base us", "nvlink step us", "bw efficiency", "wire factor"):
+            k.add_column(col)
+        for key, v in report["preset_constants"].items():
+            k.add_row(key, str(v["kernels"]), f"{v['base_us']:.3f}", f"{v['nvlink_step_us']:.3f}",
+                      f"{v['bw_efficiency']:.3f}", f"{v['wire_factor']:.2f}")
+        console.print(k)
+    console.print("method: " + report["method"])
     c = Table(title="paper headline claims on the presets (no constant fitted to them)")
     for col in ("claim", "cluster", "predicted min / median / max", "claimed", "consistent", "max at"):
         c.add_column(col)

@@ -14,18 +14,27 @@ SIZES = [2 ** k for k in range(12, 23)]
 
 def test_fit_recovers_known_constants():
     host = PRESETS["h200x2"]
-    # synthetic truth: nvrar with 3 us per NVLink step and 50% efficiency, on both host topologies
-    truth = 3.0, 0.5
+    # synthetic truth for the kernel's structure: 4 us per call, 1 us per NVLink phase, 50% efficiency;
+    # 1x2 one-shot (1 phase) up to 256 KiB, reduce-scatter (2 phases) above; 2x1 one round + staging copy
+    base, step, eff = 4.0, 1.0, 0.5
     ms = []
-    for topo, (n, g) in (("1x2", (1, 2)), ("2x1", (2, 1))):
-        for s in SIZES:
-            steps = 2 if g == 2 else 1
-            wire = s / 2 * 2 if g == 2 else 2 * s  # RS + AG move (g-1)/g M each; RD moves 2x M (LL8)
-            t = 0.5 + steps * truth[0] + wire / (450e3 * truth[1])
-            ms.append(AllReduceMeasurement("x", "nvrar", "nvrar", s, "bfloat16", n, g, True, t))
+    for s in SIZES:
+        one_shot = s <= 256 * 1024
+        t = 0.5 + base + (1 if one_shot else 2) * step + 2 * s / (450e3 * eff)  # LL8: 2 x M wire bytes either way
+        ms.append(AllReduceMeasurement("x", "nvrar", "nvrar", s, "bfloat16", 1, 2, True, t,
+                                       launch="os/b8x256w4" if one_shot else "rs/b64x1024w8"))
     fit = fit_algo_cost("nvrar", ms, host)
-    assert fit.cost.nvlink_step_us == pytest.approx(3.0) and fit.cost.bw_efficiency == pytest.approx(0.5)
+    assert fit.fitted_base  # two phase counts separate the per-call cost from the per-phase cost
+    assert (fit.cost.base_us, fit.cost.nvlink_step_us, fit.cost.bw_efficiency) == pytest.approx((base, step, eff))
     assert fit.rms_rel_error < 1e-9
+    # 2x1 alone: one phase count, so base_us stays the preset's and the step cost absorbs the difference
+    ms2 = [AllReduceMeasurement("x", "nvrar", "nvrar", s, "bfloat16", 2, 1, True,
+                                0.5 + base + step + 2 * s / (450e3 * eff) + 2 * s / 4300e3, launch="rs/b8x256w4")
+           for s in SIZES]
+    fit2 = fit_algo_cost("nvrar", ms2, host)
+    assert not fit2.fitted_base and fit2.cost.base_us == host.algo("nvrar").base_us
+    assert fit2.cost.base_us + fit2.cost.nvlink_step_us == pytest.approx(base + step)
+    assert fit2.cost.bw_efficiency == pytest.approx(eff)
 
 
 def test_fit_refuses_what_it_cannot_determine():
@@ -40,20 +49,33 @@ def test_fit_refuses_what_it_cannot_determine():
 
 def test_calibrate_nccl_moves_the_ll_entries_and_keeps_the_protocol_switch():
     host = PRESETS["h200x2"]
-    ms = [AllReduceMeasurement("x", "nccl", "nccl", s, "bfloat16", 1, 2, True, 12.0 + s / 100e3) for s in SIZES]
+    small = [s for s in SIZES if s <= 2 << 20]  # NCCL's low-latency range in the preset
+    ms = [AllReduceMeasurement("x", "nccl", "nccl", s, "bfloat16", 1, 2, True, 12.0 + s / 100e3) for s in small]
     spec, fits, skipped = calibrate(ms, host)
     assert [f.algo for f in fits] == ["nccl"] and not skipped
     assert spec.algos["nccl_ring/LL"].bw_efficiency == spec.algos["nccl_tree/LL"].bw_efficiency
-    assert spec.algos["nccl_ring/Simple"].picked_above_bytes >= max(SIZES)
-    for s in SIZES:
+    assert spec.algos["nccl_ring/Simple"].picked_above_bytes >= max(small)
+    for s in small:
         assert allreduce_time_us("nccl", s, spec, 1, 2) == pytest.approx(12.0 + s / 100e3, rel=0.02)
+    # rows above the switch: a second line, fitted as Simple; LL128 is kept out of the measured range
+    big = [4 << 20, 8 << 20, 16 << 20]
+    ms += [AllReduceMeasurement("x", "nccl", "nccl", s, "bfloat16", 1, 2, True, 20.0 + s / 300e3) for s in big]
+    spec, fits, skipped = calibrate(ms, host)
+    assert [f.keys for f in fits] == [("nccl_ring/LL", "nccl_tree/LL"), ("nccl_ring/Simple", "nccl_tree/Simple")]
+    assert spec.algos["nccl_ring/LL128"].picked_above_bytes >= max(big)
+    for s in big:
+        assert allreduce_time_us("nccl", s, spec, 1, 2) == pytest.approx(20.0 + s / 300e3, rel=0.02)
+    # a single size above the switch cannot be fitted: left out, and said so
+    one_big = [m for m in ms if m.nbytes <= 4 << 20]
+    _, fits, skipped = calibrate(one_big, host)
+    assert len(fits) == 1 and any("above 2097152 bytes" in x for x in skipped)
 
 
 def test_cli_writes_a_preset_that_loads(tmp_path, bench):
     row, bench_doc = bench
     src = tmp_path / "sweep.json"
     rows = [row("nccl", s, 11.0 + s / 80e3) for s in SIZES] + [row("gloo", 4096, 100.0)]
-    rows += [row("auto", s, 2.0 + s / 150e3, topology="2x1", ran="nvrar") for s in SIZES]
+    rows += [row("auto", s, 5.0 + s / 150e3, topology="2x1", ran="auto->nvrar[rs/b8x256w4]") for s in SIZES]
     rows += [row("nvrar", 4096, 1e9, wrong=3)]  # wrong results are not timings
     src.write_text(json.dumps(bench_doc(rows)))
     out = tmp_path / "fitted.json"
@@ -61,7 +83,7 @@ def test_cli_writes_a_preset_that_loads(tmp_path, bench):
     assert cal.run(args) == 0
     spec = load_cluster(out)
     assert spec.name == "lab"
-    assert allreduce_time_us("nvrar", 2 ** 20, spec, 2, 1) == pytest.approx(2.0 + 2 ** 20 / 150e3, rel=0.05)
+    assert allreduce_time_us("nvrar", 2 ** 20, spec, 2, 1) == pytest.approx(5.0 + 2 ** 20 / 150e3, rel=0.05)
 
 
 def test_parse_bytes():

@@ -29,8 +29,10 @@ def engine_doc():
 @pytest.fixture
 def results(tmp_path, bench):
     row, bench_doc = bench
-    # a host sweep: linear truth per algorithm on both topologies
-    truth = {"nccl": (11.0, 80e3), "torch_two_shot": (6.5, 300e3), "nvrar": (2.5, 150e3)}
+    # a host sweep: linear truth per algorithm on both topologies (nvrar's intercept above the preset's
+    # per-call cost 0.5 + 3.654 us: rows without a launch tag all price as one-shot on 1x2, one phase
+    # count, so base_us is kept from the preset there)
+    truth = {"nccl": (11.0, 80e3), "torch_two_shot": (6.5, 300e3), "nvrar": (5.0, 150e3)}
     rows = []
     for algo, (a, bw) in truth.items():
         for topo in ("1x2", "2x1") if algo == "nvrar" else ("1x2",):
@@ -87,3 +89,21 @@ def test_no_measurements_is_said_clearly(tmp_path, capsys):
 
 def test_rel_error():
     assert val.rel_error(11.0, 10.0) == pytest.approx(0.1) and val.rel_error(9.0, 10.0) == pytest.approx(-0.1)
+
+
+def test_lab_results_meet_the_target_without_scoring_fitted_rows():
+    """results/ as committed: the h200x2 preset's fitted rows are not scored, and every all-reduce category
+    stays within the issue's 15% median |error| (this changes only when results/ or hardware.py do)."""
+    from pathlib import Path
+
+    from spanllm.perf.hardware import H200X2_FIT
+
+    root = Path(__file__).resolve().parents[2]
+    rep = val.validate(root / "results", PRESETS["h200x2"])
+    for r in rep["records"]:
+        if r["category"] == "allreduce/preset" and r["source"].endswith(H200X2_FIT.file):
+            assert int(r["label"].split()[2]) not in H200X2_FIT.sizes, r["label"]
+    assert any("rows left out, the preset's constants were fitted to them" in s for s in rep["skipped"])
+    assert rep["preset_fit"]["file"] == H200X2_FIT.file and "nvrar" in rep["preset_constants"]
+    for cat in ("allreduce/preset", "allreduce/holdout-sizes", "allreduce/cross-topology"):
+        assert rep["summary"][cat]["median_abs_rel_error"] < 0.15, cat
