@@ -4,9 +4,12 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout pytest bench tune engine study. Results go to $OUT (the device
-# tool's folder) or results/gpu_run. Every launch is wrapped in `timeout`, and results are written
-# as each stage ends, so a stage that overruns still leaves the earlier ones behind.
+# Stages: env conformance timeout pytest tune bench engine engine70b study. Results go to
+# results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
+# into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
+# wrapped in `timeout`, so a stage that overruns still leaves the earlier ones behind.
+# Rough times on 2 x H200 (fresh machine, Triton compiles included): conformance 2x ~2 min, timeout
+# 2x 20 s, pytest 1 min, tune 2x 40 s, bench 2x 25 s, engine (8B) ~4 min, engine70b ~9 min, study ~6 min.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -15,11 +18,28 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # NVSHMEM's symmetric heap defaults to 1 GiB per GPU; the conformance run holds several nvrar workspaces
 # (each nvrar.describe()['workspace_MiB']), so give it room.
 export NVSHMEM_SYMMETRIC_SIZE="${NVSHMEM_SYMMETRIC_SIZE:-8G}"
-OUTDIR="${OUT:-results/gpu_run}"
+OUTDIR="${SPANLLM_GPU_OUT:-results/gpu_run}"
 mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout pytest bench tune engine study)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout pytest tune bench engine engine70b study)
+# Tuning tables from the tune stage (this run) or the committed ones.
+TUNING="${TUNING:-}"
+pick_tuning() {
+  if [ -z "$TUNING" ]; then
+    if [ -f "$OUTDIR/tuning_rpn$NGPU.json" ] && [ -f "$OUTDIR/tuning_rpn1.json" ]; then
+      TUNING="$OUTDIR/tuning_rpn$NGPU.json,$OUTDIR/tuning_rpn1.json"
+    else
+      TUNING="results/h200x2/tuning_1x2_bf16.json,results/h200x2/tuning_2x1_bf16.json"
+    fi
+  fi
+}
+pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu_results.tgz" -C "$OUTDIR" . ; return 0; }
+batch() {  # model workload batch-sizes iters
+  pick_tuning
+  timeout 580 $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" \
+    --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/batch_${1}_$2.json" --plot "$OUTDIR/batch_${1}_$2.png" || rc=1
+}
 TR="torchrun --standalone --nproc-per-node $NGPU"
 log() { echo "=== $(date +%H:%M:%S) $*"; }
 rc=0
@@ -49,11 +69,13 @@ for stage in "${STAGES[@]}"; do
       SPANLLM_GPU_RESULTS="$OUTDIR" timeout 300 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUTDIR/pytest_gpu.txt" || rc=1
       ;;
     bench)
+      pick_tuning
       for rpn in "$NGPU" 1; do
         log "bench allreduce ranks_per_node=$rpn"
         timeout 500 $TR -m spanllm.cli bench allreduce -b 1K -e 16M -f "${FACTOR:-2}" -n "${ITERS:-20}" --dtype bfloat16 --graph \
           --ranks-per-node "$rpn" --algos "${ALGOS:-nccl,torch_one_shot,torch_two_shot,nvrar,auto}" \
-          ${TUNING:+--tuning $TUNING} --buffer-bytes 16M --json "$OUTDIR/allreduce_rpn$rpn.json" || rc=1
+          --tuning "$TUNING" --buffer-bytes 16M --json "$OUTDIR/allreduce_rpn$rpn.json" \
+          --plot "$OUTDIR/allreduce_rpn$rpn.png" || rc=1
       done
       ;;
     tune)
@@ -64,17 +86,29 @@ for stage in "${STAGES[@]}"; do
       done
       ;;
     engine)
-      log "bench batch"
-      timeout 580 $TR -m spanllm.cli bench batch ${ENGINE_ARGS:---model llama3.1-8b --allreduce nccl,nvrar} \
-        --json "$OUTDIR/batch.json" --plot "$OUTDIR/batch.png" || rc=1
+      log "bench batch 8B"
+      batch llama3.1-8b decode-heavy 1,8,32,64 3
+      batch llama3.1-8b prefill-heavy 1,8,32,64 2
+      ;;
+    engine70b)
+      log "bench batch 70B"
+      batch llama3.1-70b decode-heavy 1,8,32,64 1
+      batch llama3.1-70b prefill-heavy 1,8 1
       ;;
     study)
-      log "bench study"
-      timeout 580 $TR -m spanllm.cli bench study ${STUDY_ARGS:---model llama3.1-8b} \
-        --json "$OUTDIR/study.json" --plot "$OUTDIR/study.png" || rc=1
+      pick_tuning
+      for model in llama3.1-8b llama3.1-70b; do
+        for wl in decode-heavy prefill-heavy; do
+          log "bench study $model $wl"
+          timeout 580 $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes 1,8,64 \
+            --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" \
+            --json "$OUTDIR/study_${model}_$wl.json" --plot "$OUTDIR/study_${model}_$wl.png" || rc=1
+        done
+      done
       ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
+  pack
 done
 log "done rc=$rc"
 exit $rc
