@@ -53,8 +53,6 @@ def main() -> int:
         if cls.capability.topology_rule and cls.capability.topology_rule(topo):
             continue
         comms[name] = registry.create(name, topology=topo, max_bytes=args.max_bytes, device=dev)
-    # NVSHMEM PE numbering assumption: PE == global rank.
-    from torch.distributed._symmetric_memory import _nvshmem_triton  # noqa: F401  (import check only)
     itemmax = args.max_bytes
     lengths = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003]
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int32]

@@ -111,3 +111,19 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 1, backend: str | N
             with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+def finish(code: int) -> int:
+    """End a command: under a launcher on GPUs, leave the process at once after a barrier.
+
+    Processes that captured NCCL calls in CUDA graphs were seen hanging in interpreter teardown until
+    an outer timeout killed them (minutes of a GPU lease); results are written before this is called.
+    """
+    if under_launcher() and torch.cuda.is_available() and dist.is_initialized():
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        dist.barrier()
+        os._exit(code)
+    return code

@@ -9,7 +9,6 @@ local gloo ranks; under torchrun it uses the launcher's ranks (NCCL on GPUs).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -19,7 +18,7 @@ from spanllm.bench.report import algbw_GBps, allreduce_busbw_GBps, write_json
 from spanllm.bench.timing import time_calls
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
-from spanllm.launch import DistContext, launch, under_launcher
+from spanllm.launch import DistContext, finish, launch
 
 
 def parse_size(text: str) -> int:
@@ -202,10 +201,4 @@ def run(args) -> int:
     sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)  # fail before spawning
     results = launch(bench_rank, args, nprocs=args.nprocs)
     rows = results[0]
-    failed = any(r["wrong"] for r in rows)
-    if under_launcher() and torch.cuda.is_available():
-        # Processes that captured NCCL calls in CUDA graphs can hang in teardown: leave now.
-        sys.stdout.flush()
-        dist.barrier()
-        os._exit(1 if failed else 0)
-    return 1 if failed else 0
+    return finish(1 if any(r["wrong"] for r in rows) else 0)

@@ -37,7 +37,7 @@ from spanllm.engine.generate import add_model_arguments, resolve_dtype
 from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import CATEGORIES
-from spanllm.launch import DistContext, launch
+from spanllm.launch import DistContext, finish, launch
 
 WORKLOADS = {"decode-heavy": (128, 512), "prefill-heavy": (2048, 32)}  # (prompt_len, decode_len)
 
@@ -322,8 +322,8 @@ def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     results = launch(_bench_rank, s, args.tp, args.pp, args.micro_batches, nprocs=args.nprocs)
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+        return finish(0)
     rows, skipped = results[0]
     world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
     report("batch", s, rows, skipped, world, args.json, args.plot)
-    return 0
+    return finish(0)

@@ -21,7 +21,7 @@ from spanllm.bench.batch import BenchSettings, add_bench_arguments, report, run_
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import ModelConfig, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
-from spanllm.launch import DistContext, launch
+from spanllm.launch import DistContext, finish, launch
 
 DEFAULT_ALLREDUCE = {"cuda": ("nccl", "nvrar"), "cpu": ("gloo", "ref_ring")}
 
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     results = launch(_study_rank, s, args.micro_batches, nprocs=args.nprocs)
     if int(os.environ.get("RANK", "0")) != 0:
-        return 0
+        return finish(0)
     rows, skipped = results[0]
     world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
     report("study", s, rows, skipped, world, args.json, args.plot)
-    return 0
+    return finish(0)

@@ -17,7 +17,6 @@ Launch parameters
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 import torch

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
 from dataclasses import asdict
 
 import torch
@@ -24,7 +22,7 @@ from spanllm.bench.timing import time_calls
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
 from spanllm.comm.tuning import TuningEntry, TuningTable
-from spanllm.launch import DistContext, launch, under_launcher
+from spanllm.launch import DistContext, finish, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,8 +130,4 @@ def tune_rank(ctx: DistContext, args) -> dict:
 
 def run(args) -> int:
     launch(tune_rank, args, nprocs=args.nprocs)
-    if under_launcher() and torch.cuda.is_available():
-        sys.stdout.flush()
-        dist.barrier()
-        os._exit(0)
-    return 0
+    return finish(0)
