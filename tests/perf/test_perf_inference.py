@@ -1,4 +1,3 @@
-
 import pytest
 
 from spanllm.perf.allreduce_model import allreduce_time_us
