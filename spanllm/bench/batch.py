@@ -59,6 +59,8 @@ class BenchSettings:
     ranks_per_node: int | None
     tuning: str | None = None
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
+    compile_decode: bool = False  # torch.compile the decode forward (EngineConfig.compile_decode)
+    compile_backend: str = "inductor"
 
 
 WARMUP_DECODE_LEN = 32  # decode tokens of a warm-up run (captures the graph; not timed)
@@ -115,7 +117,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
                          breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
-                         breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None))
+                         breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None),
+                         compile_decode=getattr(args, "compile_decode", False),
+                         compile_backend=getattr(args, "compile_backend", "inductor"))
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
@@ -123,7 +127,8 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batc
 
     engine = EngineConfig(max_batch_size=max(s.batch_sizes), max_seq_len=s.prompt_len + s.decode_len,
                           dtype=resolve_dtype(s.dtype, ctx.device), cuda_graphs=s.cuda_graphs,
-                          micro_batches=micro_batches, seed=s.seed)
+                          micro_batches=micro_batches, seed=s.seed, compile_decode=s.compile_decode,
+                          compile_backend=s.compile_backend)
     tuning = None
     if s.tuning:
         from spanllm.comm.tuning import TuningTable
@@ -191,7 +196,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "breakdown_ms": breakdown, "stage_breakdown_ms": stage_breakdown, "breakdown_step_ms": step_ms,
         "breakdown_mode": "eager pass with per-op timers" if breakdown is not None else None,
         "breakdown_steps": breakdown_steps, "warmup_decode_len": warmup_len if s.warmup else None,
-        "cuda_graphs": llm.cuda_graphs, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
+        "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
+        "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
 
 

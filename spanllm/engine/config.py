@@ -221,6 +221,13 @@ class EngineConfig:
     # A buffered all-reduce (nvrar, torch symm-mem) takes messages up to this size (decode); larger ones
     # (prefill activations) go to the group's own collective, as in the paper's engine.
     allreduce_max_bytes: int = 2 << 20
+    # Decode forward (embedding -> layers -> norm -> LM head) through torch.compile (dynamic=False, default
+    # mode: the engine captures its own CUDA graph around the compiled code). The row-parallel all-reduce
+    # then goes through the opaque custom op torch.ops.spanllm.all_reduce_. One compile per decode bucket
+    # shape (batch size, first cache slot, input kind); the warm-up before each graph capture compiles.
+    # compile_backend: "inductor" (fuses the small kernels), or "aot_eager" (tracing only; CPU tests).
+    compile_decode: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -231,3 +238,6 @@ class EngineConfig:
             raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval={self.eos_check_interval} must be >= 1")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend={self.compile_backend!r} must be a torch.compile backend name "
+                             "(inductor, aot_eager, eager)")

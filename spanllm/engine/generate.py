@@ -27,6 +27,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per (virtual) node; default LOCAL_WORLD_SIZE")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on GPU")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="torch.compile the decode forward (dynamic=False: one compile per batch bucket; the "
+                             "all-reduce goes through torch.ops.spanllm.all_reduce_)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend for --compile-decode (inductor; aot_eager traces only)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -77,7 +82,8 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
     tp = args.tp or ctx.world_size // args.pp
     engine = EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
                           dtype=resolve_dtype(args.dtype, ctx.device), cuda_graphs=not args.no_cuda_graphs,
-                          micro_batches=args.micro_batches, seed=args.seed)
+                          micro_batches=args.micro_batches, seed=args.seed, compile_decode=args.compile_decode,
+                          compile_backend=args.compile_backend)
     llm = LLM(cfg, engine, dims=ParallelDims(tp, args.pp, ctx.world_size), allreduce=args.allreduce,
               device=ctx.device, ranks_per_node=args.ranks_per_node)
     try:

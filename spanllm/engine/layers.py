@@ -45,6 +45,11 @@ class TPContext:
     timers: Timers = field(default_factory=Timers)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
+    # torch.ops.spanllm.all_reduce_ handles of comm / large_comm (spanllm.comm.op.register), set by LLM when
+    # EngineConfig.compile_decode is on: the row-parallel all-reduce then calls the opaque custom op, which
+    # torch.compile keeps as one node, instead of tracing into the communicator's Python. None: call directly.
+    comm_handle: str | None = None
+    large_comm_handle: str | None = None
 
     def __post_init__(self) -> None:
         if self.size > 1 and self.comm is None:
@@ -57,6 +62,16 @@ class TPContext:
             if why is not None and why(x) is not None:
                 return self.large_comm
         return self.comm
+
+    def all_reduce_(self, x: torch.Tensor) -> None:
+        """Sum x in place over the TP group with comm_for(x): directly, or through the custom op when a
+        handle is registered (compile_decode)."""
+        comm = self.comm_for(x)
+        if self.comm_handle is None:
+            comm.all_reduce_(x)
+        else:
+            handle = self.large_comm_handle if comm is self.large_comm else self.comm_handle
+            torch.ops.spanllm.all_reduce_(x, handle)
 
     def empty(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(*shape, device=self.device, dtype=self.dtype), requires_grad=False)
@@ -135,7 +150,7 @@ class RowParallelLinear(nn.Module):
             y = F.linear(x, self.weight)
         if self.tp.size > 1:
             with timers.region("allreduce"):
-                self.tp.comm_for(y).all_reduce_(y)  # in place; y is a fresh contiguous tensor
+                self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor
         return y
 
 

@@ -78,6 +78,8 @@ class LLM:
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
         self.model = LlamaForCausalLM(self.config, tp, layers, g.is_first_stage, g.is_last_stage)
+        self._op_handles: list[str] = []
+        self._register_ops()
         if self.config.checkpoint_dir is not None:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
@@ -134,6 +136,7 @@ class LLM:
             raise ValueError("pass exactly one of name= or comm=")
         if name is not None:
             comm = self._create_comm(name)
+        self._unregister_ops()  # before the old communicator closes
         if self._owns_comm and self.comm is not None:
             self.comm.close()
         self._owns_comm = name is not None
@@ -141,7 +144,33 @@ class LLM:
         self._ensure_large_comm(comm)
         self.model.tp.comm = comm
         self.model.tp.large_comm = self.large_comm
+        self._register_ops()  # compiled code guards on the handle: the next decode recompiles
         self.runner.reset_graphs()
+
+    def _register_ops(self) -> None:
+        """compile_decode: register comm (and large_comm) for torch.ops.spanllm.all_reduce_ and hand the
+        handles to the row-parallel layers; drop any previous registration first."""
+        self._unregister_ops()
+        if not self.engine.compile_decode or self.dims.tp == 1:
+            return
+        from spanllm.comm import op
+
+        tp = self.model.tp
+        tp.comm_handle = op.register(_named(self.comm))
+        self._op_handles.append(tp.comm_handle)
+        if self.large_comm is not None:
+            tp.large_comm_handle = op.register(_named(self.large_comm))
+            self._op_handles.append(tp.large_comm_handle)
+
+    def _unregister_ops(self) -> None:
+        if not self._op_handles:
+            return
+        from spanllm.comm import op
+
+        for h in self._op_handles:
+            op.unregister(h)
+        self._op_handles.clear()
+        self.model.tp.comm_handle = self.model.tp.large_comm_handle = None
 
     @property
     def cuda_graphs(self) -> bool:
@@ -152,7 +181,8 @@ class LLM:
             "off (breakdown timers need eager decode)" if self.runner.graphs_allowed else "off")
         return (f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
                 f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
-                f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}")
+                f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
+                + (f" | compiled decode ({self.engine.compile_backend})" if self.engine.compile_decode else ""))
 
     # --- generation -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
@@ -166,9 +196,25 @@ class LLM:
     def close(self) -> None:
         """Drop decode graphs (they hold the communicator's captured calls), then close an owned communicator."""
         self.runner.reset_graphs()
+        self._unregister_ops()
         if self._owns_comm and self.comm is not None:
             self.comm.close()
         self.comm = None
         if self.large_comm is not None:
             self.large_comm.close()
             self.large_comm = None
+
+
+class _NamedComm:
+    """A communicator without a `name` (the op's handle needs one), named after its type."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.name = type(inner).__name__
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.all_reduce_(x)
+
+
+def _named(comm: Communicator) -> Communicator:
+    return comm if isinstance(getattr(comm, "name", None), str) else _NamedComm(comm)

@@ -19,6 +19,15 @@ the attention reads the whole cache length (`max_seq_len`) under a mask computed
 tensor, so one graph serves every step. The communicator's all-reduce (and the embedding's
 all-reduce and the logits all-gather) are captured with the rest: they must be graph-capturable
 (NCCL collectives on the current stream are).
+
+`EngineConfig.compile_decode`: the decode forward (rope lookup and mask -> embedding -> layers -> final norm
+-> LM head; sampling and the step bookkeeping stay eager, still inside the graph) runs through
+`torch.compile(dynamic=False)` in the default mode; the CUDA graph stays ours (never "reduce-overhead").
+The compiled forward always attends over max_seq_len (as a graph does), so one compile serves every step
+of a bucket; dynamic=False specializes on the rest: one compile per (batch size, first cache slot, ids or
+hidden input), i.e. one per captured bucket, and the graph capture's warm-up runs trigger it outside the
+capture. The recompile limit is raised to cover every bucket of max_batch_size. With the breakdown
+timers on, decode runs the eager forward (events need eager code).
 """
 
 from __future__ import annotations
@@ -85,6 +94,11 @@ class ModelRunner:
         self._keys = torch.arange(engine.max_seq_len, device=device)
         self._mask_open = torch.zeros((), dtype=engine.dtype, device=device)
         self._mask_shut = torch.full((), float("-inf"), dtype=engine.dtype, device=device)
+        self._compiled_forward = None
+        if engine.compile_decode:
+            _raise_recompile_limit(engine.max_batch_size)
+            self._compiled_forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
+                                                   backend=engine.compile_backend)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -134,7 +148,19 @@ class ModelRunner:
         g.graph.replay()
         return g.out
 
+    @property
+    def compiled_decode(self) -> bool:
+        """Decode runs the torch.compile'd forward (compile_decode, and the per-op timers are off)."""
+        return self._compiled_forward is not None and not self.model.tp.timers.enabled
+
     def _decode_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
+        if self.compiled_decode:
+            # Always the whole cache length under the mask (as inside a graph): a per-step kv_len would be a
+            # new static shape, hence a recompile, every step of eager (CPU) decode.
+            return self._compiled_forward(x, positions, slot_start, self.engine.max_seq_len)
+        return self._eager_forward(x, positions, slot_start, kv_len)
+
+    def _eager_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
         pos = positions[:, None]  # [B, 1]
         cos, sin = self.rope.lookup(pos)
         allowed = self._keys[None, :kv_len] <= pos  # [B, kv_len]
@@ -237,6 +263,20 @@ class ModelRunner:
         """(batch, first slot) of every captured decode graph (stage forwards and whole-model steps)."""
         keys = set(self._graphs) | {k[:2] for k, st in self._steps.items() if st.graph is not None}
         return sorted(keys)
+
+
+def _raise_recompile_limit(max_batch_size: int) -> None:
+    """dynamic=False compiles once per bucket: batch sizes 1..max_batch_size at any first slot, ids or
+    hidden input. Past torch's recompile limit (8 by default) dynamo would silently fall back to eager
+    for new buckets, so raise it (never lower it) to cover them."""
+    cfg = torch._dynamo.config
+    need = 2 * max_batch_size * (max_batch_size + 1) // 2 + 8
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), need))
+            break
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 2 * need)
 
 
 def _sample_key(params: SamplingParams) -> tuple:

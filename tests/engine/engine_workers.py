@@ -45,6 +45,23 @@ class CountingComm:
         return self.inner.all_reduce_(x)
 
 
+class CappedComm(CountingComm):
+    """A counting communicator with a message limit, like a buffered backend (nvrar): the engine adds a
+    large_comm for what exceeds it."""
+
+    def __init__(self, inner, max_bytes: int) -> None:
+        super().__init__(inner)
+        self.name = f"capped({inner.name})"
+        self.max_bytes = max_bytes
+
+    def unsupported_reason(self, x: torch.Tensor) -> str | None:
+        n = x.numel() * x.element_size()
+        return f"{n} bytes exceed {self.max_bytes}" if n > self.max_bytes else None
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{"max_batch_size": 4, "max_seq_len": 64, "dtype": torch.float32, **kw})
 
@@ -119,4 +136,34 @@ def world4(ctx, single: str, prompts, new_tokens: int) -> dict:
 
     llm = LLM(single, engine_config(), dims=ParallelDims(1, 4, 4), device=ctx.device)
     res["pp4_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
+    return res
+
+
+def compiled_world2(ctx, single: str, prompts, new_tokens: int) -> dict:
+    """TP=2 with compile_decode (aot_eager on CPU): eager and compiled greedy runs, the op handles the
+    communicators were registered under, and that swapping / closing unregisters them."""
+    from spanllm.comm import create, op
+
+    res = {}
+    eager = LLM(single, engine_config(), allreduce="gloo", device=ctx.device)
+    res["eager"] = generate(eager, prompts, new_tokens)
+    eager.close()
+    llm = LLM(single, engine_config(compile_decode=True, compile_backend="aot_eager"), allreduce="gloo",
+              device=ctx.device)
+    res["compiled"] = generate(llm, prompts, new_tokens)
+    res["compiled_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
+    handles = list(llm._op_handles)
+    res["registered"] = (len(handles), all(h in op._LIVE for h in handles), llm.model.tp.comm_handle == handles[0])
+    capped = CappedComm(create("gloo"), max_bytes=4096)  # decode messages fit, prefill ones go to large_comm
+    llm.use_allreduce(comm=capped)
+    res["capped"] = generate(llm, prompts, new_tokens)
+    res["swapped"] = (handles[0] not in op._LIVE, len(llm._op_handles),
+                      llm.model.tp.large_comm_handle is not None)
+    capped.calls = 0
+    generate(llm, prompts, 3)  # prefill on large_comm; 2 decode steps x 2 all-reduces x layers on capped
+    res["capped_calls"] = (capped.calls, 2 * 2 * len(llm.model.layer_ids))
+    live = list(llm._op_handles)
+    llm.close()
+    capped.close()
+    res["closed"] = not any(h in op._LIVE for h in live) and llm.model.tp.comm_handle is None
     return res

@@ -11,7 +11,7 @@ from spanllm.cli import main
 
 ROW_KEYS = {"model", "truncated_layers", "tp", "pp", "micro_batches", "batch", "prompt_len", "decode_len", "workload",
             "allreduce", "allreduce_ran", "dtype", "ttft_ms", "tpot_ms", "e2e_ms", "throughput_tok_s", "breakdown_ms",
-            "cuda_graphs"}
+            "cuda_graphs", "compile_decode"}
 BREAKDOWN_KEYS = {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
 
 
@@ -52,7 +52,7 @@ def test_bench_batch_json_schema(tmp_path, capsys):
         assert set(r["breakdown_ms"]) == BREAKDOWN_KEYS
         assert r["allreduce_ran"] == r["allreduce"]
         assert (r["truncated_layers"], r["tp"], r["pp"], r["prompt_len"], r["decode_len"]) == (2, 2, 1, 8, 4)
-        assert r["cuda_graphs"] is False and r["dtype"] == "float32"
+        assert r["cuda_graphs"] is False and r["compile_decode"] is False and r["dtype"] == "float32"
         assert r["e2e_ms"] > r["ttft_ms"] > 0
         assert r["throughput_tok_s"] == pytest.approx(r["batch"] * 4 / (r["e2e_ms"] / 1e3))
     assert png.stat().st_size > 0

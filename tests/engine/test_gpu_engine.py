@@ -63,3 +63,14 @@ def test_whole_step_graph_sampling_and_stops_bf16(hf_checkpoint):
             stop = (ref[0][len(ref[0]) // 2],)
             outs.append(llm.executor.generate(PROMPTS, SamplingParams(max_new_tokens=24), 1, stop))
         assert outs[0].token_ids == outs[1].token_ids and outs[0].decode_steps == outs[1].decode_steps
+
+
+def test_compiled_decode_in_cuda_graph_matches_transformers_fp32(hf_checkpoint, hf_reference):
+    """compile_decode (inductor) inside our own CUDA graph: compiled in the warm-up, captured, replayed."""
+    llm = LLM(hf_checkpoint[0], engine_config(compile_decode=True), device=torch.device("cuda", 0))
+    assert llm.cuda_graphs and llm.runner.compiled_decode
+    res = generate(llm, PROMPTS, NEW_TOKENS)
+    assert res["tokens"] == hf_reference[0]
+    again = generate(llm, PROMPTS, NEW_TOKENS, micro_batches=3)
+    assert again["tokens"] == hf_reference[0]
+    assert llm.runner.captured_buckets == [(1, 0), (1, 1), (1, 2), (3, 0)]
