@@ -324,12 +324,16 @@ def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], wo
         print(f"wrote {plot_path}")
 
 
+def report_from_rank0(kind: str, s: BenchSettings, results: list, args: argparse.Namespace) -> int:
+    """Rank 0 (or the spawning process) reports the rows of `launch`; every rank then finishes."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        rows, skipped = results[0]
+        world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
+        report(kind, s, rows, skipped, world, args.json, args.plot)
+    return finish(0)
+
+
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     results = launch(_bench_rank, s, args.tp, args.pp, args.micro_batches, nprocs=args.nprocs)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return finish(0)
-    rows, skipped = results[0]
-    world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
-    report("batch", s, rows, skipped, world, args.json, args.plot)
-    return finish(0)
+    return report_from_rank0("batch", s, results, args)

@@ -14,14 +14,13 @@ Layouts or backends that cannot run are listed with the reason, never dropped si
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 
-from spanllm.bench.batch import BenchSettings, add_bench_arguments, report, run_layout, settings_from_args
+from spanllm.bench.batch import BenchSettings, add_bench_arguments, report_from_rank0, run_layout, settings_from_args
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import ModelConfig, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
-from spanllm.launch import DistContext, finish, launch
+from spanllm.launch import DistContext, launch
 
 DEFAULT_ALLREDUCE = {"cuda": ("nccl", "nvrar"), "cpu": ("gloo", "ref_ring")}
 
@@ -83,9 +82,4 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str) -> tuple[list[
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     results = launch(_study_rank, s, args.micro_batches, nprocs=args.nprocs)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return finish(0)
-    rows, skipped = results[0]
-    world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
-    report("study", s, rows, skipped, world, args.json, args.plot)
-    return finish(0)
+    return report_from_rank0("study", s, results, args)

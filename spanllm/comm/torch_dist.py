@@ -41,19 +41,18 @@ class TorchDistAllReduce(AllReduce):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
 
 
+_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64})
+
+
 class GlooAllReduce(TorchDistAllReduce):
     name = "gloo"
     backend = "gloo"
     check_sizes_default = True
-    capability = Capability(
-        dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
-        device_types=frozenset({"cpu"}))
+    capability = Capability(dtypes=_DTYPES, device_types=frozenset({"cpu"}))
 
 
 class NcclAllReduce(TorchDistAllReduce):
     name = "nccl"
     backend = "nccl"
     check_sizes_default = False
-    capability = Capability(
-        dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
-        device_types=frozenset({"cuda"}))
+    capability = Capability(dtypes=_DTYPES, device_types=frozenset({"cuda"}))

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
@@ -148,17 +150,17 @@ _LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.
                             original_max_position_embeddings=8192)
 
 
-def _llama31(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelConfig:
-    return ModelConfig(name=name, vocab_size=128256, hidden_size=hidden, intermediate_size=ffn, num_layers=layers,
-                       num_heads=heads, num_kv_heads=8, head_dim=hidden // heads, rms_norm_eps=1e-5,
+def _llama31(name: str) -> ModelConfig:
+    hidden, layers, heads, ffn = LLAMA31[name]
+    return ModelConfig(name=name, vocab_size=LLAMA31_VOCAB, hidden_size=hidden, intermediate_size=ffn,
+                       num_layers=layers, num_heads=heads, num_kv_heads=LLAMA31_KV_HEADS, head_dim=hidden // heads,
+                       rms_norm_eps=1e-5,
                        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, max_position_embeddings=131072,
                        tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
 
 
 PRESETS: dict[str, ModelConfig] = {
-    "llama3.1-8b": _llama31("llama3.1-8b", 4096, 32, 32, 14336),
-    "llama3.1-70b": _llama31("llama3.1-70b", 8192, 80, 64, 28672),
-    "llama3.1-405b": _llama31("llama3.1-405b", 16384, 126, 128, 53248),
+    **{name: _llama31(name) for name in LLAMA31},
     # CPU-sized: 4 layers, 8 query / 4 KV heads so TP 2, 4 and 8 (replicated KV) are all valid.
     "tiny": ModelConfig(name="tiny", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
                         num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -1,13 +1,14 @@
 """Model shapes the performance model needs: sizes only, no weights.
 
-Llama 3.1 shapes from the HF config.json files (hidden_size, num_hidden_layers, num_attention_heads,
-num_key_value_heads, intermediate_size, vocab_size). spanllm.engine.config keeps presets of its own;
-the two could share one table once both have settled.
+The Llama 3.1 sizes come from spanllm.model_sizes, the table the engine's presets are built from too,
+so the model and the engine describe the same networks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
 
 
 class ModelShapeError(ValueError):
@@ -76,10 +77,8 @@ class ModelShape:
 
 
 MODELS: dict[str, ModelShape] = {
-    "llama3.1-8b": ModelShape("llama3.1-8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256),
-    "llama3.1-70b": ModelShape("llama3.1-70b", hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256),
-    "llama3.1-405b": ModelShape("llama3.1-405b", hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248,
-                                vocab=128256),
+    name: ModelShape(name, hidden=h, layers=n, heads=q, kv_heads=LLAMA31_KV_HEADS, ffn=f, vocab=LLAMA31_VOCAB)
+    for name, (h, n, q, f) in LLAMA31.items()
 }
 
 
