@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout pytest tune bench engine engine70b study. Results go to
+# Stages: env conformance timeout pytest tune bench smoke engine engine70b study. Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
 # wrapped in `timeout`, so a stage that overruns still leaves the earlier ones behind.
@@ -84,6 +84,14 @@ for stage in "${STAGES[@]}"; do
         timeout 500 $TR -m spanllm.cli tune -b 1K -e 16M -f 2 --dtype bfloat16 --ranks-per-node "$rpn" --protocols ll8,simple \
           --out "$OUTDIR/tuning_rpn$rpn.json" || rc=1
       done
+      ;;
+    smoke)
+      # A short engine run over both all-reduces (4 layers of 8B): checks the nvrar path inside the
+      # engine (graph capture, tuning table) before the long stages.
+      log "engine smoke"
+      pick_tuning
+      timeout 300 $TR -m spanllm.cli bench batch --model llama3.1-8b:layers=4 --batch-sizes 1,8 --decode-len 32 \
+        --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/smoke_8b_layers4.json" || rc=1
       ;;
     engine)
       log "bench batch 8B"

@@ -26,11 +26,14 @@ def main() -> int:
     args = ap.parse_args()
     ctx = init_from_launcher("nccl")
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
-    comm = registry.create("nvrar", topology=topo, timeout_s=args.timeout_s, device=ctx.device)
+    # Call 1 (everyone) under a generous timeout: the ranks compile the kernel at different speeds, and a
+    # 1 s wait on the first call can expire before the slower rank arrives. The timeout is read per launch.
+    comm = registry.create("nvrar", topology=topo, timeout_s=60.0, device=ctx.device)
     x = torch.ones(4096, dtype=torch.bfloat16, device=ctx.device)
-    comm.all_reduce_(x)          # everyone: call 1
+    comm.all_reduce_(x)
     comm.synchronize()
     dist.barrier()
+    comm.timeout_s = args.timeout_s
     outcome = {"rank": ctx.rank, "skipped": ctx.rank == ctx.world_size - 1}
     t0 = time.time()
     if ctx.rank != ctx.world_size - 1:

@@ -38,9 +38,20 @@ def expected(n: int, world: int, dtype: torch.dtype, device, salt: int = 0) -> t
     return (world * (i % 13) + world * (world + 1) // 2 + world * salt).to(dtype)
 
 
-def _sync(x: torch.Tensor) -> None:
-    if x.is_cuda:
+def _sync(x: torch.Tensor, comm: AllReduce | None = None) -> None:
+    """Wait for the device. Through the communicator when it can (nvrar turns a trapped kernel into an
+    error naming rank, phase and peer; a bare synchronize would only say "unspecified launch failure")."""
+    if comm is not None and hasattr(comm, "synchronize"):
+        comm.synchronize()
+    elif x.is_cuda:
         torch.cuda.synchronize(x.device)
+
+
+def _takes(comm: AllReduce, n: int, dtype: torch.dtype, device) -> bool:
+    """Whether the backend's declared capability takes n elements of dtype (cases skip sizes it declines)."""
+    return comm.capability.unsupported_reason(nbytes=n * torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                              topology=comm.topology, device_type=torch.device(device).type,
+                                              max_bytes=comm.max_bytes) is None
 
 
 def identical_across_ranks(x: torch.Tensor, group) -> bool:
@@ -57,12 +68,11 @@ def case_lengths(comm: AllReduce, lengths: list[int], dtypes: list[torch.dtype],
     out = []
     for dtype in dtypes:
         for n in lengths:
-            if comm.capability.unsupported_reason(nbytes=n * torch.empty((), dtype=dtype).element_size(), dtype=dtype,
-                                                  topology=comm.topology, device_type=torch.device(device).type,
-                                                  max_bytes=comm.max_bytes) is not None:
+            if not _takes(comm, n, dtype, device):
                 continue
             x = pattern(n, comm.rank, dtype, device)
             comm.all_reduce_(x)
+            _sync(x, comm)
             wrong = int((x != expected(n, comm.world_size, dtype, device)).sum())
             out.append(CaseResult("length", comm.algorithm_for(x), wrong, {"n": n, "dtype": str(dtype)}))
     return out
@@ -80,32 +90,41 @@ def case_bitwise_identical(comm: AllReduce, n: int, dtype: torch.dtype, device, 
     return CaseResult("bitwise_identical", comm.algorithm_for(x), 0 if same else 1, {"n": n, "dtype": str(dtype)})
 
 
-def case_back_to_back(comm: AllReduce, n: int, dtype: torch.dtype, calls: int, device) -> CaseResult:
-    """`calls` consecutive calls with a different input each time, checked without host syncs in between."""
+def case_back_to_back(comm: AllReduce, n: int, dtype: torch.dtype, calls: int, device) -> CaseResult | None:
+    """`calls` consecutive calls with a different input each time, checked without host syncs in between.
+    None when the backend does not take this size/dtype."""
+    if not _takes(comm, n, dtype, device):
+        return None
     x = torch.empty(n, dtype=dtype, device=device)
     wrong = torch.zeros((), dtype=torch.int64, device=device)
     for k in range(calls):
         x.copy_(pattern(n, comm.rank, dtype, device, salt=k % 7))
         comm.all_reduce_(x)
         wrong += (x != expected(n, comm.world_size, dtype, device, salt=k % 7)).sum()
-    _sync(x)
+    _sync(x, comm)
     return CaseResult("back_to_back", comm.algorithm_for(x), int(wrong), {"n": n, "calls": calls, "dtype": str(dtype)})
 
 
-def case_straggler(comm: AllReduce, n: int, dtype: torch.dtype, sleep_s: float, device) -> CaseResult:
+def case_straggler(comm: AllReduce, n: int, dtype: torch.dtype, sleep_s: float, device) -> CaseResult | None:
     """The last rank sleeps before its call; everyone must still get the exact sum."""
+    if not _takes(comm, n, dtype, device):
+        return None
     x = pattern(n, comm.rank, dtype, device)
     _sync(x)
     dist.barrier(group=comm.group)
     if comm.rank == comm.world_size - 1:
         time.sleep(sleep_s)
     comm.all_reduce_(x)
+    _sync(x, comm)
     wrong = int((x != expected(n, comm.world_size, dtype, device)).sum())
     return CaseResult("straggler", comm.algorithm_for(x), wrong, {"n": n, "sleep_s": sleep_s})
 
 
-def case_cuda_graph(comm: AllReduce, n: int, dtype: torch.dtype, replays: int, device) -> CaseResult:
-    """Capture one call, then replay it with the input changed in place before each replay."""
+def case_cuda_graph(comm: AllReduce, n: int, dtype: torch.dtype, replays: int, device) -> CaseResult | None:
+    """Capture one call, then replay it with the input changed in place before each replay.
+    None when the backend does not take this size/dtype."""
+    if not _takes(comm, n, dtype, device):
+        return None
     x = pattern(n, comm.rank, dtype, device)
     comm.all_reduce_(x)  # warm up (compiles kernels outside the capture)
     torch.cuda.synchronize(device)
@@ -120,7 +139,7 @@ def case_cuda_graph(comm: AllReduce, n: int, dtype: torch.dtype, replays: int, d
         x.copy_(pattern(n, comm.rank, dtype, device, salt=k % 5))
         graph.replay()
         wrong += (x != expected(n, comm.world_size, dtype, device, salt=k % 5)).sum()
-    torch.cuda.synchronize(device)
+    _sync(x, comm)
     del graph
     return CaseResult("cuda_graph", comm.algorithm_for(x), int(wrong), {"n": n, "replays": replays})
 

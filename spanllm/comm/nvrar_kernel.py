@@ -60,6 +60,11 @@ PHASE_NAMES = {PHASE_REDUCE_SCATTER: "intra-node reduce-scatter", PHASE_INTER_NO
                PHASE_ALL_GATHER: "intra-node all-gather"}
 ERR_RECORD_LEN = 8  # int64 words: [code, rank, phase, step, peer, seq, program, waited_ns]
 ERR_TIMEOUT = 1
+# nvshmemx_signal_op_t in NVSHMEM 3.x (device_host_transport/nvshmem_common_transport.h):
+# NVSHMEM_SIGNAL_SET = 9, NVSHMEM_SIGNAL_ADD = 10. (torch's _nvshmem_triton docstrings say 0 and 5; with
+# 0 a P2P peer falls through to atomicAdd_system, so flags accumulate and the third call times out --
+# found on the GPU.)
+NVSHMEM_SIGNAL_SET = tl.constexpr(9)
 
 
 @core.extern
@@ -80,7 +85,7 @@ def _putmem_nbi_block(dest, source, size_bytes, pe, _semantic=None):
 @core.extern
 def _putmem_signal_nbi_block(dest, source, size_bytes, sig_addr, signal, sig_op, pe, _semantic=None):
     """nvshmemx_putmem_signal_nbi_block: like the put, then sets the 64-bit word `sig_addr` on PE `pe` to
-    `signal` (sig_op 0 = NVSHMEM_SIGNAL_SET) once the data is delivered: NVSHMEM orders the signal after
+    `signal` (sig_op NVSHMEM_SIGNAL_SET) once the data is delivered: NVSHMEM orders the signal after
     the data, so a reader that sees the signal may read the data."""
     return core.extern_elementwise(
         "", "", [dest, source, size_bytes, sig_addr, signal, sig_op, pe],
@@ -328,7 +333,7 @@ def nvrar_kernel(
                     tl.debug_barrier()
                     # Raw data of cell c sits at bytes [4c, 4c + 4) of the slot.
                     _putmem_signal_nbi_block(ws_addr + off_bytes + first * 4, ws_addr + src_bytes + first * 4, ncells * 4,
-                                             ws_addr + flag_word * 8, flag.to(tl.uint64), 0, send_pe)
+                                             ws_addr + flag_word * 8, flag.to(tl.uint64), NVSHMEM_SIGNAL_SET, send_pe)
             if recv_peer >= 0:
                 v = _pull(ws_ptr + par + INTER_OFF + r * SLOT, ws_ptr + flag_word, c, cm, flag, deadline, err_ptr,
                           rank, 2, r, recv_peer, seq, t0, DT, E, BLOCK, PROTO).to(ACC)
