@@ -37,7 +37,7 @@ pick_tuning() {
 pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu_results.tgz" -C "$OUTDIR" . ; return 0; }
 batch() {  # model workload batch-sizes iters
   pick_tuning
-  timeout 580 $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" \
+  timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" \
     --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/batch_${1}_$2.json" --plot "$OUTDIR/batch_${1}_$2.png" || rc=1
 }
 TR="torchrun --standalone --nproc-per-node $NGPU"
@@ -100,15 +100,15 @@ for stage in "${STAGES[@]}"; do
       ;;
     engine70b)
       log "bench batch 70B"
-      batch llama3.1-70b decode-heavy 1,8,32,64 1
-      batch llama3.1-70b prefill-heavy 1,8 1
+      batch llama3.1-70b decode-heavy "${B70_BATCHES:-1,8,32,64}" 1
+      [ -n "${B70_DECODE_ONLY:-}" ] || batch llama3.1-70b prefill-heavy 1,8 1
       ;;
     study)
       pick_tuning
-      for model in llama3.1-8b llama3.1-70b; do
-        for wl in decode-heavy prefill-heavy; do
+      for model in ${STUDY_MODELS:-llama3.1-8b llama3.1-70b}; do
+        for wl in ${STUDY_WORKLOADS:-decode-heavy prefill-heavy}; do
           log "bench study $model $wl"
-          timeout 580 $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes 1,8,64 \
+          timeout "${STUDY_TIMEOUT:-580}" $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes "${STUDY_BATCHES:-1,8,64}" \
             --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" \
             --json "$OUTDIR/study_${model}_$wl.json" --plot "$OUTDIR/study_${model}_$wl.png" || rc=1
         done
