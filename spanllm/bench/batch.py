@@ -4,8 +4,10 @@ For every all-reduce backend and batch size: TTFT, time per output token (TPOT),
 latency and output throughput (median over `--iters` runs after `--warmup`, each run's time the
 maximum over ranks), plus a breakdown of one decode step into GEMM / attention / all-reduce /
 pipeline / idle / other. The breakdown comes from a separate eager pass with per-op timers (events
-cannot be placed inside a CUDA graph, and timers would perturb the totals), so it describes eager
-decode; `breakdown_step_ms` is that pass's step time. `--no-breakdown` skips it. The pass reports
+cannot be placed inside a CUDA graph, and timers would perturb the totals). On GPU each step of that
+pass is enqueued behind a device spin, so its event intervals are the ops' GPU time, not the host's
+launch gaps (`breakdown_mode` and `breakdown_steps_covered` say whether that held; see
+engine/timers.py); `breakdown_step_ms` is that pass's GPU time per step, to set against TPOT. `--no-breakdown` skips it. The pass reports
 per-step averages, so it decodes only `breakdown_steps` steps (`--breakdown-steps`, default 32, at
 most decode_len - 1; each row's JSON says how many): the first steps of the sequence, so attention
 there reads a slightly shorter context than the timed runs' average.
@@ -163,7 +165,7 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
     tpot_ms = (e2e_ms - ttft_ms) / (s.decode_len - 1) if s.decode_len > 1 else 0.0
 
-    breakdown = stage_breakdown = step_ms = breakdown_steps = None
+    breakdown = stage_breakdown = step_ms = breakdown_steps = covered_steps = mode = None
     if s.breakdown and s.decode_len > 1:
         breakdown_steps = min(s.breakdown_steps, s.decode_len - 1)
         llm.timers.enabled = True
@@ -172,15 +174,23 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
                                                        ignore_eos=True), micro_batches=mb)
         finally:
             llm.timers.enabled = False
-        assert out.breakdown.steps == breakdown_steps, (out.breakdown.steps, breakdown_steps)
-        b = out.breakdown
-        mine = (llm.groups.stage, b.per_step(), b.total_ms / max(b.steps, 1))
+        covered, uncovered = out.breakdown, out.breakdown_uncovered
+        assert covered.steps + uncovered.steps == breakdown_steps, (covered.steps, uncovered.steps, breakdown_steps)
+        b = covered if covered.steps else uncovered  # uncovered only when no step could be enqueued ahead
+        mine = (llm.groups.stage, b.per_step(), b.total_ms / max(b.steps, 1), covered.steps)
         per_rank = _gather(mine) if dist.is_initialized() else [mine]
         stage_breakdown = []
         for stage in range(llm.dims.pp):
             rows = [r for r in per_rank if r[0] == stage]
             stage_breakdown.append({c: statistics.fmean(r[1][c] for r in rows) for c in CATEGORIES})
         breakdown = {c: statistics.fmean(st[c] for st in stage_breakdown) for c in CATEGORIES}
+        covered_steps = min(r[3] for r in per_rank)
+        if llm.device.type != "cuda":
+            mode = "eager pass with per-op timers (host wall clock)"
+        elif covered_steps:
+            mode = "eager pass with per-op CUDA events, enqueued ahead of the GPU: GPU time per op"
+        else:
+            mode = "eager pass with per-op CUDA events, host-bound: intervals include launch gaps"
         step_ms = statistics.fmean(r[2] for r in per_rank)
 
     cfg = llm.config
@@ -194,8 +204,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms,
         "throughput_tok_s": batch * s.decode_len / (e2e_ms / 1e3) if e2e_ms > 0 else 0.0,
         "breakdown_ms": breakdown, "stage_breakdown_ms": stage_breakdown, "breakdown_step_ms": step_ms,
-        "breakdown_mode": "eager pass with per-op timers" if breakdown is not None else None,
-        "breakdown_steps": breakdown_steps, "warmup_decode_len": warmup_len if s.warmup else None,
+        "breakdown_mode": mode if breakdown is not None else None,
+        "breakdown_steps": breakdown_steps, "breakdown_steps_covered": covered_steps if breakdown is not None else None, "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
         "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
@@ -311,6 +321,8 @@ def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], wo
         print("breakdown columns: one decode step from a separate eager pass with per-op timers "
               "(no CUDA graphs there); TTFT/TPOT/E2E come from the timed runs"
               + (" with CUDA graphs" if any(r["cuda_graphs"] for r in rows) else ""))
+        modes = sorted({r["breakdown_mode"] for r in rows if r["breakdown_mode"]})
+        print("breakdown mode: " + "; ".join(modes))
     for line in skipped:
         print(f"skipped: {line}")
     if json_path:

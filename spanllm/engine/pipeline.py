@@ -47,6 +47,8 @@ class GenerationOutput:
     e2e_ms: float  # this rank: start to the last token
     decode_steps: int  # decode steps run (pp=1 with stop tokens: up to eos_check_interval - 1 past the last stop)
     breakdown: Breakdown = field(default_factory=Breakdown)  # per-op decode time (empty when timers are off)
+    # GPU steps the host could not enqueue ahead of the device: their intervals include launch gaps
+    breakdown_uncovered: Breakdown = field(default_factory=Breakdown)
     logits: torch.Tensor | None = None  # [steps, B, vocab] float32 on CPU, only with keep_logits=True
 
 
@@ -175,7 +177,7 @@ class PipelineExecutor:
                 dist.broadcast(kept, src=g.dims.rank_of(pp - 1, 0))
         rows = out[:, :step].tolist()  # the one device->host copy of the tokens
         token_ids = [_truncate_at_stop(r, stop_ids, params.ignore_eos) for r in rows]
-        return GenerationOutput(token_ids, ttft_ms, e2e_ms, step - 1, self.timers.breakdown,
+        return GenerationOutput(token_ids, ttft_ms, e2e_ms, step - 1, self.timers.breakdown, self.timers.uncovered,
                                 None if kept is None else kept[:step].cpu())
 
     def _decode_whole_model(self, out: torch.Tensor, chunks: list[tuple[int, int]], lengths: torch.Tensor,

@@ -126,6 +126,7 @@ def test_bench_batch_reports_breakdown_steps(tmp_path):
     assert row["breakdown_steps"] == 5 and row["warmup_decode_len"] == 32 and row["decode_len"] == 40
     assert set(row["breakdown_ms"]) == {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
     assert row["breakdown_step_ms"] > 0
+    assert row["breakdown_steps_covered"] == 5 and row["breakdown_mode"] == "eager pass with per-op timers (host wall clock)"
     assert main(["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "1", "--prompt-len", "4",
                  "--decode-len", "3", "--iters", "1", "--warmup", "0", "--json", str(js)]) == 0
     (row,) = json.loads(js.read_text())["rows"]
