@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout pytest tune bench smoke engine engine70b study. Results go to
+# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b study. Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
 # wrapped in `timeout`, so a stage that overruns still leaves the earlier ones behind.
@@ -22,7 +22,7 @@ OUTDIR="${SPANLLM_GPU_OUT:-results/gpu_run}"
 mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout pytest tune bench engine engine70b study)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench engine engine70b study)
 # Tuning tables from the tune stage (this run) or the committed ones.
 TUNING="${TUNING:-}"
 pick_tuning() {
@@ -62,6 +62,14 @@ for stage in "${STAGES[@]}"; do
       for rpn in 1 "$NGPU"; do
         log "timeout ranks_per_node=$rpn"
         timeout 120 $TR scripts/gpu_nvrar_timeout.py --ranks-per-node "$rpn" --out "$OUTDIR/timeout_rpn$rpn.json" || true
+      done
+      ;;
+    phases)
+      pick_tuning
+      for rpn in "$NGPU" 1; do
+        log "nvrar phase trace ranks_per_node=$rpn"
+        timeout 200 $TR scripts/gpu_nvrar_phases.py --ranks-per-node "$rpn" --tuning "$TUNING" \
+          --out "$OUTDIR/phases_rpn$rpn.json" || rc=1
       done
       ;;
     pytest)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from spanllm.comm.base import AllReduce, AllReduceError, AllReduceInputError, Capability
+from spanllm.comm.nvrar_trace import TRACE_WORDS
 from spanllm.comm.schedule import _recursive_doubling_rounds
 from spanllm.comm.topology import Topology
 
@@ -177,7 +178,8 @@ class NvrarAllReduce(AllReduce):
 
     def __init__(self, group=None, topology=None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 tuning=None, launch: LaunchParams | None = None, device: torch.device | None = None) -> None:
+                 tuning=None, launch: LaunchParams | None = None, device: torch.device | None = None,
+                 trace: bool = False) -> None:
         super().__init__(group, topology)
         from spanllm.comm import nvrar_kernel, symm  # triton + NVSHMEM, GPU only
 
@@ -212,6 +214,11 @@ class NvrarAllReduce(AllReduce):
         self.ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Host-mapped so the record survives the trap that kills the CUDA context.
         self.err = torch.zeros(nvrar_kernel.ERR_RECORD_LEN, dtype=torch.int64, pin_memory=True)
+        # Phase trace (spanllm.comm.nvrar_trace): one record per program of the last call; off by default
+        # (a separate kernel specialisation, so the untraced kernel carries no clock reads).
+        self.trace_enabled = trace
+        self.trace = torch.zeros((1024 if trace else 1, TRACE_WORDS), dtype=torch.int64, device=self.device)
+        self._last_grid = 0
 
     @property
     def max_bytes(self) -> int:
@@ -241,15 +248,24 @@ class NvrarAllReduce(AllReduce):
         cells = -(-n // elements_per_cell(x.dtype))
         shard = cells if (p.one_shot or g == 1) else -(-cells // g)
         grid = (max(1, min(p.num_blocks, -(-shard // p.block))),)
+        self._last_grid = grid[0]
         L = self.layout
         self._kernel.nvrar_kernel[grid](
             x, self.ws, self.peer_ptrs, self.round_send_pe, self.round_recv_peer, self.round_recv_op,
-            self.seq, self.ticket, self.err,
+            self.seq, self.ticket, self.err, self.trace,
             n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
             int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol),
             L.flags, L.max_tiles,
             G=g, R=max(len(self.rounds), 0), E=elements_per_cell(x.dtype), ONE_SHOT=p.one_shot, BLOCK=p.block,
-            PROTO=PROTOCOLS.index(p.protocol), num_warps=p.num_warps)
+            PROTO=PROTOCOLS.index(p.protocol), TRACE=int(self.trace_enabled), num_warps=p.num_warps)
+
+    def last_trace(self) -> list[list[int]]:
+        """The phase-trace records of the last call's programs (synchronizes). Needs trace=True."""
+        if not self.trace_enabled:
+            raise AllReduceInputError("nvrar: this communicator was built without trace=True; build one with "
+                                      "registry.create('nvrar', ..., trace=True) to read phase traces")
+        self.synchronize()
+        return self.trace[: self._last_grid].tolist()
 
     # ---- errors ---------------------------------------------------------------------------------
 

@@ -39,6 +39,13 @@ Sequence number
     into a CUDA graph and each replay advances it. It wraps after 2^32 calls; stale cells then hold
     s - 2, never s, and the zero-initialised buffers only matter for the first two calls.
 
+Phase trace (TRACE=1, off by default)
+    Each program accumulates %clock64 cycles per phase over its tiles -- issuing the intra-node pushes,
+    waiting for the intra-node tiles, staging + putting inter-node, waiting inter-node, pushing and
+    waiting in the all-gather -- and writes them with its %globaltimer start and end into
+    trace[program] (layout and summary: `spanllm.comm.nvrar_trace`). "Push" is the time to issue the
+    stores, "wait" includes the peer's skew and the link latency.
+
 Timeouts
     Every wait polls with a deadline read from %globaltimer. On expiry the program writes
     (code, rank, phase, step, peer, seq) into a host-mapped record and traps: the stream is dead, the
@@ -53,6 +60,8 @@ import triton.language as tl
 from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
 from triton.language import core
 
+from spanllm.comm.nvrar_trace import TRACE_WORDS
+
 PHASE_REDUCE_SCATTER = 1
 PHASE_INTER_NODE = 2
 PHASE_ALL_GATHER = 3
@@ -60,6 +69,8 @@ PHASE_NAMES = {PHASE_REDUCE_SCATTER: "intra-node reduce-scatter", PHASE_INTER_NO
                PHASE_ALL_GATHER: "intra-node all-gather"}
 ERR_RECORD_LEN = 8  # int64 words: [code, rank, phase, step, peer, seq, program, waited_ns]
 ERR_TIMEOUT = 1
+# Phase trace record per program: layout in spanllm.comm.nvrar_trace.
+_TRACE_LEN = tl.constexpr(TRACE_WORDS)  # the same, as the kernel sees it
 # nvshmemx_signal_op_t in NVSHMEM 3.x (device_host_transport/nvshmem_common_transport.h):
 # NVSHMEM_SIGNAL_SET = 9, NVSHMEM_SIGNAL_ADD = 10. (torch's _nvshmem_triton docstrings say 0 and 5; with
 # 0 a P2P peer falls through to atomicAdd_system, so flags accumulate and the third call times out --
@@ -105,6 +116,15 @@ def _my_pe(_semantic=None):
 @triton.jit
 def _globaltimer_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stamp(TRACE: tl.constexpr):
+    """%clock64 of this SM when tracing, else 0 (compiled out). Cycle deltas inside one program only."""
+    if TRACE:
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.full([], 0, tl.int64)
 
 
 @triton.jit
@@ -242,6 +262,7 @@ def nvrar_kernel(
     seq_ptr,          # int32[1]: sequence number of the last finished call
     ticket_ptr,       # int32[1]: programs finished in the current call
     err_ptr,          # int64[ERR_RECORD_LEN], host-mapped error record
+    trace_ptr,        # int64[programs, TRACE_WORDS] phase trace (read only when TRACE)
     n,                # elements in x
     S,                # cells each rank reduces (the shard; the whole message in one-shot mode)
     rank, local_rank, node_first_rank,
@@ -257,6 +278,7 @@ def nvrar_kernel(
     ONE_SHOT: tl.constexpr,   # intra-node: every rank reduces the whole message (no all-gather)
     BLOCK: tl.constexpr,      # cells per tile
     PROTO: tl.constexpr,      # 0 = LL8 cells, 1 = SIMPLE (raw data + per-tile flag / NVSHMEM signal)
+    TRACE: tl.constexpr = 0,  # 1 = write the per-program phase trace
 ):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if DT == tl.int32:
@@ -270,6 +292,13 @@ def nvrar_kernel(
     seq = tl.load(seq_ptr) + 1
     flag = seq.to(tl.int64) & 0xFFFFFFFF
     t0 = _globaltimer_ns()
+    c_start = _stamp(TRACE)
+    rs_push = tl.full([], 0, tl.int64)
+    rs_wait = tl.full([], 0, tl.int64)
+    inter_send = tl.full([], 0, tl.int64)
+    inter_wait = tl.full([], 0, tl.int64)
+    ag_push = tl.full([], 0, tl.int64)
+    ag_wait = tl.full([], 0, tl.int64)
     deadline = t0 + timeout_ns
     parity = (seq & 1).to(tl.int64)
     par = parity * PARITY_CELLS
@@ -289,6 +318,7 @@ def nvrar_kernel(
         # ---- intra-node reduce-scatter (or one-shot exchange): push my cells to each local peer
         acc = tl.zeros([BLOCK, E], dtype=ACC)
         if G > 1:
+            c_a = _stamp(TRACE)
             for j in tl.static_range(G):
                 if j != local_rank:
                     if ONE_SHOT:
@@ -299,6 +329,8 @@ def nvrar_kernel(
                     peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
                     _push(peer + par + INTRA_OFF + local_rank * SLOT, peer + flags_off + local_rank * MAX_TILES + tile,
                           c, cm, v, flag, E, BLOCK, PROTO)
+            c_b = _stamp(TRACE)
+            rs_push += c_b - c_a
             # Sum the local ranks' contributions in local-rank order (deterministic on every rank).
             for j in tl.static_range(G):
                 if j == local_rank:
@@ -307,6 +339,7 @@ def nvrar_kernel(
                     v = _pull(ws_ptr + par + INTRA_OFF + j * SLOT, ws_ptr + flags_off + j * MAX_TILES + tile, c, cm,
                               flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
                     acc += v.to(ACC)
+            rs_wait += _stamp(TRACE) - c_b
         else:
             acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
 
@@ -317,6 +350,7 @@ def nvrar_kernel(
             # Round to the wire dtype first so both partners add the same two values and agree bitwise.
             acc = acc.to(DT).to(ACC)
             flag_word = flags_off + (G + r) * MAX_TILES + tile
+            c_a = _stamp(TRACE)
             if send_pe >= 0:
                 # Stage locally (LL8 cells or raw), then one block-wide NVSHMEM put of the tile.
                 first = tile.to(tl.int64) * BLOCK  # int64: byte offsets below exceed 2^31 for big shards
@@ -334,6 +368,8 @@ def nvrar_kernel(
                     # Raw data of cell c sits at bytes [4c, 4c + 4) of the slot.
                     _putmem_signal_nbi_block(ws_addr + off_bytes + first * 4, ws_addr + src_bytes + first * 4, ncells * 4,
                                              ws_addr + flag_word * 8, flag.to(tl.uint64), NVSHMEM_SIGNAL_SET, send_pe)
+            c_b = _stamp(TRACE)
+            inter_send += c_b - c_a
             if recv_peer >= 0:
                 v = _pull(ws_ptr + par + INTER_OFF + r * SLOT, ws_ptr + flag_word, c, cm, flag, deadline, err_ptr,
                           rank, 2, r, recv_peer, seq, t0, DT, E, BLOCK, PROTO).to(ACC)
@@ -341,22 +377,39 @@ def nvrar_kernel(
                     acc = acc + v
                 else:
                     acc = v
+            inter_wait += _stamp(TRACE) - c_b
         out = acc.to(DT)
         _store_elems(x_ptr, my_base + c, cm, n, out, E)
 
         # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
         if G > 1:
             if not ONE_SHOT:
+                c_a = _stamp(TRACE)
                 for j in tl.static_range(G):
                     if j != local_rank:
                         peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
                         _push(peer + par + GATHER_OFF + local_rank * SLOT,
                               peer + flags_off + (G + R + local_rank) * MAX_TILES + tile, c, cm, out, flag, E, BLOCK, PROTO)
+                c_b = _stamp(TRACE)
+                ag_push += c_b - c_a
                 for j in tl.static_range(G):
                     if j != local_rank:
                         v = _pull(ws_ptr + par + GATHER_OFF + j * SLOT, ws_ptr + flags_off + (G + R + j) * MAX_TILES + tile,
                                   c, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
                         _store_elems(x_ptr, j * S + c, cm, n, v, E)
+                ag_wait += _stamp(TRACE) - c_b
+
+    if TRACE:
+        rec = trace_ptr + pid * _TRACE_LEN
+        tl.store(rec + 0, t0)
+        tl.store(rec + 1, _globaltimer_ns())
+        tl.store(rec + 2, _stamp(TRACE) - c_start)
+        tl.store(rec + 3, rs_push)
+        tl.store(rec + 4, rs_wait)
+        tl.store(rec + 5, inter_send)
+        tl.store(rec + 6, inter_wait)
+        tl.store(rec + 7, ag_push)
+        tl.store(rec + 8, ag_wait)
 
     # ---- ticket: the last program to finish publishes the new sequence number
     done = tl.atomic_add(ticket_ptr, 1)
