@@ -4,12 +4,17 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b study. Results go to
+# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b study.
+# Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
+# STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT; B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
+# TUNING (default: this run's tables, else results/h200x2/tuning_*.json). Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
 # wrapped in `timeout`, so a stage that overruns still leaves the earlier ones behind.
-# Rough times on 2 x H200 (fresh machine, Triton compiles included): conformance 2x ~2 min, timeout
-# 2x 20 s, pytest 1 min, tune 2x 40 s, bench 2x 25 s, engine (8B) ~4 min, engine70b ~9 min, study ~6 min.
+# Measured on 2 x H200 (2026-11-29, Triton compiles included): conformance 1x2 > 200 s, 2x1 ~120 s;
+# timeout 2 x 25 s; pytest 50 s; tune --protocols ll8,simple 1x2 165 s, 2x1 ~240 s; bench 2 x ~30 s;
+# study 8B decode-heavy (batch 1,8,64) 105 s, prefill-heavy 100 s; study 70B decode-heavy (1,8) 190 s;
+# engine70b decode (1,8) 110 s. A fresh machine adds ~70 s before the first stage.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -52,21 +57,21 @@ for stage in "${STAGES[@]}"; do
       python3 -c 'from spanllm.bench.report import versions; import json; print(json.dumps(versions()))' | tee -a "$OUTDIR/env.txt"
       ;;
     conformance)
-      for rpn in "$NGPU" 1; do
+      for rpn in ${RPNS:-$NGPU 1}; do
         log "conformance ranks_per_node=$rpn"
         timeout "${CONF_TIMEOUT:-400}" $TR scripts/gpu_allreduce_conformance.py --ranks-per-node "$rpn" --calls "${CALLS:-10000}" \
           --out "$OUTDIR/conformance_rpn$rpn.json" || { rc=1; log "conformance rpn=$rpn FAILED"; }
       done
       ;;
     timeout)
-      for rpn in 1 "$NGPU"; do
+      for rpn in ${RPNS:-1 $NGPU}; do
         log "timeout ranks_per_node=$rpn"
         timeout 120 $TR scripts/gpu_nvrar_timeout.py --ranks-per-node "$rpn" --out "$OUTDIR/timeout_rpn$rpn.json" || true
       done
       ;;
     phases)
       pick_tuning
-      for rpn in "$NGPU" 1; do
+      for rpn in ${RPNS:-$NGPU 1}; do
         log "nvrar phase trace ranks_per_node=$rpn"
         timeout 200 $TR scripts/gpu_nvrar_phases.py --ranks-per-node "$rpn" --tuning "$TUNING" \
           --out "$OUTDIR/phases_rpn$rpn.json" || rc=1
@@ -78,7 +83,7 @@ for stage in "${STAGES[@]}"; do
       ;;
     bench)
       pick_tuning
-      for rpn in "$NGPU" 1; do
+      for rpn in ${RPNS:-$NGPU 1}; do
         log "bench allreduce ranks_per_node=$rpn"
         timeout 500 $TR -m spanllm.cli bench allreduce -b 1K -e 16M -f "${FACTOR:-2}" -n "${ITERS:-20}" --dtype bfloat16 --graph \
           --ranks-per-node "$rpn" --algos "${ALGOS:-nccl,torch_one_shot,torch_two_shot,nvrar,auto}" \
@@ -87,7 +92,7 @@ for stage in "${STAGES[@]}"; do
       done
       ;;
     tune)
-      for rpn in "$NGPU" 1; do
+      for rpn in ${RPNS:-$NGPU 1}; do
         log "tune ranks_per_node=$rpn"
         timeout 500 $TR -m spanllm.cli tune -b 1K -e 16M -f 2 --dtype bfloat16 --ranks-per-node "$rpn" --protocols ll8,simple \
           --out "$OUTDIR/tuning_rpn$rpn.json" || rc=1

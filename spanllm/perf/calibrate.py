@@ -17,12 +17,16 @@ fixed cost). Launch costs (graph_node_us) and HBM bandwidth are the preset's mea
 For NCCL, rows up to the size where the preset lets NCCL leave its low-latency protocol fit LL (ring
 and tree); larger rows, when at least two sizes exist, fit Simple (ring and tree) -- NCCL does not
 report which protocol it ran, so this is the coarse two-regime split its tuner makes.
+
+`--engine`: fit the cluster's engine constants (hardware.EngineCost) instead, to the batch / study rows
+the preset's engine fit names (hardware.ENGINE_FITS), after calibrating the all-reduce constants on the
+sweeps under --results as above (spanllm.perf.engine_fit); `perf validate` does the same.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="name of the written preset")
     parser.add_argument("--out", type=Path, default=Path("calibrated_cluster.json"), help="preset file to write")
     parser.add_argument("--results", type=Path, default=Path("results"), help="folder searched when no files are given")
+    parser.add_argument("--engine", action="store_true",
+                        help="fit the engine constants (EngineCost) to the engine rows the preset's engine fit names "
+                             "(hardware.ENGINE_FITS), all-reduce constants first calibrated on the sweeps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=160) if not Console().is_terminal else Console()
     cluster = load_cluster(args.cluster)
+    if getattr(args, "engine", False):
+        return run_engine(args, cluster, console)
     files = args.files or result_files(args.results)
     ms, _, skipped_files = load_results(files)
     if not ms:
@@ -242,3 +251,40 @@ def run(args: argparse.Namespace) -> int:
     save_cluster(spec, args.out)
     console.print(f"wrote {args.out} (use it with --cluster {args.out})")
     return 0 if fits else 1
+
+
+def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
+    """`spanllm perf calibrate --engine`: EngineCost fitted to the rows hardware.ENGINE_FITS names."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from spanllm.perf.engine_fit import fit_engine
+    from spanllm.perf.hardware import ENGINE_FITS
+
+    spec = ENGINE_FITS.get(cluster.name)
+    if spec is None:
+        console.print(f"cluster {cluster.name!r} names no engine rows to fit (hardware.ENGINE_FITS: "
+                      f"{', '.join(ENGINE_FITS)})")
+        return 1
+    ar, eng, _ = load_results(args.files or result_files(args.results))
+    if ar:
+        cluster = replace(calibrate(ar, cluster)[0], name=cluster.name)
+    rows = [e for e in eng if spec.selects(e.source, e.row)]
+    if not rows:
+        console.print(f"no engine rows found for {spec.describe()}")
+        return 1
+    fit = fit_engine(rows, cluster, cluster.engine.attends_max_seq_len)
+    t = Table(title=f"engine constants fitted to {len(rows)} rows: {spec.describe()}")
+    for col in ("constant", "fitted", "preset now"):
+        t.add_column(col)
+    for name, v in asdict(fit.cost).items():
+        t.add_row(name, str(v) if isinstance(v, bool) else f"{v:.6g}", str(getattr(cluster.engine, name)))
+    console.print(t)
+    console.print("rms relative error over the rows fitted: "
+                  + ", ".join(f"{m} {v:.1%}" for m, v in fit.rms_rel_error.items()))
+    for label in fit.rows:
+        console.print(f"  fitted: {escape(label)}")
+    spec_out = replace(cluster, name=args.name or f"{cluster.name}-engine-fit", engine=fit.cost)
+    save_cluster(spec_out, args.out)
+    console.print(f"wrote {args.out} (use it with --cluster {args.out})")
+    return 0

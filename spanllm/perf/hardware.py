@@ -64,6 +64,32 @@ class AlgoCost:
 
 
 @dataclass(frozen=True)
+class EngineCost:
+    """What the spanllm engine's own implementation costs beyond the roofline and the launch costs, on one cluster.
+
+    All zero (the default): an ideal engine -- KERNELS_PER_LAYER graph nodes per decode layer, decode
+    attention over the mean context at HBM speed, eager prefill at `gemm_efficiency` whose launches hide
+    behind the GPU work. Fitted per cluster from engine runs with `spanllm perf calibrate --engine`
+    (spanllm.perf.engine_fit).
+    """
+
+    decode_layer_us: float = 0.0  # fixed GPU time per decoder layer per decode step, beyond its graph nodes
+    attn_position_ns: float = 0.0  # decode attention: time per cache position scanned, per layer (serial key scan)
+    attends_max_seq_len: bool = False  # decode attention scans every position up to prompt + decode (masked)
+    eager_layer_host_us: float = 0.0  # eager prefill: host time to issue one layer (0: kernels x kernel_launch_us)
+    prefill_efficiency: float = 0.0  # eager prefill: achieved / peak bf16 over GEMM + attention FLOPs (0: gemm_efficiency)
+
+    def __post_init__(self) -> None:
+        for name in ("decode_layer_us", "attn_position_ns", "eager_layer_host_us"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ClusterSpecError(f"EngineCost.{name}={v!r} must be a finite number >= 0")
+        if not (isinstance(self.prefill_efficiency, (int, float)) and 0 <= self.prefill_efficiency <= 1):
+            raise ClusterSpecError(f"EngineCost.prefill_efficiency={self.prefill_efficiency!r} must lie in [0, 1] "
+                                   "(0: use gemm_efficiency)")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     name: str
     description: str
@@ -81,8 +107,11 @@ class ClusterSpec:
     graph_node_us: float  # one kernel node inside a replayed CUDA graph
     kernel_launch_us: float  # one eager kernel launch from Python
     algos: Mapping[str, AlgoCost] = field(default_factory=dict)
+    engine: EngineCost = EngineCost()  # the spanllm engine's costs on this cluster (zeros: an ideal engine)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineCost):
+            raise ClusterSpecError(f"{self.name}: engine is {type(self.engine).__name__}, expected EngineCost")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ClusterSpecError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
         positive = ("gpu_memory_GB", "hbm_GBps", "bf16_TFLOPs", "graph_node_us", "kernel_launch_us",
@@ -201,6 +230,35 @@ H200X2_FIT = PresetFit(
     constants=("nccl_ring/LL", "nccl_tree/LL", "nccl_ring/Simple", "nccl_tree/Simple", "torch_one_shot",
                "torch_two_shot", "nvrar"))
 
+@dataclass(frozen=True)
+class EngineFitRows:
+    """Which engine rows a preset's EngineCost was fitted to (`perf validate` scores them apart, as fitted-on)."""
+
+    files: tuple[str, ...]  # paths relative to the repository root
+    model: str  # the rows' `model`
+    tp: int
+    pp: int
+    allreduce_ran: str  # the rows' decode all-reduce as written (`allreduce_ran`)
+
+    def selects(self, source: str, row: Mapping[str, Any]) -> bool:
+        path = Path(source).as_posix()
+        return (any(path.endswith(f) for f in self.files) and row.get("model") == self.model
+                and int(row.get("tp", 0)) == self.tp and int(row.get("pp", 0)) == self.pp
+                and row.get("allreduce_ran") == self.allreduce_ran)
+
+    def describe(self) -> str:
+        return (f"{self.model} TP={self.tp} PP={self.pp} {self.allreduce_ran} rows of {', '.join(self.files)}")
+
+
+# [fit] The engine's own costs on this host (EngineCost), fitted by `spanllm perf calibrate --engine`
+# (spanllm.perf.engine_fit) to these 6 rows only: Llama 3.1 8B, TP=2, NCCL, batch 1 / 8 / 64, of the
+# decode-heavy (prompt 128, decode 512) and prefill-heavy (prompt 2048, decode 32) studies -- their TPOT
+# and TTFT. Every other engine row (8B NVRAR and PP=2, all of 70B) is held out. HBM efficiency stays the
+# separately measured copy figure; all-reduce constants come from the all-reduce sweeps.
+H200X2_ENGINE_FIT = EngineFitRows(
+    files=("results/h200x2/study_llama3.1-8b_decode-heavy.json", "results/h200x2/study_llama3.1-8b_prefill-heavy.json"),
+    model="llama3.1-8b", tp=2, pp=1, allreduce_ran="nccl")
+
 # [fit] NCCL 2.28.9 on 2 ranks, results/h200x2/allreduce_1x2_bf16.json, nccl rows of H200X2_FIT_SIZES:
 # LL (ring and tree) on the 6 rows <= 2 MiB (1 KiB .. 1 MiB), Simple (ring and tree) on the 2 rows above
 # (4 MiB, 16 MiB: NCCL has left LL there, 30.6 -> 36.0 us for 2x the bytes). base_us stays NCCL's own
@@ -228,6 +286,27 @@ _HOST_NCCL_FIT = {
 _HOST_NVRAR_FIT = AlgoCost(base_us=3.654, nvlink_step_us=0.353, net_step_us=_H200_NVLINK_LATENCY_US + 0.5,
                            wire_factor=2.0, bw_efficiency=0.594)
 
+# [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
+# squares (relative) over the TPOT and TTFT of the 6 rows H200X2_ENGINE_FIT names (8B, TP=2, NCCL, batch
+# 1 / 8 / 64, prompt 128 / decode 512 and prompt 2048 / decode 32), all-reduce constants from the sweeps.
+# rms error over those rows: TPOT 3.5%, TTFT 15.5%. Held out (scored by `perf validate`): every other row.
+#   decode_layer_us     70.23  per layer and decode step on top of its 12 graph nodes (6 us): norms, RoPE,
+#                              KV write, SDPA, SiLU, residual adds -- a few us each even inside a graph.
+#                              (A two-equation estimate from the held-out 70B TP=2 vs PP=2 TPOT gave ~74 us
+#                              in all; not used.)
+#   attn_position_ns    20.48  decode SDPA per cache position and layer: with few (batch x KV heads) thread
+#                              blocks each block scans its positions serially (8B TP=2: +1.0 ms TPOT at
+#                              batch 1 and 8 for 1440 more positions, 640 -> 2080)
+#   eager_layer_host_us 1213   eager prefill, host time per layer: short prompts (batch 1 / 8 x 128 tokens)
+#                              take 33-53 ms for 32 layers whatever their FLOPs (noisy: iters=1)
+#   prefill_efficiency  0.432  eager prefill, achieved / peak over GEMM + attention FLOPs (428 TFLOP/s; the
+#                              GEMM microbenchmark's 790 is not reached by the engine's TP-split shapes)
+# [code] attends_max_seq_len: inside a CUDA graph decode attends over max_seq_len = prompt + decode under a
+# mask (spanllm/engine/model_runner.py; spanllm/bench/batch.py sets max_seq_len = prompt + decode).
+# HBM efficiency stays the measured copy figure (4.3 TB/s); the fit does not touch it.
+_HOST_ENGINE_FIT = EngineCost(decode_layer_us=70.23, attn_position_ns=20.48, attends_max_seq_len=True,
+                              eager_layer_host_us=1213.3, prefill_efficiency=0.4323)
+
 PRESETS: dict[str, ClusterSpec] = {
     "h200x2": ClusterSpec(
         name="h200x2", description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
@@ -245,6 +324,7 @@ PRESETS: dict[str, ClusterSpec] = {
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
         algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US), **_HOST_NCCL_FIT,
                "nvrar": _HOST_NVRAR_FIT},
+        engine=_HOST_ENGINE_FIT,
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100", description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
@@ -314,6 +394,8 @@ PRESETS: dict[str, ClusterSpec] = {
 
 PRESET_FITS: dict[str, PresetFit] = {"h200x2": H200X2_FIT}
 """Preset name -> the measurements its [fit] constants came from (`perf validate` leaves those rows out)."""
+ENGINE_FITS: dict[str, EngineFitRows] = {"h200x2": H200X2_ENGINE_FIT}
+"""Preset name -> the engine rows its EngineCost was fitted to (`perf validate` scores them as fitted-on)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,7 +421,7 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
     merged = {**base, **d}
-    missing = sorted(known - set(merged) - {"algos"})
+    missing = sorted(known - set(merged) - {"algos", "engine"})
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}; give them or set base = one of {list(PRESETS)}")
     defaults = default_algo_costs(float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]))
@@ -362,6 +444,10 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
         else:
             algos[key] = defaults[key]
     merged["algos"] = algos
+    try:  # engine costs: the base preset's, with the fields the file gives replaced
+        merged["engine"] = EngineCost(**{**base.get("engine", {}), **d.get("engine", {})})
+    except TypeError as e:
+        raise ClusterSpecError(f"{source}: engine: {e}") from None
     return ClusterSpec(**merged)
 
 

@@ -1,18 +1,25 @@
 """Inference time model: prefill and decode of a Llama-family model under TP x PP on a cluster.
 
 Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
-  GEMMs       max(FLOPs / (peak x gemm_eff), (weights + activations) bytes / (HBM x hbm_eff))
+  GEMMs       max(FLOPs / (peak x eff), (weights + activations) bytes / (HBM x hbm_eff))
               FLOPs = 2 * tokens * layer_params / tp                         (roofline)
-  attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x context x 2 x kv_heads/tp x head_dim x 2 B
+              eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set
+  attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x positions x 2 x kv_heads/tp x head_dim x 2 B,
+              + positions x EngineCost.attn_position_ns (serial key scan); positions = the mean context
+              prompt + decode_len / 2, or prompt + decode_len where the engine scans the whole cache
               prefill: 2 * batch * prompt^2 * hidden / tp FLOPs (causal half of QK^T and PV)
   all-reduce  2 per layer (after attention-out and after MLP-down), tokens x hidden x 2 bytes each
-  launches    decode in a CUDA graph: kernels_per_layer x graph_node_us, serial with the work;
-              eager prefill: the GPU work hides launches unless it is shorter than them
+  fixed       decode in a CUDA graph: kernels_per_layer x graph_node_us + EngineCost.decode_layer_us,
+              serial with the work (each small kernel costs its launch and a few us of its own)
+  host        eager: issuing a layer takes EngineCost.eager_layer_host_us (else kernels x
+              kernel_launch_us); the host runs ahead of its GPU, so it costs only what the GPU hides not
 Pipeline (pp stages of ceil(layers / pp) layers, m micro-batches of batch / m):
-  TTFT  = sum of stage times + transfers + (m - 1) x slowest stage          (GPipe fill)
-  TPOT  = max(m x slowest stage, sum of stage times + transfers)            (a token needs the
-          whole pipe before its next step; m micro-batches keep every stage busy)
-  E2E   = TTFT + (decode_len - 1) x TPOT, decode at the mean context prompt + decode_len / 2
+  TTFT  stage s finishes micro-batch j at max(input arrived and micro-batch j - 1 done + its GPU
+        time, (j + 1) x its host time): without host limits the GPipe fill, sum of stage times
+        + transfers + (m - 1) x slowest stage; every stage's host issues its layers in parallel
+  TPOT  = max(m x slowest stage, sum of stage times + transfers + the sampled tokens' return)  (a token
+          needs the whole pipe before its next step; m micro-batches keep every stage busy)
+  E2E   = TTFT + (decode_len - 1) x TPOT
 """
 
 from __future__ import annotations
@@ -99,10 +106,29 @@ class Estimate:
 
 # --- small pure pieces --------------------------------------------------------------------------------
 
-def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec) -> float:
-    """Roofline: compute-bound or HBM-bound, whichever is slower (1 TFLOP/s = 1e6 FLOP per us)."""
-    return max(flops / (cluster.bf16_TFLOPs * 1e6 * cluster.gemm_efficiency),
+def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec, efficiency: float | None = None) -> float:
+    """Roofline: compute-bound or HBM-bound, whichever is slower (1 TFLOP/s = 1e6 FLOP per us).
+    `efficiency`: achieved / peak FLOP/s (default: the cluster's gemm_efficiency)."""
+    return max(flops / (cluster.bf16_TFLOPs * 1e6 * (efficiency or cluster.gemm_efficiency)),
                nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency))
+
+
+def prefill_efficiency(cluster: ClusterSpec) -> float:
+    """Achieved / peak FLOP/s of eager prefill: the engine's fitted figure, else the GEMM microbenchmark's."""
+    return cluster.engine.prefill_efficiency or cluster.gemm_efficiency
+
+
+def eager_layer_host_us(cluster: ClusterSpec) -> float:
+    """Host time to issue one layer eagerly: the engine's fitted figure, else kernels x launch cost."""
+    return cluster.engine.eager_layer_host_us or KERNELS_PER_LAYER * cluster.kernel_launch_us
+
+
+def decode_positions(workload: "Workload", cluster: ClusterSpec) -> float:
+    """Cache positions a decode step's attention reads, averaged over the decode: the mean context, or
+    max_seq_len = prompt + decode where the engine scans the whole cache under a mask (CUDA graphs)."""
+    if cluster.engine.attends_max_seq_len:
+        return float(workload.prompt_len + workload.decode_len)
+    return workload.prompt_len + workload.decode_len / 2
 
 
 def hbm_read_us(nbytes: float, cluster: ClusterSpec) -> float:
@@ -114,23 +140,28 @@ def kv_heads_per_gpu(model: ModelShape, tp: int) -> int:
     return max(1, model.kv_heads // tp)
 
 
-def layer_gemm_us(model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec) -> float:
+def layer_gemm_us(model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec,
+                  efficiency: float | None = None) -> float:
     h, f, d = model.hidden, model.ffn, model.dtype_bytes
     kvd = kv_heads_per_gpu(model, tp) * model.head_dim
     weights = model.layer_params / tp * d
     # inputs + outputs of qkv, o, gate_up, down on this GPU
     acts = tokens * d * (h + (h / tp + 2 * kvd) + h / tp + h + h + 2 * f / tp + f / tp + h)
-    return gemm_time_us(2 * tokens * model.layer_params / tp, weights + acts, cluster)
+    return gemm_time_us(2 * tokens * model.layer_params / tp, weights + acts, cluster, efficiency)
 
 
-def decode_attention_us(model: ModelShape, batch: int, context: float, tp: int, cluster: ClusterSpec) -> float:
-    return hbm_read_us(batch * context * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp)), cluster)
+def decode_attention_us(model: ModelShape, batch: int, positions: float, tp: int, cluster: ClusterSpec) -> float:
+    """One layer: the K and V of `positions` cache positions per sequence read at HBM speed, plus the
+    engine's serial scan cost per position (one thread block walks its head's positions in order)."""
+    kv = hbm_read_us(batch * positions * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp)), cluster)
+    return kv + positions * cluster.engine.attn_position_ns / 1e3
 
 
-def prefill_attention_us(model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec) -> float:
+def prefill_attention_us(model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec,
+                         efficiency: float | None = None) -> float:
     flops = 2 * batch * prompt * prompt * model.hidden / tp
     kv_write = batch * prompt * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp))
-    return gemm_time_us(flops, kv_write, cluster)
+    return gemm_time_us(flops, kv_write, cluster, efficiency)
 
 
 def lm_head_us(model: ModelShape, rows: int, tp: int, cluster: ClusterSpec) -> float:
@@ -182,36 +213,62 @@ def memory_per_gpu(model: ModelShape, layout: Layout, workload: Workload, cluste
 
 # --- the estimate -------------------------------------------------------------------------------------
 
-def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode) -> dict[str, float]:
+def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode, efficiency=None) -> dict[str, float]:
+    """One layer's GPU time by component (decode in a graph: + its fixed kernel time; eager decode: + the
+    host time the GPU work does not hide). Eager prefill's host time is priced per stage (`_prefill_ms`)."""
     nodes, rpn = tp_group_shape(layout, cluster)
     ar = 0.0
     if layout.tp > 1:
         ar = 2 * allreduce_cost(algo, rows * model.hidden * model.dtype_bytes, cluster, nodes, rpn, graph)[0]
-    gemm = layer_gemm_us(model, rows, layout.tp, cluster)
+    gemm = layer_gemm_us(model, rows, layout.tp, cluster, efficiency)
+    parts = {"gemm": gemm / 1e3, "attention": attention_us / 1e3, "allreduce": ar / 1e3}
     if decode and graph:
-        launch = KERNELS_PER_LAYER * cluster.graph_node_us
-    else:  # eager: launches overlap GPU work, they cost only what the work does not hide
-        launch = max(0.0, KERNELS_PER_LAYER * cluster.kernel_launch_us - (gemm + attention_us + ar))
-    return {"gemm": gemm / 1e3, "attention": attention_us / 1e3, "allreduce": ar / 1e3, "launch": launch / 1e3}
+        parts["fixed"] = (KERNELS_PER_LAYER * cluster.graph_node_us + cluster.engine.decode_layer_us) / 1e3
+    elif decode:
+        parts["host"] = max(0.0, eager_layer_host_us(cluster) - (gemm + attention_us + ar)) / 1e3
+    return parts
 
 
-def _pipeline(stage: dict[str, float], last_extra: float, xfer_ms: float, layout: Layout, fill: bool):
-    """Critical path over pp equal stages (+ the last stage's LM head) and m micro-batches.
+def fill_ms(stage_ms: float, last_extra: float, host_ms: float, hops_ms: list[float], m: int) -> float:
+    """Prefill over len(hops_ms) + 1 equal stages and m micro-batches (module docstring, TTFT).
+
+    Stage s finishes micro-batch j at max(max(its input arrived, micro-batch j - 1 done here) + GPU time,
+    (j + 1) x host time): each stage's host issues its micro-batches in order, ahead of its GPU."""
+    pp = len(hops_ms) + 1
+    done = [0.0] * m
+    for s in range(pp):
+        gpu = stage_ms + (last_extra if s == pp - 1 else 0.0)
+        arrive = [0.0] * m if s == 0 else [t + hops_ms[s - 1] for t in done]
+        prev = 0.0
+        for j in range(m):
+            prev = done[j] = max(max(arrive[j], prev) + gpu, (j + 1) * host_ms)
+    return done[-1]
+
+
+def _prefill_ms(stage: dict[str, float], last_extra: float, host_ms: float, hops_ms: list[float], m: int):
+    """(TTFT, its components): the GPU parts on the critical path of the fill, and the host time beyond them."""
+    pp = len(hops_ms) + 1
+    total = fill_ms(sum(stage.values()), last_extra, host_ms, hops_ms, m)
+    parts = {k: v * (pp + m - 1) for k, v in stage.items()}
+    parts["lm_head"], parts["pp_transfer"] = last_extra * m, sum(hops_ms)
+    parts["host"] = max(0.0, total - sum(parts.values()))
+    return total, parts
+
+
+def _decode_ms(stage: dict[str, float], last_extra: float, xfer_ms: float, layout: Layout):
+    """Critical path of one decode step over pp equal stages (+ the last stage's LM head) and m micro-batches;
+    `xfer_ms` includes the sampled tokens' way back to the first stage.
 
     Returns (total ms, its components, the share of the time a stage waits)."""
     pp, m = layout.pp, layout.micro_batches
     stage_ms = sum(stage.values())
     slowest = stage_ms + last_extra
     traverse = pp * stage_ms + last_extra + xfer_ms
-    if fill:  # prefill: fill the pipe once, then one slowest stage per further micro-batch
-        total = traverse + (m - 1) * slowest
-        parts = {k: v * (pp + m - 1) for k, v in stage.items()}
-        parts["lm_head"], parts["pp_transfer"] = last_extra * m, xfer_ms
-    elif m * slowest >= traverse:  # decode, stages saturated: transfers hide behind other micro-batches
+    if m * slowest >= traverse:  # stages saturated: transfers hide behind other micro-batches
         total = m * slowest
         parts = {k: v * m for k, v in stage.items()}
         parts["lm_head"], parts["pp_transfer"] = last_extra * m, 0.0
-    else:  # decode, latency-bound: one micro-batch's token walks through the whole pipe
+    else:  # latency-bound: one micro-batch's token walks through the whole pipe
         total = traverse
         parts = {k: v * pp for k, v in stage.items()}
         parts["lm_head"], parts["pp_transfer"] = last_extra, xfer_ms
@@ -235,28 +292,30 @@ def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: 
                                   f"{cluster.gpus_per_node} without a network")
     mb = b // m
     layers = math.ceil(model.layers / layout.pp)
-    hops_net = stage_boundaries_over_network(layout, cluster)
+    g = cluster.gpus_per_node
 
-    def xfer_ms(rows: int) -> float:
+    def hops_ms(rows: int) -> list[float]:
+        """Each stage boundary's transfer of `rows` hidden states (a boundary at a host edge crosses the network)."""
         nbytes = rows * model.hidden * model.dtype_bytes
-        hops_nvlink = layout.pp - 1 - hops_net
-        return ((hops_net * pp_transfer_us(nbytes, True, cluster) if hops_net else 0.0)
-                + (hops_nvlink * pp_transfer_us(nbytes, False, cluster) if hops_nvlink else 0.0)) / 1e3
+        return [pp_transfer_us(nbytes, (s + 1) * layout.tp % g == 0, cluster) / 1e3 for s in range(layout.pp - 1)]
 
-    # prefill
+    # prefill: eager
     rows = mb * workload.prompt_len
+    eff = prefill_efficiency(cluster)
     layer = _layer_ms(model, cluster, layout, rows, prefill_attention_us(model, mb, workload.prompt_len, layout.tp,
-                      cluster), prefill_algo or algo, False, False)
+                      cluster, eff), prefill_algo or algo, False, False, eff)
     stage = {k: v * layers for k, v in layer.items()}
-    ttft, prefill_parts, _ = _pipeline(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3, xfer_ms(rows),
-                                       layout, fill=True)
-    # decode, at the mean context length
-    context = workload.prompt_len + workload.decode_len / 2
-    layer = _layer_ms(model, cluster, layout, mb, decode_attention_us(model, mb, context, layout.tp, cluster), algo,
+    ttft, prefill_parts = _prefill_ms(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3,
+                                      layers * eager_layer_host_us(cluster) / 1e3, hops_ms(rows), m)
+    # decode
+    positions = decode_positions(workload, cluster)
+    layer = _layer_ms(model, cluster, layout, mb, decode_attention_us(model, mb, positions, layout.tp, cluster), algo,
                       cuda_graphs, True)
     stage = {k: v * layers for k, v in layer.items()}
-    tpot, decode_parts, idle = _pipeline(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3, xfer_ms(mb),
-                                         layout, fill=False)
+    xfer = sum(hops_ms(mb))
+    if layout.pp > 1:  # the last stage sends the sampled token ids (int64) back to the first
+        xfer += pp_transfer_us(mb * 8, layout.gpus > g, cluster) / 1e3
+    tpot, decode_parts, idle = _decode_ms(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3, xfer, layout)
     e2e = ttft + (workload.decode_len - 1) * tpot
     variant = ""
     if layout.tp > 1:

@@ -1,11 +1,15 @@
 """Reading measurement files: `spanllm bench allreduce --json` sweeps and engine batch / study runs.
 
 Only plain records come out (dataclasses of numbers and names); nothing here knows the model.
+A study's stdout (`study_*.log`) counts where its JSON is missing (a run cut short before writing it):
+its row lines carry TTFT, TPOT and E2E, the layout and the all-reduce; the prompt and decode lengths
+come from the workload name.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,10 +90,47 @@ def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasuremen
     return out
 
 
+WORKLOADS = {"decode-heavy": (128, 512), "prefill-heavy": (2048, 32)}
+"""Workload name -> (prompt_len, decode_len), as spanllm.bench.batch.WORKLOADS defines them."""
+_LOG_HEADER = re.compile(r"^=== \S+ bench (?:study|batch) (\S+) (\S+)")
+_LOG_ROW = re.compile(r"^\s*TP=(\d+) PP=(\d+) mb=(\d+) batch=(\d+) (\S+)->(\S+): TTFT ([\d.]+) ms, "
+                      r"TPOT ([\d.]+) ms, E2E ([\d.]+) ms")
+
+
+def study_log_rows(text: str, source: str) -> list[dict[str, Any]]:
+    """Engine rows from a study's stdout: one per row line under a `=== TIME bench study MODEL WORKLOAD` header.
+    The log does not name prefill's all-reduce (no `allreduce_ran_prefill`)."""
+    rows, model, workload = [], None, None
+    for i, line in enumerate(text.splitlines(), 1):
+        if h := _LOG_HEADER.match(line):
+            model, workload = h.group(1), h.group(2)
+            continue
+        r = _LOG_ROW.match(line)
+        if not r:
+            continue
+        if model is None or workload not in WORKLOADS:
+            raise MeasurementError(f"{source}:{i}: a study row before a header naming the model and a known "
+                                   f"workload ({', '.join(WORKLOADS)})")
+        tp, pp, mb, batch = (int(r.group(k)) for k in (1, 2, 3, 4))
+        prompt, decode = WORKLOADS[workload]
+        rows.append({"model": model, "truncated_layers": None, "tp": tp, "pp": pp, "micro_batches": mb,
+                     "batch": batch, "prompt_len": prompt, "decode_len": decode, "workload": workload,
+                     "allreduce": r.group(5), "allreduce_ran": r.group(6), "ttft_ms": float(r.group(7)),
+                     "tpot_ms": float(r.group(8)), "e2e_ms": float(r.group(9)), "cuda_graphs": True,
+                     "log_line": i})
+    return rows
+
+
 def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[EngineMeasurement], list[str]]:
     """All-reduce rows, engine rows, and one line per file that was skipped (with why)."""
     ar, eng, skipped = [], [], []
     for path in paths:
+        if Path(path).suffix == ".log":
+            rows = study_log_rows(Path(path).read_text(errors="replace"), str(path))
+            eng += [EngineMeasurement(str(path), "study-log", row) for row in rows]
+            if not rows:
+                skipped.append(f"{path}: no study rows in this log")
+            continue
         try:
             doc = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -108,5 +149,8 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
 
 
 def result_files(results_dir: Path) -> list[Path]:
-    """Every JSON under results/ (machine sub-folders included), without the validation report itself."""
-    return sorted(p for p in Path(results_dir).rglob("*.json") if p.name != "perf_validation.json")
+    """Every JSON under results/ (machine sub-folders included), without the validation report itself, and
+    every study_*.log whose JSON is missing."""
+    root = Path(results_dir)
+    logs = [p for p in root.rglob("study_*.log") if not p.with_suffix(".json").exists()]
+    return sorted([p for p in root.rglob("*.json") if p.name != "perf_validation.json"] + logs)

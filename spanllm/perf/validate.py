@@ -13,10 +13,16 @@ What predicts what, so that no prediction is fitted to the point that validates 
   Every fit prices nvrar rows with the launch their `ran` column names (one-shot: 1 NVLink phase,
   reduce-scatter: 2, 2x1: 1 recursive-doubling round + a local staging copy); base_us is fitted only
   where the rows hold two phase counts (1x2), else kept from the preset.
-  engine/ttft|tpot|e2e      batch / study rows from the inference model, with all-reduce constants
-                            calibrated on the all-reduce sweeps (separate measurements) when there are
-                            any, else the preset; GEMM / HBM constants are datasheet or separately
-                            measured figures.
+  engine/ttft|tpot|e2e      batch / study rows (and study logs without a JSON) from the inference model,
+                            held out: rows the preset's engine constants (hardware.EngineCost) were NOT
+                            fitted to. All-reduce constants are calibrated on the all-reduce sweeps
+                            (separate measurements) when there are any, else the preset's; HBM, GEMM and
+                            launch constants are datasheet or separately measured figures.
+  engine-fit/ttft|tpot|e2e  the rows hardware.ENGINE_FITS names (h200x2: Llama 3.1 8B, TP=2, NCCL, of the
+                            two 8B studies): in-sample, reported apart. The fit is rerun from the files
+                            (spanllm.perf.engine_fit) and set beside the preset's constants.
+  Each engine record carries a group (model, layout, all-reduce) so that TP / NVRAR / naive PP /
+  micro-batched PP rows can be read apart (`summary_by_group`).
 Plus the paper's headline claims on the Perlmutter and Vista presets (paper_claims.py).
 """
 
@@ -30,10 +36,11 @@ from pathlib import Path
 
 from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
 from spanllm.perf.calibrate import CalibrationError, calibrate
-from spanllm.perf.hardware import PRESET_FITS, PRESETS, ClusterSpec, PresetFit, load_cluster
-from spanllm.perf.inference import InferenceModelError, Layout, Workload, estimate
+from spanllm.perf.engine_fit import EngineFitError, fit_engine, predict, row_case
+from spanllm.perf.hardware import ENGINE_FITS, PRESET_FITS, PRESETS, ClusterSpec, EngineFitRows, PresetFit, load_cluster
+from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
-from spanllm.perf.model_shape import ModelShapeError, get_model
+from spanllm.perf.model_shape import ModelShapeError
 from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
 
 REPORT_NAME = "perf_validation.json"
@@ -131,62 +138,96 @@ def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> t
     return records, skipped
 
 
-def engine_records(es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str) -> tuple[list[dict], list[str]]:
+def engine_group(case) -> str:
+    """'llama3.1-70b TP2 nvrar', 'llama3.1-8b PP2 m=1', 'llama3.1-8b PP2 m=2': the subsets read apart."""
+    size = case.model.name.split(" ")[0]
+    if case.layout.pp > 1:
+        return f"{size} TP{case.layout.tp}xPP{case.layout.pp} m={case.layout.micro_batches}"
+    return f"{size} TP{case.layout.tp} {case.algo}"
+
+
+def engine_records(es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str,
+                   fit: EngineFitRows | None = None) -> tuple[list[dict], list[str]]:
+    """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` selects go to engine-fit/."""
     records, skipped = [], []
     for e in es:
         r = e.row
         try:
-            model = get_model(str(r["model"]))
-            if r.get("truncated_layers"):
-                model = model.truncated(int(r["truncated_layers"]))
-            tp, rpn = int(r["tp"]), r.get("ranks_per_node")
-            layout = Layout(tp, int(r.get("pp", 1)), int(r.get("micro_batches", 1)),
-                            tp_ranks_per_node=min(int(rpn), tp) if rpn else None)
-            w = Workload(int(r["batch"]), int(r["prompt_len"]), int(r["decode_len"]))
-            ran = str(r.get("allreduce_ran") or r.get("allreduce") or "nccl")
-            algo = "nccl" if tp == 1 or ran == "none" else model_name(ran)  # no all-reduce at tp 1
-            est = estimate(model, cluster, layout, w, algo, bool(r.get("cuda_graphs", True)))
+            case = row_case(r)
+            est = predict(case, cluster)
         except (KeyError, TypeError, ValueError, ModelShapeError, InferenceModelError, AllReduceModelError) as ex:
             skipped.append(f"{e.source}: engine row {r.get('model')} tp={r.get('tp')} pp={r.get('pp')}: {ex}")
             continue
-        label = f"{model.name} {layout} {algo} b{w.batch} p{w.prompt_len} d{w.decode_len}"
+        in_fit = fit is not None and fit.selects(e.source, r)
+        source = e.source + (f":{r['log_line']}" if "log_line" in r else "")
         for metric, predicted in (("ttft", est.ttft_ms), ("tpot", est.tpot_ms), ("e2e", est.e2e_ms)):
             measured = r.get(f"{metric}_ms")
             if measured:
-                records.append(_record(f"engine/{metric}", label, predicted, float(measured), e.source, fitted_on))
+                rec = _record(f"engine{'-fit' if in_fit else ''}/{metric}", case.label, predicted, float(measured),
+                              source, fitted_on)
+                rec["group"], rec["allreduce_ran"] = engine_group(case), r.get("allreduce_ran")
+                records.append(rec)
     return records, skipped
 
 
 def summarize(records: list[dict]) -> dict[str, dict]:
+    return _summary(records, lambda r: r["category"])
+
+
+def summary_by_group(records: list[dict]) -> dict[str, dict]:
+    """Engine records per (category, group): e.g. 'engine/e2e | llama3.1-70b TP1xPP2 m=2'."""
+    return _summary([r for r in records if "group" in r], lambda r: f"{r['category']} | {r['group']}")
+
+
+def _summary(records: list[dict], key) -> dict[str, dict]:
     cats: dict[str, list[float]] = {}
     for r in records:
-        cats.setdefault(r["category"], []).append(abs(r["rel_error"]))
+        cats.setdefault(key(r), []).append(abs(r["rel_error"]))
     return {c: {"n": len(v), "median_abs_rel_error": statistics.median(v), "max_abs_rel_error": max(v)}
             for c, v in sorted(cats.items())}
+
+
+def engine_fit_report(eng: list[EngineMeasurement], cluster: ClusterSpec, fit: EngineFitRows | None) -> dict | None:
+    """The preset's engine constants beside a refit from the rows it names (None without an engine fit)."""
+    if fit is None:
+        return None
+    rows = [e for e in eng if fit.selects(e.source, e.row)]
+    out = {"rows": fit.describe(), "n_rows": len(rows), "preset": asdict(cluster.engine)}
+    try:
+        refit = fit_engine(rows, cluster, cluster.engine.attends_max_seq_len)
+        out.update(refit=asdict(refit.cost), fit_rms_rel_error=refit.rms_rel_error, fitted_rows=list(refit.rows))
+    except (EngineFitError, ValueError) as e:
+        out["refit"] = f"not rerun: {e}"
+    return out
 
 
 def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
     """The whole report as plain data (also what `spanllm perf validate` writes)."""
     ar, eng, skipped = load_results(result_files(results_dir))
     records, s1 = allreduce_records(ar, cluster)
-    engine_cluster, fitted_on = cluster, f"preset {cluster.name}"
+    engine_cluster, ar_from = cluster, f"all-reduce constants of preset {cluster.name}"
     if ar:
         try:
             engine_cluster, fits, _ = calibrate(ar, cluster)
             if fits:
-                fitted_on = f"all-reduce constants calibrated on {len(ar)} all-reduce rows ({', '.join(f.algo for f in fits)})"
+                ar_from = f"all-reduce constants calibrated on {len(ar)} all-reduce rows ({', '.join(f.algo for f in fits)})"
         except (CalibrationError, ValueError):
             pass
-    erecs, s2 = engine_records(eng, engine_cluster, fitted_on)
+    efit = ENGINE_FITS.get(cluster.name)
+    fitted_on = f"{ar_from}; engine constants " + (f"fitted to {efit.describe()}" if efit else f"of {cluster.name}")
+    erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit)
     pfit = PRESET_FITS.get(cluster.name)
     constants = {key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
                  for key in (pfit.constants if pfit else ())}
     claims = [asdict(c) for name in ("perlmutter", "vista")
               for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))]
     return {"cluster": cluster.name, "results_dir": str(results_dir), "measurements": len(ar) + len(eng),
-            "records": records + erecs, "summary": summarize(records + erecs), "paper_claims": claims,
+            "records": records + erecs, "summary": summarize(records + erecs),
+            "summary_by_group": summary_by_group(erecs), "paper_claims": claims,
             "skipped": skipped + s1 + s2, "preset_constants": constants,
-            "preset_fit": asdict(pfit) if pfit else None, "method": __doc__.split("\n\n", 1)[1].strip()}
+            "preset_fit": asdict(pfit) if pfit else None,
+            "engine_fit": engine_fit_report(eng, engine_cluster, efit),
+            "method": __doc__.split("\n\n", 1)[1].strip()}
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -224,6 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=160) if not Console().is_terminal else Console()
@@ -238,8 +280,8 @@ def run(args: argparse.Namespace) -> int:
         for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):
             t.add_column(col)
         for r in report["records"][: args.rows]:
-            t.add_row(r["category"], r["label"], f"{r['predicted']:.4g}", f"{r['measured']:.4g}",
-                      f"{r['rel_error']:+.1%}", r["fitted_on"])
+            t.add_row(r["category"], escape(r["label"]), f"{r['predicted']:.4g}", f"{r['measured']:.4g}",
+                      f"{r['rel_error']:+.1%}", escape(r["fitted_on"]))
         console.print(t)
         s = Table(title="median |relative error| per category")
         for col in ("category", "n", "median |err|", "max |err|"):
@@ -247,6 +289,24 @@ def run(args: argparse.Namespace) -> int:
         for c, v in report["summary"].items():
             s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
         console.print(s)
+        if report["summary_by_group"]:
+            s = Table(title="engine rows per group (engine-fit/: the rows the engine constants were fitted to)")
+            for col in ("category | group", "n", "median |err|", "max |err|"):
+                s.add_column(col)
+            for c, v in report["summary_by_group"].items():
+                s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
+            console.print(s)
+    if report.get("engine_fit"):
+        f = report["engine_fit"]
+        k = Table(title=f"preset {report['cluster']}: engine constants fitted to {f['rows']} ({f['n_rows']} rows found)")
+        for col in ("constant", "preset", "refit from the files"):
+            k.add_column(col)
+        refit = f["refit"] if isinstance(f["refit"], dict) else {}
+        for name, v in f["preset"].items():
+            k.add_row(name, f"{v:.6g}" if not isinstance(v, bool) else str(v),
+                      (f"{refit[name]:.6g}" if not isinstance(refit[name], bool) else str(refit[name]))
+                      if name in refit else escape(str(f["refit"])))
+        console.print(k)
     if report.get("preset_fit"):
         f = report["preset_fit"]
         k = Table(title=f"preset {report['cluster']}: constants fitted to {f['file']} ({f['topology']}, sizes "
@@ -257,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             k.add_row(key, str(v["kernels"]), f"{v['base_us']:.3f}", f"{v['nvlink_step_us']:.3f}",
                       f"{v['bw_efficiency']:.3f}", f"{v['wire_factor']:.2f}")
         console.print(k)
-    console.print("method: " + report["method"])
+    console.print("method: " + escape(report["method"]))
     c = Table(title="paper headline claims on the presets (no constant fitted to them)")
     for col in ("claim", "cluster", "predicted min / median / max", "claimed", "consistent", "max at"):
         c.add_column(col)
@@ -267,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
                   "yes" if k["consistent"] else "NO", k["where_max"])
     console.print(c)
     for line in report["skipped"]:
-        console.print(f"skipped: {line}")
+        console.print(f"skipped: {escape(line)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {out}")
