@@ -94,7 +94,7 @@ for stage in "${STAGES[@]}"; do
     tune)
       for rpn in ${RPNS:-$NGPU 1}; do
         log "tune ranks_per_node=$rpn"
-        timeout 500 $TR -m spanllm.cli tune -b 1K -e 16M -f 2 --dtype bfloat16 --ranks-per-node "$rpn" --protocols ll8,simple \
+        timeout 500 $TR -m spanllm.cli tune -b 1K -e 16M -f 2 --dtype bfloat16 --ranks-per-node "$rpn" --protocols "${PROTOCOLS:-ll8}" \
           --out "$OUTDIR/tuning_rpn$rpn.json" || rc=1
       done
       ;;

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer of the GPU backends (largest nvrar message)")
-    p.add_argument("--blocks", default="1,2,4,8,16,32,64", help="nvrar program counts to try")
+    p.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="nvrar program counts to try")
     p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")
     p.add_argument("--protocols", default="ll8", help="nvrar protocols to try: ll8, simple (comma-separated)")
     p.add_argument("--out", required=True, help="tuning table JSON to write")
