@@ -6,7 +6,8 @@
   inference.py        prefill / decode time for TP x PP, memory per GPU
   plan.py             `spanllm plan`: rank layouts x all-reduce algorithms
   measurements.py     reading results/*.json (all-reduce sweeps, engine runs)
-  calibrate.py        `spanllm perf calibrate`: fit all-reduce constants to a sweep
+  calibrate.py        `spanllm perf calibrate`: fit all-reduce constants to a sweep (--engine: engine constants)
+  engine_fit.py       engine rows -> the inference model; the fit of the engine constants (EngineCost)
   validate.py         `spanllm perf validate`: predicted vs measured, with the error
   paper_claims.py     the NVRAR paper's headline numbers as checks on the presets
 """

@@ -139,7 +139,7 @@ def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> t
 
 
 def engine_group(case) -> str:
-    """'llama3.1-70b TP2 nvrar', 'llama3.1-8b PP2 m=1', 'llama3.1-8b PP2 m=2': the subsets read apart."""
+    """'llama3.1-70b TP2 nvrar', 'llama3.1-8b TP1xPP2 m=1', 'llama3.1-8b TP1xPP2 m=2': the subsets read apart."""
     size = case.model.name.split(" ")[0]
     if case.layout.pp > 1:
         return f"{size} TP{case.layout.tp}xPP{case.layout.pp} m={case.layout.micro_batches}"

@@ -97,3 +97,23 @@ def test_perf_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=root).stdout.strip()
     assert out == "False"
+
+
+def test_engine_costs_in_presets_and_files(tmp_path):
+    from spanllm.perf.hardware import EngineCost
+
+    assert PRESETS["perlmutter"].engine == EngineCost()  # an ideal engine where nothing was measured
+    host = PRESETS["h200x2"].engine
+    assert host.attends_max_seq_len and host.decode_layer_us > 0 and 0 < host.prefill_efficiency < 1
+    out = tmp_path / "host.json"
+    save_cluster(PRESETS["h200x2"], out)
+    assert load_cluster(out) == PRESETS["h200x2"]
+    # a file on a base preset replaces only the engine fields it gives
+    spec = cluster_from_dict({"base": "h200x2", "name": "h2", "engine": {"decode_layer_us": 50.0}})
+    assert spec.engine.decode_layer_us == 50.0 and spec.engine.attn_position_ns == host.attn_position_ns
+    with pytest.raises(ClusterSpecError, match=r"prefill_efficiency=1.5 must lie in \[0, 1\]"):
+        EngineCost(prefill_efficiency=1.5)
+    with pytest.raises(ClusterSpecError, match="decode_layer_us=-1"):
+        EngineCost(decode_layer_us=-1.0)
+    with pytest.raises(ClusterSpecError, match="engine: .*unexpected keyword argument 'nope'"):
+        cluster_from_dict({"base": "vista", "engine": {"nope": 1}})

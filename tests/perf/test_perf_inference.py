@@ -3,9 +3,9 @@ import pytest
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import (
-    KERNELS_PER_LAYER, InferenceModelError, Layout, Workload, decode_attention_us, estimate, gemm_time_us,
-    kv_heads_per_gpu, layer_gemm_us, memory_per_gpu, prefill_attention_us, stage_boundaries_over_network,
-    tp_group_shape,
+    KERNELS_PER_LAYER, P2P_OVERHEAD_US, InferenceModelError, Layout, Workload, decode_attention_us, decode_positions,
+    estimate, fill_ms, gemm_time_us, kv_heads_per_gpu, layer_gemm_us, memory_per_gpu, prefill_attention_us,
+    stage_boundaries_over_network, tp_group_shape,
 )
 from spanllm.perf.model_shape import MODELS, ModelShapeError, get_model
 
@@ -97,3 +97,71 @@ def test_decode_memory_bound_scales_with_tp_and_prefill_with_flops():
     big = estimate(m, c, Layout(8), Workload(8, 4096, 16), "nccl")
     assert big.prefill_ms["gemm"] == pytest.approx(
         2 * 8 * 4096 * m.layer_params / 8 * 80 / (c.bf16_TFLOPs * 1e6 * c.gemm_efficiency) / 1e3, rel=0.02)
+
+
+# --- the engine's own costs (hardware.EngineCost), hand-computed on the round cluster -------------------
+
+ENGINE = {"decode_layer_us": 20.0, "attn_position_ns": 10.0, "attends_max_seq_len": True,
+          "eager_layer_host_us": 10000.0, "prefill_efficiency": 0.5}
+
+
+def test_decode_attention_adds_a_serial_cost_per_position(make_cluster):
+    c = make_cluster(engine={"attn_position_ns": 10.0})
+    m = MODELS["llama3.1-70b"]
+    # KV: 4 seqs x 1000 positions x (K,V x 2 heads x 128 x 2 B) / 1e6 B/us = 4.096 us; + 1000 x 10 ns = 10 us
+    assert decode_attention_us(m, 4, 1000, 4, c) == pytest.approx(4.096 + 10.0)
+
+
+def test_decode_positions_mean_context_or_whole_cache(make_cluster):
+    w = Workload(batch=2, prompt_len=100, decode_len=21)
+    assert decode_positions(w, make_cluster()) == 110.5
+    assert decode_positions(w, make_cluster(engine={"attends_max_seq_len": True})) == 121.0
+
+
+def test_decode_step_with_engine_costs_hand_computed(make_cluster):
+    """TPOT = layers x (gemm + attention over 121 positions + 2 all-reduces + 12 graph nodes + 20 us) + LM head."""
+    c, m = make_cluster(engine=ENGINE), MODELS["llama3.1-8b"]
+    e = estimate(m, c, Layout(4), Workload(batch=2, prompt_len=100, decode_len=21), "nccl")
+    kv = 2 * 121 * (2 * 2 * 128 * 2) / 1e6  # 8 KV heads / tp 4 = 2 per GPU
+    layer = (layer_gemm_us(m, 2, 4, c) + kv + 121 * 0.010 + 2 * allreduce_time_us("nccl", 2 * 4096 * 2, c, 1, 4)
+             + KERNELS_PER_LAYER * 0.5 + 20.0)
+    lm = m.embedding_params / 4 * 2 / 1e6
+    assert e.tpot_ms == pytest.approx((32 * layer + lm) / 1e3)
+    assert e.decode_ms["fixed"] == pytest.approx(32 * (6.0 + 20.0) / 1e3)
+
+
+def test_prefill_efficiency_scales_the_compute_bound_gemms(make_cluster):
+    assert gemm_time_us(1e8, 1e3, make_cluster(), 0.5) == pytest.approx(2.0)  # 1e8 FLOP at 0.5 x 1e8 per us
+    c, m = make_cluster(engine={"prefill_efficiency": 0.5}), MODELS["llama3.1-8b"]
+    e = estimate(m, c, Layout(1), Workload(batch=4, prompt_len=2048, decode_len=2), "nccl")
+    # 8192 rows: compute-bound; 2 x rows x layer params / (1e8 x 0.5) FLOP per us, 32 layers
+    assert e.prefill_ms["gemm"] == pytest.approx(32 * 2 * 8192 * m.layer_params / 0.5e8 / 1e3)
+
+
+def test_fill_hand_computed():
+    # one stage: GPU 10 + LM head 1, or the host's 30 when it is slower
+    assert fill_ms(10.0, 1.0, 0.0, [], 1) == 11.0 and fill_ms(10.0, 1.0, 30.0, [], 1) == 30.0
+    # two stages, host-bound: stage 0 done at 30 (its host); stage 1's host is done by then too, its GPU
+    # runs once the input arrives: 30 + 2 (transfer) + 11
+    assert fill_ms(10.0, 1.0, 30.0, [2.0], 1) == 43.0
+    # no host limit: the GPipe fill, pp x stage + head + transfers + (m - 1) x slowest = 30 + 2 + 2 + 3 x 12
+    assert fill_ms(10.0, 2.0, 0.0, [1.0, 1.0], 4) == 70.0
+    # two micro-batches, host 30 each: stage 0 at 30, 60; stage 1 at max(30 + 10, 30) = 40, max(60 + 10, 60) = 70
+    assert fill_ms(10.0, 0.0, 30.0, [0.0], 2) == 70.0
+
+
+def test_host_bound_prefill_hand_computed(make_cluster):
+    """A short prompt on one GPU: 32 layers x 10 ms of host time hide every GPU cost."""
+    c, m = make_cluster(engine=ENGINE), MODELS["llama3.1-8b"]
+    e = estimate(m, c, Layout(1), Workload(batch=1, prompt_len=16, decode_len=2), "nccl")
+    assert e.ttft_ms == pytest.approx(320.0)
+    assert sum(e.prefill_ms.values()) == pytest.approx(320.0) and 0 < e.prefill_ms["host"] < 320.0
+
+
+def test_pipeline_decode_returns_the_sampled_tokens(round_cluster):
+    """PP2 on one node (4 GPUs): one hop of hidden states forward and one of int64 token ids back."""
+    c, m = round_cluster, MODELS["llama3.1-8b"]
+    e = estimate(m, c, Layout(1, 2), Workload(batch=2, prompt_len=100, decode_len=4), "nccl")
+    forward = P2P_OVERHEAD_US + 1.0 + 2 * 4096 * 2 / 100e3  # overhead + NVLink latency + bytes at 100 GB/s
+    back = P2P_OVERHEAD_US + 1.0 + 2 * 8 / 100e3
+    assert e.decode_ms["pp_transfer"] == pytest.approx((forward + back) / 1e3)

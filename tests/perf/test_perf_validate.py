@@ -22,6 +22,7 @@ def engine_doc():
                      "e2e_ms": e.e2e_ms, "throughput_tok_s": 1.0, "breakdown_ms": {}, "cuda_graphs": True})
     rows[2]["allreduce_ran"] = "none"  # what the engine writes at tp 1
     rows[1]["model"] = "llama3.1-8b:layers=32"  # the engine's preset spelling
+    rows[1]["allreduce_ran"] = "nvrar[os/b8x256w4]"  # the launch the tuned table chose, as the engine writes it
     rows.append({**rows[0], "model": "mystery-3b"})  # unknown models are skipped, with why
     return {"kind": "batch", "machine": {}, "versions": {}, "settings": {"ranks_per_node": 2}, "rows": rows}
 
@@ -67,6 +68,12 @@ def test_report_on_synthetic_results(results):
     assert any("notes.json" in s for s in rep["skipped"])
     assert {c["cluster"] for c in rep["paper_claims"]} == {"perlmutter", "vista"}
     assert sum(r["category"] == "engine/tpot" for r in rep["records"]) == 3  # all three known-model rows
+    assert not any("nvrar" in s for s in rep["skipped"])  # 'nvrar[os/...]' is nvrar with a launch
+    assert {r["group"] for r in rep["records"] if r["category"] == "engine/e2e"} == {
+        "llama3.1-8b TP2 nccl", "llama3.1-8b TP2 nvrar", "llama3.1-8b TP1xPP2 m=1"}
+    # no file here holds the rows the preset's engine constants came from: nothing scored as fitted
+    assert not any(r["category"].startswith("engine-fit/") for r in rep["records"])
+    assert rep["engine_fit"]["n_rows"] == 0 and rep["engine_fit"]["refit"].startswith("not rerun")
 
 
 def test_cli_writes_report_and_plot(results, capsys):
@@ -107,3 +114,20 @@ def test_lab_results_meet_the_target_without_scoring_fitted_rows():
     assert rep["preset_fit"]["file"] == H200X2_FIT.file and "nvrar" in rep["preset_constants"]
     for cat in ("allreduce/preset", "allreduce/holdout-sizes", "allreduce/cross-topology"):
         assert rep["summary"][cat]["median_abs_rel_error"] < 0.15, cat
+
+
+def test_lab_engine_rows_held_out_from_the_engine_fit():
+    """results/ as committed: the 6 rows the engine constants were fitted to are scored apart (engine-fit/),
+    every other engine row is held out, and the held-out end-to-end median |error| is within 20%."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rep = val.validate(root / "results", PRESETS["h200x2"])
+    assert not any("engine row" in s for s in rep["skipped"])  # every engine row is priced
+    fitted = [r for r in rep["records"] if r["category"] == "engine-fit/e2e"]
+    assert len(fitted) == 6 and {r["group"] for r in fitted} == {"llama3.1-8b TP2 nccl"}
+    held = [r for r in rep["records"] if r["category"] == "engine/e2e"]
+    assert len(held) == 33 and not any(r["group"] == "llama3.1-8b TP2 nccl" for r in held)
+    assert any("study_llama3.1-70b_prefill-heavy.log" in r["source"] for r in held)
+    assert rep["summary"]["engine/e2e"]["median_abs_rel_error"] <= 0.20
+    assert rep["engine_fit"]["n_rows"] == 6 and isinstance(rep["engine_fit"]["refit"], dict)
