@@ -28,12 +28,14 @@ def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> Non
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("time per call (us), median, max over ranks")
-        ax.set_title(f"{s.get('topology', '?')} (nodes x GPUs), {s.get('dtype', '')}, "
+        ax.set_title(f"{s.get('topology', '?')} (nodes x ranks per node), {s.get('dtype', '')}, "
                      f"{'CUDA graph' if s.get('graph') else 'eager'}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     gpus = (docs[0].get("machine") or {}).get("gpus") or []
-    fig.suptitle(title or f"spanllm bench allreduce on {len(gpus)} x {gpus[0] if gpus else 'CPU'}")
+    world = (docs[0].get("settings") or {}).get("world_size", "?")
+    where = f"{len(gpus)} x {gpus[0]}" if gpus else f"{world} CPU ranks (gloo)"
+    fig.suptitle(title or f"spanllm bench allreduce on {where}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

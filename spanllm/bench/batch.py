@@ -112,6 +112,12 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise SystemExit(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
     if args.breakdown_steps < 1:
         raise SystemExit(f"--breakdown-steps {args.breakdown_steps}: must be >= 1")
+    from spanllm.engine.config import ModelConfigError, resolve_model
+
+    try:  # before any rank starts: a bad preset or checkpoint fails here, once
+        resolve_model(args.model)
+    except (ModelConfigError, OSError) as e:
+        raise SystemExit(f"--model: {e}") from e
     batch_sizes = _csv(args.batch_sizes, int)
     if not batch_sizes or min(batch_sizes) < 1:
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")

@@ -69,3 +69,13 @@ def test_bench_study_runs_every_layout(tmp_path):
         (2, 1, 1, "gloo"), (1, 2, 1, "none"), (1, 2, 2, "none")]
     assert all(r["breakdown_ms"] is None for r in rows)
     assert all(ROW_KEYS <= set(r) for r in rows)
+
+
+def test_bad_model_fails_before_any_rank_starts(monkeypatch):
+    import spanllm.bench.study as study
+
+    from spanllm.cli import main
+
+    monkeypatch.setattr(study, "launch", lambda *a, **k: pytest.fail("ranks started for a bad --model"))
+    with pytest.raises(SystemExit, match=r"--model: 'tiny:layers=8': layers=8 must be between 1 and 4"):
+        main(["bench", "study", "--model", "tiny:layers=8", "--nprocs", "2"])
