@@ -137,6 +137,11 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
             skipped.append(f"{path}: not readable JSON ({e})")
             continue
         kind = doc.get("kind") if isinstance(doc, dict) else None
+        machine = doc.get("machine") if isinstance(doc, dict) else None
+        # Our benchmarks record the GPUs they ran on; an empty list is a CPU (gloo) run.
+        if kind in ("allreduce", "batch", "study") and isinstance(machine, dict) and machine.get("gpus") == []:
+            skipped.append(f"{path}: a CPU run (no GPUs in its 'machine' record): the presets model GPU machines")
+            continue
         if kind == "allreduce":
             ar += allreduce_rows(doc, str(path))
         elif kind in ("batch", "study"):

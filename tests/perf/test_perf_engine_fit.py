@@ -1,3 +1,4 @@
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,3 +96,15 @@ def test_study_log_rows(tmp_path):
     assert [p.name for p in result_files(tmp_path)] == ["study_a.log", "study_b.json"]
     _, eng, _ = load_results(result_files(tmp_path))
     assert len(eng) == 2 and {e.kind for e in eng} == {"study-log"}
+
+
+def test_cpu_runs_are_skipped_with_a_reason(tmp_path):
+    """The presets model GPU machines: a benchmark JSON whose machine record lists no GPUs is not priced."""
+    row = {"size": 1024, "algo": "gloo", "ran": "gloo", "time_us": 50.0, "ranks_per_node": 2, "world_size": 4}
+    (tmp_path / "cpu.json").write_text(json.dumps({"kind": "allreduce", "machine": {"gpus": []},
+                                                   "settings": {"topology": "2x2"}, "rows": [row]}))
+    (tmp_path / "tiny.json").write_text(json.dumps({"kind": "study", "machine": {"gpus": []}, "rows": [{"model": "tiny"}]}))
+    ar, eng, skipped = load_results(result_files(tmp_path))
+    assert ar == [] and eng == []
+    assert sorted(skipped) == [f"{tmp_path / n}: a CPU run (no GPUs in its 'machine' record): the presets model GPU machines"
+                               for n in ("cpu.json", "tiny.json")]
