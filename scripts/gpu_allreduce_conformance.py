@@ -23,6 +23,17 @@ from spanllm.comm.nvrar import LaunchParams
 from spanllm.launch import init_from_launcher
 
 
+def write(path: str, topo, ctx, t_start: float, results: list[dict], complete: bool) -> None:
+    """The report so far (rank 0). Rewritten after every backend, so a run cut by a time limit keeps the
+    backends that finished, marked complete=False."""
+    doc = {"kind": "gpu_conformance", "topology": str(topo), "world_size": ctx.world_size, "complete": complete,
+           "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+           "seconds": time.time() - t_start, "results": results}
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks-per-node", type=int, default=None)
@@ -79,6 +90,7 @@ def main() -> int:
         if ctx.rank == 0:
             bad = sum(r.wrong for r in res)
             print(f"[{key}] {len(res)} cases, {bad} wrong, {time.time() - t0:.1f}s", flush=True)
+            write(args.out, topo, ctx, t_start, results, complete=False)
     # Protocols and modes alternating on ONE communicator (a tuning table does this per size): the
     # regions must not alias, or stale data of one protocol passes for a flag of the other.
     mixed = comms["nvrar:default"]
@@ -99,11 +111,7 @@ def main() -> int:
                     "detail": {"calls": 400, "launches": [p.short() for p in launches]}})
     if ctx.rank == 0:
         print(f"[nvrar alternating protocols] 400 calls, {int(wrong)} wrong", flush=True)
-        doc = {"kind": "gpu_conformance", "topology": str(topo), "world_size": ctx.world_size,
-               "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-               "seconds": time.time() - t_start, "results": results}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write(args.out, topo, ctx, t_start, results, complete=True)
         print(f"wrote {args.out}: {sum(r['wrong'] for r in results)} wrong in {len(results)} cases", flush=True)
     sys.stdout.flush()
     dist.barrier()

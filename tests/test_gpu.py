@@ -65,9 +65,13 @@ def conformance_problems(doc: dict, ranks_per_node: int) -> list[str]:
     if not results:
         problems.append("no results")
     problems += [f"{r['comm']} {r['case']} {r['detail']}: {r['wrong']} wrong" for r in results if r["wrong"] != 0]
+    if not any(r["case"] == "alternating_protocols" for r in results):
+        problems.append("no alternating_protocols case (LL8 / SIMPLE / one-shot on one communicator)")
     nvrar = sorted({r["comm"] for r in results if r["comm"].startswith("nvrar")})
-    want_variants = {"nvrar:default", "nvrar:rs_b4x256", "nvrar:rs_b64x1024"} | (
-        {"nvrar:os_b8x512"} if ranks_per_node > 1 else set())
+    if doc.get("complete") is False:
+        problems.append("the run stopped before every backend finished (complete=False)")
+    want_variants = {"nvrar:default", "nvrar:rs_b4x256", "nvrar:rs_b64x1024", "nvrar:simple_rs_b16x512"} | (
+        {"nvrar:os_b8x512", "nvrar:simple_os_b8x256"} if ranks_per_node > 1 else set())
     if set(nvrar) != want_variants:
         problems.append(f"nvrar variants {nvrar}, expected {sorted(want_variants)}")
     for comm in nvrar:

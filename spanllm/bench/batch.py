@@ -63,6 +63,7 @@ class BenchSettings:
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
     compile_decode: bool = False  # torch.compile the decode forward (EngineConfig.compile_decode)
     compile_backend: str = "inductor"
+    json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
 
 WARMUP_DECODE_LEN = 32  # decode tokens of a warm-up run (captures the graph; not timed)
@@ -127,7 +128,28 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
                          breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None),
                          compile_decode=getattr(args, "compile_decode", False),
-                         compile_backend=getattr(args, "compile_backend", "inductor"))
+                         compile_backend=getattr(args, "compile_backend", "inductor"), json=args.json)
+
+
+def partial_path(json_path: str) -> str:
+    """Rows written so far by a run that has not finished: X.json -> X.partial.json (removed by the report)."""
+    root, ext = os.path.splitext(json_path)
+    return f"{root}.partial{ext or '.json'}"
+
+
+class PartialRows:
+    """Rank 0 rewrites the partial JSON after every row, so a run cut by a time limit (the GPU machine
+    grants minutes) still leaves the rows it measured, marked complete=False."""
+
+    def __init__(self, kind: str, s: BenchSettings, world: int) -> None:
+        self.kind, self.s, self.world, self.rows = kind, s, world, []
+
+    def add(self, row: dict) -> None:
+        from spanllm.bench.report import write_json
+
+        self.rows.append(row)
+        write_json(partial_path(self.s.json), self.kind, {**asdict(self.s), "world_size": self.world}, self.rows,
+                   complete=False)
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
@@ -218,7 +240,7 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
 
 
 def run_layout(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: list[int],
-               log=print) -> tuple[list[dict], list[str]]:
+               log=print, on_row=None) -> tuple[list[dict], list[str]]:
     """Every all-reduce x micro-batching x batch size for one layout; returns (rows, skipped reasons)."""
     from spanllm.comm.base import AllReduceInputError
 
@@ -250,6 +272,8 @@ def run_layout(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_bat
                     rows.append(row)
                     if ctx.is_main:
                         log(_row_line(row))
+                        if on_row is not None:
+                            on_row(row)
     finally:
         llm.close()
         del llm
@@ -266,7 +290,8 @@ def _row_line(r: dict) -> str:
 
 def _bench_rank(ctx: DistContext, s: BenchSettings, tp: int | None, pp: int, micro_batches: int):
     dims = ParallelDims(tp or ctx.world_size // pp, pp, ctx.world_size)
-    return run_layout(ctx, s, dims, [micro_batches])
+    partial = PartialRows("batch", s, ctx.world_size) if ctx.is_main and s.json else None
+    return run_layout(ctx, s, dims, [micro_batches], on_row=partial.add if partial else None)
 
 
 # --- reporting --------------------------------------------------------------------------------------------
@@ -335,8 +360,10 @@ def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], wo
         from spanllm.bench.report import write_json
 
         settings = {**asdict(s), "world_size": world}
-        write_json(json_path, kind, settings, rows, skipped=skipped)
+        write_json(json_path, kind, settings, rows, skipped=skipped, complete=True)
         print(f"wrote {json_path}")
+        if os.path.exists(partial_path(json_path)):
+            os.remove(partial_path(json_path))
     if plot_path and rows:
         plot_breakdown(rows, plot_path, title)
         print(f"wrote {plot_path}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from spanllm.bench.batch import BenchSettings, add_bench_arguments, report_from_rank0, run_layout, settings_from_args
+from spanllm.bench.batch import (BenchSettings, PartialRows, add_bench_arguments, report_from_rank0, run_layout,
+                                 settings_from_args)
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import ModelConfig, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
@@ -72,8 +73,9 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str) -> tuple[list[
         for line in skipped:
             print(f"skipped layout {line}")
     rows: list[dict] = []
+    partial = PartialRows("study", s, ctx.world_size) if ctx.is_main and s.json else None
     for dims in valid:
-        r, sk = run_layout(ctx, s, dims, micro_batch_counts(mb_spec, dims.pp))
+        r, sk = run_layout(ctx, s, dims, micro_batch_counts(mb_spec, dims.pp), on_row=partial.add if partial else None)
         rows += r
         skipped += sk
     return rows, skipped

@@ -155,7 +155,8 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
 
 def result_files(results_dir: Path) -> list[Path]:
     """Every JSON under results/ (machine sub-folders included), without the validation report itself, and
-    every study_*.log whose JSON is missing."""
+    every study_*.log whose JSON (final, or the partial one of a run cut short) is missing."""
     root = Path(results_dir)
-    logs = [p for p in root.rglob("study_*.log") if not p.with_suffix(".json").exists()]
+    logs = [p for p in root.rglob("study_*.log")
+            if not p.with_suffix(".json").exists() and not p.with_suffix(".partial.json").exists()]
     return sorted([p for p in root.rglob("*.json") if p.name != "perf_validation.json"] + logs)

@@ -122,7 +122,9 @@ def test_bench_batch_reports_breakdown_steps(tmp_path):
     assert main(["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "2", "--prompt-len", "8",
                  "--decode-len", "40", "--iters", "1", "--warmup", "1", "--breakdown-steps", "5",
                  "--json", str(js)]) == 0
-    (row,) = json.loads(js.read_text())["rows"]
+    doc = json.loads(js.read_text())
+    (row,) = doc["rows"]
+    assert doc["complete"] is True and not (tmp_path / "b.partial.json").exists()  # the partial file is gone
     assert row["breakdown_steps"] == 5 and row["warmup_decode_len"] == 32 and row["decode_len"] == 40
     assert set(row["breakdown_ms"]) == {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
     assert row["breakdown_step_ms"] > 0
@@ -131,3 +133,21 @@ def test_bench_batch_reports_breakdown_steps(tmp_path):
                  "--decode-len", "3", "--iters", "1", "--warmup", "0", "--json", str(js)]) == 0
     (row,) = json.loads(js.read_text())["rows"]
     assert row["breakdown_steps"] == 2 and row["warmup_decode_len"] is None  # capped at decode_len - 1
+
+
+def test_partial_rows_survive_a_cut_run(tmp_path):
+    """Rows land in X.partial.json as they finish (complete=False), so a run stopped by a time limit keeps them."""
+    import json
+
+    from spanllm.bench.batch import BenchSettings, PartialRows, partial_path
+
+    s = BenchSettings(model="tiny", batch_sizes=(1,), prompt_len=4, decode_len=4, workload="decode-heavy",
+                      allreduce=(), warmup=0, iters=1, breakdown=False, dtype="auto", seed=0, cuda_graphs=False,
+                      ranks_per_node=None, json=str(tmp_path / "study.json"))
+    assert partial_path(s.json) == str(tmp_path / "study.partial.json")
+    p = PartialRows("study", s, world=2)
+    p.add({"batch": 1})
+    p.add({"batch": 8})
+    doc = json.loads((tmp_path / "study.partial.json").read_text())
+    assert doc["kind"] == "study" and doc["complete"] is False and doc["rows"] == [{"batch": 1}, {"batch": 8}]
+    assert doc["settings"]["world_size"] == 2 and not (tmp_path / "study.json").exists()

@@ -94,6 +94,9 @@ def test_study_log_rows(tmp_path):
     (tmp_path / "study_b.log").write_text(LOG)
     (tmp_path / "study_b.json").write_text('{"kind": "study", "rows": []}')
     assert [p.name for p in result_files(tmp_path)] == ["study_a.log", "study_b.json"]
+    (tmp_path / "study_a.partial.json").write_text('{"kind": "study", "rows": []}')  # a cut run's rows
+    assert [p.name for p in result_files(tmp_path)] == ["study_a.partial.json", "study_b.json"]
+    (tmp_path / "study_a.partial.json").unlink()
     _, eng, _ = load_results(result_files(tmp_path))
     assert len(eng) == 2 and {e.kind for e in eng} == {"study-log"}
 
