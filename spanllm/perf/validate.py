@@ -263,6 +263,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=40, help="print at most this many records (all go to the report)")
 
 
+def _error_table(title: str, key: str, summary: dict):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in (key, "n", "median |err|", "max |err|"):
+        t.add_column(col)
+    for c, v in summary.items():
+        t.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
+    return t
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -283,19 +294,10 @@ def run(args: argparse.Namespace) -> int:
             t.add_row(r["category"], escape(r["label"]), f"{r['predicted']:.4g}", f"{r['measured']:.4g}",
                       f"{r['rel_error']:+.1%}", escape(r["fitted_on"]))
         console.print(t)
-        s = Table(title="median |relative error| per category")
-        for col in ("category", "n", "median |err|", "max |err|"):
-            s.add_column(col)
-        for c, v in report["summary"].items():
-            s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
-        console.print(s)
+        console.print(_error_table("median |relative error| per category", "category", report["summary"]))
         if report["summary_by_group"]:
-            s = Table(title="engine rows per group (engine-fit/: the rows the engine constants were fitted to)")
-            for col in ("category | group", "n", "median |err|", "max |err|"):
-                s.add_column(col)
-            for c, v in report["summary_by_group"].items():
-                s.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
-            console.print(s)
+            console.print(_error_table("engine rows per group (engine-fit/: the rows the engine constants were "
+                                       "fitted to)", "category | group", report["summary_by_group"]))
     if report.get("engine_fit"):
         f = report["engine_fit"]
         k = Table(title=f"preset {report['cluster']}: engine constants fitted to {f['rows']} ({f['n_rows']} rows found)")
