@@ -7,6 +7,7 @@
 # Stages: env conformance timeout phases pytest tune bench smoke engine engine70b study.
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT; B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
+# BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
 # TUNING (default: this run's tables, else results/h200x2/tuning_*.json). Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
@@ -42,7 +43,7 @@ pick_tuning() {
 pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu_results.tgz" -C "$OUTDIR" . ; return 0; }
 batch() {  # model workload batch-sizes iters
   pick_tuning
-  timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" \
+  timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" --breakdown-steps "${BREAKDOWN_STEPS:-8}" \
     --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/batch_${1}_$2.json" --plot "$OUTDIR/batch_${1}_$2.png" || rc=1
 }
 TR="torchrun --standalone --nproc-per-node $NGPU"
@@ -122,7 +123,7 @@ for stage in "${STAGES[@]}"; do
         for wl in ${STUDY_WORKLOADS:-decode-heavy prefill-heavy}; do
           log "bench study $model $wl"
           timeout "${STUDY_TIMEOUT:-580}" $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes "${STUDY_BATCHES:-1,8,64}" \
-            --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" \
+            --iters 1 --breakdown-steps "${BREAKDOWN_STEPS:-8}" --allreduce nccl,nvrar --tuning "$TUNING" \
             --json "$OUTDIR/study_${model}_$wl.json" --plot "$OUTDIR/study_${model}_$wl.png" || rc=1
         done
       done
