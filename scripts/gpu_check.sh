@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b study.
+# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b compiled study.
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT; B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
 # BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
@@ -111,6 +111,17 @@ for stage in "${STAGES[@]}"; do
       log "bench batch 8B"
       batch llama3.1-8b decode-heavy 1,8,32,64 3
       batch llama3.1-8b prefill-heavy 1,8,32,64 2
+      ;;
+    compiled)
+      # The compiled decode forward (torch.compile inductor inside our CUDA graph), TP=2, against the
+      # eager-forward rows of the engine / engine70b stages: does fusing the small per-layer kernels pay?
+      pick_tuning
+      for model in ${COMPILED_MODELS:-llama3.1-8b llama3.1-70b}; do
+        log "bench batch $model decode-heavy --compile-decode"
+        timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$model" --workload decode-heavy \
+          --batch-sizes "${COMPILED_BATCHES:-1,8}" --iters 1 --no-breakdown --compile-decode --allreduce nccl,nvrar \
+          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled.json" || rc=1
+      done
       ;;
     engine70b)
       log "bench batch 70B"
