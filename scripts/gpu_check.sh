@@ -29,9 +29,11 @@ mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench engine engine70b study)
-# Tuning tables from the tune stage (this run) or the committed ones.
-TUNING="${TUNING:-}"
+# Tuning tables: $TUNING if given, else this run's (the tune stage's) tables once they exist, else the
+# committed ones. Decided at every use, so stages after `tune` use what it just measured.
+USER_TUNING="${TUNING:-}"
 pick_tuning() {
+  TUNING="$USER_TUNING"
   if [ -z "$TUNING" ]; then
     if [ -f "$OUTDIR/tuning_rpn$NGPU.json" ] && [ -f "$OUTDIR/tuning_rpn1.json" ]; then
       TUNING="$OUTDIR/tuning_rpn$NGPU.json,$OUTDIR/tuning_rpn1.json"
@@ -109,8 +111,8 @@ for stage in "${STAGES[@]}"; do
       ;;
     engine)
       log "bench batch 8B"
-      batch llama3.1-8b decode-heavy 1,8,32,64 3
-      batch llama3.1-8b prefill-heavy 1,8,32,64 2
+      BATCH_TIMEOUT="${BATCH_TIMEOUT:-290}" batch llama3.1-8b decode-heavy "${B8_BATCHES:-1,8,32,64}" 3
+      BATCH_TIMEOUT="${BATCH_TIMEOUT:-290}" batch llama3.1-8b prefill-heavy "${B8_BATCHES:-1,8,32,64}" 2
       ;;
     compiled)
       # The compiled decode forward (torch.compile inductor inside our CUDA graph), TP=2, against the

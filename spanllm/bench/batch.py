@@ -204,22 +204,24 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
             llm.timers.enabled = False
         covered, uncovered = out.breakdown, out.breakdown_uncovered
         assert covered.steps + uncovered.steps == breakdown_steps, (covered.steps, uncovered.steps, breakdown_steps)
-        b = covered if covered.steps else uncovered  # uncovered only when no step could be enqueued ahead
-        mine = (llm.groups.stage, b.per_step(), b.total_ms / max(b.steps, 1), covered.steps)
+        tally = lambda b: (b.per_step(), b.total_ms / max(b.steps, 1), b.steps)
+        mine = (llm.groups.stage, tally(covered), tally(uncovered))
         per_rank = _gather(mine) if dist.is_initialized() else [mine]
+        # Every rank reports GPU time (covered steps) only if every rank has some; else all report the rest.
+        covered_steps = min(r[1][2] for r in per_rank)
+        pick = 1 if covered_steps else 2
         stage_breakdown = []
         for stage in range(llm.dims.pp):
-            rows = [r for r in per_rank if r[0] == stage]
-            stage_breakdown.append({c: statistics.fmean(r[1][c] for r in rows) for c in CATEGORIES})
+            rows = [r[pick] for r in per_rank if r[0] == stage]
+            stage_breakdown.append({c: statistics.fmean(r[0][c] for r in rows) for c in CATEGORIES})
         breakdown = {c: statistics.fmean(st[c] for st in stage_breakdown) for c in CATEGORIES}
-        covered_steps = min(r[3] for r in per_rank)
+        step_ms = statistics.fmean(r[pick][1] for r in per_rank)
         if llm.device.type != "cuda":
             mode = "eager pass with per-op timers (host wall clock)"
         elif covered_steps:
             mode = "eager pass with per-op CUDA events, enqueued ahead of the GPU: GPU time per op"
         else:
             mode = "eager pass with per-op CUDA events, host-bound: intervals include launch gaps"
-        step_ms = statistics.fmean(r[2] for r in per_rank)
 
     cfg = llm.config
     return {

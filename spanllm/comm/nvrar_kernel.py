@@ -266,7 +266,7 @@ def nvrar_kernel(
     n,                # elements in x
     S,                # cells each rank reduces (the shard; the whole message in one-shot mode)
     rank, local_rank, node_first_rank,
-    timeout_ns,
+    timeout_ns: tl.int64,  # always i64: by value Triton would pick i32 below 2^31 ns and recompile on a change
     PARITY_CELLS,     # cells in one parity half of the workspace
     INTRA_OFF, INTER_OFF, STAGE_OFF, GATHER_OFF,  # region offsets (cells) inside a parity half
     SLOT,             # cells per slot (the largest S the workspace was sized for)

@@ -71,7 +71,7 @@ class LLM:
         self.large_comm = None
         self._ensure_large_comm(comm)
 
-        self.timers = Timers(self.device, enabled=self.engine.breakdown)
+        self.timers = Timers(self.device, enabled=self.engine.breakdown, layer_spins=self.dims.pp == 1)
         tp = TPContext(rank=self.groups.tp_rank, size=self.dims.tp, group=self.groups.tp_group, comm=comm,
                        large_comm=self.large_comm,
                        timers=self.timers, device=self.device, dtype=self.engine.dtype)

@@ -90,6 +90,7 @@ class LlamaForCausalLM(nn.Module):
         are wanted (prefill: length - 1; None in decode, where T = 1)."""
         h = self.model.embed_tokens(x) if self.is_first else x  # [B, T, hidden]
         for layer in self.model.layers.values():
+            self.tp.timers.layer_begin()  # breakdown pass only: keeps the GPU behind the host (timers.py)
             h = layer(h, meta, kv_cache)
         if not self.is_last:
             return h

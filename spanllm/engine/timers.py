@@ -6,19 +6,20 @@ on GPU (read after the step, one synchronize) and `perf_counter` on CPU. Events 
 eager code: with the breakdown on, decode does not use CUDA graphs (the report says so).
 
 GPU time, not launch gaps (enqueue-ahead)
-    In eager decode the host launches ~15 small kernels per layer; the GPU drains its queue faster than
-    the host fills it, so the interval between two events would measure the host's launch time, not the
-    op. (The first GPU runs showed it: an 8B eager step of 167 ms against 5 ms with graphs, "attention"
-    106 ms.) So every step starts with a device spin (`torch.cuda._sleep`) that holds the stream while
-    the host enqueues the whole step behind it; when the host is done it checks that the spin is still
-    running. If so, every op was queued before the GPU reached it and each event interval is the op's
-    GPU time. If not (spin too short, or something in the step synchronised the host), the step is
-    "uncovered": it goes to a separate tally and the spin doubles for the next step. Totals from
-    covered steps are GPU busy time per decode step; their sum is lower than a graph step by the graph's
-    own per-kernel gaps. Ranks of a TP group start their spins within the host skew of the previous
-    step's end (their GPUs leave the previous step together at its last all-reduce), and that skew lands
-    in the first all-reduce of the step.
-
+    In eager decode the host launches ~15-30 small kernels per layer; the GPU drains its queue faster
+    than the host fills it, so the interval between two events would measure the host's launch time,
+    not the op. (The first GPU runs showed it: an 8B eager step of 167 ms against 5 ms with graphs,
+    "attention" 106 ms.) So the stream is held by device spins (`torch.cuda._sleep`) while the host
+    enqueues the work behind them: one spin at the start of the step and, with `layer_spins` (pp = 1),
+    one before every decoder layer, because a whole step does not fit in the launch queue (~1,000
+    entries; an 8B step with its timing events needs more) and a full queue blocks the host. Before
+    arming the next spin (and at the end of the step) the host checks that the previous spin is still
+    running: if so, the segment behind it was queued before the GPU reached it, and its event intervals
+    are GPU time. A step with any segment the host did not get ahead of (a spin too short, or a host
+    sync) is "uncovered": it goes to a separate tally. The spins are excluded from the step's total.
+    The spin length is fixed (`spin_cycles`), the same on every rank, so TP ranks stay in step. With
+    pp > 1 there is only the step's spin: a layer spin on one stage would show up as the next stage's
+    idle time.
 Categories: gemm (every linear layer and the LM head), attention (RoPE, KV-cache write, SDPA),
 allreduce (the row-parallel all-reduce: the injected communicator), pipeline (posting and completing
 sends of activations / tokens), idle (blocked in a pipeline receive: the bubble, waiting for the
@@ -80,8 +81,7 @@ class Breakdown:
         return {c: v / n for c, v in self.ms.items()}
 
 
-SPIN_START_CYCLES = 1 << 25  # ~17 ms at ~2 GHz: an eager 8B-70B step enqueues in a few ms
-SPIN_MAX_CYCLES = (1 << 31) - 1  # torch.cuda._sleep takes an int64, but ~1 s is plenty
+SPIN_CYCLES = 1 << 23  # ~4 ms at ~2 GHz: the host enqueues one eager layer (~50 launches) in well under that
 
 
 class Timers:
@@ -90,14 +90,16 @@ class Timers:
     `breakdown` holds the steps whose regions are GPU time (on CPU: every step); `uncovered` the GPU steps
     the host could not enqueue ahead of the device (see the module docstring), kept apart, never mixed in."""
 
-    def __init__(self, device: torch.device | str = "cpu", enabled: bool = False) -> None:
+    def __init__(self, device: torch.device | str = "cpu", enabled: bool = False, layer_spins: bool = False) -> None:
         self.device = torch.device(device)
         self.enabled = enabled
+        self.layer_spins = layer_spins  # a spin before every decoder layer (pp = 1; see the module docstring)
         self._cuda = self.device.type == "cuda"
         self.breakdown = Breakdown()
         self.uncovered = Breakdown()
-        self.spin_cycles = SPIN_START_CYCLES
-        self._spin_done: object = None
+        self.spin_cycles = SPIN_CYCLES
+        self._spins: list = []  # (start, end) timing events around each spin of the current step
+        self._covered = True
         self._cpu_totals = {c: 0.0 for c in CATEGORIES}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step_start: object = None
@@ -115,13 +117,30 @@ class Timers:
             return
         self._in_step = True
         if self._cuda:
-            torch.cuda._sleep(self.spin_cycles)  # hold the stream while the host enqueues the step
-            self._spin_done = torch.cuda.Event()
-            self._spin_done.record()
+            self._spins, self._covered = [], True
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
+            self._arm()
         else:
             self._step_start = time.perf_counter()
+
+    def _arm(self) -> None:
+        """Check that the previous spin still runs (its segment was queued ahead), then hold the stream again."""
+        self._check_previous_spin()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(self.spin_cycles)
+        end.record()
+        self._spins.append((start, end))
+
+    def _check_previous_spin(self) -> None:
+        if self._spins and self._spins[-1][1].query():  # already finished: the GPU caught up with the host
+            self._covered = False
+
+    def layer_begin(self) -> None:
+        """Called before each decoder layer: re-arms the spin during a timed GPU step (a no-op otherwise)."""
+        if self._in_step and self._cuda and self.layer_spins:
+            self._arm()
 
     def step_end(self) -> None:
         """Close a decode step: fold its regions into the breakdown (synchronizes on GPU)."""
@@ -130,18 +149,18 @@ class Timers:
         self._in_step = False
         covered = True
         if self._cuda:
+            self._check_previous_spin()  # the last segment: queued before the last spin ended?
+            covered = self._covered
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            # Still spinning now that the whole step is queued -> no interval below contains a launch gap.
-            covered = not self._spin_done.query()
             end.synchronize()
-            total = self._step_start.elapsed_time(end)
+            spins = sum(a.elapsed_time(b) for a, b in self._spins)
+            total = self._step_start.elapsed_time(end) - spins
             step = {c: 0.0 for c in CATEGORIES}
             for name, s, e in self._events:
                 step[name] += s.elapsed_time(e)
             self._events.clear()
-            if not covered:
-                self.spin_cycles = min(2 * self.spin_cycles, SPIN_MAX_CYCLES)
+            self._spins = []
         else:
             total = (time.perf_counter() - self._step_start) * 1e3
             step = self._cpu_totals
