@@ -51,10 +51,15 @@ def main() -> int:
                 "rs_b4x256": LaunchParams(one_shot=False, num_blocks=4, block=256, num_warps=4),
                 "rs_b64x1024": LaunchParams(one_shot=False, num_blocks=64, block=1024, num_warps=8)}
     variants["simple_rs_b16x512"] = LaunchParams(one_shot=False, num_blocks=16, block=512, num_warps=4, protocol="simple")
+    # Phase-major loops with few programs, so each program carries many tiles through every phase.
+    variants["pipe_rs_b2x256"] = LaunchParams(one_shot=False, num_blocks=2, block=256, num_warps=4, pipelined=True)
+    variants["pipe_simple_rs_b4x512"] = LaunchParams(one_shot=False, num_blocks=4, block=512, num_warps=4,
+                                                     protocol="simple", pipelined=True)
     if topo.ranks_per_node > 1:
         variants["os_b8x512"] = LaunchParams(one_shot=True, num_blocks=8, block=512, num_warps=4)
         variants["simple_os_b8x256"] = LaunchParams(one_shot=True, num_blocks=8, block=256, num_warps=4,
                                                     protocol="simple")
+        variants["pipe_os_b2x256"] = LaunchParams(one_shot=True, num_blocks=2, block=256, num_warps=4, pipelined=True)
     comms = {}
     for name, launch in variants.items():
         comms[f"nvrar:{name}"] = registry.create("nvrar", topology=topo, max_bytes=args.max_bytes, launch=launch,
@@ -94,7 +99,8 @@ def main() -> int:
     # Protocols and modes alternating on ONE communicator (a tuning table does this per size): the
     # regions must not alias, or stale data of one protocol passes for a flag of the other.
     mixed = comms["nvrar:default"]
-    launches = [LaunchParams(protocol="ll8", block=512, num_blocks=8), LaunchParams(protocol="simple", block=512, num_blocks=8)]
+    launches = [LaunchParams(protocol="ll8", block=512, num_blocks=8), LaunchParams(protocol="simple", block=512, num_blocks=8),
+                LaunchParams(protocol="ll8", block=256, num_blocks=2, pipelined=True)]
     if topo.ranks_per_node > 1:
         launches += [LaunchParams(one_shot=True, protocol="simple", block=256, num_blocks=4),
                      LaunchParams(one_shot=True, protocol="ll8", block=256, num_blocks=4)]

@@ -70,8 +70,9 @@ def conformance_problems(doc: dict, ranks_per_node: int) -> list[str]:
     nvrar = sorted({r["comm"] for r in results if r["comm"].startswith("nvrar")})
     if doc.get("complete") is False:
         problems.append("the run stopped before every backend finished (complete=False)")
-    want_variants = {"nvrar:default", "nvrar:rs_b4x256", "nvrar:rs_b64x1024", "nvrar:simple_rs_b16x512"} | (
-        {"nvrar:os_b8x512", "nvrar:simple_os_b8x256"} if ranks_per_node > 1 else set())
+    want_variants = {"nvrar:default", "nvrar:rs_b4x256", "nvrar:rs_b64x1024", "nvrar:simple_rs_b16x512",
+                     "nvrar:pipe_rs_b2x256", "nvrar:pipe_simple_rs_b4x512"} | (
+        {"nvrar:os_b8x512", "nvrar:simple_os_b8x256", "nvrar:pipe_os_b2x256"} if ranks_per_node > 1 else set())
     if set(nvrar) != want_variants:
         problems.append(f"nvrar variants {nvrar}, expected {sorted(want_variants)}")
     for comm in nvrar:

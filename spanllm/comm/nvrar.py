@@ -7,8 +7,9 @@ and the communicator object whose lifetime holds the symmetric buffers, the sequ
 the error record.
 
 Launch parameters
-    `LaunchParams(one_shot, num_blocks, block, num_warps, protocol)`; protocol "ll8" (data+flag cells)
-    or "simple" (raw data + a flag per tile: half the bytes, one more fence per tile). `one_shot` replaces the intra-node
+    `LaunchParams(one_shot, num_blocks, block, num_warps, protocol, pipelined)`; protocol "ll8" (data+flag
+    cells) or "simple" (raw data + a flag per tile: half the bytes, one more fence per tile); pipelined
+    takes each program's tiles through the phases phase-major instead of tile-major. `one_shot` replaces the intra-node
     reduce-scatter + all-gather by one exchange of the whole message (every local rank then reduces
     everything, and the inter-node rounds carry the whole message): one NVLink latency instead of two,
     for g times the bytes. A tuning table (`spanllm tune`) picks per size; `default_launch` is the
@@ -53,6 +54,9 @@ class LaunchParams:
     block: int = 512      # cells per tile (power of two)
     num_warps: int = 4
     protocol: str = "ll8"  # "ll8": data+flag cells (2x bytes); "simple": raw data + one flag per tile
+    # Phase-major: a program takes all its tiles through one phase before the next, so their flag round
+    # trips overlap (tile-major handles one tile through every phase at a time). Same result bitwise.
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
@@ -69,7 +73,8 @@ class LaunchParams:
 
     def short(self) -> str:
         proto = "" if self.protocol == "ll8" else "/simple"
-        return f"{'os' if self.one_shot else 'rs'}/b{self.num_blocks}x{self.block}w{self.num_warps}{proto}"
+        pipe = "/pipe" if self.pipelined else ""
+        return f"{'os' if self.one_shot else 'rs'}/b{self.num_blocks}x{self.block}w{self.num_warps}{proto}{pipe}"
 
 
 def default_launch(nbytes: int, topology: Topology, one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES) -> LaunchParams:
@@ -257,7 +262,8 @@ class NvrarAllReduce(AllReduce):
             int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol),
             L.flags, L.max_tiles,
             G=g, R=max(len(self.rounds), 0), E=elements_per_cell(x.dtype), ONE_SHOT=p.one_shot, BLOCK=p.block,
-            PROTO=PROTOCOLS.index(p.protocol), TRACE=int(self.trace_enabled), num_warps=p.num_warps)
+            PROTO=PROTOCOLS.index(p.protocol), TRACE=int(self.trace_enabled), PIPE=int(p.pipelined),
+            num_warps=p.num_warps)
 
     def last_trace(self) -> list[list[int]]:
         """The phase-trace records of the last call's programs (synchronizes). Needs trace=True."""

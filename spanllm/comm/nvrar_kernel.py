@@ -22,6 +22,10 @@ Independent tiles
     through all three phases on its own. Every cross-rank dependency of a tile is between the programs
     that own the same tile on the ranks involved, so programs never wait for each other and no
     grid-wide synchronisation exists.
+    Tile-major (default) takes one tile through every phase before the next tile; phase-major (PIPE=1)
+    takes all of the program's tiles through one phase before the next, so a program with several tiles
+    overlaps their flag round trips instead of paying one after another. Partial sums then wait in x
+    (rounded to the wire dtype where tile-major rounds them: same result bitwise).
 
 Buffer reuse without acknowledgements
     Receive slots are double-buffered by the parity of the sequence number. A rank writes call s+2
@@ -249,6 +253,99 @@ def _pull(slot_ptr, flag_ptr, c, cm, flag, deadline, err_ptr, rank, phase, step,
         return _unpack(w.to(tl.int64) & 0xFFFFFFFF, DT, E, BLOCK)
 
 
+@triton.jit
+def _rs_push(x_ptr, peer_ws_ptr, intra_off, SLOT, flags_off, MAX_TILES, tile, c, cm, n, S, local_rank, flag,
+             G: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr, ONE_SHOT: tl.constexpr):
+    """Reduce-scatter, sending side: my elements of tile `tile` of every other local rank's shard (the whole
+    message in one-shot mode) into that rank's receive slot for me."""
+    for j in tl.static_range(G):
+        if j != local_rank:
+            if ONE_SHOT:
+                base_j = 0
+            else:
+                base_j = j * S
+            v = _load_elems(x_ptr, base_j + c, cm, n, E)
+            peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
+            _push(peer + intra_off + local_rank * SLOT, peer + flags_off + local_rank * MAX_TILES + tile,
+                  c, cm, v, flag, E, BLOCK, PROTO)
+
+
+@triton.jit
+def _rs_reduce(acc, x_ptr, ws_ptr, intra_off, SLOT, flags_off, MAX_TILES, tile, c, cm, n, my_base, local_rank,
+               node_first_rank, flag, deadline, err_ptr, rank, seq, t0,
+               DT: tl.constexpr, G: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """Reduce-scatter, receiving side: acc + every local rank's tile of my shard, in local-rank order (the
+    same order on every rank, so the sum is deterministic)."""
+    for j in tl.static_range(G):
+        if j == local_rank:
+            acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(acc.dtype)
+        else:
+            v = _pull(ws_ptr + intra_off + j * SLOT, ws_ptr + flags_off + j * MAX_TILES + tile, c, cm,
+                      flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
+            acc += v.to(acc.dtype)
+    return acc
+
+
+@triton.jit
+def _inter_send(acc, ws_ptr, ws_addr, par, INTER_OFF, STAGE_OFF, SLOT, r, flag_word, tile, c, cm, S, send_pe, flag,
+                DT: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """Inter-node round r, sending side: stage the tile locally (LL8 cells or raw), then one block-wide
+    NVSHMEM put of it into the partner's round-r slot (SIMPLE: put with signal on the tile's flag word)."""
+    first = tile.to(tl.int64) * BLOCK  # int64: byte offsets below exceed 2^31 for big shards
+    ncells = tl.minimum(S - first, BLOCK).to(tl.int64)
+    off_bytes = (par + INTER_OFF + r * SLOT) * 8
+    src_bytes = (par + STAGE_OFF + r * SLOT) * 8
+    if PROTO == 0:
+        tl.store(ws_ptr + par + STAGE_OFF + r * SLOT + c, _pack(acc.to(DT), flag, E, BLOCK), mask=cm)
+        tl.debug_barrier()  # the whole CTA's staging stores precede the block-wide put
+        _putmem_nbi_block(ws_addr + off_bytes + first * 8, ws_addr + src_bytes + first * 8, ncells * 8, send_pe)
+    else:
+        stage = (ws_ptr + par + STAGE_OFF + r * SLOT).to(tl.pointer_type(tl.int32))
+        tl.store(stage + c, _pack(acc.to(DT), 0, E, BLOCK).to(tl.int32), mask=cm)
+        tl.debug_barrier()
+        # Raw data of cell c sits at bytes [4c, 4c + 4) of the slot.
+        _putmem_signal_nbi_block(ws_addr + off_bytes + first * 4, ws_addr + src_bytes + first * 4, ncells * 4,
+                                 ws_addr + flag_word * 8, flag.to(tl.uint64), NVSHMEM_SIGNAL_SET, send_pe)
+
+
+@triton.jit
+def _inter_recv(acc, ws_ptr, slot_off, flag_word, round_recv_op, r, c, cm, recv_peer, flag, deadline, err_ptr, rank,
+                seq, t0, DT: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """Inter-node round r, receiving side: the partner's tile, added to acc (or replacing it: the fold's
+    last round)."""
+    v = _pull(ws_ptr + slot_off, ws_ptr + flag_word, c, cm, flag, deadline, err_ptr,
+              rank, 2, r, recv_peer, seq, t0, DT, E, BLOCK, PROTO).to(acc.dtype)
+    if tl.load(round_recv_op + r) == 0:
+        acc = acc + v
+    else:
+        acc = v
+    return acc
+
+
+@triton.jit
+def _ag_push(out, peer_ws_ptr, gather_off, SLOT, flags_off, MAX_TILES, tile, c, cm, local_rank, flag,
+             G: tl.constexpr, R: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr, PROTO: tl.constexpr):
+    """All-gather, sending side: my reduced tile into every other local rank's gather slot for me."""
+    for j in tl.static_range(G):
+        if j != local_rank:
+            peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
+            _push(peer + gather_off + local_rank * SLOT, peer + flags_off + (G + R + local_rank) * MAX_TILES + tile,
+                  c, cm, out, flag, E, BLOCK, PROTO)
+
+
+@triton.jit
+def _ag_pull(x_ptr, ws_ptr, gather_off, SLOT, flags_off, MAX_TILES, tile, c, cm, n, S, local_rank, node_first_rank,
+             flag, deadline, err_ptr, rank, seq, t0,
+             DT: tl.constexpr, G: tl.constexpr, R: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr,
+             PROTO: tl.constexpr):
+    """All-gather, receiving side: every other local rank's reduced tile into its place in x."""
+    for j in tl.static_range(G):
+        if j != local_rank:
+            v = _pull(ws_ptr + gather_off + j * SLOT, ws_ptr + flags_off + (G + R + j) * MAX_TILES + tile,
+                      c, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
+            _store_elems(x_ptr, j * S + c, cm, n, v, E)
+
+
 @requires_nvshmem
 @triton.jit(do_not_specialize=["n", "S", "rank", "local_rank", "node_first_rank", "timeout_ns", "PARITY_CELLS",
                                "INTRA_OFF", "INTER_OFF", "STAGE_OFF", "GATHER_OFF", "SLOT", "FLAG_OFF", "MAX_TILES"])
@@ -279,6 +376,7 @@ def nvrar_kernel(
     BLOCK: tl.constexpr,      # cells per tile
     PROTO: tl.constexpr,      # 0 = LL8 cells, 1 = SIMPLE (raw data + per-tile flag / NVSHMEM signal)
     TRACE: tl.constexpr = 0,  # 1 = write the per-program phase trace
+    PIPE: tl.constexpr = 0,   # 1 = phase-major: all of a program's tiles through each phase in turn
 ):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     if DT == tl.int32:
@@ -311,92 +409,117 @@ def nvrar_kernel(
     else:
         my_base = local_rank * S
     n_tiles = tl.cdiv(S, BLOCK)
-    for tile in range(pid, n_tiles, nprog):
-        c = tile * BLOCK + tl.arange(0, BLOCK)  # cell index inside the shard
-        cm = c < S
-
-        # ---- intra-node reduce-scatter (or one-shot exchange): push my cells to each local peer
-        acc = tl.zeros([BLOCK, E], dtype=ACC)
+    if not PIPE:
+        # Tile-major: each tile goes through every phase before the program takes its next tile.
+        for tile in range(pid, n_tiles, nprog):
+            c = tile * BLOCK + tl.arange(0, BLOCK)  # cell index inside the shard
+            cm = c < S
+            # ---- intra-node reduce-scatter (or one-shot exchange)
+            acc = tl.zeros([BLOCK, E], dtype=ACC)
+            if G > 1:
+                c_a = _stamp(TRACE)
+                _rs_push(x_ptr, peer_ws_ptr, par + INTRA_OFF, SLOT, flags_off, MAX_TILES, tile, c, cm, n, S, local_rank,
+                         flag, G, E, BLOCK, PROTO, ONE_SHOT)
+                c_b = _stamp(TRACE)
+                rs_push += c_b - c_a
+                acc = _rs_reduce(acc, x_ptr, ws_ptr, par + INTRA_OFF, SLOT, flags_off, MAX_TILES, tile, c, cm, n,
+                                 my_base, local_rank, node_first_rank, flag, deadline, err_ptr, rank, seq, t0,
+                                 DT, G, E, BLOCK, PROTO)
+                rs_wait += _stamp(TRACE) - c_b
+            else:
+                acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
+            # ---- inter-node recursive doubling on the shard, between ranks of the same local rank
+            for r in tl.static_range(R):
+                send_pe = tl.load(round_send_pe + r)
+                recv_peer = tl.load(round_recv_peer + r)
+                # Round to the wire dtype first so both partners add the same two values and agree bitwise.
+                acc = acc.to(DT).to(ACC)
+                flag_word = flags_off + (G + r) * MAX_TILES + tile
+                c_a = _stamp(TRACE)
+                if send_pe >= 0:
+                    _inter_send(acc, ws_ptr, ws_addr, par, INTER_OFF, STAGE_OFF, SLOT, r, flag_word, tile, c, cm, S,
+                                send_pe, flag, DT, E, BLOCK, PROTO)
+                c_b = _stamp(TRACE)
+                inter_send += c_b - c_a
+                if recv_peer >= 0:
+                    acc = _inter_recv(acc, ws_ptr, par + INTER_OFF + r * SLOT, flag_word, round_recv_op, r, c, cm,
+                                      recv_peer, flag, deadline, err_ptr, rank, seq, t0, DT, E, BLOCK, PROTO)
+                inter_wait += _stamp(TRACE) - c_b
+            out = acc.to(DT)
+            _store_elems(x_ptr, my_base + c, cm, n, out, E)
+            # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
+            if G > 1:
+                if not ONE_SHOT:
+                    c_a = _stamp(TRACE)
+                    _ag_push(out, peer_ws_ptr, par + GATHER_OFF, SLOT, flags_off, MAX_TILES, tile, c, cm, local_rank,
+                             flag, G, R, E, BLOCK, PROTO)
+                    c_b = _stamp(TRACE)
+                    ag_push += c_b - c_a
+                    _ag_pull(x_ptr, ws_ptr, par + GATHER_OFF, SLOT, flags_off, MAX_TILES, tile, c, cm, n, S, local_rank,
+                             node_first_rank, flag, deadline, err_ptr, rank, seq, t0, DT, G, R, E, BLOCK, PROTO)
+                    ag_wait += _stamp(TRACE) - c_b
+    else:
+        # Phase-major (PIPE): every tile of the program through one phase before the next phase, so the
+        # program's flag round trips overlap instead of queueing one per tile. Partial sums wait in x
+        # (this rank's shard), rounded to the wire dtype exactly where tile-major rounds them, so both
+        # orders give bitwise the same result. The CTA barriers order one phase's stores to x before
+        # the next phase's loads (different threads may own an element in the two phases).
         if G > 1:
             c_a = _stamp(TRACE)
-            for j in tl.static_range(G):
-                if j != local_rank:
-                    if ONE_SHOT:
-                        base_j = 0
-                    else:
-                        base_j = j * S
-                    v = _load_elems(x_ptr, base_j + c, cm, n, E)
-                    peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
-                    _push(peer + par + INTRA_OFF + local_rank * SLOT, peer + flags_off + local_rank * MAX_TILES + tile,
-                          c, cm, v, flag, E, BLOCK, PROTO)
+            for tile in range(pid, n_tiles, nprog):
+                c = tile * BLOCK + tl.arange(0, BLOCK)
+                _rs_push(x_ptr, peer_ws_ptr, par + INTRA_OFF, SLOT, flags_off, MAX_TILES, tile, c, c < S, n, S,
+                         local_rank, flag, G, E, BLOCK, PROTO, ONE_SHOT)
             c_b = _stamp(TRACE)
             rs_push += c_b - c_a
-            # Sum the local ranks' contributions in local-rank order (deterministic on every rank).
-            for j in tl.static_range(G):
-                if j == local_rank:
-                    acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
-                else:
-                    v = _pull(ws_ptr + par + INTRA_OFF + j * SLOT, ws_ptr + flags_off + j * MAX_TILES + tile, c, cm,
-                              flag, deadline, err_ptr, rank, 1, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
-                    acc += v.to(ACC)
+            for tile in range(pid, n_tiles, nprog):
+                c = tile * BLOCK + tl.arange(0, BLOCK)
+                cm = c < S
+                acc = _rs_reduce(tl.zeros([BLOCK, E], dtype=ACC), x_ptr, ws_ptr, par + INTRA_OFF, SLOT, flags_off,
+                                 MAX_TILES, tile, c, cm, n, my_base, local_rank, node_first_rank, flag, deadline,
+                                 err_ptr, rank, seq, t0, DT, G, E, BLOCK, PROTO)
+                _store_elems(x_ptr, my_base + c, cm, n, acc.to(DT), E)
             rs_wait += _stamp(TRACE) - c_b
-        else:
-            acc += _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
-
-        # ---- inter-node recursive doubling on the shard, between ranks of the same local rank
+            tl.debug_barrier()
         for r in tl.static_range(R):
             send_pe = tl.load(round_send_pe + r)
             recv_peer = tl.load(round_recv_peer + r)
-            # Round to the wire dtype first so both partners add the same two values and agree bitwise.
-            acc = acc.to(DT).to(ACC)
-            flag_word = flags_off + (G + r) * MAX_TILES + tile
             c_a = _stamp(TRACE)
             if send_pe >= 0:
-                # Stage locally (LL8 cells or raw), then one block-wide NVSHMEM put of the tile.
-                first = tile.to(tl.int64) * BLOCK  # int64: byte offsets below exceed 2^31 for big shards
-                ncells = tl.minimum(S - first, BLOCK).to(tl.int64)
-                off_bytes = (par + INTER_OFF + r * SLOT) * 8
-                src_bytes = (par + STAGE_OFF + r * SLOT) * 8
-                if PROTO == 0:
-                    tl.store(ws_ptr + par + STAGE_OFF + r * SLOT + c, _pack(acc.to(DT), flag, E, BLOCK), mask=cm)
-                    tl.debug_barrier()  # the whole CTA's staging stores precede the block-wide put
-                    _putmem_nbi_block(ws_addr + off_bytes + first * 8, ws_addr + src_bytes + first * 8, ncells * 8, send_pe)
-                else:
-                    stage = (ws_ptr + par + STAGE_OFF + r * SLOT).to(tl.pointer_type(tl.int32))
-                    tl.store(stage + c, _pack(acc.to(DT), 0, E, BLOCK).to(tl.int32), mask=cm)
-                    tl.debug_barrier()
-                    # Raw data of cell c sits at bytes [4c, 4c + 4) of the slot.
-                    _putmem_signal_nbi_block(ws_addr + off_bytes + first * 4, ws_addr + src_bytes + first * 4, ncells * 4,
-                                             ws_addr + flag_word * 8, flag.to(tl.uint64), NVSHMEM_SIGNAL_SET, send_pe)
+                for tile in range(pid, n_tiles, nprog):
+                    c = tile * BLOCK + tl.arange(0, BLOCK)
+                    cm = c < S
+                    acc = _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
+                    _inter_send(acc, ws_ptr, ws_addr, par, INTER_OFF, STAGE_OFF, SLOT, r,
+                                flags_off + (G + r) * MAX_TILES + tile, tile, c, cm, S, send_pe, flag, DT, E, BLOCK, PROTO)
             c_b = _stamp(TRACE)
             inter_send += c_b - c_a
             if recv_peer >= 0:
-                v = _pull(ws_ptr + par + INTER_OFF + r * SLOT, ws_ptr + flag_word, c, cm, flag, deadline, err_ptr,
-                          rank, 2, r, recv_peer, seq, t0, DT, E, BLOCK, PROTO).to(ACC)
-                if tl.load(round_recv_op + r) == 0:
-                    acc = acc + v
-                else:
-                    acc = v
+                for tile in range(pid, n_tiles, nprog):
+                    c = tile * BLOCK + tl.arange(0, BLOCK)
+                    cm = c < S
+                    acc = _load_elems(x_ptr, my_base + c, cm, n, E).to(ACC)
+                    acc = _inter_recv(acc, ws_ptr, par + INTER_OFF + r * SLOT, flags_off + (G + r) * MAX_TILES + tile,
+                                      round_recv_op, r, c, cm, recv_peer, flag, deadline, err_ptr, rank, seq, t0,
+                                      DT, E, BLOCK, PROTO)
+                    _store_elems(x_ptr, my_base + c, cm, n, acc.to(DT), E)
             inter_wait += _stamp(TRACE) - c_b
-        out = acc.to(DT)
-        _store_elems(x_ptr, my_base + c, cm, n, out, E)
-
-        # ---- intra-node all-gather: push my reduced shard to each local peer, collect theirs
+            tl.debug_barrier()
         if G > 1:
             if not ONE_SHOT:
                 c_a = _stamp(TRACE)
-                for j in tl.static_range(G):
-                    if j != local_rank:
-                        peer = tl.load(peer_ws_ptr + j).to(tl.pointer_type(tl.int64))
-                        _push(peer + par + GATHER_OFF + local_rank * SLOT,
-                              peer + flags_off + (G + R + local_rank) * MAX_TILES + tile, c, cm, out, flag, E, BLOCK, PROTO)
+                for tile in range(pid, n_tiles, nprog):
+                    c = tile * BLOCK + tl.arange(0, BLOCK)
+                    cm = c < S
+                    out = _load_elems(x_ptr, my_base + c, cm, n, E)
+                    _ag_push(out, peer_ws_ptr, par + GATHER_OFF, SLOT, flags_off, MAX_TILES, tile, c, cm, local_rank,
+                             flag, G, R, E, BLOCK, PROTO)
                 c_b = _stamp(TRACE)
                 ag_push += c_b - c_a
-                for j in tl.static_range(G):
-                    if j != local_rank:
-                        v = _pull(ws_ptr + par + GATHER_OFF + j * SLOT, ws_ptr + flags_off + (G + R + j) * MAX_TILES + tile,
-                                  c, cm, flag, deadline, err_ptr, rank, 3, j, node_first_rank + j, seq, t0, DT, E, BLOCK, PROTO)
-                        _store_elems(x_ptr, j * S + c, cm, n, v, E)
+                for tile in range(pid, n_tiles, nprog):
+                    c = tile * BLOCK + tl.arange(0, BLOCK)
+                    _ag_pull(x_ptr, ws_ptr, par + GATHER_OFF, SLOT, flags_off, MAX_TILES, tile, c, c < S, n, S,
+                             local_rank, node_first_rank, flag, deadline, err_ptr, rank, seq, t0, DT, G, R, E, BLOCK, PROTO)
                 ag_wait += _stamp(TRACE) - c_b
 
     if TRACE:

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="nvrar program counts to try")
     p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")
     p.add_argument("--protocols", default="ll8", help="nvrar protocols to try: ll8, simple (comma-separated)")
+    p.add_argument("--pipelined", default="0,1", help="nvrar loop orders to try: 0 tile-major, 1 phase-major")
     p.add_argument("--out", required=True, help="tuning table JSON to write")
     p.add_argument("--nprocs", type=int, default=2, help="local gloo ranks when not under a launcher")
 
@@ -47,16 +48,20 @@ def nvrar_grid(args, topo: Topology, nbytes: int, one_shot_max: int):
     g = topo.ranks_per_node
     from spanllm.comm.nvrar import SIMPLE_MIN_BLOCK
 
-    for proto, one_shot, nb, tile in itertools.product(args.protocols.split(","), modes,
-                                                       [int(b) for b in args.blocks.split(",")],
-                                                       [int(t) for t in args.tiles.split(",")]):
+    for proto, one_shot, nb, tile, pipe in itertools.product(args.protocols.split(","), modes,
+                                                             [int(b) for b in args.blocks.split(",")],
+                                                             [int(t) for t in args.tiles.split(",")],
+                                                             [bool(int(p)) for p in args.pipelined.split(",")]):
         shard_cells = -(-nbytes // 4) if (one_shot or g == 1) else -(-nbytes // (4 * g))
-        if nb > 1 and nb > -(-shard_cells // tile):
+        tiles = -(-shard_cells // tile)
+        if nb > 1 and nb > tiles:
             continue  # more programs than tiles: same kernel as a smaller grid
+        if pipe and tiles <= nb:
+            continue  # one tile per program: phase-major is the same schedule as tile-major
         if proto == "simple" and tile < SIMPLE_MIN_BLOCK:
             continue
         yield LaunchParams(one_shot=one_shot, num_blocks=nb, block=tile, num_warps=4 if tile <= 512 else 8,
-                           protocol=proto)
+                           protocol=proto, pipelined=pipe)
 
 
 def tune_rank(ctx: DistContext, args) -> dict:

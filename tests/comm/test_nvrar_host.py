@@ -243,3 +243,35 @@ def test_launch_params_protocol_validation():
         LaunchParams(protocol="ll16")
     with pytest.raises(ValueError, match="needs block >= 256 cells"):
         LaunchParams(protocol="simple", block=128)
+
+
+def test_pipelined_launch_is_named_and_tuned_only_where_programs_hold_several_tiles():
+    from argparse import Namespace
+
+    from spanllm.comm.tune import nvrar_grid
+
+    assert LaunchParams(pipelined=True).short() == "rs/b16x512w4/pipe"
+    assert LaunchParams(protocol="simple", block=256, pipelined=True).short().endswith("/simple/pipe")
+    args = Namespace(protocols="ll8", blocks="1,4", tiles="256", pipelined="0,1")
+    topo = Topology(2, 1)  # 2 nodes x 1: the shard is the whole message
+    # 4 KiB = 1024 cells = 4 tiles of 256: 1 program holds 4 tiles (pipelined is offered), 4 programs hold 1 each (not)
+    grid = [p.short() for p in nvrar_grid(args, topo, 4096, 1 << 20)]
+    assert grid == ["rs/b1x256w4", "rs/b1x256w4/pipe", "rs/b4x256w4"]
+    # 1 KiB = 1 tile: nothing to pipeline
+    assert [p.short() for p in nvrar_grid(args, topo, 1024, 1 << 20)] == ["rs/b1x256w4"]
+
+
+def test_tuning_tables_without_the_pipelined_field_still_load(tmp_path):
+    import json
+
+    import torch
+
+    from spanllm.comm.tuning import TuningTable
+
+    old = {"kind": "tuning", "entries": [{"topology": "2x1", "dtype": "bfloat16", "size": 4096, "best": "nvrar",
+                                          "nvrar_launch": {"one_shot": False, "num_blocks": 4, "block": 256,
+                                                           "num_warps": 4, "protocol": "ll8"}, "times_us": {}}]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(old))
+    p = TuningTable.load(str(path)).nvrar_launch(4096, torch.bfloat16, Topology(2, 1))
+    assert p == LaunchParams(num_blocks=4, block=256, num_warps=4) and p.pipelined is False
