@@ -11,15 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
-
-
-def params(model: str) -> int:
-    """Weights of a Llama 3.1 model (untied embedding and LM head; norms included)."""
-    h, layers, heads, inter = LLAMA31[model]
-    kv = LLAMA31_KV_HEADS * (h // heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
-    return layers * per_layer + 2 * LLAMA31_VOCAB * h + h
+from spanllm.perf.model_shape import get_model
 
 
 def allreduce_us(rows: list[dict], algo: str, nbytes: int) -> float | None:
@@ -47,10 +39,10 @@ def main() -> int:
             if not {"nccl", "nvrar"} <= set(by):
                 continue
             model = by["nccl"]["model"]
-            hidden, layers = LLAMA31[model][0], LLAMA31[model][1]
-            n_ar = 2 * layers  # two row-parallel all-reduces per layer per decode step
-            nbytes = batch * hidden * 2  # bf16 activations of one decode step
-            bound_ms = params(model) * 2 / 2 / (args.hbm_tbps * 1e12) * 1e3  # weight bytes per GPU at TP=2
+            shape = get_model(model)
+            n_ar = 2 * shape.layers  # two row-parallel all-reduces per layer per decode step
+            nbytes = batch * shape.hidden * shape.dtype_bytes  # bf16 activations of one decode step
+            bound_ms = shape.params * shape.dtype_bytes / 2 / (args.hbm_tbps * 1e12) * 1e3  # weight bytes per GPU, TP=2
             t_nccl, t_nvrar = by["nccl"]["tpot_ms"], by["nvrar"]["tpot_ms"]
             bench_nccl, bench_nvrar = allreduce_us(ar, "nccl", nbytes), allreduce_us(ar, "nvrar", nbytes)
             saved = (t_nccl - t_nvrar) / n_ar * 1e3

@@ -4,13 +4,14 @@ For every all-reduce backend and batch size: TTFT, time per output token (TPOT),
 latency and output throughput (median over `--iters` runs after `--warmup`, each run's time the
 maximum over ranks), plus a breakdown of one decode step into GEMM / attention / all-reduce /
 pipeline / idle / other. The breakdown comes from a separate eager pass with per-op timers (events
-cannot be placed inside a CUDA graph, and timers would perturb the totals). On GPU each step of that
-pass is enqueued behind a device spin, so its event intervals are the ops' GPU time, not the host's
-launch gaps (`breakdown_mode` and `breakdown_steps_covered` say whether that held; see
-engine/timers.py); `breakdown_step_ms` is that pass's GPU time per step, to set against TPOT. `--no-breakdown` skips it. The pass reports
-per-step averages, so it decodes only `breakdown_steps` steps (`--breakdown-steps`, default 32, at
-most decode_len - 1; each row's JSON says how many): the first steps of the sequence, so attention
-there reads a slightly shorter context than the timed runs' average.
+cannot be placed inside a CUDA graph, and timers would perturb the totals). On GPU that pass keeps
+the host ahead of the device with short device spins, so its event intervals are the ops' GPU time,
+not the host's launch gaps (`breakdown_mode` and `breakdown_steps_covered` say whether that held; see
+engine/timers.py); `breakdown_step_ms` is that pass's GPU time per step, to set against TPOT.
+`--no-breakdown` skips it. The pass reports per-step averages, so it decodes only `breakdown_steps`
+steps (`--breakdown-steps`, default 32, at most decode_len - 1; each row's JSON says how many): the
+first steps of the sequence, so attention there reads a slightly shorter context than the timed
+runs' average.
 
 Cost per row: warm-up runs (`--warmup`) decode only `warmup_decode_len` tokens (min(decode_len, 32)):
 their job is to capture the row's CUDA graph and warm up the communicator, not to be timed. Decode
@@ -40,8 +41,8 @@ from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import CATEGORIES
 from spanllm.launch import DistContext, finish, launch
+from spanllm.workloads import WORKLOADS
 
-WORKLOADS = {"decode-heavy": (128, 512), "prefill-heavy": (2048, 32)}  # (prompt_len, decode_len)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "throughput_tok_s": batch * s.decode_len / (e2e_ms / 1e3) if e2e_ms > 0 else 0.0,
         "breakdown_ms": breakdown, "stage_breakdown_ms": stage_breakdown, "breakdown_step_ms": step_ms,
         "breakdown_mode": mode if breakdown is not None else None,
-        "breakdown_steps": breakdown_steps, "breakdown_steps_covered": covered_steps if breakdown is not None else None, "warmup_decode_len": warmup_len if s.warmup else None,
+        "breakdown_steps": breakdown_steps, "breakdown_steps_covered": covered_steps,
+        "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
         "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }

@@ -258,7 +258,7 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from spanllm.perf.engine_fit import fit_engine
+    from spanllm.perf.engine_fit import fit_engine, format_constant
     from spanllm.perf.hardware import ENGINE_FITS
 
     spec = ENGINE_FITS.get(cluster.name)
@@ -278,7 +278,7 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
     for col in ("constant", "fitted", "preset now"):
         t.add_column(col)
     for name, v in asdict(fit.cost).items():
-        t.add_row(name, str(v) if isinstance(v, bool) else f"{v:.6g}", str(getattr(cluster.engine, name)))
+        t.add_row(name, format_constant(v), format_constant(getattr(cluster.engine, name)))
     console.print(t)
     console.print("rms relative error over the rows fitted: "
                   + ", ".join(f"{m} {v:.1%}" for m, v in fit.rms_rel_error.items()))

@@ -56,6 +56,11 @@ class EngineCase:
                 f"b{self.workload.batch} p{self.workload.prompt_len} d{self.workload.decode_len}")
 
 
+def format_constant(v) -> str:
+    """An EngineCost field for a table: flags as they are, numbers to 6 significant digits."""
+    return str(v) if isinstance(v, bool) else f"{v:.6g}"
+
+
 def _algo(ran: str) -> str:
     return model_name(ran_algorithm(ran))
 

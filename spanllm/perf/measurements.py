@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spanllm.workloads import WORKLOADS
+
 DTYPE_BYTES = {"bfloat16": 2, "half": 2, "float16": 2, "float": 4, "float32": 4, "int32": 4, "double": 8,
                "float64": 8, "int64": 8}
 
@@ -90,8 +92,6 @@ def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasuremen
     return out
 
 
-WORKLOADS = {"decode-heavy": (128, 512), "prefill-heavy": (2048, 32)}
-"""Workload name -> (prompt_len, decode_len), as spanllm.bench.batch.WORKLOADS defines them."""
 _LOG_HEADER = re.compile(r"^=== \S+ bench (?:study|batch) (\S+) (\S+)")
 _LOG_ROW = re.compile(r"^\s*TP=(\d+) PP=(\d+) mb=(\d+) batch=(\d+) (\S+)->(\S+): TTFT ([\d.]+) ms, "
                       r"TPOT ([\d.]+) ms, E2E ([\d.]+) ms")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
 from spanllm.perf.calibrate import CalibrationError, calibrate
-from spanllm.perf.engine_fit import EngineFitError, fit_engine, predict, row_case
+from spanllm.perf.engine_fit import EngineFitError, fit_engine, format_constant, predict, row_case
 from spanllm.perf.hardware import ENGINE_FITS, PRESET_FITS, PRESETS, ClusterSpec, EngineFitRows, PresetFit, load_cluster
 from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
@@ -305,9 +305,7 @@ def run(args: argparse.Namespace) -> int:
             k.add_column(col)
         refit = f["refit"] if isinstance(f["refit"], dict) else {}
         for name, v in f["preset"].items():
-            k.add_row(name, f"{v:.6g}" if not isinstance(v, bool) else str(v),
-                      (f"{refit[name]:.6g}" if not isinstance(refit[name], bool) else str(refit[name]))
-                      if name in refit else escape(str(f["refit"])))
+            k.add_row(name, format_constant(v), format_constant(refit[name]) if name in refit else escape(str(f["refit"])))
         console.print(k)
     if report.get("preset_fit"):
         f = report["preset_fit"]
