@@ -20,15 +20,16 @@ import torch.distributed as dist
 from spanllm.comm import Topology, registry
 from spanllm.comm import conformance as C
 from spanllm.comm.nvrar import LaunchParams
+from spanllm.comm.nvrar_compile import launches_for_sizes, precompile
 from spanllm.launch import init_from_launcher
 
 
-def write(path: str, topo, ctx, t_start: float, results: list[dict], complete: bool) -> None:
+def write(path: str, topo, ctx, t_start: float, results: list[dict], complete: bool, precompiled: dict) -> None:
     """The report so far (rank 0). Rewritten after every backend, so a run cut by a time limit keeps the
     backends that finished, marked complete=False."""
     doc = {"kind": "gpu_conformance", "topology": str(topo), "world_size": ctx.world_size, "complete": complete,
            "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-           "seconds": time.time() - t_start, "results": results}
+           "seconds": time.time() - t_start, "precompile": precompiled, "results": results}
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -72,6 +73,20 @@ def main() -> int:
     itemmax = args.max_bytes
     lengths = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003]
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
+    # Protocols and modes alternating on ONE communicator (a tuning table does this per size): the
+    # regions must not alias, or stale data of one protocol passes for a flag of the other.
+    mixed_launches = [LaunchParams(protocol="ll8", block=512, num_blocks=8), LaunchParams(protocol="simple", block=512, num_blocks=8),
+                      LaunchParams(protocol="ll8", block=256, num_blocks=2, pipelined=True)]
+    if topo.ranks_per_node > 1:
+        mixed_launches += [LaunchParams(one_shot=True, protocol="simple", block=256, num_blocks=4),
+                           LaunchParams(one_shot=True, protocol="ll8", block=256, num_blocks=4)]
+    # Compile every kernel the cases below launch first, in parallel (otherwise one at a time, inline).
+    case_sizes = lengths + [itemmax // 4, itemmax // 2, 300_001, 4099, 65_536, 12_289, 12_290, 1 << 20, 8192, 100_003]
+    jobs = [(c, launches_for_sizes(c, case_sizes, dtypes)) for k, c in comms.items() if k.startswith("nvrar")]
+    jobs.append((comms["nvrar:default"], {(lp, dt) for lp in mixed_launches for dt in (torch.bfloat16, torch.int32)}))
+    pre = precompile(jobs)
+    if ctx.rank == 0:
+        print(f"[precompile] {pre}", flush=True)
     for key, comm in comms.items():
         t0 = time.time()
         lens = lengths + [itemmax // 4, itemmax // 2]  # the buffer maximum for 4- and 2-byte dtypes
@@ -95,15 +110,9 @@ def main() -> int:
         if ctx.rank == 0:
             bad = sum(r.wrong for r in res)
             print(f"[{key}] {len(res)} cases, {bad} wrong, {time.time() - t0:.1f}s", flush=True)
-            write(args.out, topo, ctx, t_start, results, complete=False)
-    # Protocols and modes alternating on ONE communicator (a tuning table does this per size): the
-    # regions must not alias, or stale data of one protocol passes for a flag of the other.
-    mixed = comms["nvrar:default"]
-    launches = [LaunchParams(protocol="ll8", block=512, num_blocks=8), LaunchParams(protocol="simple", block=512, num_blocks=8),
-                LaunchParams(protocol="ll8", block=256, num_blocks=2, pipelined=True)]
-    if topo.ranks_per_node > 1:
-        launches += [LaunchParams(one_shot=True, protocol="simple", block=256, num_blocks=4),
-                     LaunchParams(one_shot=True, protocol="ll8", block=256, num_blocks=4)]
+            write(args.out, topo, ctx, t_start, results, complete=False, precompiled=pre)
+    mixed = comms["nvrar:default"]  # the alternating launches (defined above) on one communicator
+    launches = mixed_launches
     wrong = torch.zeros((), dtype=torch.int64, device=dev)
     for k in range(400):
         mixed.fixed_launch = launches[k % len(launches)]
@@ -117,7 +126,7 @@ def main() -> int:
                     "detail": {"calls": 400, "launches": [p.short() for p in launches]}})
     if ctx.rank == 0:
         print(f"[nvrar alternating protocols] 400 calls, {int(wrong)} wrong", flush=True)
-        write(args.out, topo, ctx, t_start, results, complete=True)
+        write(args.out, topo, ctx, t_start, results, complete=True, precompiled=pre)
         print(f"wrote {args.out}: {sum(r['wrong'] for r in results)} wrong in {len(results)} cases", flush=True)
     sys.stdout.flush()
     dist.barrier()

@@ -12,10 +12,12 @@
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
 # wrapped in `timeout`, so a stage that overruns still leaves the earlier ones behind.
-# Measured on 2 x H200 (2026-11-29, Triton compiles included): conformance 1x2 > 200 s, 2x1 ~120 s;
-# timeout 2 x 25 s; pytest 50 s; tune --protocols ll8,simple 1x2 165 s, 2x1 ~240 s; bench 2 x ~30 s;
-# study 8B decode-heavy (batch 1,8,64) 105 s, prefill-heavy 100 s; study 70B decode-heavy (1,8) 190 s;
-# engine70b decode (1,8) 110 s. A fresh machine adds ~70 s before the first stage.
+# Measured on 2 x H200 (2026-11-30; nvrar kernels precompiled in parallel, spanllm.comm.nvrar_compile):
+# conformance 1x2 86 s, 2x1 70 s; pytest 54 s; smoke 42 s; phases 2 x 30 s; tune 1x2 94 s, 2x1 70 s; bench
+# 2 x ~25 s; study 70B decode-heavy (batch 1,8,32,64) 390 s; study 70B prefill-heavy (1,8,32,64) > 560 s (cut
+# before its last 2 rows: run batch 32,64 apart); bench batch 8B (1,8,32,64, TP only, iters 1) ~75 s per
+# workload. (2026-11-29: timeout 2 x 25 s; study 8B decode-heavy (1,8,64) 105 s, prefill-heavy 100 s.)
+# A fresh machine adds ~70 s before the first stage.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

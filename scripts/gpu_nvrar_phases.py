@@ -40,6 +40,9 @@ def main() -> int:
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     tuning = TuningTable.load(args.tuning) if args.tuning else None
     comm = registry.create("nvrar", topology=topo, max_bytes=max(SIZES), tuning=tuning, trace=True, device=ctx.device)
+    pre = comm.precompile([torch.bfloat16], sizes=[n // 2 for n in SIZES])
+    if ctx.rank == 0:
+        print(f"nvrar kernels precompiled: {pre}", flush=True)
     rows = []
     for nbytes in SIZES:
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=ctx.device)

@@ -21,13 +21,35 @@ def _checkers():
     return mod
 
 
-def test_committed_2x1_conformance_passes_the_gpu_checks():
-    doc = json.loads((RESULTS / "conformance_2x1.json").read_text())
-    # The committed run predates the phase-major (pipelined) launch; every other requirement holds.
-    problems = _checkers().conformance_problems(doc, ranks_per_node=1)
-    assert problems == ["nvrar variants ['nvrar:default', 'nvrar:rs_b4x256', 'nvrar:rs_b64x1024', "
-                        "'nvrar:simple_rs_b16x512'], expected ['nvrar:default', 'nvrar:pipe_rs_b2x256', "
-                        "'nvrar:pipe_simple_rs_b4x512', 'nvrar:rs_b4x256', 'nvrar:rs_b64x1024', 'nvrar:simple_rs_b16x512']"]
+@pytest.mark.parametrize("topology,rpn", [("2x1", 1), ("1x2", 2)])
+def test_committed_conformance_passes_the_gpu_checks(topology, rpn):
+    doc = json.loads((RESULTS / f"conformance_{topology}.json").read_text())
+    assert _checkers().conformance_problems(doc, ranks_per_node=rpn) == []
+
+
+@pytest.mark.parametrize("topology", ["1x2", "2x1"])
+def test_committed_allreduce_benchmark_is_exact_and_names_what_ran(topology):
+    doc = json.loads((RESULTS / f"allreduce_{topology}_bf16.json").read_text())
+    rows = doc["rows"]
+    assert {r["algo"] for r in rows} >= {"nccl", "nvrar", "auto"}
+    assert all(r["wrong"] == 0 and r["graph"] for r in rows)
+    sizes = sorted({r["size"] for r in rows})
+    assert sizes[0] == 1024 and sizes[-1] == 16 << 20 and len(sizes) == 15
+    for r in rows:  # no silent fallback: auto says which backend (and nvrar which launch) ran
+        if r["algo"] == "auto":
+            assert r["ran"].startswith("auto->") and r["ran"] != "auto->auto"
+        if r["algo"] == "nvrar":
+            assert r["ran"].startswith("nvrar[")
+
+
+@pytest.mark.parametrize("topology", ["1x2", "2x1"])
+def test_committed_phase_traces_are_exact_and_cover_both_ranks(topology):
+    doc = json.loads((RESULTS / f"phases_{topology}.json").read_text())
+    by_size: dict[int, set] = {}
+    for r in doc["rows"]:
+        assert r["wrong"] == 0
+        by_size.setdefault(r["bytes"], set()).add(r["rank"])
+    assert by_size and all(ranks == {0, 1} for ranks in by_size.values())
 
 
 @pytest.mark.parametrize("topology,rpn", [("2x1", 1), ("1x2", 2)])

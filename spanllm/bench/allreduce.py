@@ -137,6 +137,12 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                 print(f"# {name} skipped on topology {topo}: {reason}")
             continue
         comms[name] = registry.create(name, topology=topo, **opts)
+    if ctx.device.type == "cuda":  # nvrar's kernels for every size, compiled in parallel before timing starts
+        from spanllm.comm.nvrar_compile import precompile_sizes
+
+        pre = precompile_sizes(comms.values(), [max(1, s // itemsize) for s in sizes], [dtype])
+        if main and pre is not None:
+            print(f"# nvrar kernels precompiled: {pre}")
     if main:
         print(f"# spanllm bench allreduce: {ctx.world_size} ranks as {topo.num_nodes} node(s) x {topo.ranks_per_node}, "
               f"backend {ctx.backend}, dtype {DTYPE_NAMES[dtype]}, {'CUDA graph' if graph else 'eager'}, "

@@ -199,6 +199,10 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         breakdown_steps = min(s.breakdown_steps, s.decode_len - 1)
         llm.timers.enabled = True
         try:
+            # An untimed eager pass first: the first eager steps of a process pay one-time costs (kernel
+            # selection, allocator growth) that hold the host back long enough to leave no step covered
+            # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered).
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True), micro_batches=mb)
             out = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=breakdown_steps + 1,
                                                        ignore_eos=True), micro_batches=mb)
         finally:

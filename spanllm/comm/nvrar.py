@@ -254,16 +254,33 @@ class NvrarAllReduce(AllReduce):
         shard = cells if (p.one_shot or g == 1) else -(-cells // g)
         grid = (max(1, min(p.num_blocks, -(-shard // p.block))),)
         self._last_grid = grid[0]
+        args, constexprs = self.kernel_arguments(x, p, n, shard)
+        self._kernel.nvrar_kernel[grid](*args, **constexprs)
+
+    def kernel_arguments(self, x, p: LaunchParams, n: int, shard: int) -> tuple[list, dict]:
+        """Positional arguments and constexpr keywords (num_warps included) of one kernel launch on `x`
+        (a tensor, or just its dtype for `spanllm.comm.nvrar_compile`, which compiles ahead of time from
+        exactly these)."""
+        dtype = x if isinstance(x, torch.dtype) else x.dtype
         L = self.layout
-        self._kernel.nvrar_kernel[grid](
-            x, self.ws, self.peer_ptrs, self.round_send_pe, self.round_recv_peer, self.round_recv_op,
-            self.seq, self.ticket, self.err, self.trace,
-            n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
-            int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol),
-            L.flags, L.max_tiles,
-            G=g, R=max(len(self.rounds), 0), E=elements_per_cell(x.dtype), ONE_SHOT=p.one_shot, BLOCK=p.block,
-            PROTO=PROTOCOLS.index(p.protocol), TRACE=int(self.trace_enabled), PIPE=int(p.pipelined),
-            num_warps=p.num_warps)
+        args = [x, self.ws, self.peer_ptrs, self.round_send_pe, self.round_recv_peer, self.round_recv_op,
+                self.seq, self.ticket, self.err, self.trace,
+                n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
+                int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol), L.flags, L.max_tiles]
+        constexprs = dict(G=self.topology.ranks_per_node, R=max(len(self.rounds), 0), E=elements_per_cell(dtype),
+                          ONE_SHOT=p.one_shot, BLOCK=p.block, PROTO=PROTOCOLS.index(p.protocol),
+                          TRACE=int(self.trace_enabled), PIPE=int(p.pipelined), num_warps=p.num_warps)
+        return args, constexprs
+
+    def precompile(self, dtypes, sizes=None, workers: int | None = None) -> dict:
+        """Compile, ahead of the first calls and in parallel worker processes, the kernels this communicator
+        will launch for `dtypes` at message sizes `sizes` (element counts; default: powers of two and their
+        midpoints up to max_bytes). Collective over the group. See `spanllm.comm.nvrar_compile`."""
+        from spanllm.comm.nvrar_compile import launches_for_sizes, precompile
+
+        if sizes is None:
+            sizes = sorted({k for b in range(1, self._max_bytes.bit_length()) for k in (1 << b, 3 << (b - 1))})
+        return precompile([(self, launches_for_sizes(self, sizes, dtypes))], workers)
 
     def last_trace(self) -> list[list[int]]:
         """The phase-trace records of the last call's programs (synchronizes). Needs trace=True."""

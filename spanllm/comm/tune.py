@@ -80,7 +80,17 @@ def tune_rank(ctx: DistContext, args) -> dict:
                                       device=ctx.device)
     entries = []
     main = ctx.rank == 0
-    for size in sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor):
+    sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    if "nvrar" in comms:  # every candidate's kernel, compiled in parallel before timing starts
+        from spanllm.comm.nvrar_compile import precompile
+
+        nv = comms["nvrar"]
+        pairs = {(lp, dtype) for size in sizes
+                 for lp in nvrar_grid(args, topo, max(1, size // itemsize) * itemsize, nv.one_shot_max_bytes)}
+        pre = precompile([(nv, pairs)])
+        if main:
+            print(f"# nvrar kernels precompiled: {pre}", flush=True)
+    for size in sizes:
         count = max(1, size // itemsize)
         nbytes = count * itemsize
         x = torch.empty(count, dtype=dtype, device=ctx.device)

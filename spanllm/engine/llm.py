@@ -118,8 +118,15 @@ class LLM:
         """A registered all-reduce on this rank's TP group (collective over the group)."""
         from spanllm.comm import create
 
-        return create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology),
+        comm = create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology),
                       device=self.device, tuning=self.tuning, max_bytes=self.engine.allreduce_max_bytes)
+        if self.device.type == "cuda":  # nvrar's kernels for every size it may see, compiled in parallel now
+            from spanllm.comm.nvrar_compile import precompile_sizes
+
+            elems = self.engine.allreduce_max_bytes // torch.empty((), dtype=self.engine.dtype).element_size()
+            precompile_sizes([comm], sorted({k for b in range(1, elems.bit_length()) for k in (1 << b, 3 << (b - 1))}),
+                             [self.engine.dtype])
+        return comm
 
     def _ensure_large_comm(self, comm: Communicator | None) -> None:
         """A buffered backend (nvrar, torch symm-mem) takes decode-sized messages; larger ones (prefill)

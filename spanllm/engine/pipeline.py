@@ -161,6 +161,12 @@ class PipelineExecutor:
             else:
                 self._send(y, nxt, None)
         self._complete_sends()
+        if pp > 1 and first:
+            # The first tokens come from the last stage's prefill: receiving them ends this stage's prefill
+            # (its TTFT). Received here, not in decode step 1, so that step's timers do not count the
+            # later stages' prefill as decode idle time (at batch 64 that was ~1 s in an 8-step average).
+            for s0, b in chunks:
+                out[s0: s0 + b, 0] = self._recv((b,), torch.int64, g.last_stage_peer, self.token_group)
         ttft_ms = clock.now_ms()
 
         if pp == 1:
@@ -225,7 +231,8 @@ class PipelineExecutor:
                 if not first:
                     x = self._recv((b, 1, hidden), dtype, prev, None)
                 else:
-                    out[s0: s0 + b, step - 1] = self._recv((b,), torch.int64, g.last_stage_peer, self.token_group)
+                    if step > 1:  # step 0's tokens (the prefill's) were received before the loop
+                        out[s0: s0 + b, step - 1] = self._recv((b,), torch.int64, g.last_stage_peer, self.token_group)
                     x = out[s0: s0 + b, step - 1: step]  # [b, 1]
                 positions = lengths[s0: s0 + b] + (step - 1)  # where this step's input token goes
                 kv_len = max(lengths_host[s0: s0 + b]) + step

@@ -172,25 +172,25 @@ NCCL_PROTOCOLS: dict[str, AlgoCost] = {
 
 # [assumed] NVRAR / flat recursive doubling (LL8 cells) on clusters without a sweep: per step the receiver
 # polls the 8-byte cells and adds them; 0.5 us of poll + add on top of the link's own one-way latency, 80% of
-# link bandwidth, no per-call kernel cost (base_us 0). The H200 host's fit (below) found 3.65 us per call and
-# 59% of NVLink bandwidth: these defaults are optimistic until a sweep on that cluster replaces them.
+# link bandwidth, no per-call kernel cost (base_us 0). The H200 host's fit (below) found 3.13 us per call and
+# 81% of NVLink bandwidth: these defaults are optimistic until a sweep on that cluster replaces them.
 LL8_POLL_ADD_US = 0.5
 LL8_BW_EFFICIENCY = 0.8
 
 # [fit] torch symmetric-memory one-shot / two-shot on the H200 host, fitted by `spanllm perf calibrate`
-# (relative least squares) to results/h200x2/allreduce_1x2_bf16.json, rows of the sizes H200X2_FIT_SIZES
-# below (every other size of the sweep, 1 KiB .. 16 MiB; the rest are held out for `perf validate`):
-# 8 torch_one_shot rows, 10 torch_two_shot rows (2 of them `auto->torch_two_shot`). base_us is not
-# separable from the barrier cost (every call has the same barrier count) and stays 0.
+# (relative least squares) to results/h200x2/allreduce_1x2_bf16.json (the 2026-11-30 sweep), rows of the
+# sizes H200X2_FIT_SIZES below (every other size of the sweep, 1 KiB .. 16 MiB; the rest are held out for
+# `perf validate`): 8 torch_one_shot rows, 9 torch_two_shot rows (1 of them `auto->torch_two_shot`).
+# base_us is not separable from the barrier cost (every call has the same barrier count) and stays 0.
 # Structure (allreduce_model): one-shot = 1 kernel, in-kernel copy-in + 2 barriers; two-shot = 2 kernels
 # (`buf.copy_(x)` + `two_shot_all_reduce_out`, spanllm.comm.torch_symm) + copy + 3 barriers. The two
-# fits agree on the barrier cost (3.45 vs 3.53 us), which the old single-kernel two-shot model missed
+# fits agree on the barrier cost (3.36 vs 3.36 us), which the old single-kernel two-shot model missed
 # (it predicted ~6.4 us at small sizes vs 10.9-12 us measured). Used on every NVLink cluster: same
 # kernels, same flag protocol.
-TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.452, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.338)
-TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.533, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.659, kernels=2)
+TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.355, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.336)
+TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.363, net_step_us=0.0, wire_factor=1.0,
+                          bw_efficiency=0.647, kernels=2)
 
 
 def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float) -> dict[str, AlgoCost]:
@@ -261,40 +261,42 @@ H200X2_ENGINE_FIT = EngineFitRows(
 
 # [fit] NCCL 2.28.9 on 2 ranks, results/h200x2/allreduce_1x2_bf16.json, nccl rows of H200X2_FIT_SIZES:
 # LL (ring and tree) on the 6 rows <= 2 MiB (1 KiB .. 1 MiB), Simple (ring and tree) on the 2 rows above
-# (4 MiB, 16 MiB: NCCL has left LL there, 30.6 -> 36.0 us for 2x the bytes). base_us stays NCCL's own
+# (4 MiB, 16 MiB: NCCL has left LL there, 31.5 -> 35.0 us for 2x the bytes). base_us stays NCCL's own
 # (2 ranks: always 2 ring steps, a fixed cost is not separable); the step cost and efficiency are fitted.
 # LL128 keeps NCCL's nominal constants but, as `calibrate` does, is considered only above the measured range
 # (16 MiB): every row above 2 MiB lies on the one fitted line, and nominal LL128 would undercut it by ~20%.
 _HOST_NCCL_FIT = {
-    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.659, bw_efficiency=0.632)
+    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.579, bw_efficiency=0.629)
        for k in ("nccl_ring/LL", "nccl_tree/LL")},
-    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=6.483, bw_efficiency=0.658)
+    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=5.996, bw_efficiency=0.662)
        for k in ("nccl_ring/Simple", "nccl_tree/Simple")},
     **{k: replace(NCCL_PROTOCOLS[k], picked_above_bytes=16 * 1024 * 1024)
        for k in ("nccl_ring/LL128", "nccl_tree/LL128")},
 }
-# [fit] NVRAR (spanllm.comm.nvrar_kernel, LL8 cells) on 1 node x 2 GPUs, results/h200x2/allreduce_1x2_bf16.json,
-# the 14 nvrar rows (8 `nvrar`, 6 `auto->nvrar`) of H200X2_FIT_SIZES, each priced with the launch its `ran`
-# column names: one-shot (1 NVLink exchange phase) up to 256 KiB, reduce-scatter (2 phases) above. Both phase
-# counts in one file separate the per-call cost from the per-phase cost:
-#   base_us        3.654  per-call kernel cost beyond the 0.5 us graph node (sequence load, programs, ticket)
-#   nvlink_step_us 0.353  per NVLink exchange phase (weakly determined: one-shot and reduce-scatter rows never
-#                         share a size in this file; the tuning sweep tuning_1x2_bf16.json shows rs - os
-#                         ~1.1-1.4 us at <= 64 KiB, i.e. ~1 us more per phase)
-#   bw_efficiency  0.594  effective P2P store bandwidth 0.594 x 450 = 267 GB/s of LL8 wire bytes (2x payload)
+# [fit] NVRAR (spanllm.comm.nvrar_kernel, LL8 cells) on 1 node x 2 GPUs, results/h200x2/allreduce_1x2_bf16.json
+# (2026-11-30: up to 256 programs, phase-major launches in the grid), the 15 nvrar rows (8 `nvrar`, 7
+# `auto->nvrar`) of H200X2_FIT_SIZES, each priced with the launch its `ran` column names: one-shot (1 NVLink
+# exchange phase) up to 512 KiB, reduce-scatter (2 phases) above. rms error 3.3% over those rows.
+#   base_us        3.130  per-call kernel cost beyond the 0.5 us graph node (sequence load, programs, ticket)
+#   nvlink_step_us 0.765  per NVLink exchange phase (one-shot and reduce-scatter rows share no size here; the
+#                         tuning sweep tuning_1x2_bf16.json shows rs - os 0.8-1.2 us at <= 128 KiB: the fit
+#                         puts part of the second phase in the bandwidth term)
+#   bw_efficiency  0.813  effective P2P store bandwidth 0.813 x 450 = 366 GB/s of LL8 wire bytes (2x payload)
+# (The 2026-11-29 sweep, at most 64 programs, gave 3.654 / 0.353 / 0.594: more programs raised the bandwidth.)
 # net_step_us is not measured on this host (no network): the default, link latency + 0.5.
-_HOST_NVRAR_FIT = AlgoCost(base_us=3.654, nvlink_step_us=0.353, net_step_us=_H200_NVLINK_LATENCY_US + 0.5,
-                           wire_factor=2.0, bw_efficiency=0.594)
+_HOST_NVRAR_FIT = AlgoCost(base_us=3.130, nvlink_step_us=0.765, net_step_us=_H200_NVLINK_LATENCY_US + 0.5,
+                           wire_factor=2.0, bw_efficiency=0.813)
 
 # [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
 # squares (relative) over the TPOT and TTFT of the 6 rows H200X2_ENGINE_FIT names (8B, TP=2, NCCL, batch
 # 1 / 8 / 64, prompt 128 / decode 512 and prompt 2048 / decode 32), all-reduce constants from the sweeps.
-# rms error over those rows: TPOT 3.5%, TTFT 15.5%. Held out (scored by `perf validate`): every other row.
-#   decode_layer_us     70.23  per layer and decode step on top of its 12 graph nodes (6 us): norms, RoPE,
+# rms error over those rows: TPOT 3.6%, TTFT 15.6% (refitted with the 2026-11-30 all-reduce constants).
+# Held out (scored by `perf validate`): every other row.
+#   decode_layer_us     69.85  per layer and decode step on top of its 12 graph nodes (6 us): norms, RoPE,
 #                              KV write, SDPA, SiLU, residual adds -- a few us each even inside a graph.
 #                              (A two-equation estimate from the held-out 70B TP=2 vs PP=2 TPOT gave ~74 us
 #                              in all; not used.)
-#   attn_position_ns    20.48  decode SDPA per cache position and layer: with few (batch x KV heads) thread
+#   attn_position_ns    20.47  decode SDPA per cache position and layer: with few (batch x KV heads) thread
 #                              blocks each block scans its positions serially (8B TP=2: +1.0 ms TPOT at
 #                              batch 1 and 8 for 1440 more positions, 640 -> 2080)
 #   eager_layer_host_us 1213   eager prefill, host time per layer: short prompts (batch 1 / 8 x 128 tokens)
@@ -304,7 +306,7 @@ _HOST_NVRAR_FIT = AlgoCost(base_us=3.654, nvlink_step_us=0.353, net_step_us=_H20
 # [code] attends_max_seq_len: inside a CUDA graph decode attends over max_seq_len = prompt + decode under a
 # mask (spanllm/engine/model_runner.py; spanllm/bench/batch.py sets max_seq_len = prompt + decode).
 # HBM efficiency stays the measured copy figure (4.3 TB/s); the fit does not touch it.
-_HOST_ENGINE_FIT = EngineCost(decode_layer_us=70.23, attn_position_ns=20.48, attends_max_seq_len=True,
+_HOST_ENGINE_FIT = EngineCost(decode_layer_us=69.85, attn_position_ns=20.47, attends_max_seq_len=True,
                               eager_layer_host_us=1213.3, prefill_efficiency=0.4323)
 
 PRESETS: dict[str, ClusterSpec] = {

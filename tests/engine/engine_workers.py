@@ -89,6 +89,27 @@ def count_decode_allreduces(llm: LLM, comm: CountingComm, prompts) -> dict:
     return {"prefill": prefill, "decode": comm.calls, "layers": len(llm.model.layer_ids)}
 
 
+def timed_receives(llm: LLM, prompts, new_tokens: int, micro_batches: int) -> int:
+    """Pipeline receives ("idle" regions) made inside timed decode steps by this rank during one generate."""
+    count = 0
+    region = llm.timers.region
+
+    def counting_region(name: str):
+        nonlocal count
+        if name == "idle" and llm.timers._in_step:
+            count += 1
+        return region(name)
+
+    llm.timers.region = counting_region
+    llm.timers.enabled = True
+    try:
+        llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches)
+    finally:
+        llm.timers.enabled = False
+        del llm.timers.region
+    return count
+
+
 def world2(ctx, single: str, sharded: str, prompts, new_tokens: int) -> dict:
     """World 2: TP=2 (both checkpoint layouts, two registered communicators), PP=2 (naive and micro-batched)."""
     from spanllm.comm import create
@@ -110,6 +131,7 @@ def world2(ctx, single: str, sharded: str, prompts, new_tokens: int) -> dict:
     llm = LLM(single, engine_config(), dims=dims, device=ctx.device)
     res["pp2"] = generate(llm, prompts, new_tokens)
     res["pp2_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
+    res["pp2_timed_receives"] = [timed_receives(llm, prompts, new_tokens, m) for m in (1, 3)]
     res["pp2_layers"] = list(llm.model.layer_ids)
     res["pp2_parts"] = (llm.model.model.embed_tokens is not None, llm.model.lm_head is not None)
     return res

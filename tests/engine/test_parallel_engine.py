@@ -68,3 +68,14 @@ def test_pipeline_stages_hold_their_parts(world2_results, world4_results):
 def test_replicated_kv_heads(world4_results):
     # 2 KV heads over 4 ranks: ranks 0,1 hold head 0 and ranks 2,3 hold head 1.
     assert [r["tp4_kv"] for r in world4_results] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+
+
+def test_pipeline_decode_steps_do_not_wait_for_the_prefill(world2_results):
+    """The first stage receives the prefill's tokens before decode step 1, so the timed decode steps hold
+    only decode receives: first stage, a token per step from step 2 on; last stage, activations every
+    step (per micro-batch). Otherwise the later stages' prefill is booked as decode idle time."""
+    steps = NEW_TOKENS - 1  # timed decode steps
+    for mb_index, mb in enumerate((1, 3)):
+        chunks = min(mb, len(PROMPTS))
+        first, last = (r["pp2_timed_receives"][mb_index] for r in world2_results)
+        assert (first, last) == ((steps - 1) * chunks, steps * chunks)

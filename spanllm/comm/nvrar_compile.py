@@ -1,0 +1,140 @@
+"""Ahead-of-time compilation of nvrar kernel specialisations, in parallel worker processes.
+
+Every (dtype, launch) pair an nvrar communicator runs is its own Triton specialisation (constexprs G, R,
+E, ONE_SHOT, BLOCK, PROTO, TRACE, PIPE and num_warps), and every compile links NVSHMEM's device
+library: 6-8 s each. A first call pays that inline and one at a time, so a conformance run over nine
+launch variants and four dtypes spent most of its minutes in the compiler, while the host's other
+cores idled.
+
+`precompile([(comm, pairs), ...])` compiles what a run will need up front (`launches_for_sizes` lists
+the (launch, dtype) pairs a communicator picks for given message sizes; `precompile_sizes` does both for
+any communicators, auto's nvrar backend included). SPANLLM_NVRAR_PRECOMPILE=0 turns it off. The ranks of one host
+(found by hostname) split the union of their specialisations; each rank compiles its share in spawned
+worker processes (`Triton`'s `warmup`, from the very arguments `NvrarAllReduce.kernel_arguments`
+builds for a real launch, tensors replaced by their dtypes). The workers fill Triton's on-disk cache;
+the rank's own first launch then finds the cubin there and only loads it, and Triton's post-compile
+hook registers the module with NVSHMEM in the rank itself (the workers turn that hook off: they have
+no NVSHMEM). A specialisation the cache does not hold for whatever reason is simply compiled at its
+first call, as without this module; nothing else depends on it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+
+def _canonical(arg):
+    """What Triton's specialisation sees of one argument: a tensor's dtype; an int's width (every int
+    argument of the kernel is do_not_specialize, so only i32 vs i64 matters)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return arg
+    return 1 if I32_MIN <= arg <= I32_MAX else 2**40
+
+
+def launches_for_sizes(comm, sizes, dtypes) -> set[tuple]:
+    """The (launch, dtype) pairs `comm` picks for messages of these element counts (tuning table, fixed
+    launch or default rule, exactly as a call would); sizes over the communicator's max_bytes are left out."""
+    out = set()
+    for dt in dtypes:
+        for n in sizes:
+            x = torch.empty(n, dtype=dt, device="meta")
+            if n * x.element_size() <= comm.max_bytes:
+                out.add((comm.launch_for(x), dt))
+    return out
+
+
+def specialisations(comm, pairs) -> list[tuple]:
+    """The distinct (positional args, constexpr items) this communicator launches for these (launch, dtype)
+    pairs, in a canonical, picklable, sortable form."""
+    from spanllm.comm.nvrar import elements_per_cell
+
+    out = set()
+    for p, dt in pairs:
+        n = elements_per_cell(dt) * p.block  # any length: only int widths reach the specialisation
+        args, constexprs = comm.kernel_arguments(dt, p, n, p.block)
+        args = tuple(_canonical(a) for a in args)
+        out.add((args, tuple(sorted(constexprs.items()))))  # values as launched (True is not 1 in a cache key)
+    return sorted(out, key=repr)
+
+
+def nvrar_members(comm) -> list:
+    """The nvrar communicators inside `comm`: itself, or the backends of an `auto` communicator."""
+    from spanllm.comm.nvrar import NvrarAllReduce
+
+    if isinstance(comm, NvrarAllReduce):
+        return [comm]
+    return [b for b in getattr(comm, "backends", {}).values() if isinstance(b, NvrarAllReduce)]
+
+
+def precompile_sizes(comms, sizes, dtypes, workers: int | None = None) -> dict | None:
+    """`precompile` for every nvrar communicator in `comms` (auto's included) at these element counts;
+    None when there is none. Collective: every rank passes the same kinds of communicators."""
+    jobs = [(m, launches_for_sizes(m, sizes, dtypes)) for c in comms for m in nvrar_members(c)]
+    return precompile(jobs, workers) if jobs else None
+
+
+def _compile_one(spec) -> float:
+    """Worker: compile one specialisation into Triton's on-disk cache."""
+    import triton
+
+    from spanllm.comm import nvrar_kernel
+
+    triton.knobs.runtime.jit_post_compile_hook = None  # NVSHMEM module init belongs to the rank, not here
+    args, constexprs = spec
+    t0 = time.perf_counter()
+    nvrar_kernel.nvrar_kernel.warmup(*args, grid=(1,), **dict(constexprs))
+    return time.perf_counter() - t0
+
+
+def _host_share(group, specs: list[tuple]) -> tuple[list[tuple], int, int]:
+    """(this rank's share of its host's specialisations, its index among the host's ranks, host ranks)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return specs, 0, 1
+    world = dist.get_world_size(group)
+    mine = (socket.gethostname(), specs)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    host = socket.gethostname()
+    host_ranks = [r for r, (h, _) in enumerate(gathered) if h == host]
+    union = sorted({s for h, ss in gathered if h == host for s in ss}, key=repr)
+    idx = host_ranks.index(dist.get_rank(group))
+    return union[idx::len(host_ranks)], idx, len(host_ranks)
+
+
+def precompile(jobs, workers: int | None = None) -> dict:
+    """Compile ahead of the first calls. `jobs`: (communicator, (launch, dtype) pairs) for nvrar
+    communicators of one group. Collective over that group: every rank calls it, with its own jobs.
+    Returns what it did: specialisations, this rank's share, workers, seconds."""
+    t0 = time.perf_counter()
+    jobs = list(jobs)
+    if not jobs:
+        raise ValueError("precompile: no (communicator, pairs) jobs given")
+    if os.environ.get("SPANLLM_NVRAR_PRECOMPILE", "1") == "0":
+        return {"skipped": "SPANLLM_NVRAR_PRECOMPILE=0: kernels compile at their first call"}
+    specs = sorted({s for comm, pairs in jobs for s in specialisations(comm, pairs)}, key=repr)
+    group = jobs[0][0].group
+    share, idx, host_ranks = _host_share(group, specs)
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 2) // host_ranks)
+    workers = max(1, min(workers, len(share)))
+    compile_s: list[float] = []
+    if share:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            compile_s = list(pool.map(_compile_one, share))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)  # the host's cache is complete before anyone launches
+    return {"specialisations": len(specs), "compiled_here": len(share), "workers": workers,
+            "host_ranks": host_ranks, "compile_s_max": round(max(compile_s, default=0.0), 2),
+            "seconds": round(time.perf_counter() - t0, 2)}
