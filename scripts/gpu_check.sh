@@ -6,7 +6,9 @@
 #
 # Stages: env conformance timeout phases pytest tune bench smoke engine engine70b compiled study.
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
-# STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT; B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
+# ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune);
+# STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
+# micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
 # BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
 # TUNING (default: this run's tables, else results/h200x2/tuning_*.json). Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
@@ -90,7 +92,7 @@ for stage in "${STAGES[@]}"; do
       pick_tuning
       for rpn in ${RPNS:-$NGPU 1}; do
         log "bench allreduce ranks_per_node=$rpn"
-        timeout 500 $TR -m spanllm.cli bench allreduce -b 1K -e 16M -f "${FACTOR:-2}" -n "${ITERS:-20}" --dtype bfloat16 --graph \
+        timeout 500 $TR -m spanllm.cli bench allreduce -b 1K -e 16M -f "${FACTOR:-2}" -n "${ITERS:-20}" --rounds "${ROUNDS:-4}" --dtype bfloat16 --graph \
           --ranks-per-node "$rpn" --algos "${ALGOS:-nccl,torch_one_shot,torch_two_shot,nvrar,auto}" \
           --tuning "$TUNING" --buffer-bytes 16M --json "$OUTDIR/allreduce_rpn$rpn.json" \
           --plot "$OUTDIR/allreduce_rpn$rpn.png" || rc=1
@@ -139,7 +141,8 @@ for stage in "${STAGES[@]}"; do
           log "bench study $model $wl"
           timeout "${STUDY_TIMEOUT:-580}" $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes "${STUDY_BATCHES:-1,8,64}" \
             --iters 1 --breakdown-steps "${BREAKDOWN_STEPS:-8}" --allreduce nccl,nvrar --tuning "$TUNING" \
-            --json "$OUTDIR/study_${model}_$wl.json" --plot "$OUTDIR/study_${model}_$wl.png" || rc=1
+            ${STUDY_PP:+--pp "$STUDY_PP"} --micro-batches "${STUDY_MB:-1,pp}" \
+            --json "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}.json" --plot "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}.png" || rc=1
         done
       done
       ;;

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from spanllm.bench.report import algbw_GBps, allreduce_busbw_GBps, write_json
-from spanllm.bench.timing import time_calls
+from spanllm.bench.timing import Timing, time_calls
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
 from spanllm.launch import DistContext, finish, launch
@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", dest="graph", action="store_true", default=None, help="CUDA-graph mode (GPU default)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="eager launches on GPU")
     p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer size of buffered GPU backends")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the algorithms this many times per size (A B C A B C ...), --iters samples "
+                        "split among the rounds and pooled: drift in time then hits every algorithm alike")
     p.add_argument("--tuning", default=None, help="tuning table JSON for auto and nvrar (from spanllm tune)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="device spin-wait timeout of nvrar")
     p.add_argument("--json", default=None, help="write every row plus machine, versions and settings here")
@@ -124,6 +127,8 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     if graph and ctx.device.type != "cuda":
         raise SystemExit("--graph needs GPUs (CUDA graphs); drop it on CPU")
     K = args.calls_per_sample or (20 if ctx.device.type == "cuda" else 1)
+    rounds = getattr(args, "rounds", 1)
+    check_rounds(rounds, args.iters)
     names = args.algos.split(",") if args.algos else registry.algorithms_for_device(ctx.device.type)
     sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     opts = comm_options(args, ctx.device)
@@ -156,6 +161,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
         x = torch.empty(count, dtype=dtype, device=ctx.device)
         x0 = (torch.randn(count, device=ctx.device) * 1e-2).to(dtype) if dtype.is_floating_point \
             else torch.randint(-3, 4, (count,), device=ctx.device, dtype=dtype)
+        runnable = {}
         for name, comm in comms.items():
             reason = comm.unsupported_reason(x)
             if reason is not None:
@@ -165,16 +171,26 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
             wrong = check_algorithm(comm, x, ctx.rank, ctx.world_size, graph) if args.check else 0
             wrong_t = torch.tensor([wrong], dtype=torch.int64, device=ctx.device)
             dist.all_reduce(wrong_t)
+            runnable[name] = (comm, int(wrong_t.item()))
+        # Rounds: every algorithm's samples come from `rounds` stretches of time, interleaved with the others'.
+        pooled: dict[str, list[float]] = {name: [] for name in runnable}
+        for rnd in range(rounds):
+            n_samples = args.iters // rounds + (1 if rnd < args.iters % rounds else 0)
+            for name, (comm, _) in runnable.items():
+                t = time_calls(lambda: comm.all_reduce_(x), reset=lambda: x.copy_(x0), samples=n_samples,
+                               warmup=args.warmup_iters, calls_per_sample=K, graph=graph, device=ctx.device)
+                pooled[name] += t.samples_us
+        for name, (comm, wrong) in runnable.items():
+            t = Timing.from_samples(pooled[name])
             ran = comm.algorithm_for(x)
-            t = time_calls(lambda: comm.all_reduce_(x), reset=lambda: x.copy_(x0), samples=args.iters,
-                           warmup=args.warmup_iters, calls_per_sample=K, graph=graph, device=ctx.device)
             nbytes = count * itemsize
             row = {"size": nbytes, "count": count, "type": DTYPE_NAMES[dtype], "redop": "sum", "algo": name,
                    "ran": ran if name != "auto" else f"auto->{ran}", "world_size": ctx.world_size,
                    "ranks_per_node": topo.ranks_per_node, "topology": str(topo), "time_us": t.median_us,
                    "time_us_p99": t.p99_us, "algbw_GBps": algbw_GBps(nbytes, t.median_us),
                    "busbw_GBps": allreduce_busbw_GBps(nbytes, t.median_us, ctx.world_size),
-                   "wrong": int(wrong_t.item()), "graph": graph, "calls_per_sample": K, "samples_us": t.samples_us}
+                   "wrong": wrong, "graph": graph, "calls_per_sample": K, "rounds": rounds,
+                   "samples_us": t.samples_us}
             rows.append(row)
             if main:
                 print(format_row(row))
@@ -187,7 +203,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
         if args.json:
             settings = {"world_size": ctx.world_size, "ranks_per_node": topo.ranks_per_node, "topology": str(topo),
                         "dtype": DTYPE_NAMES[dtype], "graph": graph, "calls_per_sample": K, "iters": args.iters,
-                        "warmup": args.warmup_iters, "algos": names, "backend": ctx.backend,
+                        "warmup": args.warmup_iters, "rounds": rounds, "algos": names, "backend": ctx.backend,
                         "buffer_bytes": parse_size(args.buffer_bytes), "tuning": args.tuning}
             write_json(args.json, "allreduce", settings, rows)
             print(f"# wrote {args.json}")
@@ -201,10 +217,17 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     return rows
 
 
+def check_rounds(rounds: int, iters: int) -> None:
+    if not 1 <= rounds <= iters:
+        raise SystemExit(f"--rounds {rounds}: must be between 1 and --iters ({iters}): every round takes at least "
+                         "one sample of every algorithm")
+
+
 def run(args) -> int:
     if args.plot and not args.json:
         raise SystemExit("--plot draws from the JSON rows: add --json FILE")
     sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)  # fail before spawning
+    check_rounds(args.rounds, args.iters)
     results = launch(bench_rank, args, nprocs=args.nprocs)
     rows = results[0]
     return finish(1 if any(r["wrong"] for r in rows) else 0)

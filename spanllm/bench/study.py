@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser)
     parser.add_argument("--micro-batches", default="1,pp",
                         help="micro-batch counts for pipelined layouts; 'pp' means the layout's stage count")
+    parser.add_argument("--pp", default=None,
+                        help="pipeline degrees to run, e.g. '2' (default: every valid layout); with --micro-batches, "
+                             "tops up the rows a cut run is missing without repeating the rest")
 
 
 def layouts(cfg: ModelConfig, world: int, topology: Topology) -> tuple[list[ParallelDims], list[str]]:
@@ -61,12 +64,31 @@ def micro_batch_counts(spec: str, pp: int) -> list[int]:
     return out
 
 
-def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str) -> tuple[list[dict], list[str]]:
+def pp_filter(spec: str | None) -> set[int] | None:
+    """--pp '1,2' -> {1, 2}; None -> every layout."""
+    if spec is None:
+        return None
+    try:
+        out = {int(t) for t in spec.split(",") if t.strip()}
+    except ValueError:
+        raise SystemExit(f"--pp {spec!r}: pipeline degrees are integers, e.g. --pp 2 or --pp 1,2") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"--pp {spec!r}: give one or more pipeline degrees >= 1")
+    return out
+
+
+def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str, pp_spec: str | None = None) -> tuple[list[dict], list[str]]:
     cfg = resolve_model(s.model)
     topology = Topology.from_env(ctx.world_size, s.ranks_per_node)
     if not s.allreduce:
         s = replace(s, allreduce=DEFAULT_ALLREDUCE[ctx.device.type])
     valid, skipped = layouts(cfg, ctx.world_size, topology)
+    wanted = pp_filter(pp_spec)
+    if wanted is not None:
+        skipped += [f"{d}: not asked for (--pp {pp_spec})" for d in valid if d.pp not in wanted]
+        valid = [d for d in valid if d.pp in wanted]
+        if not valid:
+            raise SystemExit(f"--pp {pp_spec}: no valid layout of {ctx.world_size} ranks has that pipeline degree")
     if ctx.is_main:
         print(f"study: {cfg.label} on {ctx.world_size} ranks ({topology} nodes x ranks), layouts: "
               f"{', '.join(map(str, valid))}; all-reduce: {', '.join(s.allreduce)}")
@@ -83,5 +105,6 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str) -> tuple[list[
 
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
-    results = launch(_study_rank, s, args.micro_batches, nprocs=args.nprocs)
+    pp_filter(args.pp)  # bad values fail before any rank starts
+    results = launch(_study_rank, s, args.micro_batches, args.pp, nprocs=args.nprocs)
     return report_from_rank0("study", s, results, args)

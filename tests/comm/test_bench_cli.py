@@ -199,3 +199,23 @@ def test_bench_allreduce_help_lists_nccl_tests_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("-b", "-e", "-f", "-n", "-w", "--json", "--nprocs", "--ranks-per-node", "--algos", "--dtype"):
         assert flag in out
+
+
+@pytest.mark.parametrize("flags", [["--rounds", "0"], ["--rounds", "4", "-n", "3"]])
+def test_bad_rounds_fail_before_spawning(monkeypatch, flags):
+    monkeypatch.setattr(bench, "launch", _no_spawn)
+    with pytest.raises(SystemExit, match=r"--rounds \d+: must be between 1 and --iters"):
+        main(["bench", "allreduce", "--nprocs", "2", *flags])
+
+
+def test_rounds_pool_every_sample_into_one_row_per_algorithm(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["bench", "allreduce", "--nprocs", "2", "-b", "8", "-e", "32", "-f", "4", "-n", "5", "-w", "1",
+                 "--rounds", "2", "--algos", "gloo,ref_ring", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rounds"] == 2
+    rows = doc["rows"]
+    assert [(r["size"], r["algo"]) for r in rows] == [(8, "gloo"), (8, "ref_ring"), (32, "gloo"), (32, "ref_ring")]
+    for r in rows:  # 5 samples split 3 + 2 over the rounds, pooled; the row's median is theirs
+        assert r["rounds"] == 2 and len(r["samples_us"]) == 5 and r["wrong"] == 0
+        assert r["time_us"] == pytest.approx(sorted(r["samples_us"])[2])

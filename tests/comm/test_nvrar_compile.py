@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from spanllm.comm.nvrar import LaunchParams, NvrarAllReduce, elements_per_cell, inter_rounds, workspace_layout
-from spanllm.comm.nvrar_compile import _canonical, _host_share, launches_for_sizes, nvrar_members, precompile, specialisations
+from spanllm.comm.nvrar_compile import (_canonical, _host_share, launches_for_sizes, marker_name, not_yet_compiled, nvrar_members,
+                                        precompile, specialisations)
 from spanllm.comm.topology import Topology
 
 
@@ -18,6 +19,7 @@ def stub_comm(rank: int, topo: Topology, max_bytes: int = 1 << 20, launch=None) 
     only read these fields)."""
     c = object.__new__(NvrarAllReduce)
     c.topology, c.rank, c.timeout_s, c.tuning, c.fixed_launch = topo, rank, 30.0, None, launch
+    c.group = None
     c._max_bytes, c.one_shot_max_bytes, c.trace_enabled = max_bytes, max_bytes, False
     c.rounds = inter_rounds(rank, topo)
     c.layout = workspace_layout(topo, len(c.rounds), max_bytes, max_bytes)
@@ -110,3 +112,30 @@ def test_precompile_needs_jobs_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SPANLLM_NVRAR_PRECOMPILE", "0")
     out = precompile([(stub_comm(0, Topology(2, 2)), [(LaunchParams(), torch.bfloat16)])])
     assert "SPANLLM_NVRAR_PRECOMPILE=0" in out["skipped"]
+
+
+def test_done_markers_skip_what_was_compiled(tmp_path):
+    c = stub_comm(0, Topology(2, 2))
+    specs = specialisations(c, [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=1024, num_warps=8),
+                                                                             torch.bfloat16)])
+    assert not_yet_compiled(specs, "fp1", tmp_path) == specs
+    (tmp_path / marker_name(specs[0], "fp1")).touch()
+    assert not_yet_compiled(specs, "fp1", tmp_path) == specs[1:]
+    # another kernel source / Triton / NVSHMEM library: nothing counts as compiled
+    assert not_yet_compiled(specs, "fp2", tmp_path) == specs
+    assert marker_name(specs[0], "fp1") != marker_name(specs[1], "fp1")
+
+
+def test_precompile_starts_no_workers_when_everything_is_compiled(tmp_path, monkeypatch):
+    import spanllm.comm.nvrar_compile as nc
+
+    c = stub_comm(0, Topology(2, 2))
+    pairs = [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=256), torch.int32)]
+    monkeypatch.setattr(nc, "kernel_fingerprint", lambda: "fp")
+    monkeypatch.setattr(nc, "marker_dir", lambda: tmp_path)
+    for s in specialisations(c, pairs):
+        (tmp_path / marker_name(s, "fp")).touch()
+    monkeypatch.setattr(nc, "ProcessPoolExecutor", None)  # would raise if a pool were started
+    out = precompile([(c, pairs)])
+    assert out["specialisations"] == out["already_compiled"] == 2
+    assert out["compiled_here"] == out["workers"] == 0 and "error" not in out

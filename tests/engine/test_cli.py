@@ -71,6 +71,25 @@ def test_bench_study_runs_every_layout(tmp_path):
     assert all(ROW_KEYS <= set(r) for r in rows)
 
 
+def test_bench_study_pp_filter_tops_up_pipelined_rows(tmp_path):
+    js = tmp_path / "study.json"
+    assert main(["bench", "study", "--model", "tiny", "--nprocs", "2", "--batch-sizes", "2", "--prompt-len", "8",
+                 "--decode-len", "4", "--allreduce", "gloo", "--iters", "1", "--warmup", "0", "--no-breakdown",
+                 "--pp", "2", "--micro-batches", "2", "--json", str(js)]) == 0
+    doc = _load(js)
+    assert [(r["tp"], r["pp"], r["micro_batches"]) for r in doc["rows"]] == [(1, 2, 2)]
+    assert any("not asked for (--pp 2)" in line for line in doc["skipped"])
+
+
+@pytest.mark.parametrize("spec", ["two", "0", ","])
+def test_bench_study_bad_pp_fails_before_any_rank_starts(monkeypatch, spec):
+    import spanllm.bench.study as study
+
+    monkeypatch.setattr(study, "launch", lambda *a, **k: pytest.fail("ranks started for a bad --pp"))
+    with pytest.raises(SystemExit, match="--pp"):
+        main(["bench", "study", "--model", "tiny", "--nprocs", "2", "--pp", spec])
+
+
 def test_bad_model_fails_before_any_rank_starts(monkeypatch):
     import spanllm.bench.study as study
 
