@@ -6,7 +6,8 @@
 #
 # Stages: env conformance timeout phases pytest tune bench smoke engine engine70b compiled study.
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
-# ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune);
+# ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); COMPILED_MODELS,
+# COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward);
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
 # micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
 # BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
@@ -125,8 +126,9 @@ for stage in "${STAGES[@]}"; do
       for model in ${COMPILED_MODELS:-llama3.1-8b llama3.1-70b}; do
         log "bench batch $model decode-heavy --compile-decode"
         timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$model" --workload decode-heavy \
-          --batch-sizes "${COMPILED_BATCHES:-1,8}" --iters 1 --no-breakdown --compile-decode --allreduce nccl,nvrar \
-          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled.json" || rc=1
+          --batch-sizes "${COMPILED_BATCHES:-1,8}" --iters 1 --no-breakdown --compile-decode \
+          --compile-scope "${COMPILE_SCOPE:-layer}" --allreduce nccl,nvrar \
+          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled_${COMPILE_SCOPE:-layer}.json" || rc=1
       done
       ;;
     engine70b)

@@ -64,6 +64,7 @@ class BenchSettings:
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
     compile_decode: bool = False  # torch.compile the decode forward (EngineConfig.compile_decode)
     compile_backend: str = "inductor"
+    compile_scope: str = "layer"  # EngineConfig.compile_scope
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
 
@@ -129,7 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
                          breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None),
                          compile_decode=getattr(args, "compile_decode", False),
-                         compile_backend=getattr(args, "compile_backend", "inductor"), json=args.json)
+                         compile_backend=getattr(args, "compile_backend", "inductor"),
+                         compile_scope=getattr(args, "compile_scope", "layer"), json=args.json)
 
 
 def partial_path(json_path: str) -> str:
@@ -159,7 +161,7 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batc
     engine = EngineConfig(max_batch_size=max(s.batch_sizes), max_seq_len=s.prompt_len + s.decode_len,
                           dtype=resolve_dtype(s.dtype, ctx.device), cuda_graphs=s.cuda_graphs,
                           micro_batches=micro_batches, seed=s.seed, compile_decode=s.compile_decode,
-                          compile_backend=s.compile_backend)
+                          compile_backend=s.compile_backend, compile_scope=s.compile_scope)
     tuning = None
     if s.tuning:
         from spanllm.comm.tuning import TuningTable
@@ -243,7 +245,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "breakdown_steps": breakdown_steps, "breakdown_steps_covered": covered_steps,
         "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
-        "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
+        "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None,
+        "compile_scope": llm.engine.compile_scope if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
 
 

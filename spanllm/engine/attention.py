@@ -31,6 +31,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, kv_len] additive (0 / -inf, model dtype), decode only
     kv_len: int = 0  # cache positions decode attends over (max_seq_len inside a CUDA graph)
     rows: torch.Tensor | None = None  # [B] arange, decode only (built once per forward, not per layer)
+    compiled: bool = False  # decode through each layer's compiled block (EngineConfig.compile_scope="layer")
 
 
 class Attention(nn.Module):

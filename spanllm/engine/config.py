@@ -206,6 +206,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+COMPILE_SCOPES = ("layer", "forward")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: batch and sequence limits, dtype, CUDA graphs, timers, sampling seed."""
@@ -228,8 +231,13 @@ class EngineConfig:
     # then goes through the opaque custom op torch.ops.spanllm.all_reduce_. One compile per decode bucket
     # shape (batch size, first cache slot, input kind); the warm-up before each graph capture compiles.
     # compile_backend: "inductor" (fuses the small kernels), or "aot_eager" (tracing only; CPU tests).
+    # compile_scope: "layer" compiles one decoder layer's compute (every layer then runs the same compiled
+    # code with its own weights and cache: one compile per bucket whatever the depth; embedding, final norm
+    # and LM head stay eager inside the CUDA graph), "forward" the whole decode forward (fusion across layer
+    # boundaries too, but the compile grows with the depth: 80 layers of 70B).
     compile_decode: bool = False
     compile_backend: str = "inductor"
+    compile_scope: str = "layer"
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -240,6 +248,8 @@ class EngineConfig:
             raise ValueError(f"micro_batches={self.micro_batches} must be >= 1")
         if self.eos_check_interval < 1:
             raise ValueError(f"eos_check_interval={self.eos_check_interval} must be >= 1")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope={self.compile_scope!r} must be one of {COMPILE_SCOPES}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend={self.compile_backend!r} must be a torch.compile backend name "
                              "(inductor, aot_eager, eager)")

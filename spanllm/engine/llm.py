@@ -189,7 +189,8 @@ class LLM:
         return (f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
                 f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
                 f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
-                + (f" | compiled decode ({self.engine.compile_backend})" if self.engine.compile_decode else ""))
+                + (f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
+                   if self.engine.compile_decode else ""))
 
     # --- generation -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,

@@ -53,8 +53,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp)
         self.mlp = LlamaMLP(cfg, tp)
 
+        self.compiled_block = None  # set by ModelRunner for compile_scope="layer" (see block)
+
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         cache = kv_cache.layer(self.layer_id, meta.slot_start, h.shape[0])
+        if meta.compiled and self.compiled_block is not None:
+            return self.compiled_block(h, meta, cache)
+        return self.block(h, meta, cache)
+
+    def block(self, h: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The layer's compute on its cache views. Nothing here depends on which layer this is (the cache
+        views come in as arguments, the weights are the module's), so torch.compile of this method compiles
+        once for every layer of the model: parameters are graph inputs, not constants."""
         h = h + self.self_attn(self.input_layernorm(h), meta, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

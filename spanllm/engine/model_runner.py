@@ -20,9 +20,12 @@ tensor, so one graph serves every step. The communicator's all-reduce (and the e
 all-reduce and the logits all-gather) are captured with the rest: they must be graph-capturable
 (NCCL collectives on the current stream are).
 
-`EngineConfig.compile_decode`: the decode forward (rope lookup and mask -> embedding -> layers -> final norm
--> LM head; sampling and the step bookkeeping stay eager, still inside the graph) runs through
-`torch.compile(dynamic=False)` in the default mode; the CUDA graph stays ours (never "reduce-overhead").
+`EngineConfig.compile_decode`: decode runs through `torch.compile(dynamic=False)` in the default mode; the
+CUDA graph stays ours (never "reduce-overhead"). `compile_scope="layer"` (default) compiles one decoder
+layer's compute, which every layer then runs (weights and cache views are its inputs): one compile per
+bucket at any depth. `compile_scope="forward"` compiles the whole decode forward (rope lookup and mask ->
+embedding -> layers -> final norm -> LM head); sampling and the step bookkeeping stay eager, still inside
+the graph, in both.
 The compiled forward always attends over max_seq_len (as a graph does), so one compile serves every step
 of a bucket; dynamic=False specializes on the rest: one compile per (batch size, first cache slot, ids or
 hidden input), i.e. one per captured bucket, and the graph capture's warm-up runs trigger it outside the
@@ -95,10 +98,17 @@ class ModelRunner:
         self._mask_open = torch.zeros((), dtype=engine.dtype, device=device)
         self._mask_shut = torch.full((), float("-inf"), dtype=engine.dtype, device=device)
         self._compiled_forward = None
+        self._compiled_layers = False
         if engine.compile_decode:
             _raise_recompile_limit(engine.max_batch_size)
-            self._compiled_forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
-                                                   backend=engine.compile_backend)
+            if engine.compile_scope == "forward":
+                self._compiled_forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
+                                                       backend=engine.compile_backend)
+            else:  # "layer": one compiled block shared by every layer (LlamaDecoderLayer.block)
+                for layer in self.model.model.layers.values():
+                    layer.compiled_block = torch.compile(layer.block, dynamic=False, fullgraph=False,
+                                                         backend=engine.compile_backend)
+                self._compiled_layers = True
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -151,23 +161,26 @@ class ModelRunner:
     @property
     def compiled_decode(self) -> bool:
         """Decode runs the torch.compile'd forward (compile_decode, and the per-op timers are off)."""
-        return self._compiled_forward is not None and not self.model.tp.timers.enabled
+        return (self._compiled_forward is not None or self._compiled_layers) and not self.model.tp.timers.enabled
 
     def _decode_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
         if self.compiled_decode:
             # Always the whole cache length under the mask (as inside a graph): a per-step kv_len would be a
             # new static shape, hence a recompile, every step of eager (CPU) decode.
-            return self._compiled_forward(x, positions, slot_start, self.engine.max_seq_len)
+            if self._compiled_forward is not None:
+                return self._compiled_forward(x, positions, slot_start, self.engine.max_seq_len)
+            return self._eager_forward(x, positions, slot_start, self.engine.max_seq_len, compiled_layers=True)
         return self._eager_forward(x, positions, slot_start, kv_len)
 
-    def _eager_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
+    def _eager_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int,
+                       compiled_layers: bool = False) -> torch.Tensor:
         pos = positions[:, None]  # [B, 1]
         cos, sin = self.rope.lookup(pos)
         allowed = self._keys[None, :kv_len] <= pos  # [B, kv_len]
         mask = torch.where(allowed, self._mask_open, self._mask_shut)[:, None, None, :]  # [B, 1, 1, kv_len] additive
         b = x.shape[0]
         rows = self._keys[:b] if b <= self._keys.shape[0] else torch.arange(b, device=self.device)
-        meta = AttentionMetadata(False, slot_start, pos, cos, sin, mask, kv_len, rows)
+        meta = AttentionMetadata(False, slot_start, pos, cos, sin, mask, kv_len, rows, compiled=compiled_layers)
         return self.model(x, meta, self.kv_cache)
 
     def _capture(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int) -> _DecodeGraph:

@@ -33,7 +33,7 @@ def test_compile_decode_off_by_default():
 def test_compiled_decode_tp1_equals_eager_and_transformers(hf_checkpoint, hf_reference):
     single, _, _ = hf_checkpoint
     llm = LLM(single, engine_config(compile_decode=True, compile_backend="aot_eager"))
-    assert llm.runner.compiled_decode and "compiled decode (aot_eager)" in llm.describe()
+    assert llm.runner.compiled_decode and "compiled decode (aot_eager, layer)" in llm.describe()
     out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.token_ids == hf_reference[0]
     # Longer runs on the tiny preset: tokens equal eager decode, whole batch and micro-batched buckets.
@@ -43,6 +43,33 @@ def test_compiled_decode_tp1_equals_eager_and_transformers(hf_checkpoint, hf_ref
         out = _generate(comp, micro_batches=mb)
         assert out.token_ids == ref.token_ids
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
+
+
+def test_compile_scope_layer_compiles_one_layer_for_all():
+    """compile_scope="layer": one graph of one layer's ops serves all 4 layers of the tiny model (weights and
+    cache views are inputs; nothing is specialised per layer), so the compile does not grow with depth.
+    "forward": one graph holding every layer. Both give eager decode's tokens and logits."""
+    from torch._dynamo.utils import counters
+
+    ref = _generate(LLM("tiny", engine_config(max_seq_len=128)))
+    captured = {}
+    for scope in ("layer", "forward"):
+        torch._dynamo.reset()
+        counters.clear()
+        llm = LLM("tiny", engine_config(max_seq_len=128, compile_decode=True, compile_backend="aot_eager",
+                                        compile_scope=scope))
+        out = _generate(llm)
+        assert out.token_ids == ref.token_ids, scope
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
+        assert counters["stats"]["unique_graphs"] == 1, scope  # one bucket (batch 3 at slot 0): one compile
+        captured[scope] = counters["stats"]["calls_captured"]
+    # the whole forward holds the ops of all 4 layers (plus embedding, mask, norm, head); a layer graph one's
+    assert captured["forward"] > 4 * captured["layer"] > 0
+
+
+def test_compile_scope_validation():
+    with pytest.raises(ValueError, match="compile_scope='model' must be one of"):
+        engine_config(compile_scope="model")
 
 
 def test_breakdown_timers_use_the_eager_forward():
@@ -87,7 +114,7 @@ def test_cli_compile_decode_flags(hf_checkpoint, hf_reference, tmp_path, capsys)
         argv += ["--prompt-ids", ",".join(map(str, p))]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "compiled decode (aot_eager)" in out
+    assert "compiled decode (aot_eager, layer)" in out
     for i, toks in enumerate(hf_reference[0]):
         assert f"[{i}] generated ids: {','.join(map(str, toks))}" in out
 
@@ -97,4 +124,4 @@ def test_cli_compile_decode_flags(hf_checkpoint, hf_reference, tmp_path, capsys)
                  "--compile-backend", "aot_eager", "--json", str(js)]) == 0
     with open(js) as f:
         (row,) = json.load(f)["rows"]
-    assert row["compile_decode"] is True and row["compile_backend"] == "aot_eager"
+    assert row["compile_decode"] is True and row["compile_backend"] == "aot_eager" and row["compile_scope"] == "layer"

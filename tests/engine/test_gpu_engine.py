@@ -68,9 +68,10 @@ def test_whole_step_graph_sampling_and_stops_bf16(hf_checkpoint):
         assert outs[0].token_ids == outs[1].token_ids and outs[0].decode_steps == outs[1].decode_steps
 
 
-def test_compiled_decode_in_cuda_graph_matches_transformers_fp32(hf_checkpoint, hf_reference):
+@pytest.mark.parametrize("scope", ["layer", "forward"])
+def test_compiled_decode_in_cuda_graph_matches_transformers_fp32(hf_checkpoint, hf_reference, scope):
     """compile_decode (inductor) inside our own CUDA graph: compiled in the warm-up, captured, replayed."""
-    llm = LLM(hf_checkpoint[0], engine_config(compile_decode=True), device=torch.device("cuda", 0))
+    llm = LLM(hf_checkpoint[0], engine_config(compile_decode=True, compile_scope=scope), device=torch.device("cuda", 0))
     assert llm.cuda_graphs and llm.runner.compiled_decode
     res = generate(llm, PROMPTS, NEW_TOKENS)
     assert res["tokens"] == hf_reference[0]
