@@ -87,8 +87,8 @@ def precompile_sizes(comms, sizes, dtypes, workers: int | None = None) -> dict |
 
 
 # Done-markers: a worker that compiled a specialisation leaves an empty file named by a hash of what Triton's
-# cache key depends on (Triton's version, the kernel source and everything it calls, the NVSHMEM device
-# library, the specialisation). A later process on the host skips those specs without starting workers
+# cache key depends on (Triton's version, the GPU architecture, the kernel source and everything it calls,
+# the NVSHMEM device library, the specialisation). A later process on the host skips those specs without starting workers
 # (~10-15 s per process for a pool that would only find cache hits). A marker whose cubin has since left
 # Triton's cache costs only an inline compile at the first call, as without this module.
 MARKER_DIR_NAME = "spanllm_nvrar_compiled"
@@ -107,7 +107,8 @@ def kernel_fingerprint() -> str:
     from spanllm.comm import nvrar_kernel
 
     k = nvrar_kernel.nvrar_kernel
-    return f"{triton.__version__}|{k.jit_func.cache_key}|{sorted(k.extern_libs.items())}"
+    arch = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return f"{triton.__version__}|{arch}|{k.jit_func.cache_key}|{sorted(k.extern_libs.items())}"
 
 
 def marker_name(spec: tuple, fingerprint: str) -> str:
@@ -180,6 +181,9 @@ def precompile(jobs, workers: int | None = None) -> dict:
             error = f"{type(e).__name__}: {e}"
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)  # the host's cache is complete before anyone launches
-    return {**({"error": f"{error} (these kernels compile at their first call instead)"} if error else {}),"specialisations": len(specs), "already_compiled": len(specs) - len(todo), "compiled_here": len(share),
-            "workers": workers if share else 0, "host_ranks": host_ranks,
-            "compile_s_max": round(max(compile_s, default=0.0), 2), "seconds": round(time.perf_counter() - t0, 2)}
+    out = {"specialisations": len(specs), "already_compiled": len(specs) - len(todo), "compiled_here": len(share),
+           "workers": workers if share else 0, "host_ranks": host_ranks,
+           "compile_s_max": round(max(compile_s, default=0.0), 2), "seconds": round(time.perf_counter() - t0, 2)}
+    if error:
+        out["error"] = f"{error} (these kernels compile at their first call instead)"
+    return out
