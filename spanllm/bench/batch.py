@@ -203,8 +203,10 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         try:
             # An untimed eager pass first: the first eager steps of a process pay one-time costs (kernel
             # selection, allocator growth) that hold the host back long enough to leave no step covered
-            # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered).
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True), micro_batches=mb)
+            # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered). Short
+            # prompts: its prefill is not what it warms up (a 2048-token 70B prefill at batch 64 takes 18 s).
+            llm.generate([p[:8] for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True),
+                         micro_batches=mb)
             out = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=breakdown_steps + 1,
                                                        ignore_eos=True), micro_batches=mb)
         finally:

@@ -9,7 +9,7 @@ cores idled.
 `precompile([(comm, pairs), ...])` compiles what a run will need up front (`launches_for_sizes` lists
 the (launch, dtype) pairs a communicator picks for given message sizes; `precompile_sizes` does both for
 any communicators, auto's nvrar backend included). SPANLLM_NVRAR_PRECOMPILE=0 turns it off. The ranks of one host
-(found by hostname) split the union of their specialisations; each rank compiles its share in spawned
+that share a Triton cache directory (pinned: `pin_cache_dir`) split the union of their specialisations; each rank compiles its share in spawned
 worker processes (`Triton`'s `warmup`, from the very arguments `NvrarAllReduce.kernel_arguments`
 builds for a real launch, tensors replaced by their dtypes). The workers fill Triton's on-disk cache;
 the rank's own first launch then finds the cubin there and only loads it, and Triton's post-compile
@@ -97,18 +97,25 @@ MARKER_DIR_NAME = "spanllm_nvrar_compiled"
 def marker_dir() -> Path:
     import triton
 
-    return Path(triton.knobs.cache.dir) / MARKER_DIR_NAME
+    return Path(triton.knobs.cache.dir) / MARKER_DIR_NAME  # inside the (pinned) cache the markers describe
 
 
 def kernel_fingerprint() -> str:
-    """What, besides a specialisation, decides the compiled kernel (GPU machine only: imports the kernel)."""
+    """What, besides a specialisation, goes into Triton's cache key for this kernel: Triton itself
+    (`triton_key`), the GPU architecture, the cache-invalidating TRITON_* variables, the kernel source and
+    everything it calls, and the NVSHMEM device library (path, size, mtime). GPU machine only."""
     import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.runtime.cache import triton_key
 
     from spanllm.comm import nvrar_kernel
 
     k = nvrar_kernel.nvrar_kernel
     arch = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return f"{triton.__version__}|{arch}|{k.jit_func.cache_key}|{sorted(k.extern_libs.items())}"
+    libs = [(name, path, *(os.stat(path)[6:9:2] if os.path.exists(path) else ())) for name, path in
+            sorted(k.extern_libs.items())]  # (name, path, size, mtime)
+    env = sorted(get_cache_invalidating_env_vars().items())
+    return f"{triton.__version__}|{triton_key()}|{arch}|{env}|{k.jit_func.cache_key}|{libs}"
 
 
 def marker_name(spec: tuple, fingerprint: str) -> str:
@@ -136,19 +143,58 @@ def _compile_one(spec, fingerprint: str = "", directory: str = "") -> float:
     return time.perf_counter() - t0
 
 
-def _host_share(group, specs: list[tuple]) -> tuple[list[tuple], int, int]:
-    """(this rank's share of its host's specialisations, its index among the host's ranks, host ranks)."""
+def pin_cache_dir() -> str:
+    """Fix TRITON_CACHE_DIR to the directory Triton uses now, for this process and the workers it spawns.
+    The workers' compiles must land where this rank's first launch looks, and that can move: the first
+    inductor kernel of a process (a compiled decode) points TRITON_CACHE_DIR at a per-device directory
+    under /tmp/torchinductor_$USER unless it is already set."""
+    import triton
+
+    d = os.path.realpath(triton.knobs.cache.dir)
+    os.environ.setdefault("TRITON_CACHE_DIR", d)
+    return os.path.realpath(os.environ["TRITON_CACHE_DIR"])
+
+
+def _host_share(group, specs: list[tuple], cache_dir: str = "") -> tuple[list[tuple], int, int]:
+    """(this rank's share of the specialisations of the ranks that share its host and Triton cache
+    directory, its index among them, their number)."""
     if not (dist.is_available() and dist.is_initialized()):
         return specs, 0, 1
     world = dist.get_world_size(group)
-    mine = (socket.gethostname(), specs)
+    place = (socket.gethostname(), cache_dir)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
-    host = socket.gethostname()
-    host_ranks = [r for r, (h, _) in enumerate(gathered) if h == host]
-    union = sorted({s for h, ss in gathered if h == host for s in ss}, key=repr)
-    idx = host_ranks.index(dist.get_rank(group))
-    return union[idx::len(host_ranks)], idx, len(host_ranks)
+    dist.all_gather_object(gathered, (place, specs), group=group)
+    peers = [r for r, (pl, _) in enumerate(gathered) if pl == place]
+    union = sorted({s for pl, ss in gathered if pl == place for s in ss}, key=repr)
+    idx = peers.index(dist.get_rank(group))
+    return union[idx::len(peers)], idx, len(peers)
+
+
+PRECOMPILE_TIMEOUT_S = 600.0  # a worker pool that has not finished by then is stopped (an error, reported)
+
+
+def _run_pool(share: list[tuple], workers: int, fingerprint: str, directory: Path,
+              compile_one=None) -> tuple[list[float], str | None]:
+    """Compile `share` in `workers` spawned processes; (seconds per spec, error or None). Never hangs: past
+    PRECOMPILE_TIMEOUT_S the workers are killed and the rest compiles at its first call."""
+    from concurrent.futures import wait
+
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    try:
+        futures = [pool.submit(compile_one or _compile_one, s, fingerprint, str(directory)) for s in share]
+        done, pending = wait(futures, timeout=PRECOMPILE_TIMEOUT_S)
+        if pending:
+            for proc in list(getattr(pool, "_processes", {}).values()):  # no public way to stop a stuck worker
+                proc.kill()
+            return ([f.result() for f in done if f.exception() is None],
+                    f"{len(pending)} of {len(share)} compiles unfinished after {PRECOMPILE_TIMEOUT_S:.0f} s")
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            return [f.result() for f in futures if f.exception() is None], f"{type(errors[0]).__name__}: {errors[0]}"
+        return [f.result() for f in futures], None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def precompile(jobs, workers: int | None = None) -> dict:
@@ -162,21 +208,20 @@ def precompile(jobs, workers: int | None = None) -> dict:
     if os.environ.get("SPANLLM_NVRAR_PRECOMPILE", "1") == "0":
         return {"skipped": "SPANLLM_NVRAR_PRECOMPILE=0: kernels compile at their first call"}
     specs = sorted({s for comm, pairs in jobs for s in specialisations(comm, pairs)}, key=repr)
+    cache_dir = pin_cache_dir()
     fingerprint, directory = kernel_fingerprint(), marker_dir()
     todo = not_yet_compiled(specs, fingerprint, directory)  # every rank lists before any compile starts
     group = jobs[0][0].group
-    share, idx, host_ranks = _host_share(group, todo)
+    share, idx, host_ranks = _host_share(group, todo, cache_dir)
     if workers is None:
-        workers = max(1, (os.cpu_count() or 2) // host_ranks)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        workers = max(1, cores // host_ranks)
     workers = max(1, min(workers, len(share)))
     compile_s: list[float] = []
     error = None
     if share:
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
         try:
-            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-                compile_s = list(pool.map(_compile_one, share, [fingerprint] * len(share),
-                                          [str(directory)] * len(share)))
+            compile_s, error = _run_pool(share, workers, fingerprint, directory)
         except Exception as e:  # reported, not hidden: the kernels then compile at their first call
             error = f"{type(e).__name__}: {e}"
     if dist.is_available() and dist.is_initialized():

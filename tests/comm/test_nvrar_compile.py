@@ -129,6 +129,8 @@ def test_done_markers_skip_what_was_compiled(tmp_path):
 def test_precompile_starts_no_workers_when_everything_is_compiled(tmp_path, monkeypatch):
     import spanllm.comm.nvrar_compile as nc
 
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)  # precompile pins it; restored after the test
+
     c = stub_comm(0, Topology(2, 2))
     pairs = [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=256), torch.int32)]
     monkeypatch.setattr(nc, "kernel_fingerprint", lambda: "fp")
@@ -139,3 +141,37 @@ def test_precompile_starts_no_workers_when_everything_is_compiled(tmp_path, monk
     out = precompile([(c, pairs)])
     assert out["specialisations"] == out["already_compiled"] == 2
     assert out["compiled_here"] == out["workers"] == 0 and "error" not in out
+
+
+def _stuck(spec, fingerprint, directory):  # a worker that never finishes (spawned: must be importable)
+    import time
+
+    time.sleep(3600)
+
+
+def _quick(spec, fingerprint, directory):
+    if spec == ("bad",):
+        raise RuntimeError("no NVSHMEM device library here")
+    return 0.25
+
+
+def test_worker_pool_reports_failures_and_never_hangs(tmp_path, monkeypatch):
+    import spanllm.comm.nvrar_compile as nc
+
+    times, err = nc._run_pool([("a",), ("b",)], 2, "fp", tmp_path, compile_one=_quick)
+    assert times == [0.25, 0.25] and err is None
+    times, err = nc._run_pool([("a",), ("bad",)], 2, "fp", tmp_path, compile_one=_quick)
+    assert times == [0.25] and err == "RuntimeError: no NVSHMEM device library here"
+    monkeypatch.setattr(nc, "PRECOMPILE_TIMEOUT_S", 3.0)
+    times, err = nc._run_pool([("a",)], 1, "fp", tmp_path, compile_one=_stuck)
+    assert times == [] and err == "1 of 1 compiles unfinished after 3 s"
+
+
+def test_pin_cache_dir_keeps_a_set_directory(tmp_path, monkeypatch):
+    import spanllm.comm.nvrar_compile as nc
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert nc.pin_cache_dir() == str(tmp_path.resolve())
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    pinned = nc.pin_cache_dir()  # unset: Triton's current default becomes explicit
+    assert __import__("os").environ["TRITON_CACHE_DIR"] == pinned
