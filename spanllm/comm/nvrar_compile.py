@@ -148,10 +148,10 @@ def pin_cache_dir() -> str:
     The workers' compiles must land where this rank's first launch looks, and that can move: the first
     inductor kernel of a process (a compiled decode) points TRITON_CACHE_DIR at a per-device directory
     under /tmp/torchinductor_$USER unless it is already set."""
-    import triton
+    if "TRITON_CACHE_DIR" not in os.environ:
+        import triton
 
-    d = os.path.realpath(triton.knobs.cache.dir)
-    os.environ.setdefault("TRITON_CACHE_DIR", d)
+        os.environ["TRITON_CACHE_DIR"] = os.path.realpath(triton.knobs.cache.dir)
     return os.path.realpath(os.environ["TRITON_CACHE_DIR"])
 
 
