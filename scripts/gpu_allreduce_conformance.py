@@ -81,7 +81,8 @@ def main() -> int:
         mixed_launches += [LaunchParams(one_shot=True, protocol="simple", block=256, num_blocks=4),
                            LaunchParams(one_shot=True, protocol="ll8", block=256, num_blocks=4)]
     # Compile every kernel the cases below launch first, in parallel (otherwise one at a time, inline).
-    case_sizes = lengths + [itemmax // 4, itemmax // 2, 300_001, 4099, 65_536, 12_289, 12_290, 1 << 20, 8192, 100_003]
+    lens = lengths + [itemmax // 4, itemmax // 2]  # the buffer maximum for 4- and 2-byte dtypes
+    case_sizes = lens + [300_001, 4099, 65_536, 12_289, 12_290, 1 << 20, 8192, 100_003]
     jobs = [(c, launches_for_sizes(c, case_sizes, dtypes)) for k, c in comms.items() if k.startswith("nvrar")]
     jobs.append((comms["nvrar:default"], {(lp, dt) for lp in mixed_launches for dt in (torch.bfloat16, torch.int32)}))
     pre = precompile(jobs)
@@ -89,7 +90,6 @@ def main() -> int:
         print(f"[precompile] {pre}", flush=True)
     for key, comm in comms.items():
         t0 = time.time()
-        lens = lengths + [itemmax // 4, itemmax // 2]  # the buffer maximum for 4- and 2-byte dtypes
         res = C.case_lengths(comm, lens, dtypes if key.startswith("nvrar") else [torch.float32, torch.bfloat16], dev)
         res += [r for r in (C.case_bitwise_identical(comm, 300_001, torch.bfloat16, dev),
                             C.case_bitwise_identical(comm, 4099, torch.float32, dev)) if r is not None]
@@ -112,10 +112,9 @@ def main() -> int:
             print(f"[{key}] {len(res)} cases, {bad} wrong, {time.time() - t0:.1f}s", flush=True)
             write(args.out, topo, ctx, t_start, results, complete=False, precompiled=pre)
     mixed = comms["nvrar:default"]  # the alternating launches (defined above) on one communicator
-    launches = mixed_launches
     wrong = torch.zeros((), dtype=torch.int64, device=dev)
     for k in range(400):
-        mixed.fixed_launch = launches[k % len(launches)]
+        mixed.fixed_launch = mixed_launches[k % len(mixed_launches)]
         n = (4099, 65_536, 300_001)[k % 3]
         x = C.pattern(n, ctx.rank, torch.int32 if k % 2 else torch.bfloat16, dev, salt=k % 7)
         mixed.all_reduce_(x)
@@ -123,7 +122,7 @@ def main() -> int:
     mixed.fixed_launch = None
     mixed.synchronize()
     results.append({"case": "alternating_protocols", "algorithm": "nvrar", "wrong": int(wrong), "comm": "nvrar:default",
-                    "detail": {"calls": 400, "launches": [p.short() for p in launches]}})
+                    "detail": {"calls": 400, "launches": [p.short() for p in mixed_launches]}})
     if ctx.rank == 0:
         print(f"[nvrar alternating protocols] 400 calls, {int(wrong)} wrong", flush=True)
         write(args.out, topo, ctx, t_start, results, complete=True, precompiled=pre)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from spanllm.bench.report import versions
 from spanllm.comm import Topology, registry
+from spanllm.comm.nvrar_compile import precompile_sizes
 from spanllm.comm.nvrar_trace import summarize
 from spanllm.comm.tuning import TuningTable
 from spanllm.launch import init_from_launcher
@@ -40,7 +41,7 @@ def main() -> int:
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     tuning = TuningTable.load(args.tuning) if args.tuning else None
     comm = registry.create("nvrar", topology=topo, max_bytes=max(SIZES), tuning=tuning, trace=True, device=ctx.device)
-    pre = comm.precompile([torch.bfloat16], sizes=[n // 2 for n in SIZES])
+    pre = precompile_sizes([comm], [n // 2 for n in SIZES], [torch.bfloat16])
     if ctx.rank == 0:
         print(f"nvrar kernels precompiled: {pre}", flush=True)
     rows = []

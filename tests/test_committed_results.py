@@ -4,6 +4,7 @@ short -- a missing case, a wrong element, an error that names no peer -- fails o
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "h200x2"
 
 
+@functools.cache
 def _checkers():
     spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "tests" / "test_gpu.py")
     mod = importlib.util.module_from_spec(spec)

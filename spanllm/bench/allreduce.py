@@ -18,6 +18,7 @@ from spanllm.bench.report import algbw_GBps, allreduce_busbw_GBps, write_json
 from spanllm.bench.timing import Timing, time_calls
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
+from spanllm.comm.nvrar_compile import precompile_sizes
 from spanllm.launch import DistContext, finish, launch
 
 
@@ -127,7 +128,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     if graph and ctx.device.type != "cuda":
         raise SystemExit("--graph needs GPUs (CUDA graphs); drop it on CPU")
     K = args.calls_per_sample or (20 if ctx.device.type == "cuda" else 1)
-    rounds = getattr(args, "rounds", 1)
+    rounds = args.rounds
     check_rounds(rounds, args.iters)
     names = args.algos.split(",") if args.algos else registry.algorithms_for_device(ctx.device.type)
     sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
@@ -142,12 +143,10 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                 print(f"# {name} skipped on topology {topo}: {reason}")
             continue
         comms[name] = registry.create(name, topology=topo, **opts)
-    if ctx.device.type == "cuda":  # nvrar's kernels for every size, compiled in parallel before timing starts
-        from spanllm.comm.nvrar_compile import precompile_sizes
-
-        pre = precompile_sizes(comms.values(), [max(1, s // itemsize) for s in sizes], [dtype])
-        if main and pre is not None:
-            print(f"# nvrar kernels precompiled: {pre}")
+    # nvrar's kernels for every size, compiled in parallel before timing starts (None: no nvrar here)
+    pre = precompile_sizes(comms.values(), [max(1, s // itemsize) for s in sizes], [dtype])
+    if main and pre is not None:
+        print(f"# nvrar kernels precompiled: {pre}")
     if main:
         print(f"# spanllm bench allreduce: {ctx.world_size} ranks as {topo.num_nodes} node(s) x {topo.ranks_per_node}, "
               f"backend {ctx.backend}, dtype {DTYPE_NAMES[dtype]}, {'CUDA graph' if graph else 'eager'}, "

@@ -128,10 +128,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
                          breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
-                         breakdown_steps=args.breakdown_steps, tuning=getattr(args, "tuning", None),
-                         compile_decode=getattr(args, "compile_decode", False),
-                         compile_backend=getattr(args, "compile_backend", "inductor"),
-                         compile_scope=getattr(args, "compile_scope", "layer"), json=args.json)
+                         breakdown_steps=args.breakdown_steps, tuning=args.tuning,
+                         compile_decode=args.compile_decode, compile_backend=args.compile_backend,
+                         compile_scope=args.compile_scope, json=args.json)
 
 
 def partial_path(json_path: str) -> str:
@@ -145,14 +144,14 @@ class PartialRows:
     grants minutes) still leaves the rows it measured, marked complete=False."""
 
     def __init__(self, kind: str, s: BenchSettings, world: int) -> None:
-        self.kind, self.s, self.world, self.rows = kind, s, world, []
+        self.kind, self.path, self.rows = kind, partial_path(s.json), []
+        self.settings = {**asdict(s), "world_size": world}
 
     def add(self, row: dict) -> None:
         from spanllm.bench.report import write_json
 
         self.rows.append(row)
-        write_json(partial_path(self.s.json), self.kind, {**asdict(self.s), "world_size": self.world}, self.rows,
-                   complete=False)
+        write_json(self.path, self.kind, self.settings, self.rows, complete=False)
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
@@ -387,7 +386,7 @@ def report_from_rank0(kind: str, s: BenchSettings, results: list, args: argparse
     if int(os.environ.get("RANK", "0")) == 0:
         rows, skipped = results[0]
         world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
-        report(kind, s, rows, skipped, world, args.json, args.plot)
+        report(kind, s, rows, skipped, world, s.json, args.plot)
     return finish(0)
 
 

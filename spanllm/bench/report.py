@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import platform
@@ -24,6 +26,12 @@ def allreduce_busbw_GBps(nbytes: int, time_us: float, world_size: int) -> float:
 
 
 def machine_info() -> dict[str, Any]:
+    """Host, CPU and GPUs (driver and topology from nvidia-smi: measured once per process)."""
+    return copy.deepcopy(_machine_info())
+
+
+@functools.cache
+def _machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
                             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
     if torch.cuda.is_available():

@@ -32,12 +32,13 @@ DEFAULT_MAX_BYTES = 8 << 20
 DEFAULT_ONE_SHOT_MAX_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 30.0
 MAX_BUFFER_BYTES = 1 << 30
+MAX_PROGRAMS = 1024  # programs (num_blocks) of one launch; also the phase trace's rows
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int32})
 
 
 def elements_per_cell(dtype: torch.dtype) -> int:
     """An LL8 cell carries 4 data bytes: two 16-bit elements or one 32-bit element."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if size not in (2, 4):
         raise AllReduceInputError(f"nvrar: dtype {dtype} has {size}-byte elements; LL8 cells carry 2- or 4-byte ones")
     return 4 // size
@@ -66,8 +67,8 @@ class LaunchParams:
         if self.protocol == "simple" and self.block < SIMPLE_MIN_BLOCK:
             raise ValueError(f"protocol 'simple' needs block >= {SIMPLE_MIN_BLOCK} cells (one flag word per tile); "
                              f"got block={self.block}")
-        if not 1 <= self.num_blocks <= 1024:
-            raise ValueError(f"num_blocks={self.num_blocks} must be in [1, 1024]")
+        if not 1 <= self.num_blocks <= MAX_PROGRAMS:
+            raise ValueError(f"num_blocks={self.num_blocks} must be in [1, {MAX_PROGRAMS}]")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
 
@@ -222,7 +223,7 @@ class NvrarAllReduce(AllReduce):
         # Phase trace (spanllm.comm.nvrar_trace): one record per program of the last call; off by default
         # (a separate kernel specialisation, so the untraced kernel carries no clock reads).
         self.trace_enabled = trace
-        self.trace = torch.zeros((1024 if trace else 1, TRACE_WORDS), dtype=torch.int64, device=self.device)
+        self.trace = torch.zeros((MAX_PROGRAMS if trace else 1, TRACE_WORDS), dtype=torch.int64, device=self.device)
         self._last_grid = 0
 
     @property
@@ -267,20 +268,10 @@ class NvrarAllReduce(AllReduce):
                 self.seq, self.ticket, self.err, self.trace,
                 n, shard, self.rank, self.topology.local_rank(self.rank), self.node_first_rank,
                 int(self.timeout_s * 1e9), L.parity_cells, *L.offsets(p.protocol), L.flags, L.max_tiles]
-        constexprs = dict(G=self.topology.ranks_per_node, R=max(len(self.rounds), 0), E=elements_per_cell(dtype),
+        constexprs = dict(G=self.topology.ranks_per_node, R=len(self.rounds), E=elements_per_cell(dtype),
                           ONE_SHOT=p.one_shot, BLOCK=p.block, PROTO=PROTOCOLS.index(p.protocol),
                           TRACE=int(self.trace_enabled), PIPE=int(p.pipelined), num_warps=p.num_warps)
         return args, constexprs
-
-    def precompile(self, dtypes, sizes=None, workers: int | None = None) -> dict:
-        """Compile, ahead of the first calls and in parallel worker processes, the kernels this communicator
-        will launch for `dtypes` at message sizes `sizes` (element counts; default: powers of two and their
-        midpoints up to max_bytes). Collective over the group. See `spanllm.comm.nvrar_compile`."""
-        from spanllm.comm.nvrar_compile import launches_for_sizes, precompile
-
-        if sizes is None:
-            sizes = sorted({k for b in range(1, self._max_bytes.bit_length()) for k in (1 << b, 3 << (b - 1))})
-        return precompile([(self, launches_for_sizes(self, sizes, dtypes))], workers)
 
     def last_trace(self) -> list[list[int]]:
         """The phase-trace records of the last call's programs (synchronizes). Needs trace=True."""

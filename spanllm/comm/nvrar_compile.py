@@ -79,11 +79,17 @@ def nvrar_members(comm) -> list:
     return [b for b in getattr(comm, "backends", {}).values() if isinstance(b, NvrarAllReduce)]
 
 
-def precompile_sizes(comms, sizes, dtypes, workers: int | None = None) -> dict | None:
+def size_ladder(max_elems: int) -> list[int]:
+    """Element counts 2, 3, 4, 6, 8, 12, ... up to max_elems: powers of two and their midpoints, enough to
+    meet every launch a tuning table or the default rule picks between them."""
+    return sorted(k for b in range(1, max_elems.bit_length()) for k in {1 << b, 3 << (b - 1)} if k <= max_elems)
+
+
+def precompile_sizes(comms, sizes, dtypes) -> dict | None:
     """`precompile` for every nvrar communicator in `comms` (auto's included) at these element counts;
     None when there is none. Collective: every rank passes the same kinds of communicators."""
     jobs = [(m, launches_for_sizes(m, sizes, dtypes)) for c in comms for m in nvrar_members(c)]
-    return precompile(jobs, workers) if jobs else None
+    return precompile(jobs) if jobs else None
 
 
 # Done-markers: a worker that compiled a specialisation leaves an empty file named by a hash of what Triton's

@@ -20,7 +20,8 @@ _LIVE: dict[str, AllReduce] = {}
 
 
 def register(comm: AllReduce) -> str:
-    handle = f"{comm.name}@{id(comm):x}"
+    name = comm.name if isinstance(getattr(comm, "name", None), str) else type(comm).__name__
+    handle = f"{name}@{id(comm):x}"
     _LIVE[handle] = comm
     return handle
 

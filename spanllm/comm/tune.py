@@ -135,7 +135,7 @@ def tune_rank(ctx: DistContext, args) -> dict:
     table = TuningTable(entries, {"machine": machine_info(), "versions": versions(),
                                   "settings": {"topology": str(topo), "dtype": DTYPE_NAMES[dtype],
                                                "buffer_bytes": buffer_bytes, "blocks": args.blocks, "tiles": args.tiles,
-                                               "protocols": args.protocols,
+                                               "protocols": args.protocols, "pipelined": args.pipelined,
                                                "iters": args.iters}})
     if main:
         table.save(args.out)

@@ -121,10 +121,9 @@ class LLM:
         comm = create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology),
                       device=self.device, tuning=self.tuning, max_bytes=self.engine.allreduce_max_bytes)
         if self.device.type == "cuda":  # nvrar's kernels for every size it may see, compiled in parallel now
-            from spanllm.comm.nvrar_compile import precompile_sizes
+            from spanllm.comm.nvrar_compile import precompile_sizes, size_ladder
 
-            elems = self.engine.allreduce_max_bytes // torch.empty((), dtype=self.engine.dtype).element_size()
-            precompile_sizes([comm], sorted({k for b in range(1, elems.bit_length()) for k in (1 << b, 3 << (b - 1))}),
+            precompile_sizes([comm], size_ladder(self.engine.allreduce_max_bytes // self.engine.dtype.itemsize),
                              [self.engine.dtype])
         return comm
 
@@ -156,17 +155,16 @@ class LLM:
 
     def _register_ops(self) -> None:
         """compile_decode: register comm (and large_comm) for torch.ops.spanllm.all_reduce_ and hand the
-        handles to the row-parallel layers; drop any previous registration first."""
-        self._unregister_ops()
+        handles to the row-parallel layers (callers have dropped any previous registration)."""
         if not self.engine.compile_decode or self.dims.tp == 1:
             return
         from spanllm.comm import op
 
         tp = self.model.tp
-        tp.comm_handle = op.register(_named(self.comm))
+        tp.comm_handle = op.register(self.comm)
         self._op_handles.append(tp.comm_handle)
         if self.large_comm is not None:
-            tp.large_comm_handle = op.register(_named(self.large_comm))
+            tp.large_comm_handle = op.register(self.large_comm)
             self._op_handles.append(tp.large_comm_handle)
 
     def _unregister_ops(self) -> None:
@@ -211,18 +209,3 @@ class LLM:
         if self.large_comm is not None:
             self.large_comm.close()
             self.large_comm = None
-
-
-class _NamedComm:
-    """A communicator without a `name` (the op's handle needs one), named after its type."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.name = type(inner).__name__
-
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.all_reduce_(x)
-
-
-def _named(comm: Communicator) -> Communicator:
-    return comm if isinstance(getattr(comm, "name", None), str) else _NamedComm(comm)

@@ -57,7 +57,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         cache = kv_cache.layer(self.layer_id, meta.slot_start, h.shape[0])
-        if meta.compiled and self.compiled_block is not None:
+        if meta.compiled:  # set only when every layer has its compiled block (ModelRunner)
             return self.compiled_block(h, meta, cache)
         return self.block(h, meta, cache)
 

@@ -98,7 +98,6 @@ class ModelRunner:
         self._mask_open = torch.zeros((), dtype=engine.dtype, device=device)
         self._mask_shut = torch.full((), float("-inf"), dtype=engine.dtype, device=device)
         self._compiled_forward = None
-        self._compiled_layers = False
         if engine.compile_decode:
             _raise_recompile_limit(engine.max_batch_size)
             if engine.compile_scope == "forward":
@@ -108,7 +107,6 @@ class ModelRunner:
                 for layer in self.model.model.layers.values():
                     layer.compiled_block = torch.compile(layer.block, dynamic=False, fullgraph=False,
                                                          backend=engine.compile_backend)
-                self._compiled_layers = True
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -161,7 +159,7 @@ class ModelRunner:
     @property
     def compiled_decode(self) -> bool:
         """Decode runs the torch.compile'd forward (compile_decode, and the per-op timers are off)."""
-        return (self._compiled_forward is not None or self._compiled_layers) and not self.model.tp.timers.enabled
+        return self.engine.compile_decode and not self.model.tp.timers.enabled
 
     def _decode_forward(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int, kv_len: int) -> torch.Tensor:
         if self.compiled_decode:
@@ -283,7 +281,7 @@ def _raise_recompile_limit(max_batch_size: int) -> None:
     hidden input. Past torch's recompile limit (8 by default) dynamo would silently fall back to eager
     for new buckets, so raise it (never lower it) to cover them."""
     cfg = torch._dynamo.config
-    need = 2 * max_batch_size * (max_batch_size + 1) // 2 + 8
+    need = max_batch_size * (max_batch_size + 1) + 8  # 2 input kinds x n(n+1)/2 (batch, first slot) buckets
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), need))

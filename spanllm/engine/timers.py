@@ -17,7 +17,7 @@ GPU time, not launch gaps (enqueue-ahead)
     running: if so, the segment behind it was queued before the GPU reached it, and its event intervals
     are GPU time. A step with any segment the host did not get ahead of (a spin too short, or a host
     sync) is "uncovered": it goes to a separate tally. The spins are excluded from the step's total.
-    The spin length is fixed (`spin_cycles`), the same on every rank, so TP ranks stay in step. With
+    The spin length is fixed (`SPIN_CYCLES`), the same on every rank, so TP ranks stay in step. With
     pp > 1 there is only the step's spin: a layer spin on one stage would show up as the next stage's
     idle time.
 Categories: gemm (every linear layer and the LM head), attention (RoPE, KV-cache write, SDPA),
@@ -97,7 +97,6 @@ class Timers:
         self._cuda = self.device.type == "cuda"
         self.breakdown = Breakdown()
         self.uncovered = Breakdown()
-        self.spin_cycles = SPIN_CYCLES
         self._spins: list = []  # (start, end) timing events around each spin of the current step
         self._covered = True
         self._cpu_totals = {c: 0.0 for c in CATEGORIES}
@@ -129,7 +128,7 @@ class Timers:
         self._check_previous_spin()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(self.spin_cycles)
+        torch.cuda._sleep(SPIN_CYCLES)
         end.record()
         self._spins.append((start, end))
 

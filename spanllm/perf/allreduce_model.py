@@ -152,7 +152,7 @@ def parse_launch(text: str | None) -> NvrarLaunch | None:
         return None
     parts = str(text).strip("[]").split("/")
     if parts[0] not in ("os", "rs"):
-        raise AllReduceModelError(f"nvrar launch {text!r}: expected 'os/...' or 'rs/...' (LaunchParams.describe())")
+        raise AllReduceModelError(f"nvrar launch {text!r}: expected 'os/...' or 'rs/...' (LaunchParams.short())")
     return NvrarLaunch(one_shot=parts[0] == "os", protocol="simple" if "simple" in parts[1:] else "ll8")
 
 

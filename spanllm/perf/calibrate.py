@@ -36,7 +36,7 @@ from spanllm.perf.allreduce_model import (
     parse_launch, place, time_from_terms_us,
 )
 from spanllm.perf.hardware import AlgoCost, ClusterSpec, load_cluster, save_cluster
-from spanllm.perf.measurements import AllReduceMeasurement, load_results, result_files
+from spanllm.perf.measurements import AllReduceMeasurement, load_results, ran_launch, result_files
 
 FIT_TARGETS = {"nccl": ("nccl_ring/LL", "nccl_tree/LL")}
 """Bench algorithm -> the constant entries a fit on its rows replaces (default: its own name)."""
@@ -57,7 +57,6 @@ class Fit:
     rms_rel_error: float  # over the rows it was fitted on
     notes: tuple[str, ...]
     fitted_base: bool = False  # base_us came from the rows (else from the preset)
-    sizes: tuple[int, ...] = ()  # message sizes of the rows fitted
 
 
 def ll_limit_bytes(algo: str, cluster: ClusterSpec) -> int:
@@ -84,7 +83,7 @@ def row_launch(m: AllReduceMeasurement, cluster: ClusterSpec) -> NvrarLaunch | N
     if given is not None:
         return given
     variant = allreduce_cost("nvrar", m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph)[1]
-    return parse_launch(variant.split("[", 1)[1].rstrip("]"))
+    return parse_launch(ran_launch(variant))
 
 
 def _lstsq(A: np.ndarray, b: np.ndarray, cols: list[int]) -> np.ndarray:
@@ -103,10 +102,11 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
                                "a fit needs at least 2 sizes (sweep with -b/-e covering small and large)")
     key = fit_key(algo, ms, cluster, large)
     base = cluster.algo(key)
-    X, y, w = [], [], []
+    X, y, w, terms = [], [], [], []
     for m in ms:
         pl = place(cluster, m.nodes, m.ranks_per_node)
         t = cost_terms(key, m.nbytes, cluster, pl, row_launch(m, cluster))
+        terms.append(t)
         fixed = fixed_us(replace(base, base_us=0.0), cluster, m.graph) + local_us(t, cluster)
         bw_us = 0.0
         if t.nvlink_wire_bytes:
@@ -128,7 +128,8 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
     coef = _lstsq(A, b, cols)
     for j, name in ((0, "base_us"), (1, "nvlink_step_us"), (2, "net_step_us")):
         if j in cols and coef[j] < 0:
-            held[j] = base.base_us if j == 0 else 0.0
+            if j:
+                held[j] = 0.0  # a step cost; a negative base is held at the preset's (already in held)
             notes.append(f"fitted {name} {coef[j]:.2f} < 0: held at {held[j]:.2f} and refitted "
                          "(launch/base costs in the preset too high?)")
             if j == 0:
@@ -144,13 +145,11 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
         eff = 1.0
     value = {j: float(coef[j]) if j in cols else held[j] for j in (0, 1, 2)}
     cost = replace(base, base_us=value[0], nvlink_step_us=value[1], net_step_us=value[2], bw_efficiency=float(eff))
-    pred = np.array([time_from_terms_us(cost_terms(key, m.nbytes, cluster, place(cluster, m.nodes, m.ranks_per_node),
-                                                   row_launch(m, cluster)), cost, cluster, m.graph) for m in ms])
+    pred = np.array([time_from_terms_us(t, cost, cluster, m.graph) for t, m in zip(terms, ms)])
     meas = np.array([m.time_us for m in ms])
     rms = float(np.sqrt(np.mean(((pred - meas) / meas) ** 2)))
     keys = (LARGE_FIT_TARGETS if large else FIT_TARGETS).get(algo, (algo,))
-    return Fit(algo, keys, cost, len(ms), rms, tuple(notes), fitted_base=0 in cols,
-               sizes=tuple(sorted({m.nbytes for m in ms})))
+    return Fit(algo, keys, cost, len(ms), rms, tuple(notes), fitted_base=0 in cols)
 
 
 def calibrate(ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: int | None = None,

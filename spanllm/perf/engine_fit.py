@@ -100,7 +100,6 @@ class EngineFit:
     cost: EngineCost
     rows: tuple[str, ...]  # "source: label" of every row fitted
     rms_rel_error: dict[str, float]  # per metric, over the rows fitted
-    loss: float
 
 
 def compass_search(loss: Callable[[dict[str, float]], float], start: dict[str, float], step: dict[str, float],
@@ -150,7 +149,7 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
     def loss(x: dict[str, float]) -> float:
         return sum(r * r for errs in errors(x).values() for r in errs)
 
-    x, best = compass_search(loss, START, STEP, BOUNDS)
+    x, _ = compass_search(loss, START, STEP, BOUNDS)
     rms = {m: (sum(r * r for r in v) / len(v)) ** 0.5 for m, v in errors(x).items() if v}
     return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases),
-                     rms, best)
+                     rms)

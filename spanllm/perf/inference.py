@@ -187,10 +187,14 @@ def tp_group_shape(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
     return layout.tp // g, g
 
 
+def stage_boundary_over_network(s: int, layout: Layout, cluster: ClusterSpec) -> bool:
+    """Whether the boundary after stage s crosses hosts (stage s holds GPUs [s*tp, (s+1)*tp))."""
+    return (s + 1) * layout.tp % cluster.gpus_per_node == 0
+
+
 def stage_boundaries_over_network(layout: Layout, cluster: ClusterSpec) -> int:
-    """How many of the pp - 1 stage boundaries cross hosts (stage s holds GPUs [s*tp, (s+1)*tp))."""
-    g = cluster.gpus_per_node
-    return sum(1 for s in range(layout.pp - 1) if (s + 1) * layout.tp % g == 0)
+    """How many of the pp - 1 stage boundaries cross hosts."""
+    return sum(stage_boundary_over_network(s, layout, cluster) for s in range(layout.pp - 1))
 
 
 def pp_transfer_us(nbytes: float, over_network: bool, cluster: ClusterSpec) -> float:
@@ -297,7 +301,8 @@ def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: 
     def hops_ms(rows: int) -> list[float]:
         """Each stage boundary's transfer of `rows` hidden states (a boundary at a host edge crosses the network)."""
         nbytes = rows * model.hidden * model.dtype_bytes
-        return [pp_transfer_us(nbytes, (s + 1) * layout.tp % g == 0, cluster) / 1e3 for s in range(layout.pp - 1)]
+        return [pp_transfer_us(nbytes, stage_boundary_over_network(s, layout, cluster), cluster) / 1e3
+                for s in range(layout.pp - 1)]
 
     # prefill: eager
     rows = mb * workload.prompt_len

@@ -63,7 +63,7 @@ def _ar_label(m: AllReduceMeasurement) -> str:
 def _predict(m: AllReduceMeasurement, cluster: ClusterSpec) -> float:
     algo = model_name(m.algo)
     return allreduce_time_us(algo, m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph,
-                             launch=m.launch or None if algo == "nvrar" else None)
+                             launch=m.launch or None)  # other algorithms ignore it
 
 
 def preset_fitted(m: AllReduceMeasurement, fit: PresetFit | None) -> bool:

@@ -183,3 +183,10 @@ def test_pin_cache_dir_makes_tritons_default_explicit(monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     default = os.path.realpath(triton.knobs.cache.dir)
     assert nc.pin_cache_dir() == default and os.environ["TRITON_CACHE_DIR"] == default
+
+
+def test_size_ladder_is_powers_of_two_and_midpoints():
+    from spanllm.comm.nvrar_compile import size_ladder
+
+    assert size_ladder(16) == [2, 3, 4, 6, 8, 12, 16]
+    assert size_ladder(20) == [2, 3, 4, 6, 8, 12, 16]
