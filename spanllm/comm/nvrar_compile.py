@@ -2,7 +2,7 @@
 
 Every (dtype, launch) pair an nvrar communicator runs is its own Triton specialisation (constexprs G, R,
 E, ONE_SHOT, BLOCK, PROTO, TRACE, PIPE and num_warps), and every compile links NVSHMEM's device
-library: 6-8 s each. A first call pays that inline and one at a time, so a conformance run over nine
+library: ~5 s each on the H200 host. A first call pays that inline and one at a time, so a conformance run over nine
 launch variants and four dtypes spent most of its minutes in the compiler, while the host's other
 cores idled.
 

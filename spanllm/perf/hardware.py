@@ -294,7 +294,7 @@ _HOST_NVRAR_FIT = AlgoCost(base_us=3.130, nvlink_step_us=0.765, net_step_us=_H20
 # Held out (scored by `perf validate`): every other row.
 #   decode_layer_us     69.85  per layer and decode step on top of its 12 graph nodes (6 us): norms, RoPE,
 #                              KV write, SDPA, SiLU, residual adds -- a few us each even inside a graph.
-#                              (A two-equation estimate from the held-out 70B TP=2 vs PP=2 TPOT gave ~74 us
+#                              (A two-equation estimate from the held-out 70B TP=2 vs PP=2 TPOT gave ~70-74 us
 #                              in all; not used.)
 #   attn_position_ns    20.47  decode SDPA per cache position and layer: with few (batch x KV heads) thread
 #                              blocks each block scans its positions serially (8B TP=2: +1.0 ms TPOT at
