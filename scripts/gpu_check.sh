@@ -4,10 +4,11 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout phases pytest tune bench smoke engine engine70b compiled study.
+# Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study.
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
 # ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); COMPILED_MODELS,
-# COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward);
+# COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward); DECODE_GEMM (engine stages: torch or skinny,
+# EngineConfig.decode_gemm; skinny files get a _skinny suffix); GEMM_SWEEP, GEMM_SWEEP_M (gemm stage);
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
 # micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
 # BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
@@ -20,6 +21,8 @@
 # 2 x ~25 s; study 70B decode-heavy (batch 1,8,32,64) 390 s; study 70B prefill-heavy (1,8,32,64) > 560 s (cut
 # before its last 2 rows: run batch 32,64 apart); bench batch 8B (1,8,32,64, TP only, iters 1) ~75 s per
 # workload. (2026-11-29: timeout 2 x 25 s; study 8B decode-heavy (1,8,64) 105 s, prefill-heavy 100 s.)
+# 2026-11-30 session 2: compiled (layer scope) 70B batch 1,8 105 s, 8B 40 s; 70B batch 32,64 105 s; compiled
+# forward scope 70B batch 1 ~170 s; gemm with GEMM_SWEEP=none 8 s; a small sweep of 4 shapes x 2 M ~30 s.
 # A fresh machine adds ~70 s before the first stage.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,9 +54,11 @@ pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu_results.tgz" -C "$OUTDIR" . ; r
 batch() {  # model workload batch-sizes iters
   pick_tuning
   timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$1" --workload "$2" --batch-sizes "$3" --iters "$4" --breakdown-steps "${BREAKDOWN_STEPS:-8}" \
-    --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/batch_${1}_$2.json" --plot "$OUTDIR/batch_${1}_$2.png" || rc=1
+    --allreduce nccl,nvrar --tuning "$TUNING" --decode-gemm "$DGEMM" --json "$OUTDIR/batch_${1}_$2$GSUF.json" --plot "$OUTDIR/batch_${1}_$2$GSUF.png" || rc=1
 }
 TR="torchrun --standalone --nproc-per-node $NGPU"
+DGEMM="${DECODE_GEMM:-torch}"
+GSUF=""; [ "$DGEMM" = torch ] || GSUF="_$DGEMM"
 log() { echo "=== $(date +%H:%M:%S) $*"; }
 rc=0
 for stage in "${STAGES[@]}"; do
@@ -106,6 +111,18 @@ for stage in "${STAGES[@]}"; do
           --out "$OUTDIR/tuning_rpn$rpn.json" || rc=1
       done
       ;;
+    gemm)
+      # The decode weight GEMMs on one GPU: F.linear (cuBLAS) vs spanllm's skinny Triton kernel, 8B and
+      # 70B shapes at TP=2, M = 1, 8, 16 (heuristic configs); then a config sweep for GEMM_SWEEP_M rows.
+      log "gemm bench (heuristic configs)"
+      timeout 200 python3 scripts/gpu_gemm_bench.py --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 \
+        --sweep none --json "$OUTDIR/gemm_decode_tp2.json" || rc=1
+      if [ "${GEMM_SWEEP:-small}" != none ]; then
+        log "gemm bench sweep (${GEMM_SWEEP:-small}, M=${GEMM_SWEEP_M:-1,8})"
+        timeout "${GEMM_SWEEP_TIMEOUT:-240}" python3 scripts/gpu_gemm_bench.py --models "${GEMM_SWEEP_MODELS:-llama3.1-70b,llama3.1-8b}" --tp 2 \
+          --m "${GEMM_SWEEP_M:-1,8}" --sweep "${GEMM_SWEEP:-small}" --copy-gib 0 --json "$OUTDIR/gemm_sweep_tp2.json" || rc=1
+      fi
+      ;;
     smoke)
       # A short engine run over both all-reduces (4 layers of 8B): checks the nvrar path inside the
       # engine (graph capture, tuning table) before the long stages.
@@ -127,8 +144,8 @@ for stage in "${STAGES[@]}"; do
         log "bench batch $model decode-heavy --compile-decode"
         timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$model" --workload decode-heavy \
           --batch-sizes "${COMPILED_BATCHES:-1,8}" --iters 1 --no-breakdown --compile-decode \
-          --compile-scope "${COMPILE_SCOPE:-layer}" --allreduce nccl,nvrar \
-          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled_${COMPILE_SCOPE:-layer}.json" || rc=1
+          --compile-scope "${COMPILE_SCOPE:-layer}" --allreduce nccl,nvrar --decode-gemm "$DGEMM" \
+          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled_${COMPILE_SCOPE:-layer}$GSUF.json" || rc=1
       done
       ;;
     engine70b)

@@ -65,6 +65,7 @@ class BenchSettings:
     compile_decode: bool = False  # torch.compile the decode forward (EngineConfig.compile_decode)
     compile_backend: str = "inductor"
     compile_scope: str = "layer"  # EngineConfig.compile_scope
+    decode_gemm: str = "torch"  # EngineConfig.decode_gemm
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
 
@@ -130,7 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
                          breakdown_steps=args.breakdown_steps, tuning=args.tuning,
                          compile_decode=args.compile_decode, compile_backend=args.compile_backend,
-                         compile_scope=args.compile_scope, json=args.json)
+                         compile_scope=args.compile_scope, decode_gemm=args.decode_gemm, json=args.json)
 
 
 def partial_path(json_path: str) -> str:
@@ -160,7 +161,8 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batc
     engine = EngineConfig(max_batch_size=max(s.batch_sizes), max_seq_len=s.prompt_len + s.decode_len,
                           dtype=resolve_dtype(s.dtype, ctx.device), cuda_graphs=s.cuda_graphs,
                           micro_batches=micro_batches, seed=s.seed, compile_decode=s.compile_decode,
-                          compile_backend=s.compile_backend, compile_scope=s.compile_scope)
+                          compile_backend=s.compile_backend, compile_scope=s.compile_scope,
+                          decode_gemm=s.decode_gemm)
     tuning = None
     if s.tuning:
         from spanllm.comm.tuning import TuningTable
@@ -247,7 +249,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
         "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None,
-        "compile_scope": llm.engine.compile_scope if llm.engine.compile_decode else None, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
+        "compile_scope": llm.engine.compile_scope if llm.engine.compile_decode else None,
+        "decode_gemm": llm.engine.decode_gemm, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
 
 

@@ -207,6 +207,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 COMPILE_SCOPES = ("layer", "forward")
+DECODE_GEMMS = ("torch", "skinny")
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,11 @@ class EngineConfig:
     compile_decode: bool = False
     compile_backend: str = "inductor"
     compile_scope: str = "layer"
+    # The weight GEMMs (every column/row-parallel linear and the LM head) of calls with at most 16 rows, i.e.
+    # decode up to batch 16: "torch" = F.linear (cuBLAS), "skinny" = spanllm.engine.skinny_gemm (a Triton
+    # stream over W with split-K, torch.ops.spanllm.skinny_linear; GPU + Triton only). More rows (prefill,
+    # larger batches) always run F.linear. describe() names the choice.
+    decode_gemm: str = "torch"
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -250,6 +256,8 @@ class EngineConfig:
             raise ValueError(f"eos_check_interval={self.eos_check_interval} must be >= 1")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope={self.compile_scope!r} must be one of {COMPILE_SCOPES}")
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ValueError(f"decode_gemm={self.decode_gemm!r} must be one of {DECODE_GEMMS}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"compile_backend={self.compile_backend!r} must be a torch.compile backend name "
                              "(inductor, aot_eager, eager)")

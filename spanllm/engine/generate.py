@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from spanllm.engine.config import COMPILE_SCOPES, EngineConfig, parse_dtype, resolve_model
+from spanllm.engine.config import COMPILE_SCOPES, DECODE_GEMMS, EngineConfig, parse_dtype, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
 from spanllm.launch import DistContext, launch
@@ -35,6 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer",
                         help="--compile-decode: 'layer' compiles one decoder layer, shared by all (one compile "
                              "per bucket at any depth); 'forward' the whole decode forward")
+    parser.add_argument("--decode-gemm", choices=DECODE_GEMMS, default="torch",
+                        help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = "
+                             "spanllm's Triton split-K stream over the weights (GPU + Triton)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -86,7 +89,8 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
     engine = EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
                           dtype=resolve_dtype(args.dtype, ctx.device), cuda_graphs=not args.no_cuda_graphs,
                           micro_batches=args.micro_batches, seed=args.seed, compile_decode=args.compile_decode,
-                          compile_backend=args.compile_backend, compile_scope=args.compile_scope)
+                          compile_backend=args.compile_backend, compile_scope=args.compile_scope,
+                          decode_gemm=args.decode_gemm)
     llm = LLM(cfg, engine, dims=ParallelDims(tp, args.pp, ctx.world_size), allreduce=args.allreduce,
               device=ctx.device, ranks_per_node=args.ranks_per_node)
     try:

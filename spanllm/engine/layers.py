@@ -22,7 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.engine.timers import Timers
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The opaque custom op (registered by spanllm.engine.skinny_gemm where Triton exists): one graph node
+    under torch.compile."""
+    return torch.ops.spanllm.skinny_linear(x, weight)
 
 
 class Communicator(Protocol):
@@ -50,6 +57,9 @@ class TPContext:
     # torch.compile keeps as one node, instead of tracing into the communicator's Python. None: call directly.
     comm_handle: str | None = None
     large_comm_handle: str | None = None
+    # EngineConfig.decode_gemm: "skinny" sends weight GEMMs of <= skinny_gemm.MAX_M rows to
+    # torch.ops.spanllm.skinny_linear (LLM checks GPU and Triton first); "torch" (and more rows): F.linear.
+    decode_gemm: str = "torch"
 
     def __post_init__(self) -> None:
         if self.size > 1 and self.comm is None:
@@ -73,6 +83,12 @@ class TPContext:
             handle = self.large_comm_handle if comm is self.large_comm else self.comm_handle
             torch.ops.spanllm.all_reduce_(x, handle)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T: the skinny Triton GEMM for decode-sized x when decode_gemm="skinny", else F.linear."""
+        if self.decode_gemm == "skinny" and x.numel() <= SKINNY_MAX_M * x.shape[-1]:
+            return skinny_linear(x, weight)
+        return F.linear(x, weight)
+
     def empty(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(*shape, device=self.device, dtype=self.dtype), requires_grad=False)
 
@@ -95,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/tp]
         with self.tp.timers.region("gemm"):
-            return F.linear(x, self.weight)
+            return self.tp.linear(x, self.weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -147,7 +163,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
         timers = self.tp.timers
         with timers.region("gemm"):
-            y = F.linear(x, self.weight)
+            y = self.tp.linear(x, self.weight)
         if self.tp.size > 1:
             with timers.region("allreduce"):
                 self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor
@@ -185,7 +201,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         with self.tp.timers.region("gemm"):
-            local = F.linear(h, self.weight)  # [N, Vp]
+            local = self.tp.linear(h, self.weight)  # [N, Vp]
         if self.tp.size > 1:
             n = local.shape[0]
             gathered = torch.empty(self.tp.size * n, self.vocab_local, device=local.device, dtype=local.dtype)

@@ -72,8 +72,9 @@ class LLM:
         self._ensure_large_comm(comm)
 
         self.timers = Timers(self.device, enabled=self.engine.breakdown, layer_spins=self.dims.pp == 1)
+        self._check_decode_gemm()
         tp = TPContext(rank=self.groups.tp_rank, size=self.dims.tp, group=self.groups.tp_group, comm=comm,
-                       large_comm=self.large_comm,
+                       large_comm=self.large_comm, decode_gemm=self.engine.decode_gemm,
                        timers=self.timers, device=self.device, dtype=self.engine.dtype)
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
@@ -87,6 +88,18 @@ class LLM:
         self.runner = ModelRunner(self.model, self.engine, self.device)
         self.sampler = Sampler(self.device, self.engine.seed)
         self.executor = PipelineExecutor(self.runner, g, self.sampler, self.timers, token_group)
+
+    def _check_decode_gemm(self) -> None:
+        """decode_gemm="skinny" runs a Triton kernel: refuse a machine without a GPU or Triton, no fallback."""
+        if self.engine.decode_gemm != "skinny":
+            return
+        from spanllm.engine import skinny_gemm
+        if self.device.type != "cuda" or skinny_gemm.triton is None:
+            raise ValueError(f"decode_gemm='skinny' needs a CUDA device and Triton; this rank has device "
+                             f"{self.device} and Triton {'installed' if skinny_gemm.triton else 'missing'}. "
+                             "Use decode_gemm='torch' (F.linear) here")
+        if self.engine.dtype not in skinny_gemm.SUPPORTED_DTYPES:
+            raise ValueError(f"decode_gemm='skinny' supports {skinny_gemm.SUPPORTED_DTYPES}, not {self.engine.dtype}")
 
     # --- what runs ------------------------------------------------------------------------------------
     @property
@@ -188,7 +201,9 @@ class LLM:
                 f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
                 f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
                 + (f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
-                   if self.engine.compile_decode else ""))
+                   if self.engine.compile_decode else "")
+                + (" | decode GEMMs skinny (Triton, <= 16 rows; F.linear above)"
+                   if self.engine.decode_gemm == "skinny" else ""))
 
     # --- generation -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,

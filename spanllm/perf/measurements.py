@@ -147,7 +147,14 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
         elif kind in ("batch", "study"):
             rpn = (doc.get("settings") or {}).get("ranks_per_node")
             extra = {"ranks_per_node": rpn} if rpn else {}
-            eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in doc.get("rows", [])]
+            rows = doc.get("rows", [])
+            # The engine constants are per-layer costs of the eager forward replayed in CUDA graphs with
+            # F.linear; a torch.compile'd step or the skinny GEMM is another kernel mix, not predicted.
+            other = [r for r in rows if r.get("compile_decode") or r.get("decode_gemm", "torch") != "torch"]
+            if other:
+                skipped.append(f"{path}: {len(other)} rows with a compiled decode step or decode_gemm='skinny': "
+                               "the engine model's constants describe the eager forward with F.linear")
+            eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in rows if row not in other]
         else:
             skipped.append(f"{path}: kind={kind!r} is not a measurement the model predicts")
     return ar, eng, skipped

@@ -129,3 +129,23 @@ def test_request_errors(hf_checkpoint):
         llm.generate([list(range(1, 11))], SamplingParams(max_new_tokens=11))
     with pytest.raises(GenerationError, match="at least one token"):
         llm.generate([[]])
+
+
+def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):
+    """decode_gemm: a bad name and a machine without GPU are refused (no silent fallback); with "skinny"
+    the linears send <= 16 rows to the skinny op and more rows to F.linear."""
+    with pytest.raises(ValueError, match="decode_gemm='cublas' must be one of"):
+        engine_config(decode_gemm="cublas")
+    with pytest.raises(ValueError, match="decode_gemm='skinny' needs a CUDA device and Triton; this rank has device cpu"):
+        LLM("tiny", engine_config(decode_gemm="skinny"), device=torch.device("cpu"))
+    from spanllm.engine import layers
+
+    seen = []
+    monkeypatch.setattr(layers, "skinny_linear", lambda x, w: seen.append(x.shape[:-1]) or x @ w.T)
+    tp = layers.TPContext(decode_gemm="skinny")
+    lin = layers.ColumnParallelLinear(8, 6, tp)
+    lin.weight.data = torch.arange(48, dtype=torch.float32).reshape(6, 8) % 5 - 2
+    for rows in (1, 16, 17):
+        x = (torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 1, 8) % 3) - 1
+        assert torch.equal(lin(x), x @ lin.weight.T)
+    assert seen == [torch.Size([1, 1]), torch.Size([16, 1])]  # 17 rows went to F.linear

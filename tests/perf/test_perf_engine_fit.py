@@ -111,3 +111,16 @@ def test_cpu_runs_are_skipped_with_a_reason(tmp_path):
     assert ar == [] and eng == []
     assert sorted(skipped) == [f"{tmp_path / n}: a CPU run (no GPUs in its 'machine' record): the presets model GPU machines"
                                for n in ("cpu.json", "tiny.json")]
+
+
+def test_compiled_and_skinny_rows_are_skipped_with_a_reason(tmp_path):
+    """The engine constants describe the eager forward with F.linear: rows of a compiled step or of the
+    skinny GEMM are listed as skipped, the file's other rows still count."""
+    rows = [{"model": "llama3.1-8b", "batch": 1}, {"model": "llama3.1-8b", "batch": 1, "compile_decode": True},
+            {"model": "llama3.1-8b", "batch": 1, "decode_gemm": "skinny"}, {"model": "llama3.1-8b", "batch": 8,
+                                                                            "decode_gemm": "torch", "compile_decode": False}]
+    (tmp_path / "batch_x.json").write_text(json.dumps({"kind": "batch", "machine": {"gpus": ["H200"]}, "rows": rows}))
+    _, eng, skipped = load_results(result_files(tmp_path))
+    assert [e.row["batch"] for e in eng] == [1, 8] and not any(e.row.get("compile_decode") for e in eng)
+    assert skipped == [f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm='skinny': "
+                       "the engine model's constants describe the eager forward with F.linear"]

@@ -1,0 +1,329 @@
+"""Decode weight GEMMs on one GPU: F.linear (cuBLAS) against spanllm.engine.skinny_gemm.skinny_linear.
+
+    python scripts/gpu_gemm_bench.py --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 --json gemm.json
+
+For each projection of each model (per GPU at tensor-parallel --tp) and each M: one CUDA graph per
+method that runs the GEMM over --weights different weight tensors in turn (together at least 3x the L2
+cache, so every weight comes from HBM, as in a decode step that walks the layers); the graph is replayed
+--replays times, each timed with CUDA events. Reported: microseconds per GEMM (median over replays;
+replay time / weights, so the gaps between kernels in a graph count, as they do in decode) and achieved
+bandwidth = weight bytes / time. Methods: F.linear, skinny_linear with choose_config's heuristic, and a
+sweep of explicit configs (--sweep small: BLOCK_N x BLOCK_K x SPLIT_K at the heuristic's warps/stages,
+then num_warps x num_stages around the best three; --sweep full: the whole grid; --sweep none).
+skinny_linear is checked against F.linear and an fp32 reference (max abs error / max |reference|).
+The ceiling: a device-to-device copy of --copy-gib GiB ((read + write) bytes / time).
+
+At the end: a table, and a suggested CONFIG_OVERRIDES dict for spanllm/engine/skinny_gemm.py (entries
+where the sweep's best beats the heuristic by more than --override-gain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from spanllm.engine import skinny_gemm as sg
+
+# Model dimensions (the models' HF config.json; also spanllm/model_sizes.py):
+# (hidden, num_heads, head_dim, num_kv_heads, intermediate).
+MODELS = {
+    "llama3.1-8b": (4096, 32, 128, 8, 14336),
+    "llama3.1-70b": (8192, 64, 128, 8, 28672),
+}
+# The (N, K) they give per GPU at TP 2, written out as a check on shapes_for():
+#   qkv     N = (heads + 2 kv_heads) * head_dim / tp   K = hidden
+#   o       N = hidden                                  K = heads * head_dim / tp
+#   gate_up N = 2 * intermediate / tp                   K = hidden
+#   down    N = hidden                                  K = intermediate / tp
+EXPECTED_TP2 = {
+    "llama3.1-70b": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
+    "llama3.1-8b": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SMEM_LIMIT = 227 * 1024  # H100/H200 shared memory per block; configs above it cannot launch
+
+
+def shapes_for(model: str, tp: int) -> dict[str, tuple[int, int]]:
+    hidden, heads, head_dim, kv, inter = MODELS[model]
+    if heads % tp or kv % tp or inter % tp:
+        raise SystemExit(f"{model}: tp={tp} does not divide heads={heads}, kv_heads={kv}, intermediate={inter}")
+    shapes = {"qkv": ((heads + 2 * kv) * head_dim // tp, hidden), "o": (hidden, heads * head_dim // tp),
+              "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp)}
+    if tp == 2:
+        assert shapes == EXPECTED_TP2[model], (model, shapes)
+    return shapes
+
+
+def fits(cfg: tuple, elem: int) -> bool:
+    bn, bk, _, _, stages = cfg
+    return (bn + sg.BLOCK_M) * bk * elem * stages <= SMEM_LIMIT
+
+
+def normalize(cfg: tuple, k: int) -> tuple:
+    """The config as it launches: SPLIT_K reduced to its non-empty chunks."""
+    bn, bk, split, warps, stages = cfg
+    return (bn, bk, sg.effective_split_k(k, bk, split), warps, stages)
+
+
+def grid_configs(k: int, elem: int, warps=(4, 8), stages=(3, 4, 5)) -> list[tuple]:
+    out = []
+    for bn, bk, split, w, s in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), warps, stages):
+        cfg = normalize((bn, bk, split, w, s), k)
+        if fits(cfg, elem) and cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def default_launch(bn: int, bk: int, elem: int) -> tuple[int, int]:
+    """num_warps, num_stages for a tile, as choose_config picks them."""
+    warps = 8 if bn * bk * elem >= 32 * 1024 else 4
+    stages = max(2, min(4, sg._SMEM_BUDGET // ((bn + sg.BLOCK_M) * bk * elem)))
+    return warps, stages
+
+
+class Timer:
+    def __init__(self, args, x: torch.Tensor, weights: list[torch.Tensor]):
+        self.args, self.x, self.weights = args, x, weights
+
+    def time(self, op) -> list[float]:
+        """Per-replay microseconds per GEMM of a CUDA graph that applies op to every weight once."""
+        x, weights = self.x, self.weights
+        op(x, weights[0])  # compile / autotune outside the capture
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs recommends
+            for w in weights[:2]:
+                op(x, w)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for w in weights:
+                op(x, w)
+        for _ in range(self.args.warmup):
+            g.replay()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(self.args.replays)]
+        for a, b in ev:
+            a.record()
+            g.replay()
+            b.record()
+        torch.cuda.synchronize()
+        del g
+        return [a.elapsed_time(b) * 1e3 / len(weights) for a, b in ev]
+
+
+def copy_bandwidth(gib: float, iters: int = 10) -> dict:
+    """Device-to-device copy of a gib-GiB tensor (dst.copy_(src): clone's kernel without the allocation)."""
+    nbytes = int(gib * (1 << 30))
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        dst.copy_(src)
+        b.record()
+    torch.cuda.synchronize()
+    us = [a.elapsed_time(b) * 1e3 for a, b in ev]
+    del src, dst
+    torch.cuda.empty_cache()
+    med = statistics.median(us)
+    return {"bytes": nbytes, "us": us, "median_us": med, "TBps_read_plus_write": 2 * nbytes / med / 1e6}
+
+
+def summarize(us: list[float], wbytes: int) -> dict:
+    med = statistics.median(us)
+    return {"median_us": med, "min_us": min(us), "TBps": wbytes / med / 1e6, "us": us}
+
+
+def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    scale = ref.abs().max().item() or 1.0
+    err = (y.float() - ref).abs().max().item()
+    return {"max_abs": err, "rel_to_max": err / scale}
+
+
+def bench_case(args, model, layer, n, k, m, dtype, num_sms, log) -> dict:
+    elem = torch.finfo(dtype).bits // 8
+    wbytes = n * k * elem
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    count = max(args.weights, math.ceil(3 * l2 / wbytes))
+    gen = torch.Generator(device="cuda").manual_seed(1234 + n + k)
+    # Random values, not zeros or a constant: compressible data could stream faster than real weights.
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k) for _ in range(count)]
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    timer = Timer(args, x, weights)
+    row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "dtype": str(dtype), "weight_bytes": wbytes,
+           "weights_in_graph": count}
+
+    # correctness: against F.linear and an fp32 (no TF32) reference, on the first weight
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = x.float() @ weights[0].float().T
+    torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    heur = sg.choose_config(m, n, k, num_sms, elem)
+    y = sg.skinny_linear(x, weights[0])
+    row["heuristic_config"] = list(heur)
+    row["error_skinny"] = errors(y, ref)
+    row["error_f_linear"] = errors(F.linear(x, weights[0]), ref)
+    row["deterministic"] = bool(torch.equal(y, sg.skinny_linear(x, weights[0])))
+
+    row["f_linear"] = summarize(timer.time(F.linear), wbytes)
+    row["skinny_heuristic"] = summarize(timer.time(sg.skinny_linear), wbytes)
+
+    sweep = []
+
+    def run_cfg(cfg):
+        if any(s["config"] == list(cfg) for s in sweep):
+            return
+        try:
+            us = timer.time(lambda a, b, c=cfg: sg.skinny_linear(a, b, config=c))
+            err = errors(sg.skinny_linear(x, weights[0], config=cfg), ref)
+            sweep.append({"config": list(cfg), **summarize(us, wbytes), "error": err})
+        except Exception as e:  # noqa: BLE001 - out of resources, compile failure: record, continue
+            sweep.append({"config": list(cfg), "failed": f"{type(e).__name__}: {e}"[:300]})
+
+    if args.sweep == "full":
+        for cfg in grid_configs(k, elem):
+            run_cfg(cfg)
+    elif args.sweep == "small":
+        for bn, bk, split in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8)):
+            cfg = normalize((bn, bk, split, *default_launch(bn, bk, elem)), k)
+            if fits(cfg, elem):
+                run_cfg(cfg)
+        ok = sorted((s for s in sweep if "failed" not in s), key=lambda s: s["median_us"])
+        for top in ok[:3]:
+            bn, bk, split = top["config"][:3]
+            for w, st in itertools.product((4, 8), (3, 4, 5)):
+                cfg = (bn, bk, split, w, st)
+                if fits(cfg, elem):
+                    run_cfg(cfg)
+    row["sweep"] = sweep
+    ok = [s for s in sweep if "failed" not in s]
+    if ok:
+        best = min(ok, key=lambda s: s["median_us"])
+        row["best"] = {"config": best["config"], "median_us": best["median_us"], "TBps": best["TBps"]}
+    weights.clear()  # the timer holds the same list
+    torch.cuda.empty_cache()
+    log(row)
+    return row
+
+
+def fmt_row(r: dict) -> str:
+    fl, he = r["f_linear"], r["skinny_heuristic"]
+    best = r.get("best") or {"median_us": float("nan"), "TBps": float("nan"), "config": []}
+    return (f"{r['model']:<13} {r['layer']:<8} {r['n']:>6} {r['k']:>6} {r['m']:>3} | "
+            f"{fl['median_us']:8.1f} {fl['TBps']:5.2f} | {he['median_us']:8.1f} {he['TBps']:5.2f} "
+            f"{','.join(map(str, r['heuristic_config'])):<16} | {best['median_us']:8.1f} {best['TBps']:5.2f} "
+            f"{','.join(map(str, best['config'])):<16} | {r['error_skinny']['rel_to_max']:.1e} "
+            f"{r['error_f_linear']['rel_to_max']:.1e}")
+
+
+HEADER = (f"{'model':<13} {'layer':<8} {'N':>6} {'K':>6} {'M':>3} | {'F.linear':>8} {'TB/s':>5} | "
+          f"{'heur us':>8} {'TB/s':>5} {'heur cfg':<16} | {'best us':>8} {'TB/s':>5} {'best cfg':<16} | err: skinny F.linear (max abs / max |fp32 ref|)")
+
+
+def suggest_overrides(rows: list[dict], gain: float) -> dict:
+    out = {}
+    for r in sorted(rows, key=lambda r: r["m"]):
+        best = r.get("best")
+        if best and best["median_us"] < r["skinny_heuristic"]["median_us"] * (1 - gain):
+            key = (sg.m_bucket(r["m"]), r["n"], r["k"], r["weight_bytes"] // (r["n"] * r["k"]))
+            # several M of one bucket: keep the config of the largest M (the bucket's worst case for x)
+            out[key] = tuple(best["config"])
+    return out
+
+
+def main() -> int:
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3.1-8b,llama3.1-70b", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU")
+    ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
+    ap.add_argument("--layers", default="qkv,o,gate_up,down")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--weights", type=int, default=20, help="distinct weight tensors per graph (raised so that "
+                    "they total >= 3x L2)")
+    ap.add_argument("--replays", type=int, default=20, help="timed graph replays per method")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed graph replays first")
+    ap.add_argument("--sweep", default="small", choices=["none", "small", "full"])
+    ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth test (0: skip)")
+    ap.add_argument("--override-gain", type=float, default=0.03,
+                    help="suggest an override where the best config is this much faster than the heuristic")
+    ap.add_argument("--json", default=None, help="write settings, machine, versions and raw times here")
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        print("gpu_gemm_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if sg.triton is None:
+        print("gpu_gemm_bench: needs Triton", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
+    ms = [int(v) for v in args.m.split(",")]
+    if any(not 1 <= m <= sg.MAX_M for m in ms):
+        raise SystemExit(f"--m values must be in 1..{sg.MAX_M}, got {ms}")
+    models = [s for s in args.models.split(",") if s]
+    layers = [s for s in args.layers.split(",") if s]
+    for mdl in models:
+        if mdl not in MODELS:
+            raise SystemExit(f"unknown model {mdl!r}; known: {', '.join(MODELS)}")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 F.linear as an exact fp32 GEMM (as skinny_linear)
+    props = torch.cuda.get_device_properties(0)
+    num_sms = props.multi_processor_count
+    device_info = {"name": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+                   "num_sms": num_sms, "l2_bytes": getattr(props, "L2_cache_size", None),
+                   "total_memory": props.total_memory}
+    print(f"{device_info['name']}: {num_sms} SMs, L2 {device_info['l2_bytes']} B; "
+          f"torch {torch.__version__}, triton {sg.triton.__version__}", flush=True)
+
+    copy = copy_bandwidth(args.copy_gib) if args.copy_gib > 0 else None
+    if copy:
+        print(f"copy {args.copy_gib} GiB: {copy['median_us']:.0f} us, {copy['TBps_read_plus_write']:.2f} TB/s "
+              "(read + write)", flush=True)
+
+    settings = vars(args)
+    rows: list[dict] = []
+    t0 = time.time()
+
+    def save(complete: bool):
+        if args.json:
+            from spanllm.bench.report import write_json
+            write_json(args.json, "gpu_gemm_bench", settings, rows, device=device_info, copy=copy,
+                       complete=complete, elapsed_s=time.time() - t0,
+                       suggested_overrides={str(k): list(v) for k, v in
+                                            suggest_overrides(rows, args.override_gain).items()})
+
+    print(HEADER, flush=True)
+    for mdl in models:
+        shapes = shapes_for(mdl, args.tp)
+        for layer in layers:
+            n, k = shapes[layer]
+            for m in ms:
+                rows.append(bench_case(args, mdl, layer, n, k, m, dtype, num_sms,
+                                       lambda r: print(fmt_row(r), flush=True)))
+                save(False)
+    save(True)
+
+    if copy:
+        print(f"\nceiling: copy {copy['TBps_read_plus_write']:.2f} TB/s (read + write)")
+    print("\nsuggested CONFIG_OVERRIDES (m_bucket, N, K, element bytes) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages):")
+    print("CONFIG_OVERRIDES = {")
+    for key, cfg in sorted(suggest_overrides(rows, args.override_gain).items()):
+        print(f"    {key}: {cfg},")
+    print("}")
+    print(f"({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

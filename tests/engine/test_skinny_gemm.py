@@ -1,0 +1,299 @@
+"""skinny_linear (spanllm.engine.skinny_gemm) on CPU tensors under Triton's interpreter, its input checks
+and its config heuristic; on a GPU, also the compiled kernel against F.linear.
+
+Triton decides at import whether it interprets: `triton.jit` (and triton.language's own jit helpers,
+tl.zeros among them) build InterpretedFunctions only when TRITON_INTERPRET=1 is set before triton is
+first imported. In a normal session something imports triton first (the engine, inductor), so the
+interpreter tests run in a fresh child pytest over this file with TRITON_INTERPRET=1 from the start
+(`test_interpreter_suite`); in the parent they skip, saying so. The GPU test runs in the parent, on
+compiled kernels.
+
+Exactness: inputs are small integers (-2..2), so every product and partial sum is an integer far below
+2^24, exact in the fp32 accumulator in any order; the output then equals the fp32 reference rounded
+once to the output dtype, bit for bit, with or without split-K.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+from spanllm.engine import skinny_gemm as gemm  # noqa: E402  (after the importorskip)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+SHAPES_TP2 = {  # (N, K) per GPU at TP 2
+    "70b": [(5120, 8192), (8192, 4096), (28672, 8192), (8192, 14336)],
+    "8b": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
+}
+
+
+def _interpreter_shims(monkeypatch):
+    """Two gaps of Triton 3.6's interpreter, patched while a test runs (the GPU path needs neither):
+
+    - it turns a scalar into an int with int(array of shape (1,)), which numpy >= 2.4 refuses
+      (triton-lang/triton#9171), so every loop with a runtime bound fails: apply the upstream fix
+      (squeeze first), only where numpy needs it;
+    - it stores bf16 as raw uint16 bits and its tl.dot multiplies those bits as integers: widen bf16
+      operands to fp32 first (exact: every bf16 is an fp32), which is what the tensor cores compute.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        orig_patch = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope):
+            orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+    orig_dot = interpreter.InterpreterBuilder.create_dot
+    bf16 = triton.language.bfloat16
+
+    def widen(h):
+        if h.dtype.scalar != bf16:
+            return h
+        data = interpreter._convert_float(h.data, bf16, triton.language.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, triton.language.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _probe_interpreter():
+    """Run a trivial kernel on a CPU tensor; the error if the interpreter cannot (so the real tests skip,
+    while a bug in the GEMM kernels still fails them)."""
+    tl = triton.language
+
+    def copy(src, dst, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        for _ in tl.range(0, tl.program_id(0) + 1):  # a runtime loop bound, as in the GEMM kernel
+            tl.store(dst + offs, tl.load(src + offs))
+
+    try:
+        kernel = triton.jit(copy)
+        src, dst = torch.arange(32, dtype=torch.float32), torch.zeros(32)
+        kernel[(2,)](src, dst, BLOCK=16)
+    except Exception as e:  # noqa: BLE001 - any failure here means "no interpreter on CPU tensors"
+        return repr(e)
+    return None if torch.equal(src, dst) else f"the probe copied {dst}"
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """The interpreter (in the child pytest of test_interpreter_suite); skip if it cannot run kernels on
+    CPU tensors there (the parent then fails: it counts the child's passes)."""
+    if not INTERPRETED:
+        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
+    _interpreter_shims(monkeypatch)
+    if not gemm._interpreting():
+        pytest.skip("the kernels were not built by Triton's interpreter")
+    error = _probe_interpreter()
+    if error is not None:
+        pytest.skip(f"Triton's interpreter cannot run kernels on CPU tensors here: {error}")
+    return gemm
+
+
+def _ints(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2, 3, shape, generator=g).to(dtype)
+
+
+def _expect(x, w):
+    return (x.float().reshape(-1, x.shape[-1]) @ w.float().T).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+# (N, K, config): K tail + N tail, split 1 and 3 (last chunk 8 of 96 elements); even K and N, split 4.
+CASES = [
+    (70, 200, (32, 64, 1, 4, 3)),
+    (70, 200, (32, 32, 3, 4, 2)),
+    (64, 256, (32, 32, 4, 4, 3)),
+    (70, 200, None),  # the heuristic
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k,config", CASES)
+def test_exact_small_integers(interp, dtype, m, n, k, config):
+    x = _ints(m, k, dtype=dtype, seed=m)
+    w = _ints(n, k, dtype=dtype, seed=100 + n)
+    y = interp.skinny_linear(x, w, config=config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.equal(y, _expect(x, w))
+
+
+def test_split_k_forced_by_override_table(interp, monkeypatch):
+    m, n, k = 5, 70, 200
+    cfg = (32, 32, 3, 4, 2)
+    monkeypatch.setitem(interp.CONFIG_OVERRIDES, (interp.m_bucket(m), n, k, 2), cfg)
+    assert interp.choose_config(m, n, k, 132) == cfg
+    assert interp.effective_split_k(k, 32, 3) == 3
+    x, w = _ints(m, k, dtype=torch.bfloat16, seed=1), _ints(n, k, dtype=torch.bfloat16, seed=2)
+    assert torch.equal(interp.skinny_linear(x, w), _expect(x, w))
+
+
+def test_3d_input_and_strided_x(interp):
+    b, t, n, k = 2, 3, 40, 96
+    x = _ints(b, t, k, dtype=torch.bfloat16, seed=3)
+    w = _ints(n, k, dtype=torch.bfloat16, seed=4)
+    y = interp.skinny_linear(x, w, config=(16, 32, 2, 4, 2))
+    assert y.shape == (b, t, n)
+    assert torch.equal(y, _expect(x, w))
+    # rows with a gap between them (a slice of a wider tensor): x's row stride is passed through
+    wide = _ints(4, 2 * k, dtype=torch.float32, seed=5)
+    xs = wide[:, :k]
+    assert xs.stride() == (2 * k, 1)
+    assert torch.equal(interp.skinny_linear(xs, w.float(), config=(16, 32, 1, 4, 2)), _expect(xs, w.float()))
+
+
+def test_random_values_close_and_deterministic(interp):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 300, generator=g)
+    w = torch.randn(50, 300, generator=g)
+    y1 = interp.skinny_linear(x, w, config=(16, 32, 4, 4, 2))
+    y2 = interp.skinny_linear(x, w, config=(16, 32, 4, 4, 2))
+    assert torch.equal(y1, y2)
+    torch.testing.assert_close(y1, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
+
+
+# The tests that take the `interp` fixture, and how many cases they have in all.
+INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close"
+INTERPRETER_TESTS = 4 * 3 * 4 + 3
+
+
+def test_interpreter_suite():
+    """This file again in a child pytest with TRITON_INTERPRET=1: every interpreter test must pass there."""
+    if INTERPRETED:
+        pytest.skip("this is the child")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                          "-k", INTERPRETER_SELECTION],
+                         capture_output=True, text=True, timeout=600, env=env)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
+    assert passed == INTERPRETER_TESTS and "skipped" not in summary, summary
+
+
+def test_input_errors():
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"M=17 rows .*limit M <= 16.*torch\.nn\.functional\.linear"):
+        gemm.skinny_linear(torch.zeros(17, 32, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"M=18 .*\(x shape \(2, 9, 32\)\)"):
+        gemm.skinny_linear(torch.zeros(2, 9, 32, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"dtype mismatch: x is torch.float16, weight is torch.bfloat16"):
+        gemm.skinny_linear(torch.zeros(1, 32, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match=r"K mismatch: x has K=16 .*weight has K=32"):
+        gemm.skinny_linear(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"weight must be contiguous"):
+        gemm.skinny_linear(torch.zeros(1, 8, dtype=torch.bfloat16), w.t())
+    with pytest.raises(ValueError, match=r"not supported"):
+        gemm.skinny_linear(torch.zeros(1, 32, dtype=torch.float64), torch.zeros(8, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"power of two"):
+        gemm.skinny_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w, config=(48, 32, 1, 4, 2))
+
+
+def test_available():
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert not gemm.skinny_gemm_available(torch.zeros(1, 32, dtype=torch.bfloat16), w)  # CPU tensors
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert gemm.skinny_gemm_available(torch.zeros(16, 32, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not gemm.skinny_gemm_available(torch.zeros(17, 32, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not gemm.skinny_gemm_available(torch.zeros(1, 32, dtype=torch.float16, device="cuda"), wc)
+
+
+def test_without_triton():
+    """The module imports without Triton; skinny_linear then says so."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('sg', {str(gemm.__file__)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "import torch\n"
+        "assert m.triton is None and not hasattr(m, '_skinny_gemm_kernel')\n"
+        "assert not m.skinny_gemm_available(torch.zeros(1, 4), torch.zeros(2, 4))\n"
+        "assert m.choose_config(1, 5120, 8192, 132)\n"
+        "try:\n    m.skinny_linear(torch.zeros(1, 4), torch.zeros(2, 4))\n"
+        "except RuntimeError as e:\n    print('raised:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "raised: skinny_linear needs Triton" in out.stdout
+
+
+@pytest.mark.parametrize("num_sms", [132, 78])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_choose_config_on_llama_shapes(m, num_sms, monkeypatch):
+    """The heuristic (the measured overrides set aside) fills the SMs with valid, non-empty splits."""
+    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {})
+    for n, k in SHAPES_TP2["70b"] + SHAPES_TP2["8b"]:
+        cfg = gemm.choose_config(m, n, k, num_sms)
+        assert cfg == gemm.choose_config(m, n, k, num_sms)  # a pure function
+        bn, bk, split, warps, stages = cfg
+        assert bn in (32, 64, 128) and bk in (128, 256) and warps in (4, 8) and 2 <= stages <= 5
+        assert gemm.effective_split_k(k, bk, split) == split  # no empty splits
+        chunk = gemm.split_k_chunk(k, bk, split)
+        assert chunk % bk == 0 and chunk * split >= k and chunk * (split - 1) < k
+        programs = math.ceil(n / bn) * split
+        assert programs >= num_sms, (m, n, k, cfg, programs)
+        assert (bn + 16) * bk * 2 * stages <= 200 * 1024  # shared memory of the pipeline
+
+
+def test_config_overrides_are_valid_and_used():
+    """Every measured override launches (power-of-two tiles, non-empty splits, its bf16 pipeline fits in
+    shared memory) and wins for bf16 only: the fp32 key is absent, so fp32 takes the heuristic."""
+    assert gemm.CONFIG_OVERRIDES
+    for (mb, n, k, elem), cfg in gemm.CONFIG_OVERRIDES.items():
+        assert elem == 2 and mb == gemm.m_bucket(mb) and (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"]
+        c = gemm._check_config(cfg)
+        assert gemm.effective_split_k(k, c.block_k, c.split_k) == c.split_k
+        assert (c.block_n + 16) * c.block_k * elem * c.num_stages <= 227 * 1024
+        assert gemm.choose_config(mb, n, k, 132) == c
+        heuristic = gemm.choose_config(mb, n, k, 132, elem_bytes=4)
+        assert (heuristic.block_n + 16) * heuristic.block_k * 4 * heuristic.num_stages <= 227 * 1024
+
+
+def test_choose_config_small_and_fp32():
+    bn, bk, split, _, _ = gemm.choose_config(3, 70, 200, 132)
+    assert bk == 256 and split == 1  # one K tile: no split
+    bn, bk, split, _, _ = gemm.choose_config(1, 5120, 8192, 132, elem_bytes=4)
+    assert bk in (128, 256) and gemm.split_k_chunk(8192, bk, split) % bk == 0
+
+
+def test_m_bucket():
+    assert [gemm.m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_matches_f_linear(dtype):
+    real = gemm  # compiled kernels (the parent session: TRITON_INTERPRET unset)
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 in the environment")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 5, 16):
+        for n, k, cfg in [(5120, 8192, None), (1000, 1000, None), (1000, 1000, (64, 128, 4, 4, 3))]:
+            x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+            w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+            y = real.skinny_linear(x, w, config=cfg)
+            ref = F.linear(x.double(), w.double())
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+            assert torch.equal(y, real.skinny_linear(x, w, config=cfg))
