@@ -36,7 +36,7 @@ OUTDIR="${SPANLLM_GPU_OUT:-results/gpu_run}"
 mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench engine engine70b study)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study)
 # Tuning tables: $TUNING if given, else this run's (the tune stage's) tables once they exist, else the
 # committed ones. Decided at every use, so stages after `tune` use what it just measured.
 USER_TUNING="${TUNING:-}"
@@ -129,7 +129,7 @@ for stage in "${STAGES[@]}"; do
       log "engine smoke"
       pick_tuning
       timeout 300 $TR -m spanllm.cli bench batch --model llama3.1-8b:layers=4 --batch-sizes 1,8 --decode-len 32 \
-        --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" --json "$OUTDIR/smoke_8b_layers4.json" || rc=1
+        --iters 1 --allreduce nccl,nvrar --tuning "$TUNING" --decode-gemm "$DGEMM" --json "$OUTDIR/smoke_8b_layers4$GSUF.json" || rc=1
       ;;
     engine)
       log "bench batch 8B"
@@ -159,9 +159,9 @@ for stage in "${STAGES[@]}"; do
         for wl in ${STUDY_WORKLOADS:-decode-heavy prefill-heavy}; do
           log "bench study $model $wl"
           timeout "${STUDY_TIMEOUT:-580}" $TR -m spanllm.cli bench study --model "$model" --workload "$wl" --batch-sizes "${STUDY_BATCHES:-1,8,64}" \
-            --iters 1 --breakdown-steps "${BREAKDOWN_STEPS:-8}" --allreduce nccl,nvrar --tuning "$TUNING" \
+            --iters 1 --breakdown-steps "${BREAKDOWN_STEPS:-8}" --allreduce nccl,nvrar --tuning "$TUNING" --decode-gemm "$DGEMM" \
             ${STUDY_PP:+--pp "$STUDY_PP"} --micro-batches "${STUDY_MB:-1,pp}" \
-            --json "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}.json" --plot "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}.png" || rc=1
+            --json "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}$GSUF.json" --plot "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}$GSUF.png" || rc=1
         done
       done
       ;;

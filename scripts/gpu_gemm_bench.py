@@ -7,7 +7,9 @@ method that runs the GEMM over --weights different weight tensors in turn (toget
 cache, so every weight comes from HBM, as in a decode step that walks the layers); the graph is replayed
 --replays times, each timed with CUDA events. Reported: microseconds per GEMM (median over replays;
 replay time / weights, so the gaps between kernels in a graph count, as they do in decode) and achieved
-bandwidth = weight bytes / time. Methods: F.linear, skinny_linear with choose_config's heuristic, and a
+bandwidth = weight bytes / time. Methods: F.linear, skinny_linear with choose_config's heuristic (the
+measured table CONFIG_OVERRIDES set aside; files of 2026-11-30 predate the table, so there it is the
+same), skinny_linear with the table's config where the table has one (`skinny_table`), and a
 sweep of explicit configs (--sweep small: BLOCK_N x BLOCK_K x SPLIT_K at the heuristic's warps/stages,
 then num_warps x num_stages around the best three; --sweep full: the whole grid; --sweep none).
 skinny_linear is checked against F.linear and an fp32 reference (max abs error / max |reference|).
@@ -169,15 +171,20 @@ def bench_case(args, model, layer, n, k, m, dtype, num_sms, log) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = x.float() @ weights[0].float().T
     torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    heur = sg.choose_config(m, n, k, num_sms, elem)
-    y = sg.skinny_linear(x, weights[0])
+    # The heuristic alone (the measured table set aside), and the table's config where it has one.
+    heur = sg.choose_config(m, n, k, num_sms, elem, use_table=False)
+    table = sg.table_config(m, n, k, elem)
+    y = sg.skinny_linear(x, weights[0], config=heur)
     row["heuristic_config"] = list(heur)
+    row["table_config"] = list(table) if table is not None else None
     row["error_skinny"] = errors(y, ref)
     row["error_f_linear"] = errors(F.linear(x, weights[0]), ref)
-    row["deterministic"] = bool(torch.equal(y, sg.skinny_linear(x, weights[0])))
+    row["deterministic"] = bool(torch.equal(y, sg.skinny_linear(x, weights[0], config=heur)))
 
     row["f_linear"] = summarize(timer.time(F.linear), wbytes)
-    row["skinny_heuristic"] = summarize(timer.time(sg.skinny_linear), wbytes)
+    row["skinny_heuristic"] = summarize(timer.time(lambda a, b: sg.skinny_linear(a, b, config=heur)), wbytes)
+    if table is not None:
+        row["skinny_table"] = summarize(timer.time(lambda a, b: sg.skinny_linear(a, b, config=table)), wbytes)
 
     sweep = []
 

@@ -250,8 +250,16 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "cuda_graphs": llm.cuda_graphs, "compile_decode": llm.engine.compile_decode,
         "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None,
         "compile_scope": llm.engine.compile_scope if llm.engine.compile_decode else None,
-        "decode_gemm": llm.engine.decode_gemm, "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
+        "decode_gemm": llm.engine.decode_gemm, "decode_gemm_configs": _skinny_table_id(llm.engine.decode_gemm), "iters": s.iters, "ttft_ms_all": ttft, "e2e_ms_all": e2e,
     }
+
+
+def _skinny_table_id(decode_gemm: str) -> str | None:
+    """Which measured config table the skinny GEMM ran with (its fingerprint), for decode_gemm="skinny"."""
+    if decode_gemm != "skinny":
+        return None
+    from spanllm.engine.skinny_gemm import table_id
+    return table_id()
 
 
 def run_layout(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: list[int],

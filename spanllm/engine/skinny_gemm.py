@@ -30,9 +30,10 @@ Why no atomics
     (a replay, a rerun and a TP peer must see bit-identical logits).
 
 Config
-    `choose_config` is a pure function of (M, N, K, #SMs): no benchmarking at call time, so
-    `skinny_linear` can be called during CUDA-graph capture (triton.autotune would time kernels
-    there). A tuning script (scripts/gpu_gemm_bench.py) can fill `CONFIG_OVERRIDES`.
+    `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
+    `CONFIG_OVERRIDES`: no benchmarking at call time, so `skinny_linear` can be called during CUDA-graph
+    capture (triton.autotune would time kernels there). The table holds configs measured by
+    scripts/gpu_gemm_bench.py; shapes it lacks take a cost-model heuristic.
 
 The module imports without Triton (CI has none): the kernels exist only where Triton does, and
 `skinny_linear` raises a RuntimeError without it.
@@ -70,12 +71,16 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-# (m_bucket, n, k, element bytes) -> config; m_bucket = m_bucket(M) (1, 2, 4, 8 or 16); other shapes and
-# dtypes use the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
+# (m_bucket, n, k, element bytes) -> config; m_bucket = m_bucket(M) (1, 2, 4, 8 or 16). An M whose bucket
+# has no entry takes the nearest measured bucket of the same (n, k, element bytes) (`table_config`): the
+# kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and dtypes without any
+# entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
 # The entries are the fastest config of `scripts/gpu_gemm_bench.py --sweep small` on one H200 for the
-# Llama 3.1 8B / 70B projections at TP=2, M = 1 and 8 (results/h200x2/gemm_sweep_tp2{,_mlp}.json,
-# 2026-11-30); on another GPU they are a starting point, not a measurement. Comments: that config's time
-# per GEMM against F.linear's (cuBLAS) in the same run, microseconds.
+# Llama 3.1 8B / 70B projections at TP=2, M = 1 and 8 (results/h200x2/gemm_sweep_tp2_attn.json for qkv
+# and o, gemm_sweep_tp2_mlp.json for gate_up and down, 2026-11-30); on another GPU they are a starting
+# point, not a measurement. Comments: that config's time per GEMM against F.linear's (cuBLAS) in the same
+# run, microseconds (8B o, and 70B gate_up at M=1, stay slightly behind cuBLAS; they are kept because the
+# engine runs of 11-30 measured this table as it is).
 CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {
     (1, 5120, 8192, 2): (32, 128, 2, 4, 4),  # 70B qkv: 24.2 vs 25.5
     (8, 5120, 8192, 2): (64, 256, 1, 4, 5),  # 23.1 vs 27.0
@@ -138,19 +143,39 @@ _X_L2_WEIGHT = 0.4  # cost of a byte of x from L2 relative to a byte of W from H
 _PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2) -> SkinnyConfig:
+def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | None:
+    """The measured config for this shape: CONFIG_OVERRIDES at M's bucket, else at the nearest bucket of the
+    same (n, k, elem_bytes) (ties: the larger bucket); None when the table has no entry for the shape."""
+    buckets = [mb for (mb, n2, k2, e2) in CONFIG_OVERRIDES if (n2, k2, e2) == (n, k, elem_bytes)]
+    if not buckets:
+        return None
+    want = m_bucket(m)
+    mb = min(buckets, key=lambda b: (abs(b.bit_length() - want.bit_length()), -b))
+    return _check_config(CONFIG_OVERRIDES[(mb, n, k, elem_bytes)])
+
+
+def table_id() -> str:
+    """A short fingerprint of CONFIG_OVERRIDES, recorded with engine rows that ran the skinny GEMM."""
+    import hashlib
+    text = repr(sorted(CONFIG_OVERRIDES.items()))
+    return f"{len(CONFIG_OVERRIDES)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use_table: bool = True) -> SkinnyConfig:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for x [m, k] @ W[n, k]^T; deterministic.
 
-    CONFIG_OVERRIDES[(m_bucket(m), n, k, elem_bytes)] wins. Otherwise a small cost model: the kernel takes as long
+    The measured table wins (`table_config`; use_table=False skips it, for benchmarks of the heuristic).
+    Otherwise a small cost model: the kernel takes as long
     as its most loaded SM needs to stream its programs' W bytes (programs are equal-sized, so an SM gets
     ceil(programs / num_sms) of them; each also re-reads its x tiles from L2 and pays a fixed cost),
     plus, for split-K, the fp32 partials (written and read back) and one more kernel. Candidates with
     >= num_sms programs win (an idle SM is bandwidth never used); split chunks keep >= 2 K tiles (else
     the pipeline has nothing to overlap). Near-ties (1%) go to fewer splits, then to larger BLOCK_N.
     """
-    override = CONFIG_OVERRIDES.get((m_bucket(m), n, k, elem_bytes))
-    if override is not None:
-        return _check_config(override)
+    if use_table:
+        measured = table_config(m, n, k, elem_bytes)
+        if measured is not None:
+            return measured
     best, best_key = None, None
     for block_n in (128, 64, 32):
         # A W tile of up to 32 KiB, BLOCK_K 128-256 (a row of the tile: 256-1024 contiguous bytes, whole

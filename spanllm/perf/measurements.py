@@ -150,11 +150,13 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
             rows = doc.get("rows", [])
             # The engine constants are per-layer costs of the eager forward replayed in CUDA graphs with
             # F.linear; a torch.compile'd step or the skinny GEMM is another kernel mix, not predicted.
-            other = [r for r in rows if r.get("compile_decode") or r.get("decode_gemm", "torch") != "torch"]
+            def modelled(r: dict) -> bool:
+                return not r.get("compile_decode") and r.get("decode_gemm", "torch") == "torch"
+            other = [r for r in rows if not modelled(r)]
             if other:
                 skipped.append(f"{path}: {len(other)} rows with a compiled decode step or decode_gemm='skinny': "
                                "the engine model's constants describe the eager forward with F.linear")
-            eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in rows if row not in other]
+            eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in rows if modelled(row)]
         else:
             skipped.append(f"{path}: kind={kind!r} is not a measurement the model predicts")
     return ar, eng, skipped

@@ -25,8 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
-from spanllm.engine import skinny_gemm as gemm  # noqa: E402  (after the importorskip)
+from spanllm.engine import skinny_gemm as gemm  # imports without Triton (CI): the config tests run there too
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -34,6 +33,10 @@ SHAPES_TP2 = {  # (N, K) per GPU at TP 2
     "70b": [(5120, 8192), (8192, 4096), (28672, 8192), (8192, 14336)],
     "8b": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
 }
+
+
+def _triton():
+    return pytest.importorskip("triton")
 
 
 def _interpreter_shims(monkeypatch):
@@ -46,6 +49,7 @@ def _interpreter_shims(monkeypatch):
       operands to fp32 first (exact: every bf16 is an fp32), which is what the tensor cores compute.
     """
     import numpy as np
+    triton = _triton()
     from triton.runtime import interpreter
 
     try:
@@ -77,6 +81,7 @@ def _interpreter_shims(monkeypatch):
 def _probe_interpreter():
     """Run a trivial kernel on a CPU tensor; the error if the interpreter cannot (so the real tests skip,
     while a bug in the GEMM kernels still fails them)."""
+    triton = _triton()
     tl = triton.language
 
     def copy(src, dst, BLOCK: tl.constexpr):
@@ -99,6 +104,7 @@ def interp(monkeypatch):
     CPU tensors there (the parent then fails: it counts the child's passes)."""
     if not INTERPRETED:
         pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
+    _triton()
     _interpreter_shims(monkeypatch)
     if not gemm._interpreting():
         pytest.skip("the kernels were not built by Triton's interpreter")
@@ -140,7 +146,7 @@ def test_exact_small_integers(interp, dtype, m, n, k, config):
 def test_split_k_forced_by_override_table(interp, monkeypatch):
     m, n, k = 5, 70, 200
     cfg = (32, 32, 3, 4, 2)
-    monkeypatch.setitem(interp.CONFIG_OVERRIDES, (interp.m_bucket(m), n, k, 2), cfg)
+    monkeypatch.setattr(interp, "CONFIG_OVERRIDES", {(interp.m_bucket(m), n, k, 2): cfg})
     assert interp.choose_config(m, n, k, 132) == cfg
     assert interp.effective_split_k(k, 32, 3) == 3
     x, w = _ints(m, k, dtype=torch.bfloat16, seed=1), _ints(n, k, dtype=torch.bfloat16, seed=2)
@@ -180,7 +186,9 @@ def test_interpreter_suite():
     """This file again in a child pytest with TRITON_INTERPRET=1: every interpreter test must pass there."""
     if INTERPRETED:
         pytest.skip("this is the child")
+    _triton()
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("PYTEST_ADDOPTS", None)  # e.g. a --junitxml of the parent's: the child must not overwrite it
     out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
                           "-k", INTERPRETER_SELECTION],
                          capture_output=True, text=True, timeout=600, env=env)
@@ -191,6 +199,7 @@ def test_interpreter_suite():
 
 
 def test_input_errors():
+    _triton()  # without Triton skinny_linear raises before checking inputs (test_without_triton)
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"M=17 rows .*limit M <= 16.*torch\.nn\.functional\.linear"):
         gemm.skinny_linear(torch.zeros(17, 32, dtype=torch.bfloat16), w)
@@ -269,6 +278,21 @@ def test_config_overrides_are_valid_and_used():
         assert (heuristic.block_n + 16) * heuristic.block_k * 4 * heuristic.num_stages <= 227 * 1024
 
 
+def test_table_lookup_takes_the_nearest_measured_bucket(monkeypatch):
+    """Buckets without an entry take the nearest measured one of the same shape and element size (ties: the
+    larger); another shape or dtype, or use_table=False, takes the heuristic."""
+    a, b = (32, 128, 2, 4, 4), (64, 256, 1, 4, 5)
+    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {(1, 5120, 8192, 2): a, (8, 5120, 8192, 2): b})
+    got = {m: tuple(gemm.table_config(m, 5120, 8192)) for m in (1, 2, 3, 4, 5, 8, 9, 16)}
+    assert got == {1: a, 2: a, 3: b, 4: b, 5: b, 8: b, 9: b, 16: b}
+    assert gemm.table_config(1, 5120, 8192, elem_bytes=4) is None and gemm.table_config(1, 5120, 4096) is None
+    heuristic = gemm.choose_config(1, 5120, 8192, 132, use_table=False)
+    assert gemm.choose_config(1, 5120, 8192, 132) == a and heuristic == gemm.choose_config(1, 5120, 4096 * 2, 132, 2, False)
+    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {})
+    assert gemm.choose_config(1, 5120, 8192, 132) == heuristic
+    assert gemm.table_id().startswith("0 entries, sha1 ")
+
+
 def test_choose_config_small_and_fp32():
     bn, bk, split, _, _ = gemm.choose_config(3, 70, 200, 132)
     assert bk == 256 and split == 1  # one K tile: no split
@@ -284,6 +308,7 @@ def test_m_bucket():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_matches_f_linear(dtype):
+    _triton()
     real = gemm  # compiled kernels (the parent session: TRITON_INTERPRET unset)
     if INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1 in the environment")
