@@ -32,18 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from spanllm.engine import skinny_gemm as sg
+from spanllm.perf.model_shape import get_model
 
-# Model dimensions (the models' HF config.json; also spanllm/model_sizes.py):
-# (hidden, num_heads, head_dim, num_kv_heads, intermediate).
-MODELS = {
-    "llama3.1-8b": (4096, 32, 128, 8, 14336),
-    "llama3.1-70b": (8192, 64, 128, 8, 28672),
-}
-# The (N, K) they give per GPU at TP 2, written out as a check on shapes_for():
+# The (N, K) of each projection per GPU at TP 2, written out as a check on shapes_for():
 #   qkv     N = (heads + 2 kv_heads) * head_dim / tp   K = hidden
 #   o       N = hidden                                  K = heads * head_dim / tp
-#   gate_up N = 2 * intermediate / tp                   K = hidden
-#   down    N = hidden                                  K = intermediate / tp
+#   gate_up N = 2 * ffn / tp                            K = hidden
+#   down    N = hidden                                  K = ffn / tp
 EXPECTED_TP2 = {
     "llama3.1-70b": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
     "llama3.1-8b": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},
@@ -53,12 +48,17 @@ SMEM_LIMIT = 227 * 1024  # H100/H200 shared memory per block; configs above it c
 
 
 def shapes_for(model: str, tp: int) -> dict[str, tuple[int, int]]:
-    hidden, heads, head_dim, kv, inter = MODELS[model]
-    if heads % tp or kv % tp or inter % tp:
-        raise SystemExit(f"{model}: tp={tp} does not divide heads={heads}, kv_heads={kv}, intermediate={inter}")
-    shapes = {"qkv": ((heads + 2 * kv) * head_dim // tp, hidden), "o": (hidden, heads * head_dim // tp),
-              "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp)}
-    if tp == 2:
+    """Sizes from spanllm.perf.model_shape (the table the engine's presets are built from)."""
+    try:
+        m = get_model(model)
+    except ValueError as e:
+        raise SystemExit(f"--models: {e}") from e
+    heads, kv, ffn, d = m.heads, m.kv_heads, m.ffn, m.head_dim
+    if heads % tp or kv % tp or ffn % tp:
+        raise SystemExit(f"{model}: tp={tp} does not divide heads={heads}, kv_heads={kv}, ffn={ffn}")
+    shapes = {"qkv": ((heads + 2 * kv) * d // tp, m.hidden), "o": (m.hidden, heads * d // tp),
+              "gate_up": (2 * ffn // tp, m.hidden), "down": (m.hidden, ffn // tp)}
+    if tp == 2 and model in EXPECTED_TP2:
         assert shapes == EXPECTED_TP2[model], (model, shapes)
     return shapes
 
@@ -81,13 +81,6 @@ def grid_configs(k: int, elem: int, warps=(4, 8), stages=(3, 4, 5)) -> list[tupl
         if fits(cfg, elem) and cfg not in out:
             out.append(cfg)
     return out
-
-
-def default_launch(bn: int, bk: int, elem: int) -> tuple[int, int]:
-    """num_warps, num_stages for a tile, as choose_config picks them."""
-    warps = 8 if bn * bk * elem >= 32 * 1024 else 4
-    stages = max(2, min(4, sg._SMEM_BUDGET // ((bn + sg.BLOCK_M) * bk * elem)))
-    return warps, stages
 
 
 class Timer:
@@ -203,7 +196,7 @@ def bench_case(args, model, layer, n, k, m, dtype, num_sms, log) -> dict:
             run_cfg(cfg)
     elif args.sweep == "small":
         for bn, bk, split in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8)):
-            cfg = normalize((bn, bk, split, *default_launch(bn, bk, elem)), k)
+            cfg = normalize((bn, bk, split, *sg.launch_for_tile(bn, bk, elem)), k)
             if fits(cfg, elem):
                 run_cfg(cfg)
         ok = sorted((s for s in sweep if "failed" not in s), key=lambda s: s["median_us"])
@@ -253,7 +246,7 @@ def main() -> int:
     head, _, rest = __doc__.partition("\n\n")
     ap = argparse.ArgumentParser(description=head, epilog=rest,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="llama3.1-8b,llama3.1-70b", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--models", default="llama3.1-8b,llama3.1-70b", help="comma list of Llama 3.1 presets (8b, 70b, 405b)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU")
     ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
@@ -282,8 +275,7 @@ def main() -> int:
     models = [s for s in args.models.split(",") if s]
     layers = [s for s in args.layers.split(",") if s]
     for mdl in models:
-        if mdl not in MODELS:
-            raise SystemExit(f"unknown model {mdl!r}; known: {', '.join(MODELS)}")
+        shapes_for(mdl, args.tp)  # a bad name or tp fails before any GPU work
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 F.linear as an exact fp32 GEMM (as skinny_linear)
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count

@@ -202,10 +202,15 @@ def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use
             if best_key is None or key < best_key:
                 best, best_key = (block_n, block_k, split), key
     block_n, block_k, split = best
+    return SkinnyConfig(block_n, block_k, split, *launch_for_tile(block_n, block_k, elem_bytes))
+
+
+def launch_for_tile(block_n: int, block_k: int, elem_bytes: int) -> tuple[int, int]:
+    """(num_warps, num_stages) the heuristic gives a tile: 8 warps from a 32 KiB W tile up, and as many
+    pipeline stages (2-4) as the W + x tiles of one stage fit in _SMEM_BUDGET."""
     tile_bytes = (block_n + BLOCK_M) * block_k * elem_bytes  # W + x tile: shared memory per stage
     num_warps = 8 if block_n * block_k * elem_bytes >= 32 * 1024 else 4
-    num_stages = max(2, min(4, _SMEM_BUDGET // tile_bytes))
-    return SkinnyConfig(block_n, block_k, split, num_warps, num_stages)
+    return num_warps, max(2, min(4, _SMEM_BUDGET // tile_bytes))
 
 
 if triton is not None:
