@@ -51,14 +51,14 @@ def demo_rank(ctx: DistContext, args) -> dict:
     from spanllm.engine.sampler import SamplingParams
 
     prompts = [[1, 5, 9, 2], [7, 3]]
-    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for algo in ("ref_hier", "gloo"):
         llm = LLM("tiny", EngineConfig(max_batch_size=2, max_seq_len=32, dtype=torch.float32),
                   dims=ParallelDims(tp=ctx.world_size, pp=1, world_size=ctx.world_size), allreduce=algo,
                   ranks_per_node=args.ranks_per_node)
         t0 = time.perf_counter()
-        res = llm.generate(prompts, params)
+        res = llm.generate_static(prompts, params)
         ms = (time.perf_counter() - t0) * 1e3
         tokens[algo] = res.token_ids
         if ctx.rank == 0:

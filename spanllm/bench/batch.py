@@ -182,15 +182,15 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     rng = random.Random(s.seed + batch)
     vocab = llm.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(s.prompt_len)] for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=s.decode_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=s.decode_len, ignore_eos=True)
     mb = min(micro_batches, batch)
     warmup_len = min(s.decode_len, WARMUP_DECODE_LEN)
     for _ in range(s.warmup):
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=warmup_len, ignore_eos=True),
+        llm.generate_static(prompts, SamplingParams(temperature=0.0, max_tokens=warmup_len, ignore_eos=True),
                      micro_batches=mb)
     ttft, e2e = [], []
     for _ in range(s.iters):
-        out = llm.generate(prompts, params, micro_batches=mb)
+        out = llm.generate_static(prompts, params, micro_batches=mb)
         per_rank = _gather((out.ttft_ms, out.e2e_ms)) if dist.is_initialized() else [(out.ttft_ms, out.e2e_ms)]
         ttft.append(max(r[0] for r in per_rank))
         e2e.append(max(r[1] for r in per_rank))
@@ -206,9 +206,9 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
             # selection, allocator growth) that hold the host back long enough to leave no step covered
             # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered). Short
             # prompts: its prefill is not what it warms up (a 2048-token 70B prefill at batch 64 takes 18 s).
-            llm.generate([p[:8] for p in prompts], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True),
+            llm.generate_static([p[:8] for p in prompts], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                          micro_batches=mb)
-            out = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=breakdown_steps + 1,
+            out = llm.generate_static(prompts, SamplingParams(temperature=0.0, max_tokens=breakdown_steps + 1,
                                                        ignore_eos=True), micro_batches=mb)
         finally:
             llm.timers.enabled = False

@@ -94,8 +94,8 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
     llm = LLM(cfg, engine, dims=ParallelDims(tp, args.pp, ctx.world_size), allreduce=args.allreduce,
               device=ctx.device, ranks_per_node=args.ranks_per_node)
     try:
-        params = SamplingParams(args.temperature, args.top_p, args.max_new_tokens, args.ignore_eos)
-        out = llm.generate(prompts, params)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+        out = llm.generate_static(prompts, params)
         texts = [tokenizer.decode(t) for t in out.token_ids] if tokenizer is not None else None
         return {"describe": llm.describe(), "allreduce_ran": llm.allreduce_ran(len(prompts)), "prompts": prompts,
                 "tokens": out.token_ids, "texts": texts, "ttft_ms": out.ttft_ms, "e2e_ms": out.e2e_ms}

@@ -2,7 +2,7 @@
 cache and its communicator, then generates.
 
     llm = LLM("llama3.1-8b", EngineConfig(max_batch_size=8, max_seq_len=1024), allreduce="nccl")
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))
+    out = llm.generate_static([[1, 2, 3]], SamplingParams(max_tokens=16))
 
 Run it on every rank of a job (torchrun, or `spanllm.launch.launch` on CPU). The all-reduce is
 injected: pass `comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a name registered in
@@ -206,9 +206,10 @@ class LLM:
                    if self.engine.decode_gemm == "skinny" else ""))
 
     # --- generation -----------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                 micro_batches: int | None = None, keep_logits: bool = False) -> GenerationOutput:
-        """Run prefill and decode for `prompts` (lists of token ids) on every rank; every rank returns the
+    def generate_static(self, prompts: list[list[int]], params: SamplingParams | None = None,
+                        micro_batches: int | None = None, keep_logits: bool = False) -> GenerationOutput:
+        """The static-batch fast path (`bench batch`, `bench study`): prefill and decode for `prompts`
+        (lists of token ids) as one fixed batch on every rank, any pipeline depth; every rank returns the
         same tokens. micro_batches overrides EngineConfig.micro_batches (pipeline schedule)."""
         params = params or SamplingParams()
         m = self.engine.micro_batches if micro_batches is None else micro_batches

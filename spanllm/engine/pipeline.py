@@ -19,7 +19,7 @@ Stopping: with pp=1 the loop ends when every sequence has produced a stop token 
 `ignore_eos`), checked every `EngineConfig.eos_check_interval` steps (default 16, one device->host
 sync per check; up to interval - 1 steps may run past the last stop, their tokens dropped, and
 `decode_steps` counts the steps that ran). With pp>1 middle stages never see tokens, so the loop always
-runs `max_new_tokens` steps and tokens after a stop token are dropped from the result (deciding
+runs `max_tokens` steps and tokens after a stop token are dropped from the result (deciding
 earlier would need a collective per step, which would serialize the stages).
 """
 
@@ -123,10 +123,10 @@ class PipelineExecutor:
         if any(len(p) == 0 for p in prompts):
             raise GenerationError("every prompt needs at least one token")
         lengths_host = [len(p) for p in prompts]
-        steps = params.max_new_tokens
+        steps = params.max_tokens
         if max(lengths_host) + steps - 1 > engine.max_seq_len:
             raise GenerationError(
-                f"longest prompt {max(lengths_host)} + max_new_tokens {steps} needs {max(lengths_host) + steps - 1} "
+                f"longest prompt {max(lengths_host)} + max_tokens {steps} needs {max(lengths_host) + steps - 1} "
                 f"cache positions but max_seq_len={engine.max_seq_len}; raise max_seq_len or shorten the request")
         chunks = split_batch(batch, micro_batches)
         dev, hidden, dtype = self.device, runner.hidden_size, engine.dtype
@@ -194,7 +194,7 @@ class PipelineExecutor:
         device, so the host only launches. Stop tokens are checked every `eos_check_interval` steps (one
         sync each); the tokens come to the host once, after the timed region. Returns (tokens [B, step],
         step): `step - 1` decode steps ran."""
-        runner, steps = self.runner, params.max_new_tokens
+        runner, steps = self.runner, params.max_tokens
         interval = runner.engine.eos_check_interval
         stops = (torch.tensor(stop_ids, dtype=torch.int64, device=self.device)
                  if stop_ids and not params.ignore_eos else None)
@@ -218,9 +218,9 @@ class PipelineExecutor:
 
     def _decode_pipelined(self, out: torch.Tensor, chunks: list[tuple[int, int]], lengths: torch.Tensor,
                           lengths_host: list[int], params: SamplingParams, kept: torch.Tensor | None) -> int:
-        """pp > 1: every stage runs `max_new_tokens` steps, exchanging activations and tokens each step.
+        """pp > 1: every stage runs `max_tokens` steps, exchanging activations and tokens each step.
         Returns the step count (`step - 1` decode steps ran)."""
-        g, runner, steps = self.groups, self.runner, params.max_new_tokens
+        g, runner, steps = self.groups, self.runner, params.max_tokens
         hidden, dtype = runner.hidden_size, runner.engine.dtype
         prev, nxt = g.prev_rank, g.next_rank
         first, last = g.is_first_stage, g.is_last_stage

@@ -16,7 +16,7 @@ import torch
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
-    max_new_tokens: int = 16
+    max_tokens: int = 16
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -24,8 +24,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
 
 
 class Sampler:

@@ -67,7 +67,7 @@ def engine_config(**kw) -> EngineConfig:
 
 
 def generate(llm: LLM, prompts, new_tokens: int, micro_batches: int = 1) -> dict:
-    out = llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+    out = llm.generate_static(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
                        micro_batches=micro_batches, keep_logits=True)
     return {"tokens": out.token_ids, "logits": out.logits}
 
@@ -75,7 +75,7 @@ def generate(llm: LLM, prompts, new_tokens: int, micro_batches: int = 1) -> dict
 def count_decode_allreduces(llm: LLM, comm: CountingComm, prompts) -> dict:
     """All-reduces of a prefill and of exactly one decode step (this rank's stage)."""
     comm.calls = 0
-    llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))  # prefill only
+    llm.generate_static(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill only
     prefill = comm.calls
     comm.calls = 0
     b = len(prompts)
@@ -103,7 +103,7 @@ def timed_receives(llm: LLM, prompts, new_tokens: int, micro_batches: int) -> in
     llm.timers.region = counting_region
     llm.timers.enabled = True
     try:
-        llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches)
+        llm.generate_static(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches)
     finally:
         llm.timers.enabled = False
         del llm.timers.region

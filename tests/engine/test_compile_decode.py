@@ -18,7 +18,7 @@ STEPS = 24
 
 
 def _generate(llm: LLM, **kw):
-    return llm.generate(PROMPTS, SamplingParams(max_new_tokens=STEPS, ignore_eos=True), keep_logits=True, **kw)
+    return llm.generate_static(PROMPTS, SamplingParams(max_tokens=STEPS, ignore_eos=True), keep_logits=True, **kw)
 
 
 def test_compile_decode_off_by_default():
@@ -34,7 +34,7 @@ def test_compiled_decode_tp1_equals_eager_and_transformers(hf_checkpoint, hf_ref
     single, _, _ = hf_checkpoint
     llm = LLM(single, engine_config(compile_decode=True, compile_backend="aot_eager"))
     assert llm.runner.compiled_decode and "compiled decode (aot_eager, layer)" in llm.describe()
-    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    out = llm.generate_static(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.token_ids == hf_reference[0]
     # Longer runs on the tiny preset: tokens equal eager decode, whole batch and micro-batched buckets.
     ref = _generate(LLM("tiny", engine_config(max_seq_len=128)))

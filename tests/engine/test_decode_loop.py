@@ -33,13 +33,13 @@ def per_step_reference(llm: LLM, prompts, params: SamplingParams, micro_batches:
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
     chunks = split_batch(len(prompts), micro_batches)
-    out = torch.zeros(len(prompts), params.max_new_tokens, dtype=torch.int64)
-    logits = torch.zeros(params.max_new_tokens, len(prompts), llm.config.vocab_size)
+    out = torch.zeros(len(prompts), params.max_tokens, dtype=torch.int64)
+    logits = torch.zeros(params.max_tokens, len(prompts), llm.config.vocab_size)
     for s0, b in chunks:
         y = runner.prefill(ids[s0: s0 + b, : max(lengths_host[s0: s0 + b])], lengths[s0: s0 + b], s0)
         logits[0, s0: s0 + b] = y
         out[s0: s0 + b, 0] = sampler(y, params)
-    for step in range(1, params.max_new_tokens):
+    for step in range(1, params.max_tokens):
         for s0, b in chunks:
             y = runner.decode(out[s0: s0 + b, step - 1: step], lengths[s0: s0 + b] + (step - 1), s0,
                               max(lengths_host[s0: s0 + b]) + step)
@@ -51,9 +51,9 @@ def per_step_reference(llm: LLM, prompts, params: SamplingParams, micro_batches:
 @pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_device_loop_equals_per_step_path(micro_batches, temperature):
-    params = SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=STEPS, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=STEPS, ignore_eos=True)
     ref_tokens, ref_logits = per_step_reference(_tiny(), PROMPTS, params, micro_batches)
-    out = _tiny().generate(PROMPTS, params, micro_batches=micro_batches, keep_logits=True)
+    out = _tiny().generate_static(PROMPTS, params, micro_batches=micro_batches, keep_logits=True)
     assert out.token_ids == ref_tokens
     assert out.decode_steps == STEPS - 1
     torch.testing.assert_close(out.logits, ref_logits, atol=1e-5, rtol=0)
@@ -61,16 +61,16 @@ def test_device_loop_equals_per_step_path(micro_batches, temperature):
 
 def test_device_loop_buckets_are_reused_and_reset():
     llm = _tiny()
-    p = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    first = llm.generate(PROMPTS, p).token_ids
-    assert llm.generate(PROMPTS, p).token_ids == first  # same bucket, buffers reset by start_steps
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = llm.generate_static(PROMPTS, p).token_ids
+    assert llm.generate_static(PROMPTS, p).token_ids == first  # same bucket, buffers reset by start_steps
     assert len(llm.runner._steps) == 1
-    llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True))
-    llm.generate(PROMPTS, p, micro_batches=3)
+    llm.generate_static(PROMPTS, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+    llm.generate_static(PROMPTS, p, micro_batches=3)
     assert len(llm.runner._steps) == 5  # (3, 0) greedy and sampled; (1, 0), (1, 1), (1, 2) greedy
     llm.runner.reset_graphs()
     assert not llm.runner._steps and llm.runner.captured_buckets == []
-    assert llm.generate(PROMPTS, p).token_ids == first
+    assert llm.generate_static(PROMPTS, p).token_ids == first
 
 
 def _expected(reference: list[list[int]], stop_ids: tuple[int, ...], interval: int, steps: int):
@@ -89,22 +89,22 @@ def _expected(reference: list[list[int]], stop_ids: tuple[int, ...], interval: i
 @pytest.mark.parametrize("interval", [1, 5, 16, 64])
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_stop_tokens_checked_every_interval(interval, micro_batches):
-    reference = _tiny().generate(PROMPTS, SamplingParams(max_new_tokens=STEPS, ignore_eos=True)).token_ids
+    reference = _tiny().generate_static(PROMPTS, SamplingParams(max_tokens=STEPS, ignore_eos=True)).token_ids
     # One stop token per row, each first reached at a different step (the last one well past step 16).
     picks = [row[len(row) // 4 + 6 * i] for i, row in enumerate(reference)]
     stop_ids = tuple(dict.fromkeys(picks))
     tokens, steps_run = _expected(reference, stop_ids, interval, STEPS)
     assert 16 < max(len(t) for t in tokens) < STEPS  # the batch does stop early, after one 16-step check
     llm = _tiny(eos_check_interval=interval)
-    out = llm.executor.generate(PROMPTS, SamplingParams(max_new_tokens=STEPS), micro_batches, stop_ids)
+    out = llm.executor.generate(PROMPTS, SamplingParams(max_tokens=STEPS), micro_batches, stop_ids)
     assert out.token_ids == tokens
     assert out.decode_steps == steps_run
 
 
 def test_stop_at_first_token_runs_no_decode_step():
     llm = _tiny()
-    reference = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids
-    out = llm.executor.generate(PROMPTS, SamplingParams(max_new_tokens=4), 1, tuple({r[0] for r in reference}))
+    reference = llm.generate_static(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True)).token_ids
+    out = llm.executor.generate(PROMPTS, SamplingParams(max_tokens=4), 1, tuple({r[0] for r in reference}))
     assert out.token_ids == [r[:1] for r in reference] and out.decode_steps == 0
 
 

@@ -43,7 +43,7 @@ def test_tied_embeddings(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     llm = LLM(str(tmp_path), engine_config())
     assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, ignore_eos=True), keep_logits=True)
+    out = llm.generate_static([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True), keep_logits=True)
     with torch.no_grad():
         ref = model(torch.tensor([PROMPTS[0] + out.token_ids[0]])).logits[0, len(PROMPTS[0]) - 1: -1]
     torch.testing.assert_close(out.logits[:, 0], ref, atol=1e-4, rtol=0)
@@ -54,20 +54,20 @@ def test_stops_at_eos(hf_checkpoint, hf_reference):
     hf_tokens, _ = hf_reference
     llm = LLM(hf_checkpoint[0], engine_config())
     stop = hf_tokens[0][2]
-    out = llm.executor.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW_TOKENS), 1, (stop,))
+    out = llm.executor.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS), 1, (stop,))
     assert out.token_ids[0] == hf_tokens[0][: hf_tokens[0].index(stop) + 1]
     assert out.decode_steps == hf_tokens[0].index(stop)
 
 
 def test_temperature_sampling_is_seeded(hf_checkpoint):
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8, ignore_eos=True)
-    runs = [LLM(hf_checkpoint[0], engine_config(seed=5)).generate(PROMPTS, params).token_ids for _ in range(2)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True)
+    runs = [LLM(hf_checkpoint[0], engine_config(seed=5)).generate_static(PROMPTS, params).token_ids for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_breakdown_timers_cover_decode_only(hf_checkpoint):
     llm = LLM(hf_checkpoint[0], engine_config(breakdown=True))
-    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    out = llm.generate_static(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
     b = out.breakdown
     assert b.steps == 4 == out.decode_steps
     assert b.ms["gemm"] > 0 and b.ms["attention"] > 0
@@ -80,8 +80,8 @@ def test_random_preset_is_seeded_and_labelled():
     a = LLM("tiny:layers=2", engine_config(seed=1, **cfg_kw))
     b = LLM("tiny:layers=2", engine_config(seed=1, **cfg_kw))
     assert "TRUNCATED: 2 of 4 layers" in a.describe()
-    p = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    assert a.generate([[1, 2, 3]], p).token_ids == b.generate([[1, 2, 3]], p).token_ids
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert a.generate_static([[1, 2, 3]], p).token_ids == b.generate_static([[1, 2, 3]], p).token_ids
     assert a.allreduce_ran(4) == "none"
 
 
@@ -124,11 +124,11 @@ def test_layout_errors_before_any_allocation(hf_checkpoint):
 def test_request_errors(hf_checkpoint):
     llm = LLM(hf_checkpoint[0], engine_config(max_batch_size=2, max_seq_len=16))
     with pytest.raises(GenerationError, match="3 sequences exceed max_batch_size=2"):
-        llm.generate(PROMPTS)
+        llm.generate_static(PROMPTS)
     with pytest.raises(GenerationError, match="needs 20 cache positions but max_seq_len=16"):
-        llm.generate([list(range(1, 11))], SamplingParams(max_new_tokens=11))
+        llm.generate_static([list(range(1, 11))], SamplingParams(max_tokens=11))
     with pytest.raises(GenerationError, match="at least one token"):
-        llm.generate([[]])
+        llm.generate_static([[]])
 
 
 def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):

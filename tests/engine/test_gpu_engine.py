@@ -40,7 +40,7 @@ def test_cuda_graph_equals_eager_bf16(hf_checkpoint):
 def test_breakdown_disables_graphs_and_times_on_gpu(hf_checkpoint):
     llm = LLM(hf_checkpoint[0], engine_config(breakdown=True), device=torch.device("cuda", 0))
     assert not llm.cuda_graphs and "breakdown timers need eager decode" in llm.describe()
-    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    out = llm.generate_static(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
     # The spin lets the host enqueue each step ahead of the GPU, so the steps count as GPU time (covered);
     # a step that the host could not get ahead of would land in breakdown_uncovered instead.
     assert out.breakdown.steps + out.breakdown_uncovered.steps == 3
@@ -51,20 +51,20 @@ def test_whole_step_graph_sampling_and_stops_bf16(hf_checkpoint):
     """The captured whole-model step (pp = 1) with in-graph sampling on the sampler's generator: seeded
     (two engines agree), it samples (not one repeated draw), and stop tokens end the batch as eagerly."""
     dev = torch.device("cuda", 0)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24, ignore_eos=True)
-    runs = [LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, seed=3), device=dev).generate(PROMPTS, params)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
+    runs = [LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, seed=3), device=dev).generate_static(PROMPTS, params)
             for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids
     assert len({t for row in runs[0].token_ids for t in row}) > 3
-    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     for interval in (1, 16):
         outs = []
         for graphs in (True, False):
             llm = LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, cuda_graphs=graphs,
                                                       eos_check_interval=interval), device=dev)
-            ref = llm.generate(PROMPTS, greedy).token_ids
+            ref = llm.generate_static(PROMPTS, greedy).token_ids
             stop = (ref[0][len(ref[0]) // 2],)
-            outs.append(llm.executor.generate(PROMPTS, SamplingParams(max_new_tokens=24), 1, stop))
+            outs.append(llm.executor.generate(PROMPTS, SamplingParams(max_tokens=24), 1, stop))
         assert outs[0].token_ids == outs[1].token_ids and outs[0].decode_steps == outs[1].decode_steps
 
 
