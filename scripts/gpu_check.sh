@@ -4,7 +4,13 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study.
+# Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
+# (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
+# (its GPU tests), attention (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1
+# step), hfpeer (transformers' continuous batching on the same requests). Serving knobs: NUM_PROMPTS,
+# TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
+# `bench throughput --save-samples`: the GPU machine cannot hold the 125 MB ShareGPT package;
+# results/h200/inputs/sharegpt_llama3_seed0_n1000.json is vLLM's sampling of its recovered records).
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
 # ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); COMPILED_MODELS,
 # COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward); DECODE_GEMM (engine stages: torch or skinny,
@@ -164,6 +170,33 @@ for stage in "${STAGES[@]}"; do
             --json "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}$GSUF.json" --plot "$OUTDIR/study_${model}_$wl${STUDY_PP:+_pp$STUDY_PP}$GSUF.png" || rc=1
         done
       done
+      ;;
+    paged)
+      log "pytest: the serving engine's GPU tests (paged attention kernels, graphs, engine vs static path)"
+      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt" || rc=1
+      ;;
+    attention)
+      log "bench attention (paged decode kernel vs reference vs contiguous SDPA)"
+      timeout 300 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench attention \
+        --batch-sizes "${ATTN_BATCHES:-1,4,16,64,256}" --context-lens "${ATTN_CTX:-128,512,2048,8192}" \
+        --json "$OUTDIR/paged_attention.json" || rc=1
+      ;;
+    throughput)
+      for model in ${TP_MODELS:-llama3.1-8b}; do
+        log "bench throughput $model ShareGPT ${NUM_PROMPTS:-1000} prompts ${SERVE_OPTS:-}"
+        timeout "${THROUGHPUT_TIMEOUT:-500}" torchrun --standalone --nproc-per-node "${SERVE_TP:-1}" -m spanllm.cli bench throughput \
+          --model "$model" --num-prompts "${NUM_PROMPTS:-1000}" ${SAMPLES:+--samples-file "$SAMPLES"} ${SERVE_OPTS:-} --json "$OUTDIR/throughput_${model}${TP_SUFFIX:-}.json" || rc=1
+      done
+      ;;
+    decode1)
+      log "serving engine, batch-1 decode step (random 128-token prompt, 256 tokens, default settings)"
+      timeout 300 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput --model llama3.1-8b \
+        --dataset-name random --input-len 128 --output-len 256 --num-prompts 1 ${SERVE_OPTS:-} --json "$OUTDIR/decode_b1_llama3.1-8b.json" || rc=1
+      ;;
+    hfpeer)
+      log "peer: transformers continuous batching on the same ShareGPT requests"
+      timeout "${HF_TIMEOUT:-560}" python3 scripts/hf_continuous_batching_peer.py --model llama3.1-8b \
+        --num-prompts "${NUM_PROMPTS:-1000}" ${SAMPLES:+--samples-file "$SAMPLES"} --json "$OUTDIR/hf_continuous_batching_llama3.1-8b.json" || rc=1
       ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac

@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from spanllm.bench.report import versions
+from spanllm.measure.report import versions
 from spanllm.comm import Topology, registry
 from spanllm.comm.nvrar_compile import precompile_sizes
 from spanllm.comm.nvrar_trace import summarize

@@ -1,13 +1,19 @@
 """The `spanllm` command. Each subcommand lives in its own module, imported only when it runs.
 
-A command module defines `add_arguments(parser: argparse.ArgumentParser)` and `run(args) -> int`.
+A command module defines `add_arguments(parser: argparse.ArgumentParser)` and `run(args) -> int`. `run`
+checks every argument (and the checkpoint) before any rank starts; project errors (`spanllm.errors`)
+become one line, `spanllm: error: ...`, and exit code 2 (bad input) or 1 (the run failed). `--debug`
+(or SPANLLM_DEBUG=1) shows the traceback as well; `--pg-timeout S` (or SPANLLM_PG_TIMEOUT_S) sets the
+collective timeout of the ranks (spanllm.launch).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
 # (words, module, one-line help). Longest match of the leading words wins.
 COMMANDS: list[tuple[str, str, str]] = [
@@ -15,7 +21,11 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench allreduce", "spanllm.bench.allreduce", "nccl-tests-style all-reduce benchmark over every registered algorithm"),
     ("bench batch", "spanllm.bench.batch", "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown"),
     ("bench study", "spanllm.bench.study", "TP vs TP x PP study: every layout x every all-reduce backend in one run"),
-    ("tune", "spanllm.comm.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
+    ("bench throughput", "spanllm.bench.throughput", "offline throughput of the serving engine (vLLM's bench throughput): ShareGPT or random"),
+    ("bench attention", "spanllm.bench.attention", "paged decode attention (Triton) vs its reference and the contiguous-cache SDPA"),
+    ("bench serve", "spanllm.bench.serve", "load test of any OpenAI-compatible server (vLLM's bench serve): TTFT/TPOT/ITL vs request rate"),
+    ("serve", "spanllm.serve.server", "OpenAI-compatible HTTP server on the serving engine"),
+    ("tune", "spanllm.bench.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
     ("generate", "spanllm.engine.generate", "generate tokens with the engine (preset or HF checkpoint)"),
     ("plan", "spanllm.perf.plan", "rank parallel layouts x all-reduce algorithms for a model on a cluster"),
     ("perf calibrate", "spanllm.perf.calibrate", "fit a cluster preset's all-reduce constants from benchmark JSON"),
@@ -23,31 +33,132 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+GLOBAL_OPTIONS = """global options (before or after COMMAND):
+  --debug            show the traceback of an error (also SPANLLM_DEBUG=1)
+  --pg-timeout S     collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a rank
+                     that stops answering fails the job after S seconds, and the error names it"""
+
+
 def _usage() -> str:
     width = max(len(w) for w, _, _ in COMMANDS)
-    lines = ["usage: spanllm COMMAND [options]   (spanllm COMMAND --help for its options)", "", "commands:"]
+    lines = ["usage: spanllm [--debug] [--pg-timeout S] COMMAND [options]   (spanllm COMMAND --help for its options)",
+             "", "commands:"]
     lines += [f"  {w.ljust(width)}  {h}" for w, _, h in COMMANDS]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", GLOBAL_OPTIONS])
+
+
+def add_global_arguments(parser: argparse.ArgumentParser) -> None:
+    """--debug and --pg-timeout after the command too (unless the command defines an option of that name)."""
+    g = parser.add_argument_group("global options")
+    taken = parser._option_string_actions
+    if "--debug" not in taken:
+        g.add_argument("--debug", action="store_true", help="show the traceback of an error (also SPANLLM_DEBUG=1)")
+    if "--pg-timeout" not in taken:
+        g.add_argument("--pg-timeout", type=float, default=None, metavar="S",
+                       help="collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a "
+                            "rank that stops answering fails the job after S seconds, and the error names it")
+
+
+def _apply_global(debug: bool, pg_timeout: float | None) -> None:
+    """The global options travel as environment variables, so spawned ranks see them too."""
+    from spanllm.errors import UsageError
+
+    if debug:
+        os.environ["SPANLLM_DEBUG"] = "1"
+    if pg_timeout is not None:
+        if not pg_timeout > 0:
+            raise UsageError(f"--pg-timeout {pg_timeout:g}: the collective timeout must be > 0 seconds, e.g. 300")
+        os.environ["SPANLLM_PG_TIMEOUT_S"] = repr(pg_timeout)
+
+
+def _leading_globals(argv: list[str]) -> tuple[bool, float | None, list[str]]:
+    """`spanllm --debug --pg-timeout 5 COMMAND ...`: the global options before the command."""
+    from spanllm.errors import UsageError
+
+    debug, timeout = False, None
+    while argv and (argv[0] == "--debug" or argv[0].split("=", 1)[0] == "--pg-timeout"):
+        a = argv.pop(0)
+        if a == "--debug":
+            debug = True
+            continue
+        value = a.split("=", 1)[1] if "=" in a else (argv.pop(0) if argv else "")
+        try:
+            timeout = float(value)
+        except ValueError:
+            raise UsageError(f"--pg-timeout {value!r}: give the collective timeout in seconds, e.g. --pg-timeout 300")
+    return debug, timeout, argv
+
+
+def report_error(exc: BaseException, code: int) -> None:
+    """One line on stderr (under a launcher every rank prints its own, ranks > 0 prefixed with their rank)."""
+    from spanllm.errors import RankError, debug_enabled
+
+    rank = os.environ.get("RANK")
+    if isinstance(exc, RankError) and exc.traceback and (debug_enabled() or not exc.known):
+        print(f"--- traceback of rank {exc.rank} ---\n{exc.traceback.rstrip()}", file=sys.stderr)
+    elif debug_enabled():
+        traceback.print_exception(exc, file=sys.stderr)
+    message = exc.code if isinstance(exc, SystemExit) else str(exc)
+    prefix = f"rank {rank}: " if rank not in (None, "0") and "WORLD_SIZE" in os.environ else ""
+    hint = "" if debug_enabled() else " (--debug shows the traceback)" if code == 1 and not isinstance(
+        exc, RankError) else ""
+    print(f"spanllm: error: {prefix}{' '.join(str(message).split())}{hint}", file=sys.stderr)
+
+
+def _run(words: str, module: str, help_: str, argv: list[str]) -> int:
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=f"spanllm {words}", description=help_,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mod.add_arguments(parser)
+    add_global_arguments(parser)
+    args = parser.parse_args(argv)
+    _apply_global(getattr(args, "debug", False) is True, getattr(args, "pg_timeout", None))
+    return int(mod.run(args) or 0)
+
+
+GLOBAL_ENV = ("SPANLLM_DEBUG", "SPANLLM_PG_TIMEOUT_S")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
-        return 0
-    if argv[0] == "--version":
-        from spanllm import __version__
-        print(__version__)
-        return 0
-    for words, module, help_ in sorted(COMMANDS, key=lambda c: -len(c[0].split())):
-        n = len(words.split())
-        if argv[:n] == words.split():
-            mod = importlib.import_module(module)
-            parser = argparse.ArgumentParser(prog=f"spanllm {words}", description=help_,
-                                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-            mod.add_arguments(parser)
-            args = parser.parse_args(argv[n:])
-            return int(mod.run(args) or 0)
+    saved = {k: os.environ.get(k) for k in GLOBAL_ENV}
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    finally:  # a call in-process (tests) leaves the environment as it found it
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _main(argv: list[str]) -> int:
+    from spanllm.errors import exit_code
+
+    try:
+        debug, timeout, argv = _leading_globals(argv)
+        _apply_global(debug, timeout)
+        if not argv or argv[0] in ("-h", "--help", "help"):
+            print(_usage())
+            return 0
+        if argv[0] == "--version":
+            from spanllm import __version__
+            print(__version__)
+            return 0
+        for words, module, help_ in sorted(COMMANDS, key=lambda c: -len(c[0].split())):
+            n = len(words.split())
+            if argv[:n] == words.split():
+                return _run(words, module, help_, argv[n:])
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise  # argparse (--help: 0, a bad option: 2) and sys.exit(int) keep their codes
+        report_error(e, 2)
+        return 2
+    except Exception as e:  # noqa: BLE001 - project errors become one line; anything else keeps its traceback
+        code = exit_code(e)
+        if code is None:
+            raise
+        report_error(e, code)
+        return code
     print(f"spanllm: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -72,7 +72,30 @@ def demo_rank(ctx: DistContext, args) -> dict:
     return out
 
 
+def check_arguments(args) -> None:
+    """Every option, before any rank starts (the same checks as `bench allreduce` for its table)."""
+    from spanllm import checks
+    from spanllm.bench import allreduce
+    from spanllm.errors import UsageError
+
+    checks.at_least("--nprocs", args.nprocs, 1, " (local gloo ranks)")
+    checks.at_least("--iters", args.iters, 1, " (timed samples per row)")
+    bench_args = _bench_args(args)
+    bench_args.nprocs = args.nprocs
+    allreduce.check_arguments(bench_args, size_flag="--maxbytes")
+    if args.nprocs > 1 and not args.no_engine:
+        from spanllm.engine.config import preset
+
+        cfg = preset("tiny")
+        try:
+            checks.layout(args.nprocs, 1, args.nprocs, cfg, checks.topology(args.nprocs, args.ranks_per_node))
+        except UsageError as e:
+            raise UsageError(f"--nprocs {args.nprocs}: the engine part runs the tiny model at TP={args.nprocs}: {e}; "
+                             "use --nprocs 2 or 4, or add --no-engine") from None
+
+
 def run(args) -> int:
+    check_arguments(args)
     res = launch(demo_rank, args, nprocs=args.nprocs)[0]
     ok = res["wrong"] == 0 and res.get("engine_tokens_match", True)
     print(f"# demo: {res['rows']} all-reduce rows, {res['wrong']} wrong elements; {'OK' if ok else 'FAILED'}")

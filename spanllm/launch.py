@@ -7,21 +7,70 @@ under a launcher it runs `fn` in this process with the launcher's rank. `fn(ctx,
 
 Rendezvous of spawned processes goes through a file store in that folder: no port is chosen, so
 concurrent jobs on one machine never collide.
+
+Collective timeout
+    A collective (or store wait) that waits longer than `timeout_s` fails. Default: the environment
+    variable SPANLLM_PG_TIMEOUT_S (seconds, read at each call), else 300; `spanllm --pg-timeout S ...`
+    sets that variable. Local ranks first wait (up to max(timeout, 120 s)) until every rank has started,
+    so a short timeout does not trip over slow interpreter start-up.
+
+When a spawned rank fails
+    The rank records its exception (type, message, traceback, time, and whether it is only a symptom:
+    "Connection closed by peer", a collective timeout) in `error{rank}.json` *before* it leaves the
+    process group; its peers' collectives fail only after that. The parent gives the others
+    FAILURE_GRACE_S to finish failing, stops the rest and raises `spanllm.errors.RankError` for the
+    first real error: a rank's own exception (earliest first), else a rank that died without one (a
+    signal), else a timeout, naming the ranks that had not failed and were still running (stopped or
+    hung: the ranks that stopped answering), else the earliest connection error.
+
+Lifetime
+    Workers die with the parent: PR_SET_PDEATHSIG (Linux) and a watchdog thread on the parent's pid.
+    SIGTERM / SIGINT to the parent stop the workers and remove the folder, then raise
+    `spanllm.errors.Interrupted` (exit code 128 + signal). After a SIGKILL of the parent the workers
+    still die, but nothing is left to remove the folder.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
+import re
+import shutil
+import signal
+import sys
 import tempfile
+import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("SPANLLM_PG_TIMEOUT_S", "300"))
+from spanllm.errors import Interrupted, RankError, UsageError
+
+TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 120.0  # at least this long for every local rank to start (imports, spawn)
+FAILURE_GRACE_S = 2.0  # after a rank fails, how long its peers get to fail on their own before they are stopped
+
+
+def pg_timeout_s() -> float:
+    """The collective timeout: SPANLLM_PG_TIMEOUT_S seconds, else DEFAULT_TIMEOUT_S."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise UsageError(f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a number of seconds > 0; "
+                         f"set e.g. {TIMEOUT_ENV}=300 or pass --pg-timeout 300")
+    return value
 
 
 @dataclass(frozen=True)
@@ -49,8 +98,14 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def init_from_launcher(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+def launcher_world_size() -> int | None:
+    """The world size a launcher set (WORLD_SIZE), or None when not under one."""
+    return _env_int("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", default=1) if under_launcher() else None
+
+
+def init_from_launcher(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Join the job that torchrun/srun/mpiexec started (env:// rendezvous)."""
+    timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
     rank = _env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
@@ -72,45 +127,285 @@ def init_from_launcher(backend: str | None = None, timeout_s: float = DEFAULT_TI
     return DistContext(rank, world, local_rank, local_world, backend, device)
 
 
-def _spawned_main(local_rank: int, fn: Callable, args: tuple, nprocs: int, workdir: str,
-                  timeout_s: float, threads: int) -> None:
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=local_rank,
-                            world_size=nprocs, timeout=datetime.timedelta(seconds=timeout_s))
-    ctx = DistContext(local_rank, nprocs, local_rank, nprocs, "gloo", torch.device("cpu"))
+# --- spawned ranks -------------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux prctl), and a watchdog thread for everywhere else."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still ends this process
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watchdog, name="spanllm-parent-watchdog", daemon=True).start()
+
+
+_PEER_RE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+                      r"Connection refused|remote worker crashing", re.IGNORECASE)
+_TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def error_kind(exc: BaseException) -> str:
+    """'peer' (a peer went away), 'timeout' (a collective waited too long), 'interrupt', or 'error' (its own).
+
+    Only torch's distributed errors and bare RuntimeErrors are symptoms: a project error whose message
+    mentions a timeout is still that rank's own error.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupt"
+    t = type(exc)
+    if t is RuntimeError or t.__module__.startswith("torch"):
+        text = str(exc)
+        if _PEER_RE.search(text):
+            return "peer"
+        if _TIMEOUT_RE.search(text):
+            return "timeout"
+    return "error"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _record_error(workdir: str, rank: int, exc: BaseException) -> None:
+    from spanllm.errors import exit_code
+
+    message = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, str) else str(exc)
+    t = type(exc)
     try:
+        code = exit_code(exc)
+    except Exception:  # noqa: BLE001 - recording must not fail
+        code = None
+    doc = {"rank": rank, "time": time.time(), "type": t.__name__, "module": t.__module__, "message": message,
+           "traceback": traceback.format_exc(), "kind": error_kind(exc), "exit_code": code}
+    try:
+        _write_atomic(os.path.join(workdir, f"error{rank}.json"), json.dumps(doc).encode())
+    except OSError:
+        pass  # the folder is gone: the parent is already cleaning up
+
+
+def _wait_for_all(store: dist.Store, rank: int, world: int, timeout_s: float) -> None:
+    """Every rank has started (a short collective timeout then does not trip over slow start-up)."""
+    store.set(f"spanllm/started/{rank}", "1")
+    store.wait([f"spanllm/started/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+
+
+def _spawned_main(local_rank: int, fn: Callable, args: tuple, nprocs: int, workdir: str,
+                  timeout_s: float, threads: int, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    torch.set_num_threads(threads)
+    code = 0
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), nprocs)
+        _wait_for_all(store, local_rank, nprocs, max(timeout_s, STARTUP_TIMEOUT_S))
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=local_rank, world_size=nprocs,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = DistContext(local_rank, nprocs, local_rank, nprocs, "gloo", torch.device("cpu"))
         result = fn(ctx, *args)
-        with open(os.path.join(workdir, f"result{local_rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
+        _write_atomic(os.path.join(workdir, f"result{local_rank}.pkl"), pickle.dumps(result))
+    except BaseException as e:  # noqa: BLE001 - recorded for the parent, which reports it
+        _record_error(workdir, local_rank, e)  # before the group goes: peers fail only after this
+        code = 1
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the error that matters is recorded already
+                pass
+    sys.exit(code)  # quietly: the parent reports the error once
+
+
+# --- the parent ----------------------------------------------------------------------------------------
+def _process_state(pid: int) -> str:
+    """'stopped', 'sleeping', 'running', ... from /proc (Linux), else 'running'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "running"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
+            "Z": "exiting"}.get(state, f"state {state}")
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _first_error(workdir: str, nprocs: int, exits: dict[int, tuple[int, float]], still_running: dict[int, str],
+                 timeout_s: float) -> RankError:
+    """The error to report: see the module docstring for the order."""
+    recorded = {}
+    for r in range(nprocs):
+        path = os.path.join(workdir, f"error{r}.json")
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    recorded[r] = json.load(f)
+            except (OSError, ValueError):
+                pass
+
+    def from_record(e: dict, message: str | None = None) -> RankError:
+        code = e["exit_code"]
+        known = code is not None
+        if message is None:
+            message = f"rank {e['rank']}: {e['message']}" if known else \
+                f"rank {e['rank']} raised {e['type']}: {e['message']}"
+        return RankError(message, rank=e["rank"], type_name=e["type"], traceback=e["traceback"],
+                         exit_code=code if known else 1, known=known)
+
+    def earliest(kind: str) -> dict | None:
+        found = [e for e in recorded.values() if e["kind"] == kind]
+        return min(found, key=lambda e: e["time"]) if found else None
+
+    own = earliest("error")
+    if own is not None:
+        return from_record(own)
+    died = sorted((t, r, code) for r, (code, t) in exits.items() if code != 0 and r not in recorded)
+    if died:
+        _, r, code = died[0]
+        how = f"was killed by {_signal_name(code)}" if code < 0 else \
+            f"exited with code {code} before it could report an error (see its output above)"
+        return RankError(f"rank {r} {how}", rank=r, type_name="exit", exit_code=1)
+    timed_out = earliest("timeout")
+    if timed_out is not None:
+        waiting = sorted(r for r, e in recorded.items() if e["kind"] == "timeout")
+        fix = (f"if it is only slow, raise the timeout with --pg-timeout or {TIMEOUT_ENV} "
+               f"(now {timeout_s:g} s)")
+        if still_running:
+            stuck = ", ".join(f"rank {r} ({state})" for r, state in sorted(still_running.items()))
+            message = (f"{stuck} stopped answering: rank{'s' if len(waiting) > 1 else ''} "
+                       f"{', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting in a collective "
+                       f"and the rank{'s' if len(still_running) > 1 else ''} named had not failed; {fix}")
+        else:
+            message = (f"ranks {', '.join(map(str, waiting))} timed out after {timeout_s:g} s in a collective "
+                       f"({timed_out['message'][:200]}); a rank did not make the same collective call, or {fix}")
+        return from_record(timed_out, message)
+    other = earliest("interrupt") or earliest("peer")
+    if other is not None:
+        return from_record(other, f"rank {other['rank']} raised {other['type']}: {other['message']}")
+    return RankError("a rank failed without a report (see the output above)", rank=None, type_name="unknown")
+
+
+class _Signals:
+    """SIGTERM / SIGINT raise Interrupted in the launching thread (main thread only), so cleanup runs."""
+
+    def __init__(self) -> None:
+        self.old: dict[int, Any] = {}
+        self.cleaning = False
+
+    def _handler(self, signum, frame) -> None:
+        if not self.cleaning:
+            raise Interrupted(signum)
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                old = signal.getsignal(s)
+                if old is signal.SIG_IGN:
+                    continue  # e.g. a background job ignoring SIGINT: keep ignoring it
+                self.old[s] = old
+                signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self.old.items():
+            signal.signal(s, old)
+
+
+def _stop(procs: list) -> None:
+    """SIGTERM every live worker, then SIGKILL the ones still there (a stopped process only dies of that)."""
+    procs = [p for p in procs if p.pid is not None]  # started ones
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + 1.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5.0)
+
+
+def _launch_local(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> list[Any]:
+    import torch.multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    procs: list = []
+    with _Signals() as sig:
+        workdir = None
+        try:
+            workdir = tempfile.mkdtemp(prefix="spanllm-launch-")
+            spawn = mp.get_context("spawn")
+            for r in range(nprocs):
+                p = spawn.Process(target=_spawned_main, name=f"spanllm-rank{r}",
+                                  args=(r, fn, args, nprocs, workdir, timeout_s, threads, os.getpid()))
+                procs.append(p)  # before start: a signal during start() still finds it in _stop
+                p.start()
+            exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, when the parent saw it)
+            first_failure = None
+            while len(exits) < nprocs:
+                if first_failure is not None and time.monotonic() - first_failure > FAILURE_GRACE_S:
+                    break
+                wait([p.sentinel for r, p in enumerate(procs) if r not in exits], timeout=0.2)
+                for r, p in enumerate(procs):
+                    if r not in exits and p.exitcode is not None:
+                        exits[r] = (p.exitcode, time.time())
+                        if p.exitcode != 0 and first_failure is None:
+                            first_failure = time.monotonic()
+            if first_failure is not None:
+                running = {r: _process_state(p.pid) for r, p in enumerate(procs) if r not in exits}
+                raise _first_error(workdir, nprocs, exits, running, timeout_s)
+            results = []
+            for r in range(nprocs):
+                path = os.path.join(workdir, f"result{r}.pkl")
+                if not os.path.exists(path):
+                    raise RankError(f"rank {r} exited with code 0 but returned no result", rank=r, type_name="exit")
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+        finally:
+            sig.cleaning = True  # a second signal must not cut the cleanup short
+            _stop(procs)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 1, backend: str | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+           timeout_s: float | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on every rank; return the per-rank results (only this rank's under a launcher).
 
-    Spawned ranks are CPU processes over gloo. If one of them raises, the others are terminated
-    and the error is re-raised here: a failing rank never leaves the rest hanging.
+    Spawned ranks are CPU processes over gloo. If one of them raises, the others are stopped and
+    `spanllm.errors.RankError` names the rank and carries its message and traceback: a failing rank
+    never leaves the rest hanging. `timeout_s` defaults to SPANLLM_PG_TIMEOUT_S (else 300 s).
     """
+    timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
     if under_launcher():
         ctx = init_from_launcher(backend, timeout_s)
         return [fn(ctx, *args)]
-    if nprocs < 1:
-        raise ValueError(f"nprocs={nprocs} must be >= 1")
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise UsageError(f"--nprocs {nprocs}: the number of local ranks must be >= 1")
     if backend not in (None, "gloo"):
-        raise ValueError(f"backend={backend!r}: local spawning uses gloo; start GPU jobs with torchrun")
-    import torch.multiprocessing as mp
-
-    threads = max(1, (os.cpu_count() or 1) // nprocs)
-    with tempfile.TemporaryDirectory(prefix="spanllm-launch-") as workdir:
-        mp.start_processes(_spawned_main, args=(fn, args, nprocs, workdir, timeout_s, threads),
-                           nprocs=nprocs, join=True, start_method="spawn")
-        results = []
-        for r in range(nprocs):
-            with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        raise UsageError(f"backend={backend!r}: local spawning uses gloo; start GPU jobs with torchrun")
+    return _launch_local(fn, args, nprocs, timeout_s)
 
 
 def finish(code: int) -> int:
@@ -120,8 +415,6 @@ def finish(code: int) -> int:
     an outer timeout killed them (minutes of a GPU lease); results are written before this is called.
     """
     if under_launcher() and torch.cuda.is_available() and dist.is_initialized():
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         dist.barrier()

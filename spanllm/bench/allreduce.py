@@ -9,17 +9,20 @@ local gloo ranks; under torchrun it uses the launcher's ranks (NCCL on GPUs).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from spanllm.bench.report import algbw_GBps, allreduce_busbw_GBps, write_json
-from spanllm.bench.timing import Timing, time_calls
+from spanllm import checks
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
 from spanllm.comm.nvrar_compile import precompile_sizes
-from spanllm.launch import DistContext, finish, launch
+from spanllm.errors import UsageError
+from spanllm.launch import DistContext, finish, launch, under_launcher
+from spanllm.measure.report import algbw_GBps, allreduce_busbw_GBps, write_json
+from spanllm.measure.timing import Timing, time_calls
 
 
 def parse_size(text: str) -> int:
@@ -126,11 +129,12 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     graph = (ctx.device.type == "cuda") if args.graph is None else args.graph
     if graph and ctx.device.type != "cuda":
-        raise SystemExit("--graph needs GPUs (CUDA graphs); drop it on CPU")
+        raise UsageError("--graph needs GPUs (CUDA graphs); drop it on CPU")
     K = args.calls_per_sample or (20 if ctx.device.type == "cuda" else 1)
     rounds = args.rounds
     check_rounds(rounds, args.iters)
-    names = args.algos.split(",") if args.algos else registry.algorithms_for_device(ctx.device.type)
+    names = ([a.strip() for a in args.algos.split(",")] if args.algos
+             else registry.algorithms_for_device(ctx.device.type))
     sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     opts = comm_options(args, ctx.device)
     main = ctx.rank == 0
@@ -218,15 +222,70 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
 
 def check_rounds(rounds: int, iters: int) -> None:
     if not 1 <= rounds <= iters:
-        raise SystemExit(f"--rounds {rounds}: must be between 1 and --iters ({iters}): every round takes at least "
+        raise UsageError(f"--rounds {rounds}: must be between 1 and --iters ({iters}): every round takes at least "
                          "one sample of every algorithm")
 
 
-def run(args) -> int:
+def sweep_bytes(args) -> tuple[torch.dtype, list[int]]:
+    """--dtype and the sizes of -b / -e / -f, as usage errors naming the flag."""
+    try:
+        dtype = dtype_from_name(args.dtype)
+    except ValueError as e:
+        raise UsageError(f"--dtype: {e}") from None
+    try:
+        return dtype, sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def buffers_bytes_per_rank(max_bytes: int, itemsize: int, check: bool) -> int:
+    """Host memory one rank holds at the largest size: the message and its reset copy, plus the exactness
+    check's int64 index temporaries (three of 8 bytes per element at its peak) or the float32 random fill."""
+    count = max(1, max_bytes // itemsize)
+    return 2 * count * itemsize + (24 if check else 4) * count
+
+
+def check_host_memory(max_bytes: int, itemsize: int, check: bool, nprocs: int, flag: str = "-e/--maxbytes") -> None:
+    """CPU ranks on this host (local gloo ranks, or LOCAL_WORLD_SIZE under a launcher) must fit in its memory."""
+    if checks.device_type() != "cpu":
+        return
+    here = int(os.environ.get("LOCAL_WORLD_SIZE") or nprocs) if under_launcher() else nprocs
+    checks.host_memory(buffers_bytes_per_rank(max_bytes, itemsize, check), here,
+                       f"the largest message ({max_bytes} bytes, from {flag})",
+                       f"lower {flag}, or run fewer ranks on this host")
+
+
+def check_arguments(args, size_flag: str = "-e/--maxbytes") -> None:
+    """Every option, before any rank starts."""
     if args.plot and not args.json:
-        raise SystemExit("--plot draws from the JSON rows: add --json FILE")
-    sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)  # fail before spawning
+        raise UsageError("--plot draws from the JSON rows: add --json FILE")
+    world = checks.world_size(args.nprocs)
+    device = checks.device_type()
+    dtype, sizes = sweep_bytes(args)
+    try:
+        parse_size(args.buffer_bytes)
+    except ValueError as e:
+        raise UsageError(f"--buffer-bytes: {e}") from None
+    checks.at_least("-n/--iters", args.iters, 1, " (timed samples per size)")
+    checks.at_least("-w/--warmup_iters", args.warmup_iters, 0, " (warm-up calls per size; 0 = none)")
+    if args.check not in (0, 1):
+        raise UsageError(f"-c/--check {args.check}: 1 checks every result, 0 skips the check")
+    checks.at_least("--calls-per-sample", args.calls_per_sample, 1)
+    if not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s {args.timeout_s}: nvrar's spin-wait timeout must be > 0 seconds")
     check_rounds(args.rounds, args.iters)
+    checks.topology(world, args.ranks_per_node)
+    if args.graph and device != "cuda":
+        raise UsageError("--graph needs GPUs (CUDA graphs); drop it on CPU")
+    if args.algos:
+        checks.allreduce_names([a.strip() for a in args.algos.split(",")], device, "--algos")
+    checks.tuning(args.tuning)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    check_host_memory(sizes[-1], itemsize, bool(args.check), world, size_flag)
+
+
+def run(args) -> int:
+    check_arguments(args)  # fail before spawning
     results = launch(bench_rank, args, nprocs=args.nprocs)
     rows = results[0]
     return finish(1 if any(r["wrong"] for r in rows) else 0)

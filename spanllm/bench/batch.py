@@ -29,17 +29,20 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from spanllm import checks
 from spanllm.engine.config import EngineConfig, resolve_model
-from spanllm.engine.generate import add_model_arguments, resolve_dtype
+from spanllm.engine.generate import add_model_arguments, check_model_arguments, resolve_dtype
 from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import CATEGORIES
+from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 from spanllm.workloads import WORKLOADS
 
@@ -98,14 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (1 = naive schedule)")
 
 
-def _csv(text: str, cast=str) -> tuple:
+def _csv(text: str, cast=str, flag: str = "") -> tuple:
     try:
         return tuple(cast(t.strip()) for t in text.split(",") if t.strip())
     except ValueError:
-        raise SystemExit(f"{text!r}: expected a comma-separated list") from None
+        raise UsageError(f"{flag + ' ' if flag else ''}{text!r}: expected a comma-separated list") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Every shared option checked (and the checkpoint), before any rank starts."""
     prompt_len, decode_len = WORKLOADS[args.workload]
     workload = args.workload
     if args.prompt_len is not None or args.decode_len is not None:
@@ -113,25 +117,35 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         decode_len = args.decode_len if args.decode_len is not None else decode_len
         workload = f"{args.workload} (prompt {prompt_len}, decode {decode_len})"
     if prompt_len < 1 or decode_len < 1:
-        raise SystemExit(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
-    if args.breakdown_steps < 1:
-        raise SystemExit(f"--breakdown-steps {args.breakdown_steps}: must be >= 1")
-    from spanllm.engine.config import ModelConfigError, resolve_model
-
-    try:  # before any rank starts: a bad preset or checkpoint fails here, once
-        resolve_model(args.model)
-    except (ModelConfigError, OSError) as e:
-        raise SystemExit(f"--model: {e}") from e
-    batch_sizes = _csv(args.batch_sizes, int)
+        raise UsageError(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
+    checks.at_least("--breakdown-steps", args.breakdown_steps, 1)
+    checks.at_least("--iters", args.iters, 1, " (timed runs per row)")
+    checks.at_least("--warmup", args.warmup, 0, " (untimed runs per row; 0 = none)")
+    world = checks.world_size(args.nprocs)
+    cfg, _, device = check_model_arguments(args, world)
+    checks.sequence_fits(prompt_len, decode_len, cfg, args.max_model_len, "--prompt-len + --decode-len")
+    batch_sizes = _csv(args.batch_sizes, int, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
-        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
+        raise UsageError(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
+    allreduce = _csv(args.allreduce)
+    checks.allreduce_names(allreduce, device)
+    checks.tuning(args.tuning)
+    if args.plot:
+        _check_matplotlib()
     return BenchSettings(model=args.model, batch_sizes=batch_sizes, prompt_len=prompt_len, decode_len=decode_len,
-                         workload=workload, allreduce=_csv(args.allreduce), warmup=args.warmup, iters=max(1, args.iters),
+                         workload=workload, allreduce=allreduce, warmup=args.warmup, iters=args.iters,
                          breakdown=not args.no_breakdown, dtype=args.dtype, seed=args.seed,
                          cuda_graphs=not args.no_cuda_graphs, ranks_per_node=args.ranks_per_node,
                          breakdown_steps=args.breakdown_steps, tuning=args.tuning,
                          compile_decode=args.compile_decode, compile_backend=args.compile_backend,
                          compile_scope=args.compile_scope, decode_gemm=args.decode_gemm, json=args.json)
+
+
+def _check_matplotlib() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or drop --plot)")
 
 
 def partial_path(json_path: str) -> str:
@@ -149,7 +163,7 @@ class PartialRows:
         self.settings = {**asdict(s), "world_size": world}
 
     def add(self, row: dict) -> None:
-        from spanllm.bench.report import write_json
+        from spanllm.measure.report import write_json
 
         self.rows.append(row)
         write_json(self.path, self.kind, self.settings, self.rows, complete=False)
@@ -380,7 +394,7 @@ def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], wo
     for line in skipped:
         print(f"skipped: {line}")
     if json_path:
-        from spanllm.bench.report import write_json
+        from spanllm.measure.report import write_json
 
         settings = {**asdict(s), "world_size": world}
         write_json(json_path, kind, settings, rows, skipped=skipped, complete=True)
@@ -394,14 +408,20 @@ def report(kind: str, s: BenchSettings, rows: list[dict], skipped: list[str], wo
 
 def report_from_rank0(kind: str, s: BenchSettings, results: list, args: argparse.Namespace) -> int:
     """Rank 0 (or the spawning process) reports the rows of `launch`; every rank then finishes."""
+    rows, skipped = results[0]  # every rank holds the rows
     if int(os.environ.get("RANK", "0")) == 0:
-        rows, skipped = results[0]
         world = rows[0]["tp"] * rows[0]["pp"] if rows else args.nprocs
         report(kind, s, rows, skipped, world, s.json, args.plot)
-    return finish(0)
+        if not rows:  # a benchmark that measured nothing does not pass
+            print(f"spanllm: error: bench {kind} measured no row: every layout / all-reduce was skipped (the reasons "
+                  "are listed above)", file=sys.stderr)
+    return finish(0 if rows else 1)
 
 
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
+    world = checks.world_size(args.nprocs)
+    checks.at_least("--micro-batches", args.micro_batches, 1)
+    checks.layout(args.tp, args.pp, world, resolve_model(s.model), checks.topology(world, s.ranks_per_node))
     results = launch(_bench_rank, s, args.tp, args.pp, args.micro_batches, nprocs=args.nprocs)
     return report_from_rank0("batch", s, results, args)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from spanllm import checks
 from spanllm.bench.batch import (BenchSettings, PartialRows, add_bench_arguments, report_from_rank0, run_layout,
                                  settings_from_args)
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import ModelConfig, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
+from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 
 DEFAULT_ALLREDUCE = {"cuda": ("nccl", "nvrar"), "cpu": ("gloo", "ref_ring")}
@@ -51,17 +53,20 @@ def layouts(cfg: ModelConfig, world: int, topology: Topology) -> tuple[list[Para
 
 
 def micro_batch_counts(spec: str, pp: int) -> list[int]:
-    if pp == 1:
-        return [1]
+    """'1,pp' -> [1, pp] for a pipelined layout; [1] without a pipeline (the spec is checked either way)."""
     out = []
     for t in spec.split(","):
         t = t.strip()
-        n = pp if t == "pp" else int(t)
+        try:
+            n = pp if t == "pp" else int(t)
+        except ValueError:
+            n = 0
         if n < 1:
-            raise SystemExit(f"--micro-batches {spec!r}: counts must be >= 1 (or 'pp')")
+            raise UsageError(f"--micro-batches {spec!r}: {t!r} is not a count; give integers >= 1 or 'pp' "
+                             "(the layout's stage count), e.g. 1,pp")
         if n not in out:
             out.append(n)
-    return out
+    return [1] if pp == 1 else out
 
 
 def pp_filter(spec: str | None) -> set[int] | None:
@@ -71,9 +76,9 @@ def pp_filter(spec: str | None) -> set[int] | None:
     try:
         out = {int(t) for t in spec.split(",") if t.strip()}
     except ValueError:
-        raise SystemExit(f"--pp {spec!r}: pipeline degrees are integers, e.g. --pp 2 or --pp 1,2") from None
+        raise UsageError(f"--pp {spec!r}: pipeline degrees are integers, e.g. --pp 2 or --pp 1,2") from None
     if not out or min(out) < 1:
-        raise SystemExit(f"--pp {spec!r}: give one or more pipeline degrees >= 1")
+        raise UsageError(f"--pp {spec!r}: give one or more pipeline degrees >= 1")
     return out
 
 
@@ -88,7 +93,7 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str, pp_spec: str |
         skipped += [f"{d}: not asked for (--pp {pp_spec})" for d in valid if d.pp not in wanted]
         valid = [d for d in valid if d.pp in wanted]
         if not valid:
-            raise SystemExit(f"--pp {pp_spec}: no valid layout of {ctx.world_size} ranks has that pipeline degree")
+            raise UsageError(f"--pp {pp_spec}: no valid layout of {ctx.world_size} ranks has that pipeline degree")
     if ctx.is_main:
         print(f"study: {cfg.label} on {ctx.world_size} ranks ({topology} nodes x ranks), layouts: "
               f"{', '.join(map(str, valid))}; all-reduce: {', '.join(s.allreduce)}")
@@ -103,8 +108,23 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str, pp_spec: str |
     return rows, skipped
 
 
+def check_layouts(s: BenchSettings, args: argparse.Namespace) -> None:
+    """Before any rank starts: some layout runs, --pp picks one, --micro-batches parses for each."""
+    world = checks.world_size(args.nprocs)
+    cfg = resolve_model(s.model)
+    valid, skipped = layouts(cfg, world, checks.topology(world, s.ranks_per_node))
+    if not valid:
+        raise UsageError(f"no layout of {world} ranks can run {cfg.label}: {'; '.join(skipped)}")
+    wanted = pp_filter(args.pp)
+    if wanted is not None and not any(d.pp in wanted for d in valid):
+        raise UsageError(f"--pp {args.pp}: no valid layout of {world} ranks has that pipeline degree; valid: "
+                         f"{', '.join(str(d) for d in valid)}")
+    for d in valid:
+        micro_batch_counts(args.micro_batches, d.pp)
+
+
 def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
-    pp_filter(args.pp)  # bad values fail before any rank starts
+    check_layouts(s, args)  # bad values fail before any rank starts
     results = launch(_study_rank, s, args.micro_batches, args.pp, nprocs=args.nprocs)
     return report_from_rank0("study", s, results, args)

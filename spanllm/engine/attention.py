@@ -47,6 +47,8 @@ class Attention(nn.Module):
         """qk [B, T, (hq+hkv)*d] (queries then keys, as the fused projection lays them out), v [B, T, hkv*d],
         cache views [B, hkv, S, d] -> [B, T, hq*d]. Queries and keys are rotated together (one set of
         RoPE kernels per layer, not two)."""
+        if getattr(meta, "paged", False):
+            return self._paged(qk, v, meta, cache)
         with self.timers.region("attention"):
             b, t, _ = qk.shape
             qk = qk.view(b, t, self.num_heads + self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, hq+hkv, T, d]
@@ -73,3 +75,15 @@ class Attention(nn.Module):
                     attn_mask=meta.decode_mask)  # [B, hkv, g, d]
                 out = out.reshape(b, self.num_heads, 1, self.head_dim)  # [B, hq, 1, d]
             return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+
+    def _paged(self, qk: torch.Tensor, v: torch.Tensor, meta, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The serving engine's packed tokens: qk [N, (hq+hkv)*d], v [N, hkv*d], cache (k, v) blocks of this
+        layer -> [N, hq*d] (spanllm.engine.paged_attention)."""
+        from spanllm.engine.paged_attention import paged_attention
+
+        with self.timers.region("attention"):
+            n = qk.shape[0]
+            qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), meta.cos, meta.sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+            out = paged_attention(q, k, v.view(n, self.num_kv_heads, self.head_dim), cache[0], cache[1], meta)
+            return out.reshape(n, self.num_heads * self.head_dim)

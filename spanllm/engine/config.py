@@ -100,6 +100,7 @@ class ModelConfig:
         checkpoint_dir = None
         if isinstance(path_or_dict, dict):
             cfg, name = path_or_dict, str(path_or_dict.get("_name_or_path") or "hf-config")
+            where = "the config"
         else:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
@@ -108,9 +109,32 @@ class ModelConfig:
             if not os.path.isfile(path):
                 raise ModelConfigError(f"no config.json at {path!r}; pass an HF checkpoint directory or a preset "
                                        f"({', '.join(PRESETS)})")
-            with open(path) as f:
-                cfg = json.load(f)
+            where = path
+            try:
+                with open(path) as f:
+                    cfg = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelConfigError(f"{path}: not valid JSON ({e}); restore the checkpoint's config.json "
+                                       "(save_pretrained writes it)") from None
+            if not isinstance(cfg, dict):
+                raise ModelConfigError(f"{path}: holds a JSON {type(cfg).__name__}, not an object of config keys; "
+                                       "restore the checkpoint's config.json")
             name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        try:
+            return cls._from_hf_dict(cfg, name, checkpoint_dir)
+        except KeyError as e:
+            raise ModelConfigError(f"{where}: no {e.args[0]!r} key, which this engine needs; restore the "
+                                   "checkpoint's config.json (save_pretrained writes every key)") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                if checkpoint_dir is None and isinstance(path_or_dict, dict):
+                    raise
+                raise ModelConfigError(f"{where}: {e}") from None
+            raise ModelConfigError(f"{where}: a value has the wrong type ({e}); restore the checkpoint's "
+                                   "config.json") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict[str, Any], name: str, checkpoint_dir: str | None) -> "ModelConfig":
         archs = cfg.get("architectures") or (["LlamaForCausalLM"] if cfg.get("model_type") == "llama" else [])
         if not archs or any(a not in SUPPORTED_ARCHITECTURES for a in archs):
             raise ModelConfigError(
@@ -174,9 +198,12 @@ _PRESET_RE = re.compile(r"^(?P<name>[^:]+)(?::layers=(?P<layers>\d+))?$")
 def preset(spec: str) -> ModelConfig:
     """`"llama3.1-70b"` or `"llama3.1-405b:layers=8"` (truncated, labelled as such)."""
     m = _PRESET_RE.match(spec)
+    if m is None and spec.split(":", 1)[0] in PRESETS:
+        raise ModelConfigError(f"{spec!r}: after the preset name write ':layers=N' with N a whole number of "
+                               f"layers, e.g. '{spec.split(':', 1)[0]}:layers=2'")
     if m is None or m["name"] not in PRESETS:
         raise ModelConfigError(f"unknown preset {spec!r}; choose one of {', '.join(PRESETS)} "
-                               "(optionally with ':layers=N' to keep N layers)")
+                               "(optionally with ':layers=N' to keep N layers), or pass an HF checkpoint folder")
     cfg = PRESETS[m["name"]]
     if m["layers"] is not None:
         n = int(m["layers"])
@@ -189,8 +216,16 @@ def preset(spec: str) -> ModelConfig:
 
 def resolve_model(spec: str) -> ModelConfig:
     """A preset name or an HF checkpoint directory."""
-    if os.path.isdir(spec):
-        return ModelConfig.from_hf_config(spec)
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return ModelConfig.from_hf_config(path)
+    if os.sep in spec or "/" in spec or spec.startswith((".", "~")) or (
+            os.path.isfile(path) and spec.split(":", 1)[0] not in PRESETS):
+        if os.path.isfile(path):
+            raise ModelConfigError(f"{spec!r} is a file; --model takes the checkpoint folder that holds config.json "
+                                   "and the safetensors, or a preset")
+        raise ModelConfigError(f"no such checkpoint folder {spec!r}; pass an existing HF checkpoint folder (hub names "
+                               f"are not downloaded) or a preset ({', '.join(PRESETS)})")
     return preset(spec)
 
 
@@ -244,8 +279,31 @@ class EngineConfig:
     # stream over W with split-K, torch.ops.spanllm.skinny_linear; GPU + Triton only). More rows (prefill,
     # larger batches) always run F.linear. describe() names the choice.
     decode_gemm: str = "torch"
+    # --- the serving engine (LLM.generate, spanllm serve): continuous batching over a paged KV cache ---
+    # max_batch_size / max_seq_len above size the static path only (generate_static, bench batch / study).
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences per step (and the largest decode CUDA-graph bucket)
+    max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # prompt + output limit; None: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU's memory for weights + activations + KV cache
+    cpu_kv_cache_bytes: int = 1 << 30  # KV pool on CPU
+    num_kv_blocks: int | None = None  # overrides the sizing (tests: a pool small enough to preempt)
+    attention_backend: str = "auto"  # paged attention: auto (triton on CUDA), torch (reference), triton
+    min_admit: int = 1  # admission batching (spanllm.engine.scheduler.SchedulerConfig.min_admit); 1 = off
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be auto, torch or triton")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be >= 1")
         if self.max_seq_len < 2:

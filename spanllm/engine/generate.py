@@ -11,9 +11,11 @@ import os
 
 import torch
 
+from spanllm import checks
 from spanllm.engine.config import COMPILE_SCOPES, DECODE_GEMMS, EngineConfig, parse_dtype, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
+from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 
 
@@ -38,6 +40,21 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-gemm", choices=DECODE_GEMMS, default="torch",
                         help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = "
                              "spanllm's Triton split-K stream over the weights (GPU + Triton)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens one sequence may hold, prompt + generated (default: the model's "
+                             "max_position_embeddings; more only with SPANLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+
+
+def check_model_arguments(args: argparse.Namespace, world: int):
+    """The shared options, before any rank starts; returns (ModelConfig, Topology, device type)."""
+    device = checks.device_type()
+    checks.engine_dtype(args.dtype)
+    cfg = checks.model(args.model)
+    topo = checks.topology(world, args.ranks_per_node)
+    checks.decode_gemm(args.decode_gemm, device)
+    checks.compile_backend(args.compile_decode, args.compile_backend)
+    checks.context_limit(cfg, args.max_model_len)
+    return cfg, topo, device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -66,25 +83,28 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise SystemExit(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+        raise UsageError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
-def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
+def _tokenizer(checkpoint_dir: str):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError("--prompt needs the transformers package for the tokenizer: pip install transformers "
+                         "(or give --prompt-ids)") from None
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint_dir)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--prompt: no usable tokenizer in {checkpoint_dir!r} ({' '.join(str(e).split())[:200]}); "
+                         "copy the tokenizer files next to config.json, or give --prompt-ids") from None
+
+
+def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """`prompts`: the token ids run() checked (from --prompt-ids, then the tokenized --prompt texts)."""
     from spanllm.engine.llm import LLM
 
     cfg = resolve_model(args.model)
-    tokenizer = None
-    prompts = [_parse_ids(p) for p in args.prompt_ids]
-    if args.prompt:
-        if cfg.checkpoint_dir is None:
-            raise SystemExit(f"--prompt needs a checkpoint directory with a tokenizer; {args.model!r} is a preset "
-                             "(use --prompt-ids)")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.checkpoint_dir)
-        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
-    if not prompts:
-        raise SystemExit("give at least one --prompt-ids or --prompt")
+    tokenizer = _tokenizer(cfg.checkpoint_dir) if args.prompt else None
     tp = args.tp or ctx.world_size // args.pp
     engine = EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
                           dtype=resolve_dtype(args.dtype, ctx.device), cuda_graphs=not args.no_cuda_graphs,
@@ -103,16 +123,40 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace) -> dict:
         llm.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    # Argument errors here, before any rank starts.
-    if args.prompt and not os.path.isdir(args.model):
-        raise SystemExit(f"--prompt needs a checkpoint directory with a tokenizer; {args.model!r} is a preset "
-                         "(use --prompt-ids)")
+def check_arguments(args: argparse.Namespace) -> list[list[int]]:
+    """Every argument and the checkpoint, before any rank starts; returns the prompts' token ids."""
     if not args.prompt and not args.prompt_ids:
-        raise SystemExit("give at least one --prompt-ids or --prompt")
-    for p in args.prompt_ids:
-        _parse_ids(p)
-    results = launch(_generate_rank, args, nprocs=args.nprocs)
+        raise UsageError("give at least one --prompt-ids or --prompt")
+    world = checks.world_size(args.nprocs)
+    cfg, topo, device = check_model_arguments(args, world)
+    if args.prompt and cfg.checkpoint_dir is None:
+        raise UsageError(f"--prompt needs a checkpoint directory with a tokenizer; {args.model!r} is a preset "
+                         "(use --prompt-ids)")
+    checks.layout(args.tp, args.pp, world, cfg, topo)
+    checks.at_least("--micro-batches", args.micro_batches, 1)
+    if args.allreduce is not None:
+        checks.allreduce_names([args.allreduce], device)
+    checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
+    checks.at_least("--temperature", args.temperature, 0.0, " (0 = greedy)")
+    if not 0.0 < args.top_p <= 1.0:
+        raise UsageError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
+    prompts = [_parse_ids(p) for p in args.prompt_ids]
+    names = [f"--prompt-ids #{i} ({p!r})" if len(p) <= 40 else f"--prompt-ids #{i}"
+             for i, p in enumerate(args.prompt_ids)]
+    if args.prompt:
+        tokenizer = _tokenizer(cfg.checkpoint_dir)
+        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+        names += [f"--prompt #{i}" for i in range(len(args.prompt))]
+    checks.token_ids(prompts, names, cfg.vocab_size, cfg.label)
+    for ids, name in zip(prompts, names):
+        checks.sequence_fits(len(ids), args.max_new_tokens, cfg, args.max_model_len,
+                             f"{name}: prompt + --max-new-tokens")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = check_arguments(args)
+    results = launch(_generate_rank, args, prompts, nprocs=args.nprocs)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     r = results[0]

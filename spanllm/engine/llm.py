@@ -1,8 +1,16 @@
-"""LLM: the engine's entry point. Builds the stage of the model this rank runs, its weights, its KV
-cache and its communicator, then generates.
+"""LLM: the engine's entry point. Builds the stage of the model this rank runs, its weights and its
+communicator; then serves requests or runs static batches.
 
-    llm = LLM("llama3.1-8b", EngineConfig(max_batch_size=8, max_seq_len=1024), allreduce="nccl")
-    out = llm.generate_static([[1, 2, 3]], SamplingParams(max_tokens=16))
+    llm = LLM("llama3.1-8b", EngineConfig(max_num_seqs=256), allreduce="nccl")
+    outs = llm.generate(["Hello", [128000, 9906]], SamplingParams(max_tokens=16))   # serving engine
+    out = llm.generate_static([[1, 2, 3]], SamplingParams(max_tokens=16))           # static batch
+
+Two engines share the weights, each built on first use:
+- `generate` / `engine_core`: the serving engine (spanllm.engine.engine_core): continuous batching over
+  a paged KV cache, per-request sampling, text in and out (pp = 1).
+- `generate_static` / `runner` / `executor`: the static-batch path (one fixed batch in contiguous
+  KV slots, any pipeline depth, device-resident decode loop), kept as the fast path of `bench batch`
+  and `bench study`.
 
 Run it on every rank of a job (torchrun, or `spanllm.launch.launch` on CPU). The all-reduce is
 injected: pass `comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a name registered in
@@ -85,9 +93,26 @@ class LLM:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
             random_init(self.model, self.engine.seed, self.rank)
-        self.runner = ModelRunner(self.model, self.engine, self.device)
-        self.sampler = Sampler(self.device, self.engine.seed)
-        self.executor = PipelineExecutor(self.runner, g, self.sampler, self.timers, token_group)
+        self._token_group = token_group
+        self._runner: ModelRunner | None = None
+        self._executor: PipelineExecutor | None = None
+        self._engine_core = None
+        self._control_group = None
+        self.tokenizer = None  # set by get_tokenizer() / the server
+
+    # --- the static-batch path (built on first use: its KV cache is max_batch_size x max_seq_len) ---------
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            self._runner = ModelRunner(self.model, self.engine, self.device)
+        return self._runner
+
+    @property
+    def executor(self) -> PipelineExecutor:
+        if self._executor is None:
+            self.sampler = Sampler(self.device, self.engine.seed)
+            self._executor = PipelineExecutor(self.runner, self.groups, self.sampler, self.timers, self._token_group)
+        return self._executor
 
     def _check_decode_gemm(self) -> None:
         """decode_gemm="skinny" runs a Triton kernel: refuse a machine without a GPU or Triton, no fallback."""
@@ -164,7 +189,10 @@ class LLM:
         self.model.tp.comm = comm
         self.model.tp.large_comm = self.large_comm
         self._register_ops()  # compiled code guards on the handle: the next decode recompiles
-        self.runner.reset_graphs()
+        if self._runner is not None:
+            self._runner.reset_graphs()
+        if self._engine_core is not None:
+            self._engine_core.runner.reset_graphs()
 
     def _register_ops(self) -> None:
         """compile_decode: register comm (and large_comm) for torch.ops.spanllm.all_reduce_ and hand the
@@ -195,6 +223,7 @@ class LLM:
         return self.runner.use_cuda_graphs
 
     def describe(self) -> str:
+        """The static path's setup (bench batch / study rows record it); describe_serving() for the other."""
         graphs = "on" if self.cuda_graphs else (
             "off (breakdown timers need eager decode)" if self.runner.graphs_allowed else "off")
         return (f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
@@ -212,12 +241,153 @@ class LLM:
         (lists of token ids) as one fixed batch on every rank, any pipeline depth; every rank returns the
         same tokens. micro_batches overrides EngineConfig.micro_batches (pipeline schedule)."""
         params = params or SamplingParams()
+        unsupported = [n for n, v in (("top_k", params.top_k > 0), ("seed", params.seed is not None),
+                                      ("min_tokens", params.min_tokens > 0), ("stop", bool(params.stop)),
+                                      ("stop_token_ids", bool(params.stop_token_ids))) if v]
+        if unsupported:
+            raise ValueError(f"generate_static takes temperature, top_p, max_tokens and ignore_eos only; "
+                             f"{', '.join(unsupported)} need the serving engine (LLM.generate)")
+        self._check_prompt_ids(prompts, params.max_tokens)
         m = self.engine.micro_batches if micro_batches is None else micro_batches
         return self.executor.generate(prompts, params, m, self.config.eos_token_ids, keep_logits)
 
+    def _check_prompt_ids(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Token ids inside [0, vocab) at every TP degree, and prompt + max_tokens inside the model's context."""
+        from spanllm.engine.engine_core import RequestError
+
+        vocab, limit = self.config.vocab_size, self.config.max_position_embeddings
+        for r, p in enumerate(prompts):
+            for i, t in enumerate(p):
+                if not isinstance(t, int) or not 0 <= t < vocab:
+                    raise RequestError(f"prompt {r} token {i} is {t!r}, outside the vocabulary [0, {vocab}) of "
+                                       f"{self.config.label}")
+            if len(p) + max_tokens > limit:
+                raise RequestError(f"prompt {r}: {len(p)} tokens + max_tokens {max_tokens} = {len(p) + max_tokens} "
+                                   f"exceeds the model's context of {limit} (max_position_embeddings)")
+
+    # --- the serving engine --------------------------------------------------------------------------
+    @property
+    def engine_core(self):
+        """The continuous-batching engine (built on first use; collective over the TP group)."""
+        if self._engine_core is None:
+            self._engine_core = self._build_engine_core()
+        return self._engine_core
+
+    def _build_engine_core(self):
+        from spanllm.engine.block_manager import BlockManager
+        from spanllm.engine.engine_core import EngineCore
+        from spanllm.engine.paged_attention import resolve_backend
+        from spanllm.engine.paged_cache import (PagedKVCache, activation_reserve_bytes, bytes_per_block,
+                                                size_pool)
+        from spanllm.engine.paged_runner import PagedModelRunner
+        from spanllm.engine.scheduler import SchedulerConfig
+
+        if self.dims.pp != 1:
+            raise ValueError(f"the serving engine runs pp=1 (tensor parallelism only); this LLM has {self.dims}. "
+                             "Use generate_static for pipelined static batches")
+        e, cfg = self.engine, self.config
+        max_model_len = e.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}; leave it unset or lower it")
+        backend = resolve_backend(e.attention_backend, self.device)
+        qkv = next(iter(self.model.model.layers.values())).self_attn.qkv_proj
+        per_block = bytes_per_block(len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim,
+                                    e.dtype)
+        ffn_local = cfg.intermediate_size // self.dims.tp
+        reserve = activation_reserve_bytes(e.max_num_batched_tokens, e.max_num_seqs, cfg.hidden_size,
+                                           qkv.weight.shape[0], ffn_local, cfg.vocab_size, e.dtype)
+        sizing = size_pool(device=self.device, per_block=per_block, block_size=e.block_size,
+                           gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_bytes=e.cpu_kv_cache_bytes,
+                           reserve_bytes=reserve, num_kv_blocks=e.num_kv_blocks)
+        if self.dims.tp > 1:  # every rank must use rank 0's pool size (memory can differ per GPU)
+            n = torch.tensor([sizing.num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.groups.tp_group)
+            if int(n) != sizing.num_blocks:
+                from spanllm.engine.paged_cache import CacheSizing
+                sizing = CacheSizing(int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over TP ranks")
+            self._control_group = (self.groups.tp_group if dist.get_backend(self.groups.tp_group) == "gloo"
+                                   else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group),
+                                                       backend="gloo"))
+        self.kv_sizing = sizing
+        cache = PagedKVCache(list(self.model.layer_ids), sizing.num_blocks, e.block_size, qkv.num_kv_heads_local,
+                             cfg.head_dim, self.device, e.dtype)
+        runner = PagedModelRunner(self.model, cache, max_num_seqs=e.max_num_seqs, max_model_len=max_model_len,
+                                  backend=backend, cuda_graphs=e.cuda_graphs, device=self.device, dtype=e.dtype,
+                                  max_num_batched_tokens=e.max_num_batched_tokens)
+        blocks = BlockManager(sizing.num_blocks, e.block_size)
+        sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_model_len, min_admit=e.min_admit)
+        eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
+        return EngineCore(runner, blocks, sched, vocab_size=cfg.vocab_size, eos_token_ids=eos,
+                          tokenizer=self.tokenizer, seed=e.seed, control_group=self._control_group,
+                          rank=self.groups.tp_rank, tp_size=self.dims.tp)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once."""
+        if self.tokenizer is None:
+            from spanllm.engine.tokenizer import get_tokenizer
+
+            self.tokenizer = get_tokenizer(self.config.name, self.config.checkpoint_dir)
+            if self._engine_core is not None:
+                self._engine_core.tokenizer = self.tokenizer
+        return self.tokenizer
+
+    def describe_serving(self) -> str:
+        core = self.engine_core
+        r = core.runner
+        graphs = (f"on (buckets up to {self.engine.max_num_seqs})" if r.use_cuda_graphs
+                  else "off" + (" (needs the triton attention backend)" if self.device.type == "cuda" else ""))
+        return (f"{self.config.label} | {self.dims} | {self.engine.dtype} on {self.device} | all-reduce "
+                f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
+                f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
+                f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}"
+                + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else ""))
+
+    def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:
+        """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one
+        RequestOutput per prompt, in order. Collective: call it on every TP rank (rank 0 schedules and
+        returns the outputs; the others run the step plans it sends and return [])."""
+        from spanllm.engine.engine_core import RequestError
+
+        core = self.engine_core
+        if core.rank != 0:
+            core.worker_loop()
+            return []
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        ids_list, texts = [], []
+        try:
+            for p in prompts:
+                if isinstance(p, str):
+                    ids_list.append(self.get_tokenizer().encode(p))
+                    texts.append(True)
+                else:
+                    ids_list.append(list(p))
+                    texts.append(self.tokenizer is not None)
+            for ids, sp in zip(ids_list, plist):
+                core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
+            ids_of = {}
+            for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
+                seq = core.add_request(ids, sp, with_text=t)
+                ids_of[seq.request_id] = i
+            results: list = [None] * len(prompts)
+            while core.has_unfinished():
+                for out in core.step():
+                    if out.finished and out.request_id in ids_of:
+                        results[ids_of[out.request_id]] = out
+            return results
+        except RequestError:
+            raise
+        finally:
+            core.shutdown_workers()
+
     def close(self) -> None:
         """Drop decode graphs (they hold the communicator's captured calls), then close an owned communicator."""
-        self.runner.reset_graphs()
+        if self._runner is not None:
+            self._runner.reset_graphs()
+        if self._engine_core is not None:
+            self._engine_core.runner.reset_graphs()
         self._unregister_ops()
         if self._owns_comm and self.comm is not None:
             self.comm.close()

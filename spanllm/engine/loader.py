@@ -16,13 +16,96 @@ import torch
 
 from spanllm.engine.layers import ParallelLMHead, VocabParallelEmbedding
 from spanllm.engine.model import LlamaDecoderLayer, LlamaForCausalLM
+from spanllm.errors import UsageError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model built from its config."""
+class CheckpointError(UsageError):
+    """A checkpoint that does not match the model built from its config (a ValueError; CLI exit code 2)."""
+
+
+# --- checks before any rank starts: file names, headers and shapes, no weights read ------------------------
+def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor name an HF Llama checkpoint of `cfg` holds, with its full shape (as checkpoint_plan reads)."""
+    h, d, ffn = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                    p + "mlp.down_proj.weight": (h, ffn)})
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def read_safetensors_header(path: str) -> dict[str, dict]:
+    """The tensor table of a safetensors file (name -> dtype, shape, data_offsets), after checking that the
+    file holds every byte its header describes (a truncated copy fails here, naming the file)."""
+    fix = "copy or download the file again"
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file, though the checkpoint lists it; copy the whole checkpoint folder")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header; the file is truncated: "
+                                  f"{fix}")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: its header claims {n} bytes but the file has {size}; the file is truncated "
+                                  f"or not safetensors: {fix}")
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+            raise CheckpointError(f"{path}: the safetensors header is damaged: {fix}") from None
+    if size < 8 + n + end:
+        raise CheckpointError(f"{path}: truncated: the file has {size} bytes, its header describes {8 + n + end}; "
+                              f"{fix}")
+    return tensors
+
+
+def check_checkpoint(cfg) -> None:
+    """Every file of the checkpoint folder present and whole, every tensor the config implies there with its
+    shape. Reads only headers (safetensors' JSON table), so it runs in the launching process."""
+    directory = cfg.checkpoint_dir
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
+                                  "'weight_map' of tensor name -> file") from None
+    elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
+                              "save_pretrained(..., safe_serialization=True)")
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for fname in files:
+        path = os.path.join(directory, fname)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{index}: lists {fname}, which is missing from {directory}; copy the whole "
+                                  "checkpoint folder")
+        for name, info in read_safetensors_header(path).items():
+            found[name] = (path, tuple(info.get("shape", ())))
+    for name, shape in expected_tensors(cfg).items():
+        if name not in found:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {directory!r} ({len(found)} "
+                                  "tensors present); does config.json match the weights?")
+        path, have = found[name]
+        if have != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {have} but config.json implies {shape}; the "
+                                  "checkpoint and config.json disagree")
 
 
 class CheckpointReader:
@@ -36,11 +119,13 @@ class CheckpointReader:
         index = os.path.join(directory, INDEX_FILE)
         single = os.path.join(directory, SINGLE_FILE)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                self.weight_map = {k: SINGLE_FILE for k in f.keys()}
+            self.weight_map = {k: SINGLE_FILE for k in read_safetensors_header(single)}
         else:
             raise CheckpointError(f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
                                   "save_pretrained(..., safe_serialization=True)")
@@ -52,7 +137,9 @@ class CheckpointReader:
                                   f"({len(self.weight_map)} tensors present); does config.json match the weights?")
         fname = self.weight_map[name]
         if fname not in self._handles:
-            self._handles[fname] = self._safe_open(os.path.join(self.directory, fname), framework="pt")
+            path = os.path.join(self.directory, fname)
+            read_safetensors_header(path)  # a missing or truncated file names itself
+            self._handles[fname] = self._safe_open(path, framework="pt")
         return self._handles[fname]
 
     def read(self, name: str, expected_shape: tuple[int, ...], dim: int, start: int, stop: int) -> torch.Tensor:

@@ -56,6 +56,8 @@ class LlamaDecoderLayer(nn.Module):
         self.compiled_block = None  # set by ModelRunner for compile_scope="layer" (see block)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        if getattr(meta, "paged", False):  # serving engine: PagedKVCache, packed tokens [N, hidden]
+            return self.block(h, meta, kv_cache.layer(self.layer_id))
         cache = kv_cache.layer(self.layer_id, meta.slot_start, h.shape[0])
         if meta.compiled:  # set only when every layer has its compiled block (ModelRunner)
             return self.compiled_block(h, meta, cache)
@@ -104,7 +106,11 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, meta, kv_cache)
         if not self.is_last:
             return h
-        if last_index is None:
+        if getattr(meta, "paged", False):
+            h = h if meta.logits_indices is None else h[meta.logits_indices]  # [S, hidden]
+            if h.shape[0] == 0:  # a step of partial prefill chunks samples nothing (same plan on every rank)
+                return torch.empty(0, self.config.vocab_size, device=h.device, dtype=torch.float32)
+        elif last_index is None:
             h = h[:, -1]  # [B, hidden]
         else:
             h = h[torch.arange(h.shape[0], device=h.device), last_index]  # [B, hidden]

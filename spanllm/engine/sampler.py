@@ -1,8 +1,15 @@
-"""Sampler: greedy, or temperature + top-p, identical on every rank that samples.
+"""SamplingParams (one request's) and two samplers.
 
-Every TP rank of the last stage holds bitwise-identical logits (they were all-gathered), and each
-seeds its generator the same way, so each draws the same token without a broadcast. Sampling uses
-the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs no host sync.
+`Sampler` (the static-batch path): one set of parameters for the whole batch, greedy or temperature +
+top-p, identical on every rank that samples. Every TP rank of the last stage holds bitwise-identical
+logits (they were all-gathered), and each seeds its generator the same way, so each draws the same
+token without a broadcast. Sampling uses the exponential-race trick (argmax of p / E, E ~ Exp(1)),
+which needs no host sync.
+
+`BatchSampler` (the serving engine): every row has its own parameters (temperature, top-k, top-p,
+min_tokens, seed). Only rank 0 samples there; its tokens travel to the other ranks in the next step's
+plan. Rows with a seed draw from their own generator, so a seeded request samples the same tokens
+whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -12,20 +19,55 @@ from dataclasses import dataclass
 import torch
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter outside its range (the server answers 400 with this message)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """vLLM's names and meanings. stop: strings that end the output (not included in it); stop_token_ids:
+    ids that end it besides EOS (the id itself is kept, as EOS is); min_tokens: EOS and stop ids are
+    masked until this many tokens exist; ignore_eos: EOS does not end the output (stop ids still do)."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     max_tokens: int = 16
     ignore_eos: bool = False
+    top_k: int = 0  # 0 (or -1): off
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise SamplingParamsError(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+            raise SamplingParamsError(f"top_p={self.top_p} must be in (0, 1]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens={self.max_tokens} must be an integer >= 1")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SamplingParamsError(f"top_k={self.top_k} must be -1 or 0 (off) or a positive integer")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SamplingParamsError(f"seed={self.seed!r} must be an integer")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(t, str) or not t for t in self.stop):
+            raise SamplingParamsError(f"stop={self.stop!r} must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must hold non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
 
 
 class Sampler:
@@ -46,3 +88,49 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         race = torch.empty_like(probs).exponential_(1.0, generator=self.generator)
         return (probs / race).argmax(dim=-1)
+
+
+class BatchSampler:
+    """Per-row sampling for the serving engine: logits [B, vocab] float32 and one SamplingParams per row.
+
+    Greedy rows take the argmax. The others: logits / temperature, then top-k and top-p masks (only
+    when some row asks: the sort is the costly part), then the exponential race, with the engine's
+    generator for unseeded rows and each seeded row's own generator (created at its first token)."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        """stop_masks[i]: ids to forbid in row i (EOS / stop ids before min_tokens). Returns B token ids."""
+        b = logits.shape[0]
+        for i, ids in enumerate(stop_masks):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        probs_logits = logits / temps[:, None]
+        if any(p.top_k_active for p in params):
+            k = torch.tensor([p.top_k if p.top_k_active else logits.shape[1] for p in params], device=logits.device)
+            kth = probs_logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))
+        probs = torch.softmax(probs_logits, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]  # mass above already >= top_p
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+        race = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        race.exponential_(1.0, generator=self.generator)
+        for i in seeded:  # own stream: the same draws whatever shares the batch
+            race[i].exponential_(1.0, generator=generators[i])
+        sampled = (probs / race).argmax(dim=-1)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            sampled[rows] = logits[rows].argmax(dim=-1)
+        return sampled.tolist()

@@ -10,4 +10,7 @@
   engine_fit.py       engine rows -> the inference model; the fit of the engine constants (EngineCost)
   validate.py         `spanllm perf validate`: predicted vs measured, with the error
   paper_claims.py     the NVRAR paper's headline numbers as checks on the presets
+  transport.py        NVSHMEM remote transports (IBGDA vs CPU-proxied IBRC / UCX / libfabric): put + signal costs
+  uncertainty.py      ranges of predictions from the ranges of the presets' guessed constants
+  published.py        published multi-node all-reduce figures (published_points.json) priced with the error
 """

@@ -12,8 +12,11 @@ cluster's constants (`time_from_terms_us`):
         + local_bytes / (hbm_GBps * hbm_efficiency)
 
 Schedules (bytes on the critical path of one GPU):
-  nccl ring       2(P-1) steps, 2(N-1) of them over the network; 2(P-1)/P * w M on the slowest link
-  nccl tree       2(g-1) NVLink steps + 2 ceil(log2 N) network steps; 2 w M on the slowest link
+  nccl ring       2(P-1) steps, 2(N-1) of them over the network; 2(P-1)/P * w M per GPU, and across hosts
+                  that traffic is spread over the node's g NICs (NCCL runs one ring per NIC and splits
+                  the data among rings): 2(P-1)/P * w M / g on each per-GPU NIC
+  nccl tree       2(g-1) NVLink steps + 2 ceil(log2 N) network steps; 2 w M through the node's g NICs
+                  (one tree per NIC, data split among them): 2 w M / g per NIC; on one host 2 w M
   nccl            min over {ring, tree} x {LL, LL128, Simple}, as NCCL's own tuner picks
   torch one-shot  one kernel (`one_shot_all_reduce_copy_out`): copies the input into the symmetric
                   buffer (2M local bytes), barrier, reads (P-1) M from peers, barrier: 2 steps
@@ -175,16 +178,18 @@ def _bytes(b: float, over_network: bool) -> CostTerms:
 def ring_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     p, n = pl.world, pl.physical_nodes
     inter = 2 * (n - 1)
+    nics = pl.physical_ranks_per_node if pl.over_network else 1  # rings share the data, one NIC each
     return (CostTerms(nvlink_steps=2 * (p - 1) - inter, net_steps=inter)
-            + _bytes(2 * (p - 1) / p * nbytes * wire, pl.over_network))
+            + _bytes(2 * (p - 1) / p * nbytes * wire / nics, pl.over_network))
 
 
 def tree_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     if pl.world == 1:
         return CostTerms()
     g, n = pl.physical_ranks_per_node, pl.physical_nodes
+    nics = g if pl.over_network else 1  # trees share the data, one NIC each
     return (CostTerms(nvlink_steps=2 * (g - 1), net_steps=2 * math.ceil(math.log2(n)))
-            + _bytes(2 * nbytes * wire, pl.over_network))
+            + _bytes(2 * nbytes * wire / nics, pl.over_network))
 
 
 def one_shot_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:

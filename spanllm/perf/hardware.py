@@ -3,11 +3,21 @@
 Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (DESIGN.md
 section 7), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
 hwLat tables and the LL / LL128 / tree bandwidth factors), [fit] least squares over measured points
-(named), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
+(named), [source] a public figure other than a datasheet (named where it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
 to replace with `spanllm perf calibrate` once a sweep on that cluster exists.
 
 Units are in the field names: GB = 1e9 bytes, GBps = 1e9 bytes/s (= 1e3 bytes/us), us = microseconds.
 Link bandwidths are per GPU and per direction.
+
+Three kinds of constants are kept apart: the links (NVLink / NIC bandwidth and one-way latency:
+ClusterSpec fields), the NVSHMEM transport that drives the NIC (`transport`, spanllm.perf.transport),
+and what spanllm's own all-reduce kernel costs on the GPU (`kernel`, KernelCost: measured on the H200
+host and carried to every preset). The nvrar / recursive-doubling entries of `algos` are built from the
+three (`default_algo_costs`) unless a sweep on that cluster fitted them.
+
+Every [assumed] constant of a preset has a plausible range in `ClusterSpec.ranges` (path -> (low, high)),
+e.g. "nic_latency_us", "transport.proxy_us", "kernel.call_us"; spanllm.perf.uncertainty turns them into
+ranges of the predictions (`spanllm plan`, `spanllm perf validate`).
 
 A user cluster is a JSON or TOML file with the same field names (see `load_cluster`); `algos` entries
 that it leaves out are filled from the defaults below, built from its own link latencies.
@@ -21,6 +31,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
+
+from spanllm.perf.transport import TRANSPORTS, Transport, TransportError, get_transport
 
 
 class ClusterSpecError(ValueError):
@@ -90,6 +102,25 @@ class EngineCost:
 
 
 @dataclass(frozen=True)
+class KernelCost:
+    """spanllm's NVSHMEM all-reduce kernel (spanllm.comm.nvrar_kernel, LL8 cells) on the GPU itself, apart from
+    any link: measured on the 2 x H200 host (`_HOST_NVRAR_FIT` below) and carried to every preset, where the
+    same kernel runs (other GPUs: ranges in ClusterSpec.ranges)."""
+
+    call_us: float = 3.130  # per call beyond its graph node: sequence load, program start, the call's first flag wait
+    phase_us: float = 0.765  # per exchange phase or round: push the cells, poll the partner's, add
+    bw_efficiency: float = 0.813  # fraction of the link bandwidth its LL8 stores reach
+
+    def __post_init__(self) -> None:
+        for name in ("call_us", "phase_us"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ClusterSpecError(f"KernelCost.{name}={v!r} must be a finite number >= 0 (microseconds)")
+        if not 0.0 < self.bw_efficiency <= 1.0:
+            raise ClusterSpecError(f"KernelCost.bw_efficiency={self.bw_efficiency!r} must lie in (0, 1]")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     name: str
     description: str
@@ -108,8 +139,15 @@ class ClusterSpec:
     kernel_launch_us: float  # one eager kernel launch from Python
     algos: Mapping[str, AlgoCost] = field(default_factory=dict)
     engine: EngineCost = EngineCost()  # the spanllm engine's costs on this cluster (zeros: an ideal engine)
+    transport: Transport = TRANSPORTS["ibgda"]  # NVSHMEM's remote transport (unused without a network)
+    kernel: KernelCost = KernelCost()  # spanllm's all-reduce kernel on this GPU
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # [assumed] constant -> (low, high)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.transport, Transport):
+            raise ClusterSpecError(f"{self.name}: transport is {type(self.transport).__name__}, expected Transport")
+        if not isinstance(self.kernel, KernelCost):
+            raise ClusterSpecError(f"{self.name}: kernel is {type(self.kernel).__name__}, expected KernelCost")
         if not isinstance(self.engine, EngineCost):
             raise ClusterSpecError(f"{self.name}: engine is {type(self.engine).__name__}, expected EngineCost")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -133,6 +171,12 @@ class ClusterSpec:
         for key, cost in self.algos.items():
             if not isinstance(cost, AlgoCost):
                 raise ClusterSpecError(f"{self.name}: algos[{key!r}] is {type(cost).__name__}, expected AlgoCost")
+        for path, bounds in self.ranges.items():
+            value = constant_value(self, path)  # raises on a path that names no constant
+            lo, hi = bounds
+            if not lo <= value <= hi:
+                raise ClusterSpecError(f"{self.name}: ranges[{path!r}] = ({lo}, {hi}) does not hold the value {value}; "
+                                       "a range must contain the constant it bounds")
 
     @property
     def has_network(self) -> bool:
@@ -151,16 +195,20 @@ class ClusterSpec:
 # [NCCL] src/graph/tuning.cc (2.2x): baseLat per call, hwLat per hop on NVLink / network, for
 # (algorithm, protocol). Bandwidth: NCCL caps LL at 1/4 of the bus bandwidth (= 2x wire bytes at 50%
 # efficiency), LL128 at 0.92 x (120/128 payload per line), tree at 0.92 x. Simple: full bandwidth.
+# NCCL's tuner takes the protocol its model prices fastest at every size: so do the presets with a network
+# (picked_above_bytes 0). A cross-check of the transcription: NCCL 2.2x's own tuner printed 25.2-26.6 us for
+# tree/LL at 64 B - 8 KiB on 2 x 8 H100 (NVIDIA/nccl#1453, NCCL_DEBUG=INFO); this table gives 25.7 us there
+# (spanllm.perf.published, `perf validate` scores it).
 # [measured] eager_us: NCCL through torch.distributed took 29-34 us per call without graphs vs 11.5 us
 # captured at small sizes on the H200 host (DESIGN.md section 7): ~20 us of host path per call.
 NCCL_EAGER_US = 20.0
-# [measured on the H200 host, assumed elsewhere] NCCL's nominal model would switch to LL128 / Simple
-# well below 2 MiB (20 us at 2 MiB on 2 H200s) but the measured calls stay on the LL-like line
-# (31.2 us at 2 MiB): LL128 and Simple are only considered above this size.
+# [measured on the H200 host only] NCCL's nominal model would switch to LL128 / Simple well below 2 MiB
+# (20 us at 2 MiB on 2 H200s) but the measured calls stay on the LL-like line (31.2 us at 2 MiB): on that
+# host LL128 and Simple are only considered above this size (`_HOST_NCCL_FIT`).
 NCCL_LL_UP_TO_BYTES = 2 * 1024 * 1024
 _LL = dict(wire_factor=2.0, bw_efficiency=0.5, eager_us=NCCL_EAGER_US)
-_LL128 = dict(wire_factor=128 / 120, bw_efficiency=0.92, eager_us=NCCL_EAGER_US, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
-_SIMPLE = dict(wire_factor=1.0, eager_us=NCCL_EAGER_US, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
+_LL128 = dict(wire_factor=128 / 120, bw_efficiency=0.92, eager_us=NCCL_EAGER_US)
+_SIMPLE = dict(wire_factor=1.0, eager_us=NCCL_EAGER_US)
 NCCL_PROTOCOLS: dict[str, AlgoCost] = {
     "nccl_ring/LL": AlgoCost(base_us=6.6, nvlink_step_us=0.6, net_step_us=2.7, **_LL),
     "nccl_ring/LL128": AlgoCost(base_us=14.0, nvlink_step_us=1.9, net_step_us=4.0, **_LL128),
@@ -169,13 +217,6 @@ NCCL_PROTOCOLS: dict[str, AlgoCost] = {
     "nccl_tree/LL128": AlgoCost(base_us=14.0, nvlink_step_us=1.25, net_step_us=8.5, **_LL128),
     "nccl_tree/Simple": AlgoCost(base_us=8.4, nvlink_step_us=4.0, net_step_us=14.0, bw_efficiency=0.92, **_SIMPLE),
 }
-
-# [assumed] NVRAR / flat recursive doubling (LL8 cells) on clusters without a sweep: per step the receiver
-# polls the 8-byte cells and adds them; 0.5 us of poll + add on top of the link's own one-way latency, 80% of
-# link bandwidth, no per-call kernel cost (base_us 0). The H200 host's fit (below) found 3.13 us per call and
-# 81% of NVLink bandwidth: these defaults are optimistic until a sweep on that cluster replaces them.
-LL8_POLL_ADD_US = 0.5
-LL8_BW_EFFICIENCY = 0.8
 
 # [fit] torch symmetric-memory one-shot / two-shot on the H200 host, fitted by `spanllm perf calibrate`
 # (relative least squares) to results/h200x2/allreduce_1x2_bf16.json (the 2026-11-30 sweep), rows of the
@@ -193,12 +234,72 @@ TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.363, net_step_us=0.0, wi
                           bw_efficiency=0.647, kernels=2)
 
 
-def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float) -> dict[str, AlgoCost]:
-    """The per-algorithm table for a cluster with these link latencies (NCCL's own constants are fixed)."""
-    ll8 = AlgoCost(base_us=0.0, nvlink_step_us=nvlink_latency_us + LL8_POLL_ADD_US,
-                   net_step_us=nic_latency_us + LL8_POLL_ADD_US, wire_factor=2.0, bw_efficiency=LL8_BW_EFFICIENCY)
+def ll8_cost(nvlink_latency_us: float, nic_latency_us: float, kernel: KernelCost, transport: Transport) -> AlgoCost:
+    """nvrar / flat recursive doubling (LL8 cells) from the kernel's own costs, the links and the transport.
+
+    base_us = kernel.call_us; an NVLink phase costs kernel.phase_us (the NVLink flag latency is paid once
+    per call, inside call_us: the H200 fit, and peers push before they poll, so later phases overlap it);
+    a network round costs kernel.phase_us + transport.round_us(nic_latency_us) (a put and its signal,
+    spanllm.perf.transport), since a round's put waits for the previous round's data."""
+    return AlgoCost(base_us=kernel.call_us, nvlink_step_us=kernel.phase_us,
+                    net_step_us=kernel.phase_us + transport.round_us(nic_latency_us), wire_factor=2.0,
+                    bw_efficiency=kernel.bw_efficiency)
+
+
+def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float, kernel: KernelCost | None = None,
+                       transport: Transport | None = None) -> dict[str, AlgoCost]:
+    """The per-algorithm table for a cluster with these links, kernel and transport (NCCL's own constants are fixed)."""
+    ll8 = ll8_cost(nvlink_latency_us, nic_latency_us, kernel or KernelCost(), transport or TRANSPORTS["ibgda"])
     return {**NCCL_PROTOCOLS, "torch_one_shot": TORCH_ONE_SHOT, "torch_two_shot": TORCH_TWO_SHOT,
             "nvrar": ll8, "recursive_doubling": ll8}
+
+
+def spec_defaults(spec: "ClusterSpec") -> dict[str, AlgoCost]:
+    return default_algo_costs(spec.nvlink_latency_us, spec.nic_latency_us, spec.kernel, spec.transport)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Constants by path (ranges, calibration, uncertainty).
+
+_SUB = {"transport": Transport, "kernel": KernelCost, "engine": EngineCost}
+
+
+def constant_value(spec: "ClusterSpec", path: str) -> float:
+    """The number a path names: 'nic_latency_us', 'transport.proxy_us', 'kernel.call_us', 'algos.nvrar.base_us'."""
+    parts = path.split(".")
+    try:
+        if parts[0] == "algos" and len(parts) == 3:
+            v = getattr(spec.algos[parts[1]], parts[2])
+        elif parts[0] in _SUB and len(parts) == 2:
+            v = getattr(getattr(spec, parts[0]), parts[1])
+        elif len(parts) == 1 and parts[0] not in ("algos", "ranges", *_SUB):
+            v = getattr(spec, parts[0])
+        else:
+            raise AttributeError(path)
+    except (AttributeError, KeyError):
+        raise ClusterSpecError(f"{spec.name}: {path!r} names no constant; use a ClusterSpec field ('nic_latency_us'), "
+                               "'transport.FIELD', 'kernel.FIELD', 'engine.FIELD' or 'algos.KEY.FIELD'") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ClusterSpecError(f"{spec.name}: {path!r} is {v!r}, not a number a range can bound")
+    return float(v)
+
+
+def with_constant(spec: "ClusterSpec", path: str, value: float) -> "ClusterSpec":
+    """`spec` with one constant replaced. Entries of `algos` built from the links, kernel and transport
+    (equal to their defaults) are rebuilt from the new values; fitted entries stay as they are."""
+    constant_value(spec, path)
+    parts = path.split(".")
+    if parts[0] == "algos":
+        algos = {**spec.algos, parts[1]: replace(spec.algos[parts[1]], **{parts[2]: value})}
+        return replace(spec, algos=algos)
+    if parts[0] in _SUB:
+        new = replace(spec, **{parts[0]: replace(getattr(spec, parts[0]), **{parts[1]: value})})
+    else:
+        value = int(value) if isinstance(getattr(spec, parts[0]), int) else value
+        new = replace(spec, **{parts[0]: value})
+    old_defaults, new_defaults = spec_defaults(spec), spec_defaults(new)
+    algos = {k: new_defaults[k] if old_defaults.get(k) == v and k in new_defaults else v for k, v in spec.algos.items()}
+    return replace(new, algos=algos)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,7 +369,7 @@ H200X2_ENGINE_FIT = EngineFitRows(
 _HOST_NCCL_FIT = {
     **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.579, bw_efficiency=0.629)
        for k in ("nccl_ring/LL", "nccl_tree/LL")},
-    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=5.996, bw_efficiency=0.662)
+    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=5.996, bw_efficiency=0.662, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
        for k in ("nccl_ring/Simple", "nccl_tree/Simple")},
     **{k: replace(NCCL_PROTOCOLS[k], picked_above_bytes=16 * 1024 * 1024)
        for k in ("nccl_ring/LL128", "nccl_tree/LL128")},
@@ -283,9 +384,36 @@ _HOST_NCCL_FIT = {
 #                         puts part of the second phase in the bandwidth term)
 #   bw_efficiency  0.813  effective P2P store bandwidth 0.813 x 450 = 366 GB/s of LL8 wire bytes (2x payload)
 # (The 2026-11-29 sweep, at most 64 programs, gave 3.654 / 0.353 / 0.594: more programs raised the bandwidth.)
-# net_step_us is not measured on this host (no network): the default, link latency + 0.5.
-_HOST_NVRAR_FIT = AlgoCost(base_us=3.130, nvlink_step_us=0.765, net_step_us=_H200_NVLINK_LATENCY_US + 0.5,
-                           wire_factor=2.0, bw_efficiency=0.813)
+# These are the kernel's own costs (KernelCost: call_us, phase_us, bw_efficiency), carried to every preset. The
+# phase trace (results/h200x2/phases_{1x2,2x1}.json, the late rank, whose partner's cells are already there) agrees
+# on the split: one phase's push 0.25-0.49 us + poll and add ~0.5 us up to 64 KiB, ~1 us per program per call.
+# net_step_us is not measured on this host (no network): the kernel's phase + an IBGDA round (ll8_cost).
+H200_KERNEL = KernelCost(call_us=3.130, phase_us=0.765, bw_efficiency=0.813)
+_HOST_NVRAR_FIT = ll8_cost(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"])
+
+# Ranges of the [assumed] constants (ClusterSpec.ranges). Shared reasoning, stated once:
+#   kernel.*        the H200 fit carried to another GPU: same kernel, other clocks and SM counts. call_us 2.5-4.5 on
+#                   Hopper (the 2026-11-29 sweep, fewer programs, gave 3.65), up to 6.0 on A100 (1.41 vs 1.98 GHz
+#                   boost: x1.4); phase_us 0.5-1.5; bw_efficiency 0.6-0.9 (0.59 at most 64 programs, 11-29 sweep)
+#   graph_node_us   0.5 measured on H200 (0.86 for a torch elementwise op): 0.4-1.0
+#   kernel_launch_us eager launch from Python, not measured: 3-10
+#   hbm/gemm eff.   the H200 measurements carried to another part: +-0.1 around them, capped
+#   nvlink_latency  H200 flag ping-pong 1.3 us carried: 1.0-2.0 (Hopper), 1.2-2.5 (A100 NVLink 3)
+#   nic_latency_us  one-way small put through the fabric, transport costs apart: IB NDR 1.5-4.0 (not measured by us);
+#                   Slingshot-11 2.0-4.5 (LCI #190: 6.44 us per put to completion, i.e. ~3.2 one way)
+#   transport.*     post_us 0.5-2.5 (IBGDA) / 0.1-1.0 (proxied); proxy_us 1.5-8.0 (pplx-kernels: IBRC 2.8-4.2x
+#                   IBGDA for 1-token dispatch; per-operation figure not published)
+_KERNEL_RANGES_HOPPER = {"kernel.call_us": (2.5, 4.5), "kernel.phase_us": (0.5, 1.5), "kernel.bw_efficiency": (0.6, 0.9)}
+_KERNEL_RANGES_A100 = {"kernel.call_us": (2.5, 6.0), "kernel.phase_us": (0.5, 1.5), "kernel.bw_efficiency": (0.6, 0.9)}
+_LAUNCH_RANGES = {"graph_node_us": (0.4, 1.0), "kernel_launch_us": (3.0, 10.0)}
+# NCCL's latency constants are NCCL's tuner model, not measurements: on the H200 host the fitted NCCL step cost came
+# out 2.6x the tuner's NVLink figure (0.6 -> 1.579 us, `_HOST_NCCL_FIT`). [assumed] the same factor bounds them
+# elsewhere: each LL step between the tuner's figure and 2.6x it (network hops rounded up).
+_NCCL_RANGES = {"algos.nccl_ring/LL.nvlink_step_us": (0.6, 1.6), "algos.nccl_tree/LL.nvlink_step_us": (0.6, 1.6),
+                "algos.nccl_ring/LL.net_step_us": (2.7, 7.0), "algos.nccl_tree/LL.net_step_us": (5.0, 13.0)}
+_DGX_RANGES = {**_KERNEL_RANGES_HOPPER, **_LAUNCH_RANGES, **_NCCL_RANGES, "nvlink_latency_us": (1.0, 2.0),
+               "nic_latency_us": (1.5, 4.0), "transport.post_us": (0.5, 2.5)}
+_IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over NDR, one switch tier, transport apart
 
 # [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
 # squares (relative) over the TPOT and TTFT of the 6 rows H200X2_ENGINE_FIT names (8B, TP=2, NCCL, batch
@@ -324,9 +452,11 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
         graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
-        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US), **_HOST_NCCL_FIT,
-               "nvrar": _HOST_NVRAR_FIT},
+        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL),
+               **_HOST_NCCL_FIT, "nvrar": _HOST_NVRAR_FIT},
         engine=_HOST_ENGINE_FIT,
+        kernel=H200_KERNEL,  # [fit] this host's sweep (above)
+        ranges={"kernel_launch_us": (3.0, 10.0)},
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100", description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
@@ -339,10 +469,13 @@ PRESETS: dict[str, ClusterSpec] = {
         nvlink_GBps=450.0,  # [datasheet] 900 GB/s bidirectional per GPU
         nvlink_latency_us=1.3,  # [assumed] as measured on the H200 host (same NVLink generation)
         nic_GBps_per_gpu=50.0,  # [datasheet] one ConnectX-7 400 Gb/s NDR per GPU
-        nic_latency_us=4.0,  # [assumed] GPU-initiated put over NDR through one switch level
+        nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] range below
         graph_node_us=0.5,  # [assumed] as measured on H200
         kernel_launch_us=5.0,  # [assumed]
-        algos=default_algo_costs(1.3, 4.0),
+        algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
+        transport=TRANSPORTS["ibgda"],  # [assumed] IBGDA enabled (NVSHMEM_IB_ENABLE_IBGDA=1); NVSHMEM's default is ibrc
+        kernel=H200_KERNEL,  # [measured on H200] carried: same kernel on Hopper
+        ranges={**_DGX_RANGES, "hbm_efficiency": (0.8, 0.92), "gemm_efficiency": (0.65, 0.85)},
     ),
     "dgx-h200": ClusterSpec(
         name="dgx-h200", description="DGX H200: 8 x H200 141GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
@@ -355,10 +488,13 @@ PRESETS: dict[str, ClusterSpec] = {
         nvlink_GBps=450.0,  # [datasheet]
         nvlink_latency_us=1.3,  # [measured] on the H200 host
         nic_GBps_per_gpu=50.0,  # [datasheet] 8 x 400 Gb/s NDR, one per GPU
-        nic_latency_us=4.0,  # [assumed] as DGX H100
+        nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] as DGX H100
         graph_node_us=0.5,  # [measured] on the H200 host
         kernel_launch_us=5.0,  # [assumed]
-        algos=default_algo_costs(1.3, 4.0),
+        algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
+        transport=TRANSPORTS["ibgda"],  # [assumed] as DGX H100
+        kernel=H200_KERNEL,  # [measured] on the H200 host
+        ranges={k: v for k, v in _DGX_RANGES.items() if k not in ("graph_node_us", "nvlink_latency_us")},
     ),
     "perlmutter": ClusterSpec(
         name="perlmutter", description="NERSC Perlmutter GPU node: 4 x A100 40GB over NVLink 3, 4 x Slingshot-11",
@@ -371,10 +507,20 @@ PRESETS: dict[str, ClusterSpec] = {
         nvlink_GBps=300.0,  # [datasheet] NVLink 3, 600 GB/s bidirectional per GPU
         nvlink_latency_us=1.5,  # [assumed] a little above Hopper's measured 1.3 us
         nic_GBps_per_gpu=25.0,  # [datasheet] 4 x Slingshot-11 (Cassini) 200 Gb/s per node, one per GPU
-        nic_latency_us=6.0,  # [assumed] ~2 us fabric + NVSHMEM libfabric/cxi CPU proxy (no IBGDA on Slingshot)
+        nic_latency_us=3.2,  # [source] LCI #190 (uiuc-hpc/lci PR 190): 6.44 us per put to completion on Slingshot-11
+        #                      (libfabric 2.6 cxi, 4-192 B, CPU-initiated): half of it one way; the proxy is apart
         graph_node_us=0.6,  # [assumed] slightly above the H200 measurement
         kernel_launch_us=5.0,  # [assumed]
-        algos=default_algo_costs(1.5, 6.0),
+        algos=default_algo_costs(1.5, 3.2, H200_KERNEL, TRANSPORTS["libfabric"]),
+        transport=TRANSPORTS["libfabric"],  # [source] NVSHMEM on Slingshot: libfabric cxi through the CPU proxy, no IBGDA
+        kernel=H200_KERNEL,  # [measured on H200] carried; A100 ranges below
+        ranges={**_KERNEL_RANGES_A100, **_LAUNCH_RANGES, **_NCCL_RANGES, "graph_node_us": (0.4, 1.2), "hbm_efficiency": (0.75, 0.92),
+                "gemm_efficiency": (0.6, 0.85), "nvlink_latency_us": (1.2, 2.5), "nic_latency_us": (2.0, 4.5),
+                "transport.post_us": (0.1, 1.0), "transport.proxy_us": (1.5, 8.0),
+                # [assumed] NCCL's network hwLat is its InfiniBand figure; on Slingshot through aws-ofi-nccl
+                # (libfabric cxi, NCCL's own CPU proxy) a hop may pay a proxy hand-off and the cxi latency more
+                "algos.nccl_ring/LL.net_step_us": (2.7, 10.0), "algos.nccl_tree/LL.net_step_us": (5.0, 15.0),
+                "algos.nccl_tree/LL128.net_step_us": (8.5, 20.0)},
     ),
     "vista": ClusterSpec(
         name="vista", description="TACC Vista GH200 node: 1 x GH200 96GB per node, InfiniBand NDR 400 Gb/s",
@@ -387,10 +533,15 @@ PRESETS: dict[str, ClusterSpec] = {
         nvlink_GBps=0.0,  # one GPU per node: no intra-node link
         nvlink_latency_us=1.3,  # unused with one GPU per node
         nic_GBps_per_gpu=50.0,  # [datasheet] one NDR 400 Gb/s port per node
-        nic_latency_us=4.0,  # [assumed] NVSHMEM over IB (IBRC proxy or IBGDA), one switch tier
+        nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] one switch tier, transport apart
         graph_node_us=0.5,  # [assumed] as measured on H200
         kernel_launch_us=5.0,  # [assumed]
-        algos=default_algo_costs(1.3, 4.0),
+        algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibrc"]),
+        transport=TRANSPORTS["ibrc"],  # [source] NVSHMEM_REMOTE_TRANSPORT's default; which one the paper ran: unknown
+        kernel=H200_KERNEL,  # [measured on H200] carried: same kernel on GH200
+        ranges={**_KERNEL_RANGES_HOPPER, **_LAUNCH_RANGES, **_NCCL_RANGES, "hbm_efficiency": (0.8, 0.92),
+                "gemm_efficiency": (0.65, 0.85), "nic_latency_us": (1.5, 4.0), "transport.post_us": (0.1, 1.0),
+                "transport.proxy_us": (1.5, 8.0)},
     ),
 }
 
@@ -406,7 +557,26 @@ ENGINE_FITS: dict[str, EngineFitRows] = {"h200x2": H200X2_ENGINE_FIT}
 def cluster_to_dict(spec: ClusterSpec) -> dict[str, Any]:
     d = asdict(spec)
     d["algos"] = {k: asdict(v) for k, v in spec.algos.items()}
+    d["ranges"] = {k: list(v) for k, v in spec.ranges.items()}
     return d
+
+
+def _transport_from(value: Any, base: Mapping[str, Any] | None, source: str) -> Transport:
+    """A transport from a name ('ibrc'), a dict naming one ({'name': 'ibrc', 'proxy_us': 2.0}), or the base's."""
+    try:
+        if isinstance(value, Transport):
+            return value
+        if isinstance(value, str):
+            return get_transport(value)
+        if isinstance(value, Mapping):
+            name = value.get("name") or (base or {}).get("name") or "ibgda"
+            start = asdict(get_transport(name)) if "name" in value or not base else dict(base)
+            return Transport(**{**start, **value})
+        if value is None and base is not None:
+            return Transport(**base)
+        return TRANSPORTS["ibgda"]
+    except (TypeError, TransportError) as e:
+        raise ClusterSpecError(f"{source}: transport: {e}") from None
 
 
 def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSpec:
@@ -423,16 +593,23 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
     merged = {**base, **d}
-    missing = sorted(known - set(merged) - {"algos", "engine"})
+    missing = sorted(known - set(merged) - {"algos", "engine", "transport", "kernel", "ranges"})
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}; give them or set base = one of {list(PRESETS)}")
-    defaults = default_algo_costs(float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]))
-    # from the base preset keep only entries that are not its latency-derived defaults (fitted ones),
-    # so that a file changing a latency also moves the defaults built from it
+    merged["transport"] = _transport_from(d.get("transport"), base.get("transport"), source)
+    try:  # kernel and engine costs: the base preset's, with the fields the file gives replaced
+        merged["kernel"] = KernelCost(**{**base.get("kernel", {}), **d.get("kernel", {})})
+        merged["engine"] = EngineCost(**{**base.get("engine", {}), **d.get("engine", {})})
+    except TypeError as e:
+        raise ClusterSpecError(f"{source}: kernel / engine: {e}") from None
+    defaults = default_algo_costs(float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]),
+                                  merged["kernel"], merged["transport"])
+    # from the base preset keep only entries that are not its defaults (fitted ones), so that a file
+    # changing a latency, the kernel or the transport also moves the defaults built from them
     algos_in = {}
     if base_name is not None:
         spec = PRESETS[base_name]
-        base_defaults = default_algo_costs(spec.nvlink_latency_us, spec.nic_latency_us)
+        base_defaults = spec_defaults(spec)
         algos_in = {k: asdict(v) for k, v in spec.algos.items() if base_defaults.get(k) != v}
     algos_in.update(d.get("algos", {}))
     algos: dict[str, AlgoCost] = {}
@@ -446,10 +623,23 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
         else:
             algos[key] = defaults[key]
     merged["algos"] = algos
-    try:  # engine costs: the base preset's, with the fields the file gives replaced
-        merged["engine"] = EngineCost(**{**base.get("engine", {}), **d.get("engine", {})})
-    except TypeError as e:
-        raise ClusterSpecError(f"{source}: engine: {e}") from None
+    # a constant the file sets is no longer the preset's guess: the base's range for it goes (unless the file
+    # gives one); a null range removes the base's
+    def set_by_file(path: str) -> bool:
+        parts = path.split(".")
+        if parts[0] == "transport":
+            return "transport" in d
+        if parts[0] in ("kernel", "engine"):
+            return parts[1] in d.get(parts[0], {})
+        if parts[0] == "algos":
+            return parts[2] in d.get("algos", {}).get(parts[1], {})
+        return parts[0] in d
+
+    ranges = {**{k: v for k, v in base.get("ranges", {}).items() if not set_by_file(k)}, **d.get("ranges", {})}
+    try:
+        merged["ranges"] = {k: (float(v[0]), float(v[1])) for k, v in ranges.items() if v is not None}
+    except (TypeError, ValueError, IndexError):
+        raise ClusterSpecError(f"{source}: ranges must map a constant's path to [low, high]") from None
     return ClusterSpec(**merged)
 
 

@@ -7,6 +7,14 @@ divides. All-reduce: every modelled algorithm the TP group supports; the choice 
 prefill's large all-reduces are priced with NCCL (NVRAR's LL8 doubles wire bytes; spanllm's `auto`
 falls back to NCCL for large messages, and YALIS keeps NCCL for prefill). Layouts whose weights + KV
 cache + activations exceed GPU memory are listed as not fitting and never named best.
+
+How sure: where the cluster marks constants as guesses (ClusterSpec.ranges), every row is also priced in
+each scenario of spanllm.perf.uncertainty (nominal, each guessed constant at its low and its high end)
+and at the two corners of the box: E2E and TPOT come with a range and the constants that drive it. Rows
+are ranked by the high end of their E2E range -- the latency that holds whichever way the guesses turn
+out -- then by the nominal; `wins` counts the scenarios in which a row is the fastest that fits. A
+calibrated cluster file (`spanllm perf calibrate --cluster ... --out FILE`, then `--cluster FILE`) has
+its fitted entries fixed, so the guesses that fed them stop widening the ranges.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from spanllm.perf.allreduce_model import place, supports
 from spanllm.perf.hardware import ClusterSpec, load_cluster
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate, tp_group_shape
 from spanllm.perf.model_shape import ModelShape, get_model
+from spanllm.perf.uncertainty import Range, predict_range, scenarios
 
 PLAN_ALGOS = ("nccl", "nvrar", "torch_one_shot", "torch_two_shot")
 PREFILL_ALGO = "nccl"
@@ -30,6 +39,10 @@ class PlanRow:
     layout: Layout
     algo: str
     estimate: Estimate
+    e2e_range: Range | None = None  # over the cluster's guessed constants (None: no ranges asked or none marked)
+    tpot_range: Range | None = None
+    wins: int = 0  # scenarios in which this row is the fastest that fits
+    scenarios: int = 0  # scenarios priced
 
     @property
     def fits(self) -> bool:
@@ -60,20 +73,64 @@ def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
 
 
 def plan(model: ModelShape, cluster: ClusterSpec, nodes: int, workload: Workload,
-         cuda_graphs: bool = True) -> list[PlanRow]:
-    """Every layout x algorithm, fitting rows first, each group by end-to-end batch latency."""
-    rows = []
-    for layout in candidate_layouts(model, cluster, nodes, workload.batch):
-        for algo in tp_algos(layout, cluster):
-            a = "nccl" if algo == "none" else algo
-            est = estimate(model, cluster, layout, workload, a, cuda_graphs, prefill_algo=PREFILL_ALGO)
-            rows.append(PlanRow(layout, algo, est))
-    return sorted(rows, key=lambda r: (not r.fits, r.estimate.e2e_ms))
+         cuda_graphs: bool = True, ranges: bool = True) -> list[PlanRow]:
+    """Every layout x algorithm, fitting rows first; each group by the high end of its E2E range (module
+    docstring), then by nominal E2E. `ranges=False` (or a cluster without guessed constants): nominal only."""
+    cases = [(layout, algo) for layout in candidate_layouts(model, cluster, nodes, workload.batch)
+             for algo in tp_algos(layout, cluster)]
+
+    def price(c: ClusterSpec, layout: Layout, algo: str) -> Estimate:
+        return estimate(model, c, layout, workload, "nccl" if algo == "none" else algo, cuda_graphs,
+                        prefill_algo=PREFILL_ALGO)
+
+    rows = [PlanRow(layout, algo, price(cluster, layout, algo)) for layout, algo in cases]
+    if ranges and cluster.ranges:
+        rows = _with_ranges(rows, cluster, price)
+    return sorted(rows, key=lambda r: (not r.fits, r.e2e_range.high if r.e2e_range else r.estimate.e2e_ms,
+                                       r.estimate.e2e_ms))
+
+
+def _with_ranges(rows: list[PlanRow], cluster: ClusterSpec, price) -> list[PlanRow]:
+    """Each row priced in every scenario (common to all rows), its E2E / TPOT ranges, and its wins."""
+    scen = scenarios(cluster)
+    per_row = [{label: price(c, r.layout, r.algo) for label, c in scen} for r in rows]
+    wins = [0] * len(rows)
+    for label, _ in scen:
+        fitting = [i for i, r in enumerate(rows) if r.fits]
+        if fitting:
+            wins[min(fitting, key=lambda i: per_row[i][label].e2e_ms)] += 1
+    out = []
+    for r, ests, w in zip(rows, per_row, wins):
+        e2e = predict_range(lambda c, r=r: price(c, r.layout, r.algo).e2e_ms, cluster,
+                            {k: e.e2e_ms for k, e in ests.items()})
+        tpot = predict_range(lambda c, r=r: price(c, r.layout, r.algo).tpot_ms, cluster,
+                             {k: e.tpot_ms for k, e in ests.items()})
+        out.append(PlanRow(r.layout, r.algo, r.estimate, e2e, tpot, w, len(scen)))
+    return out
 
 
 def best(rows: list[PlanRow]) -> PlanRow | None:
     fitting = [r for r in rows if r.fits]
     return fitting[0] if fitting else None
+
+
+def robustness(rows: list[PlanRow]) -> str:
+    """One line: whether the best row stays best across the guessed constants' ranges."""
+    fitting = [r for r in rows if r.fits]
+    b = fitting[0]
+    if len(fitting) == 1:
+        return "the only layout that fits"
+    second = fitting[1]
+    if b.wins == b.scenarios:
+        return (f"holds across the range: fastest in all {b.scenarios} scenarios (nominal, each guess at each end); "
+                f"the E2E ranges overlap the runner-up's ({second.layout} {second.algo}) only because the same "
+                "guesses move both")
+    if b.e2e_range.high < second.e2e_range.low:
+        return (f"holds across the range: its worst E2E ({b.e2e_range.high:.0f} ms) beats the runner-up's best "
+                f"({second.layout} {second.algo}: {second.e2e_range.low:.0f} ms)")
+    return (f"not settled by the guesses: fastest in {b.wins} of {b.scenarios} scenarios; the runner-up "
+            f"({second.layout} {second.algo}, E2E {second.e2e_range.low:.0f}-{second.e2e_range.high:.0f} ms) overlaps; "
+            f"measure {b.e2e_range.top(1).split(' ')[0] or 'the network'} first")
 
 
 def row_to_dict(r: PlanRow, cluster: ClusterSpec) -> dict:
@@ -83,7 +140,17 @@ def row_to_dict(r: PlanRow, cluster: ClusterSpec) -> dict:
             "tp_group": f"{nodes}x{rpn}", "allreduce": r.algo, "allreduce_variant": e.allreduce_variant,
             "ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "e2e_ms": e.e2e_ms, "throughput_tok_s": e.throughput_tok_s,
             "prefill_ms": e.prefill_ms, "decode_ms": e.decode_ms, "decode_idle_fraction": e.decode_idle_fraction,
-            "memory_GB": asdict(e.memory) | {"total_GB": e.memory.total_GB}, "fits": r.fits}
+            "memory_GB": asdict(e.memory) | {"total_GB": e.memory.total_GB}, "fits": r.fits,
+            **(_range_dict(r) if r.e2e_range else {})}
+
+
+def _range_dict(r: PlanRow) -> dict:
+    e, t = r.e2e_range, r.tpot_range
+    return {"e2e_ms_range": [e.low, e.high], "tpot_ms_range": [t.low, t.high], "wins": r.wins,
+            "scenarios": r.scenarios,
+            "e2e_drivers": [{"constant": d.path, "range": [d.low_value, d.high_value],
+                             "e2e_ms_at_low": e.nominal + d.delta_at_low, "e2e_ms_at_high": e.nominal + d.delta_at_high}
+                            for d in e.drivers]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT + decode time per row")
+    parser.add_argument("--no-ranges", action="store_true",
+                        help="nominal constants only: no ranges over the preset's guessed constants")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, cluster = get_model(args.model), load_cluster(args.cluster)
     workload = Workload(args.batch, args.prompt, args.decode)
-    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs)
+    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not getattr(args, "no_ranges", False))
     console = Console(width=170) if not Console().is_terminal else Console()
     if not rows:
         console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
@@ -121,9 +190,14 @@ def run(args: argparse.Namespace) -> int:
         return 0 if b else 1
     table = Table(title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
                         f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}")
-    for col in ("#", "layout", "TP group", "all-reduce (decode)", "TTFT ms", "TPOT ms", "E2E ms", "tok/s",
-                "decode % GEMM/attn/AR/PP/idle", "GB/GPU"):
-        table.add_column(col, justify="right" if col not in ("layout", "all-reduce (decode)") else "left")
+    ranged = any(r.e2e_range for r in rows)
+    cols = ["#", "layout", "TP group", "all-reduce (decode)", "TTFT ms", "TPOT ms", "E2E ms", "tok/s",
+            "decode % GEMM/attn/AR/PP/idle", "GB/GPU"]
+    if ranged:
+        cols[5:7] = ["TPOT ms [range]", "E2E ms [range]"]
+        cols += ["wins", "E2E driven by"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("layout", "all-reduce (decode)", "E2E driven by") else "right")
     shown = rows[: args.top] if args.top else rows
     for i, r in enumerate(shown, 1):
         e, d = r.estimate, r.estimate.decode_ms
@@ -133,15 +207,28 @@ def run(args: argparse.Namespace) -> int:
         nodes, rpn = tp_group_shape(r.layout, cluster)
         mem = f"{e.memory.total_GB:.1f}" + ("" if r.fits else f" > {e.memory.capacity_GB:.0f} (does not fit)")
         algo = r.algo if r.algo == "none" else f"{r.algo} ({e.allreduce_variant})" if e.allreduce_variant != r.algo else r.algo
-        table.add_row(str(i), str(r.layout), f"{nodes}x{rpn}", algo, f"{e.ttft_ms:.1f}", f"{e.tpot_ms:.2f}",
-                      f"{e.e2e_ms:.0f}", f"{e.throughput_tok_s:.0f}", split, mem,
-                      style=None if r.fits else "dim")
+        tpot, e2e, extra = f"{e.tpot_ms:.2f}", f"{e.e2e_ms:.0f}", []
+        if r.e2e_range:
+            tpot = f"{e.tpot_ms:.2f} [{r.tpot_range.low:.2f}-{r.tpot_range.high:.2f}]"
+            e2e = f"{e.e2e_ms:.0f} [{r.e2e_range.low:.0f}-{r.e2e_range.high:.0f}]"
+            extra = [f"{r.wins}/{r.scenarios}", r.e2e_range.top(2) or "-"]
+        table.add_row(str(i), str(r.layout), f"{nodes}x{rpn}", algo, f"{e.ttft_ms:.1f}", tpot, e2e,
+                      f"{e.throughput_tok_s:.0f}", split, mem, *extra, style=None if r.fits else "dim")
     console.print(table)
+    if ranged:
+        console.print(f"Ranges in brackets: every constant the preset marks as a guess ({len(cluster.ranges)}: "
+                      f"{', '.join(sorted(cluster.ranges))}) at the end that lowers / raises the row; rows ranked "
+                      "by the high end. wins: scenarios (nominal, each guess at each end) in which the row is "
+                      "the fastest that fits. Replace guesses with your cluster's figures: `spanllm bench "
+                      "allreduce --json F`, then `spanllm perf calibrate F --cluster "
+                      f"{cluster.name} --out mine.json` and `--cluster mine.json` here.")
     console.print(f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
                   f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py).")
     if b:
         console.print(f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
                       f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms")
+        if b.e2e_range:
+            console.print(robustness(rows))
     else:
         console.print("[bold red]no layout fits in GPU memory[/bold red]: add nodes or use a smaller model")
     if args.json is not None:

@@ -23,7 +23,12 @@ What predicts what, so that no prediction is fitted to the point that validates 
                             (spanllm.perf.engine_fit) and set beside the preset's constants.
   Each engine record carries a group (model, layout, all-reduce) so that TP / NVRAR / naive PP /
   micro-batched PP rows can be read apart (`summary_by_group`).
+  published/check|model     published multi-node all-reduce figures (spanllm.perf.published, published_points.json),
+                            each priced on the cluster it names, with the prediction's range over that cluster's
+                            guessed constants and whether the figure lies inside it. Used for checking only.
 Plus the paper's headline claims on the Perlmutter and Vista presets (paper_claims.py).
+`spanllm perf validate` exits 2 when the results folder does not exist and 1 when it holds no measurement
+the model predicts; it then writes nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
 from spanllm.perf.model_shape import ModelShapeError
 from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
+from spanllm.perf.published import load_points, point_records
 
 REPORT_NAME = "perf_validation.json"
 
@@ -221,8 +227,10 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
                  for key in (pfit.constants if pfit else ())}
     claims = [asdict(c) for name in ("perlmutter", "vista")
               for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))]
+    published = point_records(load_points())
     return {"cluster": cluster.name, "results_dir": str(results_dir), "measurements": len(ar) + len(eng),
             "records": records + erecs, "summary": summarize(records + erecs),
+            "published": published, "summary_published": summarize(published),
             "summary_by_group": summary_by_group(erecs), "paper_claims": claims,
             "skipped": skipped + s1 + s2, "preset_constants": constants,
             "preset_fit": asdict(pfit) if pfit else None,
@@ -237,11 +245,16 @@ def plot_report(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 6))
-    cats = sorted({r["category"] for r in report["records"]})
+    records = report["records"] + report.get("published", [])
+    cats = sorted({r["category"] for r in records})
     for c in cats:
-        rs = [r for r in report["records"] if r["category"] == c]
-        ax.scatter([r["measured"] for r in rs], [r["predicted"] for r in rs], label=c, s=14)
-    vals = [v for r in report["records"] for v in (r["measured"], r["predicted"]) if v > 0]
+        rs = [r for r in records if r["category"] == c]
+        ax.scatter([r["measured"] for r in rs], [r["predicted"] for r in rs], label=c, s=14,
+                   marker="x" if c.startswith("published/") else "o")
+        if c.startswith("published/"):  # the prediction's range over the cluster's guessed constants
+            ax.vlines([r["measured"] for r in rs], [r["range"][0] for r in rs], [r["range"][1] for r in rs], lw=0.8,
+                      color="grey")
+    vals = [v for r in records for v in (r["measured"], r["predicted"]) if v > 0]
     lo, hi = min(vals) / 1.5, max(vals) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
     ax.set_xscale("log")
@@ -279,13 +292,20 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
+    import sys
+
     console = Console(width=160) if not Console().is_terminal else Console()
+    if not Path(args.results).is_dir():
+        print(f"spanllm perf validate: results folder {str(args.results)!r} does not exist (pass --results DIR, "
+              "a folder of `spanllm bench` JSON files); nothing checked, nothing written", file=sys.stderr)
+        return 2
     report = validate(args.results, load_cluster(args.cluster))
     out = args.out or args.results / REPORT_NAME
     if not report["records"]:
-        console.print(f"[bold]no measurements[/bold] in {args.results}/*.json that the model predicts "
-                      f"({report['measurements']} rows read): run `spanllm bench allreduce --json` or "
-                      "`spanllm bench batch` on a GPU machine and commit the JSON under results/")
+        print(f"spanllm perf validate: no measurement in {str(args.results)!r} that the model predicts "
+              f"({report['measurements']} rows read); nothing checked, nothing written (run `spanllm bench "
+              "allreduce --json` or `spanllm bench batch` on a GPU machine first)", file=sys.stderr)
+        return 1
     else:
         t = Table(title=f"predicted vs measured ({len(report['records'])} records, cluster {report['cluster']})")
         for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):
@@ -326,9 +346,20 @@ def run(args: argparse.Namespace) -> int:
                   f"{k['predicted_max']:.2f}", f"{k['band'][0]:.2f}-{k['band'][1]:.2f}",
                   "yes" if k["consistent"] else "NO", k["where_max"])
     console.print(c)
+    p = Table(title="published multi-node all-reduce figures (no constant fitted to them; range: the cluster's "
+                    "guessed constants at their ends)")
+    for col in ("role", "point", "predicted us", "published us", "error", "range us", "inside", "driven by"):
+        p.add_column(col)
+    for r in report["published"]:
+        p.add_row(r["category"].split("/")[1], escape(r["label"]), f"{r['predicted']:.1f}", f"{r['measured']:.1f}",
+                  f"{r['rel_error']:+.0%}", f"{r['range'][0]:.1f}-{r['range'][1]:.1f}", "yes" if r["in_range"] else "NO",
+                  escape(r["drivers"]))
+    console.print(p)
+    console.print(_error_table("published figures: median |relative error|", "category", report["summary_published"]))
     for line in report["skipped"]:
         console.print(f"skipped: {escape(line)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out is not None:  # a folder asked for; the default lies in the results folder, which exists
+        out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"wrote {out}")
     if report["records"]:

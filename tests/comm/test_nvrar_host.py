@@ -248,7 +248,7 @@ def test_launch_params_protocol_validation():
 def test_pipelined_launch_is_named_and_tuned_only_where_programs_hold_several_tiles():
     from argparse import Namespace
 
-    from spanllm.comm.tune import nvrar_grid
+    from spanllm.bench.tune import nvrar_grid
 
     assert LaunchParams(pipelined=True).short() == "rs/b16x512w4/pipe"
     assert LaunchParams(protocol="simple", block=256, pipelined=True).short().endswith("/simple/pipe")

@@ -80,7 +80,12 @@ def test_user_cluster_files_json_and_toml(tmp_path):
     t = tmp_path / "mine.toml"
     t.write_text('base = "vista"\nname = "v2"\nnic_latency_us = 2.5\n')
     spec = load_cluster(t)
-    assert spec.name == "v2" and spec.algos["nvrar"].net_step_us == pytest.approx(2.5 + 0.5)
+    # vista runs NVSHMEM's default IBRC: a round = kernel phase 0.765 + put (0.3 post + 3.0 proxy + 2.5 wire)
+    # + signal (0.3 + 3.0, ordered behind the put) = 9.865 us
+    assert spec.name == "v2" and spec.algos["nvrar"].net_step_us == pytest.approx(0.765 + 5.8 + 3.3)
+    t.write_text('base = "vista"\nname = "v3"\nnic_latency_us = 3.5\ntransport = "ibgda"\n')
+    spec = load_cluster(t)  # GPU-initiated: 0.765 + (1.0 + 3.5) + 1.0; the range's nominal moved with the file
+    assert spec.algos["nvrar"].net_step_us == pytest.approx(6.265) and spec.transport.gpu_initiated
     out = tmp_path / "round.json"
     save_cluster(PRESETS["perlmutter"], out)
     assert load_cluster(out) == PRESETS["perlmutter"]

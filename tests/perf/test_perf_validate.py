@@ -86,12 +86,23 @@ def test_cli_writes_report_and_plot(results, capsys):
     assert val.validate(results, PRESETS["h200x2"])["measurements"] == rep["measurements"]
 
 
-def test_no_measurements_is_said_clearly(tmp_path, capsys):
-    assert val.run(Namespace(results=tmp_path, cluster="h200x2", out=None, plot=None, rows=5)) == 0
-    out = capsys.readouterr().out
-    assert "no measurements" in out
-    rep = json.loads((tmp_path / "perf_validation.json").read_text())
-    assert rep["records"] == [] and rep["summary"] == {} and len(rep["paper_claims"]) == 4
+def test_no_measurements_is_said_clearly_and_nothing_is_written(tmp_path, capsys):
+    assert val.run(Namespace(results=tmp_path, cluster="h200x2", out=None, plot=None, rows=5)) == 1
+    err = capsys.readouterr().err
+    assert "no measurement" in err and "nothing checked" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+    rep = val.validate(tmp_path, PRESETS["h200x2"])  # the report itself still holds the published points
+    assert rep["records"] == [] and rep["summary"] == {} and len(rep["paper_claims"]) == 4 and rep["published"]
+
+
+def test_missing_results_folder_exits_nonzero_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the repo: the default --results is ./results
+    from pathlib import Path
+
+    assert val.run(Namespace(results=Path("results"), cluster="h200x2", out=None, plot=None, rows=5)) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_rel_error():

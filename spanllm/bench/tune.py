@@ -4,25 +4,28 @@ Candidates: the process group's collective (nccl / gloo), torch symmetric memory
 allows it, and nvrar over a grid of launch parameters (one-shot or reduce-scatter, programs, tile
 size). Each is checked for exact results before it is timed; the fastest correct one per size
 becomes the entry's `best`, and the fastest nvrar launch is kept too, so `nvrar` itself runs tuned.
-Timing uses the benchmark's discipline (spanllm.bench.timing): CUDA graphs, max over ranks, median.
+Timing uses the benchmark's discipline (spanllm.measure.timing): CUDA graphs, max over ranks, median.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from spanllm.bench.allreduce import check_algorithm, parse_size, sizes_from
-from spanllm.bench.report import machine_info, versions
-from spanllm.bench.timing import time_calls
+from spanllm import checks
+from spanllm.bench.allreduce import check_algorithm, check_host_memory, parse_size, sizes_from, sweep_bytes
 from spanllm.comm import Topology, registry
 from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
 from spanllm.comm.tuning import TuningEntry, TuningTable
+from spanllm.errors import SpanllmError, UsageError
 from spanllm.launch import DistContext, finish, launch
+from spanllm.measure.report import machine_info, versions
+from spanllm.measure.timing import time_calls
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,7 +123,7 @@ def tune_rank(ctx: DistContext, args) -> dict:
             if name == "nvrar":
                 comm.fixed_launch = None
         if not times:
-            raise RuntimeError(f"no candidate gave correct results at {nbytes} bytes on topology {topo}; "
+            raise SpanllmError(f"no candidate gave correct results at {nbytes} bytes on topology {topo}; "
                                "see the lines above and run `spanllm bench allreduce` on this size")
         best_key = min(times, key=times.get)
         best = best_key.split("[")[0]
@@ -143,6 +146,46 @@ def tune_rank(ctx: DistContext, args) -> dict:
     return {"entries": len(entries)}
 
 
+def _ints(flag: str, text: str, allowed=None) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",")]
+    except ValueError:
+        values = []
+    ok = bool(values) and (set(values) <= allowed if allowed is not None else min(values) >= 1)
+    if not ok:
+        want = f"values in {sorted(allowed)}" if allowed is not None else "integers >= 1"
+        raise UsageError(f"{flag} {text!r}: give comma-separated {want}")
+    return values
+
+
+def check_arguments(args) -> None:
+    """Every option, before any rank starts."""
+    from spanllm.comm.nvrar import MAX_PROGRAMS, PROTOCOLS
+
+    world = checks.world_size(args.nprocs)
+    dtype, sizes = sweep_bytes(args)
+    try:
+        parse_size(args.buffer_bytes)
+    except ValueError as e:
+        raise UsageError(f"--buffer-bytes: {e}") from None
+    checks.at_least("-n/--iters", args.iters, 1, " (timed samples per candidate)")
+    checks.topology(world, args.ranks_per_node)
+    blocks = _ints("--blocks", args.blocks)
+    if max(blocks) > MAX_PROGRAMS:
+        raise UsageError(f"--blocks {args.blocks!r}: at most {MAX_PROGRAMS} programs per launch")
+    _ints("--tiles", args.tiles)
+    _ints("--pipelined", args.pipelined, {0, 1})
+    bad = [p for p in args.protocols.split(",") if p not in PROTOCOLS]
+    if bad:
+        raise UsageError(f"--protocols {args.protocols!r}: {bad[0]!r} is not an nvrar protocol; choose from "
+                         f"{', '.join(PROTOCOLS)}")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out}: no folder {out_dir!r} to write the table into; create it first")
+    check_host_memory(sizes[-1], torch.empty((), dtype=dtype).element_size(), True, world)
+
+
 def run(args) -> int:
+    check_arguments(args)
     launch(tune_rank, args, nprocs=args.nprocs)
     return finish(0)

@@ -1,0 +1,202 @@
+"""Argument checks the commands run in `run(args)`, before any rank starts.
+
+Each check raises `spanllm.errors.UsageError` naming the option, the value, the limit and the fix, so a
+mistake costs one line and no spawned rank. They look at plain values only: the registry's capability
+tables (no GPU code is imported), a checkpoint's config.json and safetensors headers (no weights are read).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from spanllm.errors import UsageError
+
+ALLOW_LONG_CONTEXT_ENV = "SPANLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
+
+
+def at_least(flag: str, value: int | float | None, minimum: int | float, what: str = "") -> None:
+    if value is not None and value < minimum:
+        raise UsageError(f"{flag} {value}: must be >= {minimum}{what}")
+
+
+def world_size(nprocs: int) -> int:
+    """The ranks the command will run on: the launcher's WORLD_SIZE, else --nprocs local gloo ranks."""
+    from spanllm.launch import launcher_world_size
+
+    world = launcher_world_size()
+    if world is not None:
+        return world
+    at_least("--nprocs", nprocs, 1, " (local gloo ranks)")
+    return nprocs
+
+
+def device_type() -> str:
+    """Where the ranks compute: CUDA under a launcher on a GPU machine; local spawned ranks are CPU + gloo."""
+    from spanllm.launch import under_launcher
+
+    return "cuda" if under_launcher() and torch.cuda.is_available() else "cpu"
+
+
+def topology(world: int, ranks_per_node: int | None):
+    from spanllm.comm.topology import Topology, TopologyError
+
+    try:
+        return Topology.from_env(world, ranks_per_node)
+    except TopologyError as e:
+        raise UsageError(f"--ranks-per-node {ranks_per_node}: {e}") from None
+
+
+def engine_dtype(name: str) -> None:
+    from spanllm.engine.config import DTYPES
+
+    if name != "auto" and name not in DTYPES:
+        raise UsageError(f"--dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPES)}")
+
+
+def _triton_missing() -> bool:
+    return importlib.util.find_spec("triton") is None
+
+
+def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
+    """Registered names whose backend runs on `device` (and finds Triton, for nvrar)."""
+    from spanllm.comm import registry
+
+    for name in names:
+        if name not in registry.ALGORITHMS:
+            raise UsageError(f"{flag} {name!r}: no such all-reduce algorithm; registered: "
+                             f"{', '.join(registry.ALGORITHMS)}")
+        runs_on = registry.algorithm_class(name).capability.device_types
+        if device not in runs_on:
+            here = ("these ranks run on CUDA GPUs" if device == "cuda" else
+                    "local ranks run on CPU over gloo (start GPU jobs with torchrun)" if torch.cuda.is_available()
+                    else "this machine has no GPU")
+            raise UsageError(f"{flag} {name}: runs on {'/'.join(sorted(runs_on))} only, and {here}; choose one of "
+                             f"{', '.join(registry.algorithms_for_device(device))}")
+        if name == "nvrar" and _triton_missing():
+            raise UsageError(f"{flag} nvrar: its kernel is Triton, and Triton is not installed here; "
+                             "`pip install triton`, or choose nccl")
+
+
+def decode_gemm(name: str, device: str) -> None:
+    if name != "skinny":
+        return
+    if device != "cuda" or _triton_missing():
+        have = "no GPU" if device != "cuda" else "no Triton"
+        raise UsageError(f"--decode-gemm skinny: a Triton kernel for CUDA GPUs, and these ranks have {have}; "
+                         "use --decode-gemm torch")
+
+
+def compile_backend(enabled: bool, name: str) -> None:
+    if not enabled:
+        return
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise UsageError(f"--compile-backend {name!r}: not a torch.compile backend; use inductor, or aot_eager "
+                         "(tracing only)")
+
+
+def model(spec: str):
+    """The ModelConfig of a preset or checkpoint folder, the checkpoint's files checked (headers only)."""
+    from spanllm.engine.config import ModelConfigError, resolve_model
+
+    try:
+        cfg = resolve_model(spec)
+    except (ModelConfigError, OSError) as e:
+        raise UsageError(f"--model: {e}") from e
+    if cfg.checkpoint_dir is not None:
+        from spanllm.engine.loader import check_checkpoint
+
+        check_checkpoint(cfg)
+    return cfg
+
+
+def layout(tp: int | None, pp: int, world: int, cfg, topo):
+    """ParallelDims of --tp / --pp on `world` ranks, checked against the model and the node layout."""
+    from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
+
+    at_least("--tp", tp, 1, " (tensor-parallel degree; leave it out for world size / --pp)")
+    at_least("--pp", pp, 1, " (pipeline stages)")
+    if world % pp:
+        raise UsageError(f"--pp {pp} does not divide the {world} ranks; choose a pipeline degree that divides "
+                         f"{world}")
+    try:
+        dims = ParallelDims(tp or world // pp, pp, world)
+        dims.validate_for(cfg)
+        dims.validate_for_topology(topo)
+    except ParallelLayoutError as e:
+        raise UsageError(f"--tp/--pp: {e}") from None
+    return dims
+
+
+def context_limit(cfg, max_model_len: int | None) -> int:
+    """Tokens one sequence may hold: the model's max_position_embeddings, or --max-model-len below it (above
+    it only with SPANLLM_ALLOW_LONG_MAX_MODEL_LEN=1: positions past the trained context give poor output)."""
+    trained = cfg.max_position_embeddings
+    if max_model_len is None:
+        return trained
+    at_least("--max-model-len", max_model_len, 2)
+    if max_model_len > trained and os.environ.get(ALLOW_LONG_CONTEXT_ENV, "") in ("", "0"):
+        raise UsageError(f"--max-model-len {max_model_len} exceeds the {trained} positions {cfg.label} was trained for "
+                         f"(max_position_embeddings); set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway")
+    return max_model_len
+
+
+def sequence_fits(prompt_len: int, new_tokens: int, cfg, max_model_len: int | None, what: str) -> None:
+    limit = context_limit(cfg, max_model_len)
+    if prompt_len + new_tokens > limit:
+        src = "--max-model-len" if max_model_len is not None else f"max_position_embeddings of {cfg.label}"
+        raise UsageError(f"{what}: {prompt_len} + {new_tokens} = {prompt_len + new_tokens} tokens exceed the context "
+                         f"of {limit} ({src}); shorten them, or raise the limit with --max-model-len N "
+                         f"(past {cfg.max_position_embeddings} also {ALLOW_LONG_CONTEXT_ENV}=1)")
+
+
+def token_ids(prompts: list[list[int]], names: list[str], vocab_size: int, model_label: str) -> None:
+    """Every prompt non-empty and every id in [0, vocab): the engine would otherwise index out of its table."""
+    for ids, name in zip(prompts, names):
+        if not ids:
+            raise UsageError(f"{name}: no token ids; give at least one id")
+        for pos, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise UsageError(f"{name}: token id {t} at position {pos} is outside the vocabulary [0, {vocab_size}) "
+                                 f"of {model_label}; use ids from 0 to {vocab_size - 1}")
+
+
+def tuning(path: str | None) -> None:
+    if not path:
+        return
+    from spanllm.comm.tuning import TuningTable
+
+    try:
+        TuningTable.load(path)
+    except ValueError as e:
+        raise UsageError(f"--tuning: {e}") from None
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable (Linux), else None (no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def host_memory(bytes_per_rank: int, ranks_here: int, what: str, fix: str) -> None:
+    """Refuse a CPU run whose buffers cannot fit in this host's free memory (instead of failing minutes in)."""
+    avail = available_host_bytes()
+    need = bytes_per_rank * ranks_here
+    if avail is not None and need > avail:
+        raise UsageError(f"{what} needs about {_gib(need)} of host memory ({ranks_here} ranks x "
+                         f"{_gib(bytes_per_rank)}) but {_gib(avail)} is available; {fix}")

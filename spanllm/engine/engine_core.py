@@ -1,0 +1,264 @@
+"""EngineCore: the serving engine's loop. One `step()`: schedule -> run -> sample -> append / finish.
+
+Requests come in through `add_request` (validated there: nothing that cannot run is admitted) and
+leave as `RequestOutput`s: every step reports the requests that got a token or finished. An admitted
+request always ends, with a finish reason: stop (EOS, stop id, stop string), length (max_tokens) or
+abort (`abort_request`, shutdown).
+
+Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays)
+to the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward;
+only rank 0 samples, and the sampled tokens reach the other ranks as input ids in the next plan. The
+other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from spanllm.engine.block_manager import BlockManager
+from spanllm.errors import UsageError
+from spanllm.engine.paged_runner import PagedModelRunner, StepInputs, plan_step
+from spanllm.engine.sampler import BatchSampler, SamplingParams
+from spanllm.engine.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.sequence import FinishReason, Sequence
+
+
+class RequestError(UsageError):
+    """A request the engine refuses at admission (a ValueError; the server answers 400 with its message)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # everything generated so far
+    new_ids: list[int]  # generated in this step
+    text: str | None  # output text so far (text requests; stop strings removed)
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    metrics: dict = field(default_factory=dict)  # arrival, first_scheduled, first_token, token_times, finished_at
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prefilled positions (recomputation after preemption included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict = field(default_factory=dict)  # reason -> count
+
+
+class EngineCore:
+    def __init__(self, runner: PagedModelRunner, blocks: BlockManager, config: SchedulerConfig, *, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], tokenizer=None, seed: int = 0,
+                 control_group: dist.ProcessGroup | None = None, rank: int = 0, tp_size: int = 1) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self.config = config
+        self.scheduler = Scheduler(config, blocks)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.sampler = BatchSampler(runner.device, seed)
+        self.control_group = control_group
+        self.rank, self.tp_size = rank, tp_size
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._detok: dict[str, object] = {}
+        self._counter = 0
+
+    # --- admission ------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError naming the value, the limit and the fix."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        for i, t in enumerate(prompt_ids):
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        limit = self.config.max_model_len
+        if total > limit:
+            raise RequestError(f"this model's maximum context length is {limit} tokens. However, you requested "
+                               f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "
+                               "completion). Reduce the prompt or max_tokens")
+        cap = self.blocks.capacity_tokens
+        if total > cap:
+            raise RequestError(f"the request needs up to {total} tokens of KV cache but the whole pool holds {cap}; "
+                               "it could never run. Reduce the prompt or max_tokens, or give the cache more memory")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival: float | None = None, with_text: bool = False) -> Sequence:
+        if self.rank != 0:
+            raise RuntimeError("only TP rank 0 schedules; other ranks run worker_loop()")
+        if params.stop and (self.tokenizer is None or not with_text):
+            raise RequestError("stop strings need text output (a tokenizer); use stop_token_ids for token prompts")
+        self.validate(prompt_ids, params)
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_ids), params)
+        if arrival is not None:
+            seq.arrival = arrival
+        self._requests[request_id] = seq
+        if with_text and self.tokenizer is not None:
+            self._detok[request_id] = self.tokenizer.detokenizer(seq.prompt_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._finish_output(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if not batch:
+            return []
+        x = plan_step(batch.entries, batch.num_decode, self.blocks.block_size)
+        self._broadcast(x)
+        logits = self.runner.execute(x)
+        self.stats.steps += 1
+        sampling = [seq for seq, n in batch.entries if seq.num_computed + n == seq.num_tokens]
+        for seq, n in batch.entries:
+            if seq.num_computed == 0 and seq.num_preemptions == 0:
+                self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
+            seq.num_computed += n
+        if not sampling:
+            return []
+        tokens = self._sample(logits, sampling)
+        now = time.monotonic()
+        outs = []
+        for seq, tok in zip(sampling, tokens):
+            outs.append(self._append(seq, tok, now))
+        return outs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        masks = []
+        gens = []
+        for s in seqs:
+            p = s.params
+            banned = ()
+            if s.num_output < p.min_tokens:
+                banned = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
+            masks.append(banned)
+            if p.seed is not None and not p.greedy and s.generator is None:
+                s.generator = torch.Generator(device=self.runner.device)
+                s.generator.manual_seed(p.seed)
+            gens.append(s.generator)
+        return self.sampler(logits, [s.params for s in seqs], masks, gens)
+
+    def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+        seq.output_ids.append(tok)
+        seq.token_times.append(now)
+        if seq.first_token is None:
+            seq.first_token = now
+        self.stats.generation_tokens += 1
+        p = seq.params
+        new_text = ""
+        detok = self._detok.get(seq.request_id)
+        finish, stop_reason = None, None
+        if detok is not None:
+            new_text = detok.push(tok)
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                new_text = ""  # EOS is not text
+            seq.text += new_text
+            if p.stop:
+                hit = _find_stop(seq.text, len(new_text), p.stop)
+                if hit is not None:
+                    cut, s = hit
+                    new_text = new_text[: max(0, len(new_text) - (len(seq.text) - cut))]
+                    seq.text = seq.text[:cut]
+                    finish, stop_reason = FinishReason.STOP, s
+        if finish is None:
+            if tok in p.stop_token_ids:
+                finish, stop_reason = FinishReason.STOP, tok
+            elif tok in self.eos_token_ids and not p.ignore_eos:
+                finish = FinishReason.STOP
+            elif seq.num_output >= p.max_tokens:
+                finish = FinishReason.LENGTH
+        if finish is None:
+            return self._output(seq, [tok], new_text)
+        self.scheduler.finish(seq)
+        seq.finish(finish, stop_reason)
+        return self._finish_output(seq, [tok], new_text)
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        text = seq.text if seq.request_id in self._detok else None
+        # output_ids is the sequence's own list (no copy per step): read it, do not change it.
+        return RequestOutput(seq.request_id, seq.prompt_ids, seq.output_ids, new_ids, text, new_text,
+                             seq.is_finished, seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
+                             _metrics(seq) if seq.is_finished else {})
+
+    def _finish_output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        out = self._output(seq, new_ids, new_text)
+        self._requests.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        reason = seq.finish_reason.value
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return out
+
+    # --- TP control plane -------------------------------------------------------------------------------
+    def _broadcast(self, x: StepInputs) -> StepInputs:
+        if self.tp_size == 1:
+            return x
+        box = [x if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.control_group, 0)
+                                   if self.control_group is not None else 0, group=self.control_group)
+        return box[0]
+
+    def worker_loop(self) -> int:
+        """TP ranks other than 0: run every plan rank 0 sends until the shutdown plan. Returns steps run."""
+        steps = 0
+        while True:
+            x = self._broadcast(None)
+            if x.stop:
+                return steps
+            self.runner.execute(x)
+            steps += 1
+
+    def shutdown_workers(self) -> None:
+        """Rank 0: release the other ranks' worker loops (abort everything first)."""
+        if self.rank == 0 and self.tp_size > 1:
+            self._broadcast(StepInputs.shutdown())
+
+
+def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last new_len characters: (where it starts, which)."""
+    best = None
+    for s in stops:
+        lo = max(0, len(text) - new_len - len(s) + 1)
+        i = text.find(s, lo)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _metrics(seq: Sequence) -> dict:
+    return {"arrival": seq.arrival, "first_scheduled": seq.first_scheduled, "first_token": seq.first_token,
+            "token_times": list(seq.token_times), "finished_at": seq.finished_at,
+            "num_preemptions": seq.num_preemptions}

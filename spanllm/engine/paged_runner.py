@@ -1,0 +1,359 @@
+"""PagedModelRunner: turns a scheduled step into tensors, runs the forward over the paged KV cache, and
+returns the logits of the rows that sample.
+
+`StepInputs` is the whole step as host arrays (numpy): the plan rank 0 sends to the other TP ranks,
+who run `execute` on it exactly as rank 0 does. Token layout: decode tokens first (one per sequence),
+then prefill chunks; `logits_rows` picks the rows that sample (every decode, and each chunk that
+reaches the end of its sequence).
+
+CUDA graphs (decode-only steps, Triton attention): one graph per padded batch size of the bucket
+ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs), captured on first use into one memory pool.
+Static inputs: token ids, positions, slots, block tables [bucket, max_blocks_per_seq], context
+lengths. A step of B decodes copies its B rows (and only the block-table columns it uses: the
+kernel never reads past a sequence's context) and pads rows B..bucket with token 0 at position 0,
+slot 0 (reserved block 0), context 1: they compute garbage nobody reads. The decode kernel's
+context split is fixed per bucket. The all-reduces of the row-parallel layers are captured inside.
+Mixed steps (any prefill chunk) replay a second kind of graph, keyed by the step's token count padded
+to a token ladder (16, 32, ..., 1024, then steps of 512 up to max_num_batched_tokens). There every
+scheduled sequence is a chunk of the prefill kernel (a decode is a chunk of one query), so the kernel's
+grid is fixed by the bucket: its tile list is padded with tiles of an empty chunk (index max_num_seqs,
+no queries: the program does nothing), padded tokens write slot 0 and belong to no chunk (their rows
+hold garbage that no other row reads: every op outside attention is row-wise), and the LM head runs
+on max_num_seqs gathered rows, of which the step uses the first R. Every step on CPU, and any step
+with graphs off, runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spanllm.engine.model import LlamaForCausalLM
+from spanllm.engine.paged_attention import PagedMetadata
+from spanllm.engine.paged_cache import PagedKVCache
+from spanllm.engine.rope import RotaryEmbedding
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """Mixed-step buckets: powers of two from 16 to 1024, then multiples of 512, capped at max_tokens."""
+    ladder, b = [], 16
+    while b < min(max_tokens, 1024):
+        ladder.append(b)
+        b *= 2
+    b = 1024
+    while b < max_tokens:
+        ladder.append(b)
+        b += 512
+    ladder.append(max_tokens)
+    return sorted(set(ladder))
+
+
+def bucket_ladder(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, then steps of 8 up to 256, steps of 16 beyond (vLLM's shape), capped at max_num_seqs."""
+    ladder = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    b = 16
+    while b < max_num_seqs:
+        ladder.append(b)
+        b += 8 if b < 256 else 16
+    ladder.append(max_num_seqs)
+    return sorted(set(ladder))
+
+
+@dataclass
+class StepInputs:
+    """One step, as rank 0 plans it (host arrays, sent as is to the other TP ranks)."""
+
+    token_ids: np.ndarray  # [N] int64
+    positions: np.ndarray  # [N] int64
+    slots: np.ndarray  # [N] int64
+    num_decode: int
+    context_lens: np.ndarray  # [S] int32 per scheduled sequence (decodes first), after this step
+    q_lens: np.ndarray  # [S] int32 tokens each runs this step (1 for decodes)
+    block_tables: np.ndarray  # [S, W] int32
+    logits_rows: np.ndarray  # [R] int64 packed-token rows whose logits are sampled
+    stop: bool = False  # the worker loop ends (shutdown)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def shutdown() -> "StepInputs":
+        z = np.zeros(0, dtype=np.int64)
+        return StepInputs(z, z, z, 0, z.astype(np.int32), z.astype(np.int32), np.zeros((0, 1), np.int32), z, stop=True)
+
+
+def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
+    """StepInputs from the scheduler's (sequence, tokens) entries."""
+    ids, pos, slots, ctx, qlens, rows = [], [], [], [], [], []
+    width = max(len(s.block_table) for s, _ in entries)
+    tables = np.zeros((len(entries), width), dtype=np.int32)
+    row = 0
+    for i, (seq, n) in enumerate(entries):
+        start = seq.num_computed
+        bt = seq.block_table
+        tables[i, : len(bt)] = bt
+        p = np.arange(start, start + n, dtype=np.int64)
+        ids.extend(seq.tokens(start, start + n))
+        pos.append(p)
+        slots.append(tables[i, p // block_size].astype(np.int64) * block_size + p % block_size)
+        ctx.append(start + n)
+        qlens.append(n)
+        row += n
+        if start + n == seq.num_tokens:  # reaches the end of what it has: samples its next token
+            rows.append(row - 1)
+    return StepInputs(np.asarray(ids, dtype=np.int64), np.concatenate(pos), np.concatenate(slots), num_decode,
+                      np.asarray(ctx, dtype=np.int32), np.asarray(qlens, dtype=np.int32), tables,
+                      np.asarray(rows, dtype=np.int64))
+
+
+@dataclass
+class _DecodeGraph:
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor  # [bucket, vocab] static output
+
+
+class PagedModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
+                 backend: str, cuda_graphs: bool, device: torch.device, dtype: torch.dtype,
+                 max_num_batched_tokens: int = 8192) -> None:
+        cfg = model.config
+        self.model, self.cache, self.device, self.dtype = model, cache, device, dtype
+        self.backend = backend
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks = -(-max_model_len // cache.block_size)
+        qkv = next(iter(model.model.layers.values())).self_attn.qkv_proj
+        self.kv_heads_local = qkv.num_kv_heads_local
+        self.group = qkv.num_heads_local // qkv.num_kv_heads_local
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, device, dtype)
+        # Graphs need the Triton decode kernel (the reference loops over host lists).
+        self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and backend == "triton"
+        self.ladder = bucket_ladder(max_num_seqs)
+        self.max_tokens = max_num_batched_tokens
+        self.token_ladder = token_ladder(max_num_batched_tokens)
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._mixed_graphs: dict[int, _DecodeGraph] = {}
+        self._mixed: dict[str, torch.Tensor] | None = None
+        self._pool = None
+        self._static: dict[str, torch.Tensor] | None = None
+
+    # --- metadata ------------------------------------------------------------------------------------
+    def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
+        dev = self.device
+        nd = x.num_decode
+        cos, sin = self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1)
+        tables = torch.from_numpy(x.block_tables).to(dev, non_blocking=True)
+        ctx = torch.from_numpy(x.context_lens).to(dev, non_blocking=True)
+        meta = PagedMetadata(positions, cos, sin, slots, nd, tables[:nd], ctx[:nd],
+                             logits_indices=torch.from_numpy(x.logits_rows).to(dev, non_blocking=True),
+                             backend=self.backend, decode_ctx_host=x.context_lens[:nd].tolist())
+        if nd:
+            meta.num_splits = self._num_splits(nd)
+        if nd < len(x.q_lens):
+            q_lens = x.q_lens[nd:]
+            cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+            np.cumsum(q_lens, out=cu[1:])
+            meta.prefill_cu_q = torch.from_numpy(cu).to(dev, non_blocking=True)
+            meta.prefill_context_lens = ctx[nd:]
+            meta.prefill_block_tables = tables[nd:]
+            meta.prefill_q_lens_host = q_lens.tolist()
+            meta.prefill_ctx_host = x.context_lens[nd:].tolist()
+            if self.backend == "triton":
+                from spanllm.engine.paged_attention_triton import prefill_tiles
+
+                tiles = np.asarray(prefill_tiles(meta.prefill_q_lens_host, self.group), dtype=np.int32).reshape(-1, 2)
+                meta.prefill_tiles = torch.from_numpy(tiles).to(dev, non_blocking=True)
+        return meta
+
+    def _num_splits(self, batch: int) -> int:
+        if self.backend != "triton":
+            return 1
+        from spanllm.engine.paged_attention_triton import num_splits_for
+
+        return num_splits_for(batch, self.kv_heads_local, self.device)
+
+    # --- running a step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, x: StepInputs) -> torch.Tensor:
+        """Run one step on this rank; logits [len(logits_rows), vocab] float32 (identical on every TP rank)."""
+        if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
+            return self._replay(x)
+        if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
+            return self._replay_mixed(x)
+        dev = self.device
+        ids = torch.from_numpy(x.token_ids).to(dev, non_blocking=True)
+        positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
+        slots = torch.from_numpy(x.slots).to(dev, non_blocking=True)
+        meta = self._metadata(x, positions, slots)
+        return self.model(ids, meta, self.cache)
+
+    def _bucket(self, batch: int) -> int:
+        return next(b for b in self.ladder if b >= batch)
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        if self._static is None:
+            n, dev = self.max_num_seqs, self.device
+            self._static = {
+                "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+                "slots": torch.zeros(n, dtype=torch.int64, device=dev),
+                "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
+                "ctx": torch.ones(n, dtype=torch.int32, device=dev),
+            }
+        return self._static
+
+    def _replay(self, x: StepInputs) -> torch.Tensor:
+        b = x.num_decode
+        bucket = self._bucket(b)
+        st = self._static_buffers()
+        pad = bucket - b
+        # Host arrays of bucket rows (padding rows: token 0, position 0, slot 0, context 1), copied in one go each.
+        ids = np.concatenate([x.token_ids, np.zeros(pad, np.int64)])
+        pos = np.concatenate([x.positions, np.zeros(pad, np.int64)])
+        slots = np.concatenate([x.slots, np.zeros(pad, np.int64)])
+        ctx = np.concatenate([x.context_lens, np.ones(pad, np.int32)])
+        w = x.block_tables.shape[1]
+        tables = np.zeros((bucket, w), np.int32)
+        tables[:b] = x.block_tables
+        st["ids"][:bucket].copy_(torch.from_numpy(ids), non_blocking=True)
+        st["positions"][:bucket].copy_(torch.from_numpy(pos), non_blocking=True)
+        st["slots"][:bucket].copy_(torch.from_numpy(slots), non_blocking=True)
+        st["ctx"][:bucket].copy_(torch.from_numpy(ctx), non_blocking=True)
+        st["tables"][:bucket, :w].copy_(torch.from_numpy(tables), non_blocking=True)
+        g = self._graphs.get(bucket)
+        if g is None:
+            g = self._graphs[bucket] = self._capture(bucket)
+        g.graph.replay()
+        return g.logits[:b]
+
+    def _graph_forward(self, bucket: int) -> torch.Tensor:
+        st = self._static_buffers()
+        positions = st["positions"][:bucket]
+        meta = PagedMetadata(positions, self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1),
+                             st["slots"][:bucket], bucket, st["tables"][:bucket], st["ctx"][:bucket],
+                             logits_indices=None, backend=self.backend, num_splits=self._num_splits(bucket))
+        return self.model(st["ids"][:bucket], meta, self.cache)
+
+    def _capture(self, bucket: int) -> _DecodeGraph:
+        return self._capture_with(lambda: self._graph_forward(bucket))
+
+    # --- mixed steps in graphs ------------------------------------------------------------------------------
+    def _max_tiles(self, tokens: int) -> int:
+        from spanllm.engine.paged_attention_triton import prefill_block_q
+
+        return self.max_num_seqs + -(-tokens // prefill_block_q(self.group))
+
+    def _mixed_buffers(self) -> dict[str, torch.Tensor]:
+        if self._mixed is None:
+            n, t, dev = self.max_num_seqs, self.max_tokens, self.device
+            self._mixed = {
+                "ids": torch.zeros(t, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(t, dtype=torch.int64, device=dev),
+                "slots": torch.zeros(t, dtype=torch.int64, device=dev),
+                # chunk n (one past the last real one) is the empty chunk the padding tiles point at
+                "cu_q": torch.zeros(n + 2, dtype=torch.int32, device=dev),
+                "ctx": torch.zeros(n + 1, dtype=torch.int32, device=dev),
+                "tables": torch.zeros(n + 1, self.max_blocks, dtype=torch.int32, device=dev),
+                "tiles": torch.zeros(self._max_tiles(t), 2, dtype=torch.int32, device=dev),
+                "rows": torch.zeros(n, dtype=torch.int64, device=dev),
+            }
+        return self._mixed
+
+    def _mixed_forward(self, bucket: int) -> torch.Tensor:
+        st = self._mixed_buffers()
+        positions = st["positions"][:bucket]
+        meta = PagedMetadata(positions, self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1),
+                             st["slots"][:bucket], 0, None, None, prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
+                             prefill_block_tables=st["tables"], prefill_tiles=st["tiles"][: self._max_tiles(bucket)],
+                             logits_indices=st["rows"], backend=self.backend)
+        return self.model(st["ids"][:bucket], meta, self.cache)
+
+    def _reset_mixed(self) -> None:
+        st = self._mixed_buffers()
+        for t in st.values():
+            t.zero_()
+        st["tiles"][:, 0] = self.max_num_seqs  # every tile: the empty chunk
+
+    def _replay_mixed(self, x: StepInputs) -> torch.Tensor:
+        from spanllm.engine.paged_attention_triton import prefill_tiles
+
+        n = x.num_tokens
+        bucket = next(b for b in self.token_ladder if b >= n)
+        st = self._mixed_buffers()
+        s = len(x.q_lens)
+        pad = bucket - n
+        cu = np.zeros(s + 1, dtype=np.int32)
+        np.cumsum(x.q_lens, out=cu[1:])
+        tiles = np.empty((self._max_tiles(bucket), 2), dtype=np.int32)
+        real = np.asarray(prefill_tiles(x.q_lens.tolist(), self.group), dtype=np.int32).reshape(-1, 2)
+        tiles[: len(real)] = real
+        tiles[len(real):, 0], tiles[len(real):, 1] = self.max_num_seqs, 0
+        rows = np.zeros(self.max_num_seqs, dtype=np.int64)
+        rows[: len(x.logits_rows)] = x.logits_rows
+        w = x.block_tables.shape[1]
+        st["ids"][:bucket].copy_(torch.from_numpy(np.concatenate([x.token_ids, np.zeros(pad, np.int64)])))
+        st["positions"][:bucket].copy_(torch.from_numpy(np.concatenate([x.positions, np.zeros(pad, np.int64)])))
+        st["slots"][:bucket].copy_(torch.from_numpy(np.concatenate([x.slots, np.zeros(pad, np.int64)])))
+        st["cu_q"][: s + 1].copy_(torch.from_numpy(cu))
+        st["ctx"][:s].copy_(torch.from_numpy(x.context_lens))
+        st["tables"][:s, :w].copy_(torch.from_numpy(x.block_tables))
+        st["tiles"][: len(tiles)].copy_(torch.from_numpy(tiles))
+        st["rows"].copy_(torch.from_numpy(rows))
+        g = self._mixed_graphs.get(bucket)
+        if g is None:
+            g = self._mixed_graphs[bucket] = self._capture_with(lambda: self._mixed_forward(bucket))
+        g.graph.replay()
+        return g.logits[: len(x.logits_rows)]
+
+    def _capture_with(self, forward) -> _DecodeGraph:
+        """Warm up on a side stream (Triton compiles, NCCL setup), then capture into the shared pool. The
+        warm-up runs write K/V at the static buffers' slots, which the replay writes again (same values)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = forward()
+        return _DecodeGraph(graph, logits)
+
+    def capture_all(self) -> list[int]:
+        """Capture every bucket of the ladder now (collective under TP: every rank calls it), with padding
+        inputs (they write only reserved block 0). Returns the captured buckets ([] without graphs)."""
+        if not self.use_cuda_graphs:
+            return []
+        st = self._static_buffers()
+        for bucket in self.ladder:
+            if bucket in self._graphs:
+                continue
+            for name in ("ids", "positions", "slots", "tables"):
+                st[name].zero_()
+            st["ctx"].fill_(1)
+            self._graphs[bucket] = self._capture(bucket)
+        for bucket in self.token_ladder:  # largest first would not matter: one pool, captured in turn
+            if bucket in self._mixed_graphs:
+                continue
+            self._reset_mixed()  # padding only: every tile empty, every token writes slot 0
+            self._mixed_graphs[bucket] = self._capture_with(lambda b=bucket: self._mixed_forward(b))
+        torch.cuda.synchronize(self.device)
+        return self.captured_buckets
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    @property
+    def captured_token_buckets(self) -> list[int]:
+        return sorted(self._mixed_graphs)
+
+    def reset_graphs(self) -> None:
+        self._graphs.clear()
+        self._mixed_graphs.clear()
+        self._pool = None

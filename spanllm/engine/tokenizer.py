@@ -1,0 +1,214 @@
+"""Tokenizers: text <-> token ids for the engine, the server and the benchmarks, plus incremental
+detokenization for streaming.
+
+Two sources:
+- a checkpoint folder with a Hugging Face tokenizer (`tokenizer.json`, through transformers'
+  AutoTokenizer: its chat template too, where the checkpoint has one);
+- the Llama 3 presets (random weights): the Llama 3 BPE that `quicktok-v1` ships, byte-exact with the
+  Hugging Face tokenizer of Llama 3.1, so ShareGPT prompts have the token counts vLLM's benchmark sees.
+
+`encode(text)` behaves like HF's `tokenizer(text).input_ids`: BOS prepended, special-token strings in
+the text parsed as special tokens. `IncrementalDetokenizer` turns a growing list of ids into text
+deltas that never split a UTF-8 character (a token may hold part of one: Llama 3's byte fallback).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from typing import Protocol
+
+LLAMA3_BOS = 128000
+LLAMA3_EOT = 128009
+# Llama 3.1 Instruct's chat format (its chat template without the tool and date preamble).
+_LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded, or a chat request it cannot format."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+    def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer": ...
+
+
+class IncrementalDetokenizer(Protocol):
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes (may be '' mid-character)."""
+
+
+class Llama3Tokenizer:
+    """The Llama 3 BPE from quicktok-v1 (`quicktok.encoding_for_model("meta-llama/Llama-3.1-8B")`)."""
+
+    def __init__(self) -> None:
+        try:
+            import quicktok
+        except ImportError:
+            raise TokenizerError("the Llama 3 presets tokenize with quicktok-v1, which is not installed: "
+                                 "pip install quicktok-v1 (or serve a checkpoint folder with its tokenizer.json)") from None
+        self._enc = quicktok.encoding_for_model("meta-llama/Llama-3.1-8B")
+        self.name = "llama3 (quicktok-v1)"
+        self.vocab_size = self._enc.n_vocab
+        self.bos_token_id = LLAMA3_BOS
+        self.eos_token_ids = (128001, 128008, LLAMA3_EOT)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._enc.encode_with_special(text)
+        return [LLAMA3_BOS, *ids] if add_special_tokens else list(ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = "<|begin_of_text|>"
+        for m in _check_messages(messages):
+            text += _LLAMA3_HEADER.format(role=m["role"]) + m["content"].strip() + "<|eot_id|>"
+        text += _LLAMA3_HEADER.format(role="assistant")
+        return list(self._enc.encode_with_special(text))
+
+    def detokenizer(self, prompt_ids: list[int]) -> "ByteDetokenizer":
+        return ByteDetokenizer(self._enc.decode_single_token_bytes)
+
+
+class HFTokenizer:
+    """A checkpoint folder's tokenizer through transformers' AutoTokenizer (fast tokenizer)."""
+
+    def __init__(self, directory: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise TokenizerError("text prompts for a checkpoint folder need transformers: pip install transformers") from None
+        try:
+            self._tok = AutoTokenizer.from_pretrained(directory)
+        except Exception as e:  # noqa: BLE001 - any load failure is reported with the folder
+            raise TokenizerError(f"could not load the tokenizer in {directory!r} ({type(e).__name__}: {e}); the folder "
+                                 "needs tokenizer.json (and tokenizer_config.json)") from None
+        self.name = os.path.basename(os.path.abspath(directory))
+        self.vocab_size = len(self._tok)
+        self.bos_token_id = self._tok.bos_token_id
+        eos = self._tok.eos_token_id
+        self.eos_token_ids = () if eos is None else (int(eos),)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self._tok, "chat_template", None):
+            raise TokenizerError(f"the tokenizer of {self.name!r} has no chat template; use /v1/completions with a "
+                                 "prompt instead of /v1/chat/completions")
+        ids = self._tok.apply_chat_template(_check_messages(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def detokenizer(self, prompt_ids: list[int]) -> "OffsetDetokenizer":
+        return OffsetDetokenizer(self.decode, prompt_ids)
+
+
+class ByteTokenizer:
+    """The `tiny` preset's tokenizer (CPU tests, demos): UTF-8 bytes b as ids b + 3, BOS 1, EOS 2."""
+
+    OFFSET = 3
+
+    def __init__(self, vocab_size: int = 512, bos: int = 1, eos: int = 2) -> None:
+        if vocab_size < 256 + self.OFFSET:
+            raise TokenizerError(f"a byte tokenizer needs a vocabulary of at least {256 + self.OFFSET}; got {vocab_size}")
+        self.name = "bytes"
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos
+        self.eos_token_ids = (eos,)
+
+    def _bytes(self, i: int) -> bytes:
+        return bytes([i - self.OFFSET]) if self.OFFSET <= i < 256 + self.OFFSET else b""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.OFFSET for b in text.encode("utf-8")]
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self._bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in _check_messages(messages)) + "assistant:"
+        return self.encode(text)
+
+    def detokenizer(self, prompt_ids: list[int]) -> ByteDetokenizer:
+        return ByteDetokenizer(self._bytes)
+
+
+def _check_messages(messages: list[dict]) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TokenizerError(f"messages[{i}] must be an object with string 'role' and 'content'; got {m!r}")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise TokenizerError(f"messages[{i}].role={m['role']!r}: expected system, user or assistant")
+    return messages
+
+
+class ByteDetokenizer:  # noqa: E302
+    """For tokenizers whose tokens are byte strings: bytes go through an incremental UTF-8 decoder, so a
+    character split across tokens comes out whole once its last byte arrives. O(1) per token."""
+
+    def __init__(self, token_bytes) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._token_bytes(token_id))
+
+
+class OffsetDetokenizer:
+    """For any tokenizer with decode(): decode a short window of recent ids and emit what it adds past
+    the previous window, holding back text that ends in an incomplete character (U+FFFD), as vLLM and
+    TGI do. Context from the prompt keeps merge-sensitive decoders (leading spaces) right."""
+
+    WINDOW = 5  # ids of context before the unread ones
+
+    def __init__(self, decode, prompt_ids: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(prompt_ids[-self.WINDOW:])
+        self._prefix = len(self._ids)  # ids before `_read` already emitted; [_prefix_start, _read) is context
+        self._prefix_start = 0
+        self._read = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix_start: self._read])
+        after = self._decode(self._ids[self._prefix_start:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before):]
+            self._prefix_start, self._read = self._read, len(self._ids)
+            return delta
+        return ""
+
+
+def get_tokenizer(model: str, checkpoint_dir: str | None = None) -> Tokenizer:
+    """The tokenizer for a model spec: a checkpoint folder's own, or Llama 3's for the llama3* presets."""
+    directory = checkpoint_dir or (model if os.path.isdir(model) else None)
+    if directory is not None:
+        return HFTokenizer(directory)
+    if model.lower().startswith(("llama3", "llama-3", "meta-llama/llama-3")):
+        return Llama3Tokenizer()
+    if model == "tiny":
+        return ByteTokenizer()
+    raise TokenizerError(f"no tokenizer for {model!r}: presets other than the Llama 3 family have none; serve a "
+                         "checkpoint folder that holds tokenizer.json, or send token ids")

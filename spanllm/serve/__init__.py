@@ -1,0 +1,1 @@
+"""`spanllm serve`: an OpenAI-compatible HTTP server on the serving engine (see docs/serving.md)."""

@@ -1,0 +1,213 @@
+"""The engine loop in its own thread (rank 0), bridged to the HTTP event loop.
+
+Commands (add / abort / abort-all) go in through a thread-safe queue; outputs go out, per step, in one
+`loop.call_soon_threadsafe` per event loop, onto one asyncio.Queue per request. The engine thread never
+waits on the event loop: it blocks only on its command queue when it has nothing to run.
+
+A request's queue receives `Delta`s (a copy of what the handler needs: the engine's RequestOutput
+shares its output list with the live sequence) and, if the engine fails, one `EngineDead`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from spanllm.engine.engine_core import RequestError
+
+
+class EngineUnavailable(Exception):
+    """The engine thread is gone or shutting down (the server answers 503)."""
+
+
+class QueueFull(Exception):
+    """The waiting queue holds --max-queued-requests requests (the server answers 503)."""
+
+
+@dataclass
+class Delta:
+    new_text: str
+    new_ids: list[int]
+    num_prompt: int
+    num_output: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text: str | None = None  # whole text, on the finished delta
+    output_ids: list[int] | None = None  # whole output, on the finished delta
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineDead:
+    message: str
+
+
+class AsyncEngine:
+    def __init__(self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None) -> None:
+        self.core = core
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
+        self.error: str | None = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spanllm-engine", daemon=True)
+        self._accepting = True
+
+    # --- any thread -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    def num_waiting(self) -> int:
+        return self.core.num_waiting + self._pending_adds
+
+    def abort_all(self) -> None:
+        """Stop admitting; abort every request (shutdown): their handlers end with finish_reason abort."""
+        self._accepting = False
+        self._cmds.put(("abort_all",))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything, release the other TP ranks (shutdown_workers) and end the thread."""
+        self._accepting = False
+        self._stop.set()
+        self._cmds.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the event loop -----------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
+        """Validate (RequestError), check the queue bound (QueueFull), submit; returns the request's queue."""
+        if not self.alive or not self._accepting:
+            raise EngineUnavailable(self.error or "the server is shutting down")
+        self.core.validate(prompt_ids, params)  # reads only fixed limits: safe off the engine thread
+        if params.stop and self.core.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer")
+        with self._lock:
+            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
+                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
+                                "--max-queued-requests); retry later")
+            self._pending_adds += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._cmds.put(("add", request_id, list(prompt_ids), params, arrival))
+        return q
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: abort (frees its KV blocks); nothing more is delivered."""
+        if self._streams.pop(request_id, None) is not None:
+            self._cmds.put(("abort", request_id))
+
+    # --- the engine thread --------------------------------------------------------------------------------
+    def _handle(self, cmd) -> list:
+        core = self.core
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, arrival = cmd
+            with self._lock:
+                self._pending_adds -= 1
+            if rid not in self._streams:  # the client left before admission
+                return []
+            try:
+                core.add_request(ids, params, request_id=rid, arrival=arrival, with_text=True)
+            except (RequestError, ValueError) as e:  # validated already; a late refusal still reaches the client
+                return [(rid, e)]
+            return []
+        if kind == "abort":
+            out = core.abort_request(cmd[1])
+            if out is not None and self.metrics is not None:
+                self.metrics.observe_finished(out.finish_reason, out.metrics)
+            return []
+        if kind == "abort_all":
+            return self._abort_everything()
+        return []
+
+    def _abort_everything(self) -> list:
+        core = self.core
+        events = []
+        for seq in list(core.scheduler.running) + list(core.scheduler.waiting):
+            out = core.abort_request(seq.request_id)
+            if out is not None:
+                if self.metrics is not None:
+                    self.metrics.observe_finished(out.finish_reason, out.metrics)
+                events.append((out.request_id, _delta(out)))
+        return events
+
+    def _deliver(self, events: list) -> None:
+        by_loop: dict = {}
+        for rid, ev in events:
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            if getattr(ev, "finished", True):
+                self._streams.pop(rid, None)
+            by_loop.setdefault(s[0], []).append((s[1], ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed (shutdown)
+                pass
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                block = not core.has_unfinished()
+                events: list = []
+                while True:
+                    try:
+                        cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    block = False
+                    events += self._handle(cmd)
+                if self._stop.is_set():
+                    break
+                if core.has_unfinished():
+                    for out in core.step():
+                        events.append((out.request_id, _delta(out)))
+                        if out.finished and self.metrics is not None:
+                            self.metrics.observe_finished(out.finish_reason, out.metrics)
+                if self.metrics is not None:
+                    self.metrics.update_engine(core, self._pending_adds)
+                if events:
+                    self._deliver(events)
+            self._deliver(self._abort_everything())
+            if self.metrics is not None:
+                self.metrics.update_engine(core, 0)
+            core.shutdown_workers()
+        except BaseException as e:  # noqa: BLE001 - a failed step (a dead TP rank): fail every request, stop
+            self.error = f"the engine loop failed: {type(e).__name__}: {e}"
+            self._tb = traceback.format_exc()
+            dead = EngineDead(self.error)
+            self._deliver([(rid, dead) for rid in list(self._streams)])
+            if self.on_dead is not None:
+                self.on_dead(self.error)
+
+
+def _put_all(items) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
+
+
+def _delta(out) -> Delta:
+    d = Delta(out.new_text, list(out.new_ids), len(out.prompt_ids), len(out.output_ids), out.finished,
+              out.finish_reason, out.stop_reason)
+    if out.finished:
+        d.text, d.output_ids, d.metrics = out.text, list(out.output_ids), out.metrics
+    return d
+
+
+def now() -> float:
+    return time.monotonic()

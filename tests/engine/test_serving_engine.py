@@ -1,0 +1,279 @@
+"""The serving engine on CPU: scheduler and block manager units, then requests of mixed lengths arriving at
+different steps, with chunked prefill, a pool small enough to preempt and aborts, at TP=1 and TP=2 (gloo):
+every request's greedy tokens equal the same request run alone and transformers' own greedy tokens, and
+after every run every block is free again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving_workers import SERVE_MAX_TOKENS, SERVE_PROMPTS, alone, run_scenario, serving_config, tp_scenarios
+from spanllm.engine.block_manager import BlockManager
+from spanllm.engine.engine_core import RequestError
+from spanllm.engine.llm import LLM
+from spanllm.engine.sampler import SamplingParams, SamplingParamsError
+from spanllm.engine.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from spanllm.launch import launch
+
+
+# --- block manager and scheduler, no model ----------------------------------------------------------------
+def _seq(rid: str, n: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def _run(sched: Scheduler, batch) -> None:
+    """What the engine does after a step: advance what ran, append a token where the step samples."""
+    for seq, n in batch.entries:
+        samples = seq.num_computed + n == seq.num_tokens
+        seq.num_computed += n
+        if samples:
+            seq.output_ids.append(7)
+            if seq.num_output >= seq.params.max_tokens:
+                sched.finish(seq)
+                seq.finish(FinishReason.LENGTH)
+
+
+def test_block_manager_accounting():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    assert (bm.num_usable, bm.num_free, bm.capacity_tokens) == (5, 5, 20)
+    a, b = _seq("a", 5), _seq("b", 2)
+    bm.grow(a, 5)
+    assert a.block_table == [1, 2] and bm.num_free == 3
+    bm.grow(a, 8)  # still two blocks
+    assert len(a.block_table) == 2
+    bm.grow(b, 9)
+    assert b.block_table == [3, 4, 5] and bm.num_free == 0 and not bm.can_grow(a, 9)
+    with pytest.raises(RuntimeError, match="needs 1 blocks, 0 free"):
+        bm.grow(a, 9)
+    bm.check([a, b])
+    bm.free(a)
+    assert bm.num_free == 2 and a.block_table == []
+    bm.check([b])
+    bm.free(b)
+    bm.check([])
+    assert sorted(bm.free_ids) == [1, 2, 3, 4, 5]
+    with pytest.raises(AssertionError, match="disagree"):
+        bm.check([_seq_with_blocks([1])])  # a sequence claiming a free block
+
+
+def _seq_with_blocks(blocks):
+    s = _seq("x", 1)
+    s.block_table = list(blocks)
+    return s
+
+
+def test_budget_and_sequence_cap_respected():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10, max_model_len=64),
+                      BlockManager(100, 4))
+    seqs = [_seq(f"r{i}", 4) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    b = sched.schedule()
+    assert [(s.request_id, n) for s, n in b.entries] == [("r0", 4), ("r1", 4), ("r2", 2)]  # r2 chunked at the budget
+    assert b.num_tokens == 10 and len(sched.running) == 3 and b.num_decode == 0
+    _run(sched, b)
+    b = sched.schedule()  # two decodes first, then r2's last 2 prompt tokens; r3 waits (3 sequences max)
+    assert [(s.request_id, n) for s, n in b.entries] == [("r0", 1), ("r1", 1), ("r2", 2)]
+    assert b.num_decode == 2 and [s.request_id for s in sched.waiting] == ["r3", "r4"]
+
+
+def test_decode_never_starved_by_a_long_prompt():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=128),
+                      BlockManager(200, 4))
+    short = [_seq("s0", 2, max_tokens=20), _seq("s1", 2, max_tokens=20)]
+    for s in short:
+        sched.add(s)
+    _run(sched, sched.schedule())
+    sched.add(_seq("long", 50, max_tokens=2))
+    for _ in range(8):  # the long prompt is prefilled 4 tokens a step while both decodes run every step
+        b = sched.schedule()
+        names = [(s.request_id, n) for s, n in b.entries]
+        assert names[:2] == [("s0", 1), ("s1", 1)] and names[2] == ("long", 4)
+        _run(sched, b)
+
+
+def test_fcfs_head_of_line_blocks_admission():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
+                      BlockManager(5, 4))  # 16 tokens of pool
+    sched.add(_seq("a", 8))
+    sched.add(_seq("big", 12))  # needs 3 blocks; only 2 are left after a
+    sched.add(_seq("small", 2))  # would fit, but must not skip ahead of big
+    b = sched.schedule()
+    assert [s.request_id for s, _ in b.entries] == ["a", "big"]  # big gets the 2 blocks' worth (8 tokens), chunked
+    assert [(s.request_id, n) for s, n in b.entries][1] == ("big", 8)
+    assert [s.request_id for s in sched.waiting] == ["small"]
+
+
+def test_preemption_by_recompute_takes_the_newest():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                      BlockManager(4, 4))  # 12 tokens
+    a, b = _seq("a", 4, max_tokens=8), _seq("b", 4, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())  # both prefilled: 2 blocks each? 1 block each (4 tokens), 1 token out each
+    assert len(a.block_table) == 1 and len(b.block_table) == 1
+    batch = sched.schedule()  # a's 5th token needs a block; so does b's: 3 usable blocks, 4 needed
+    assert sched.num_preemptions == 1 and batch.preempted == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_computed == 0 and b.block_table == [] and b.output_ids == [7]
+    assert sched.waiting[0] is b and [s.request_id for s, _ in batch.entries] == ["a"]
+
+
+def test_abort_frees_blocks_from_either_queue():
+    bm = BlockManager(20, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64), bm)
+    a, b = _seq("a", 9), _seq("b", 3)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule())
+    assert sched.abort("b").finish_reason is FinishReason.ABORT  # waiting
+    assert sched.abort("a").finish_reason is FinishReason.ABORT  # running, with blocks
+    assert sched.abort("a") is None and not sched.has_work()
+    bm.check([])
+
+
+# --- the engine, TP=1 ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_serving_reference(hf_checkpoint):
+    _, _, model = hf_checkpoint
+    out = []
+    with torch.no_grad():
+        for p, n in zip(SERVE_PROMPTS, SERVE_MAX_TOKENS):
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               eos_token_id=None, pad_token_id=0)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_llm(hf_checkpoint):
+    return LLM(hf_checkpoint[0], serving_config())
+
+
+def _tokens(res: dict) -> list[list[int]]:
+    return [res["results"][i]["tokens"] for i in range(len(SERVE_PROMPTS))]
+
+
+def test_alone_equals_transformers(tp1_llm, hf_serving_reference):
+    assert alone(tp1_llm) == hf_serving_reference
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"block_size": 16, "num_kv_blocks": 20}])
+def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_reference, kw):
+    llm = LLM(hf_checkpoint[0], serving_config(**kw))
+    res = run_scenario(llm)
+    assert _tokens(res) == hf_serving_reference
+    assert all(r["finish_reason"] == "length" for r in res["results"].values())
+    assert res["free_blocks"] == res["usable_blocks"]
+
+
+def test_preemption_keeps_tokens_and_frees_every_block(hf_checkpoint, hf_serving_reference):
+    llm = LLM(hf_checkpoint[0], serving_config(num_kv_blocks=14, max_num_batched_tokens=8))  # 52 tokens of pool
+    res = run_scenario(llm)
+    assert res["preemptions"] > 0
+    assert _tokens(res) == hf_serving_reference
+    assert res["free_blocks"] == res["usable_blocks"] == 13
+
+
+def test_aborts_lose_nothing_else(tp1_llm, hf_serving_reference):
+    res = run_scenario(tp1_llm, aborts={3: 4, 0: 2})
+    for i, ref in enumerate(hf_serving_reference):
+        r = res["results"][i]
+        if i in (0, 3):
+            assert r["finish_reason"] == "abort" and r["tokens"] == ref[: len(r["tokens"])]
+        else:
+            assert r["finish_reason"] == "length" and r["tokens"] == ref
+    assert res["free_blocks"] == res["usable_blocks"]
+
+
+# --- TP=2 over gloo ---------------------------------------------------------------------------------------
+def test_tp2_equals_transformers_with_chunks_preemption_and_aborts(hf_checkpoint, hf_serving_reference):
+    res = launch(tp_scenarios, hf_checkpoint[0], nprocs=2)[0]
+    assert res["alone"] == hf_serving_reference
+    assert _tokens(res["mixed"]) == hf_serving_reference
+    assert res["preempt"]["preemptions"] > 0 and _tokens(res["preempt"]) == hf_serving_reference
+    for i, ref in enumerate(hf_serving_reference):
+        r = res["abort"]["results"][i]
+        assert r["tokens"] == (ref if i not in (0, 3) else ref[: len(r["tokens"])])
+    for k in ("mixed", "preempt", "abort"):
+        assert res[k]["free_blocks"] == res[k]["usable_blocks"]
+
+
+# --- bad requests: refused at admission, nothing else lost ---------------------------------------------------
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(max_tokens=4), "the prompt is empty"),
+    ([1, 250, 3], SamplingParams(max_tokens=4), r"prompt token 1 is 250, outside the vocabulary \[0, 250\)"),
+    ([1, -1], SamplingParams(max_tokens=4), r"prompt token 1 is -1"),
+    (list(range(1, 121)), SamplingParams(max_tokens=20), "maximum context length is 128 tokens. However, you "
+                                                         r"requested 140 tokens \(120 in the prompt, 20 for the"),
+    ([1, 2], SamplingParams(max_tokens=127), "maximum context length is 128"),
+    ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(999,)), "stop_token_ids holds 999"),
+])
+def test_bad_requests_are_refused_at_admission(tp1_llm, prompt, params, match):
+    core = tp1_llm.engine_core
+    with pytest.raises(RequestError, match=match):
+        core.add_request(prompt, params)
+    assert not core.has_unfinished()
+    out = tp1_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))  # still serving
+    assert len(out[0].output_ids) == 3
+
+
+def test_request_that_never_fits_the_pool(hf_checkpoint):
+    llm = LLM(hf_checkpoint[0], serving_config(num_kv_blocks=5))  # 16 tokens of pool
+    with pytest.raises(RequestError, match="needs up to 20 tokens of KV cache but the whole pool holds 16"):
+        llm.generate([[1] * 10], SamplingParams(max_tokens=10))
+    assert not llm.engine_core.has_unfinished()
+
+
+def test_generate_checks_every_request_before_admitting_any(tp1_llm):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        tp1_llm.generate([[1, 2, 3], [4, 999]], SamplingParams(max_tokens=2))
+    assert not tp1_llm.engine_core.has_unfinished()
+
+
+@pytest.mark.parametrize("kw,match", [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                      ({"max_tokens": 0}, "max_tokens"), ({"top_k": -5}, "top_k"),
+                                      ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")])
+def test_sampling_params_out_of_range(kw, match):
+    with pytest.raises(SamplingParamsError, match=match):
+        SamplingParams(**kw)
+
+
+# --- sampling and stopping ----------------------------------------------------------------------------------
+def test_seeded_request_samples_the_same_whatever_shares_its_batch(tp1_llm):
+    p = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=42, max_tokens=8, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    alone_run = tp1_llm.generate([[5, 6, 7]], p)[0].output_ids
+    crowd = tp1_llm.generate([[9, 9], [5, 6, 7], list(range(20, 40))], [other, p, other])
+    assert crowd[1].output_ids == alone_run
+
+
+def test_stop_token_ids_min_tokens_and_eos(tp1_llm, hf_serving_reference):
+    ref = hf_serving_reference[0]  # greedy continuation of prompt 0 (10 tokens)
+    stop = ref[3]
+    first = ref.index(stop)
+    out = tp1_llm.generate([SERVE_PROMPTS[0]], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))[0]
+    assert out.output_ids == ref[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
+    # min_tokens masks the stop id until that many tokens exist: greedy then takes the next best token.
+    out = tp1_llm.generate([SERVE_PROMPTS[0]], SamplingParams(max_tokens=10, min_tokens=10, stop_token_ids=(stop,)))[0]
+    assert len(out.output_ids) == 10 and stop not in out.output_ids and out.finish_reason == "length"
+
+
+def test_text_prompts_stop_strings_and_detokenization():
+    llm = LLM("tiny", serving_config(max_model_len=256))
+    tok = llm.get_tokenizer()
+    base = llm.generate(["héllo wörld"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert base.prompt_ids == tok.encode("héllo wörld") and base.text == tok.decode(base.output_ids)
+    if len(base.text) < 6:
+        pytest.skip("greedy output of the random tiny model is too short to cut")
+    stop = base.text[3:5]
+    cut = base.text.index(stop)
+    out = llm.generate(["héllo wörld"], SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == base.text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_stop_strings_need_text_output(tp1_llm):
+    with pytest.raises(RequestError, match="stop strings need text output"):
+        tp1_llm.engine_core.add_request([1, 2], SamplingParams(max_tokens=2, stop=["x"]))

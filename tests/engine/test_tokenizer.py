@@ -1,0 +1,75 @@
+"""Tokenizers: the Llama 3 BPE of the presets (exact ids), the tiny preset's byte tokenizer, a checkpoint's HF
+tokenizer, and incremental detokenization that never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+import pytest
+
+from spanllm.engine.tokenizer import (ByteTokenizer, OffsetDetokenizer, TokenizerError, get_tokenizer)
+
+TEXT = "héllo 🦜 wörld, 日本語 ok"
+
+
+def _stream(tok, ids) -> str:
+    d = tok.detokenizer([])
+    return "".join(d.push(i) for i in ids)
+
+
+def test_llama3_preset_ids_are_llama3s():
+    pytest.importorskip("quicktok")
+    tok = get_tokenizer("llama3.1-8b")
+    assert tok.encode("Hello world") == [128000, 9906, 1917]  # BOS + Llama 3's ids
+    assert tok.encode("Hello world", add_special_tokens=False) == [9906, 1917]
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert tok.decode(ids) == TEXT
+    # 🦜 is three byte-level tokens: streamed text shows it only once its last byte arrived, never U+FFFD.
+    d = tok.detokenizer([])
+    deltas = [d.push(i) for i in tok.encode("🦜🦩", add_special_tokens=False)]
+    assert deltas == ["", "", "🦜", "", "", "🦩"]  # each bird is 3 byte tokens (0xf0 0x9f | 0xa6 | 0x9c ...)
+    assert _stream(tok, ids) == TEXT
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat[0] == 128000 and chat[-1] == 271 and 128009 in chat  # ... <|eot_id|> ... header + "\n\n"
+    assert tok.eos_token_ids == (128001, 128008, 128009)
+
+
+def test_byte_tokenizer_round_trip_and_stream():
+    tok = get_tokenizer("tiny")
+    assert isinstance(tok, ByteTokenizer)
+    ids = tok.encode(TEXT)
+    assert ids[0] == 1 and tok.decode(ids) == TEXT and _stream(tok, ids[1:]) == TEXT
+    assert tok.decode([400, 2]) == ""  # ids past the bytes and EOS have no text
+
+
+def test_offset_detokenizer_holds_back_partial_characters():
+    b = ByteTokenizer()
+    ids = b.encode(TEXT, add_special_tokens=False)
+    d = OffsetDetokenizer(b.decode, b.encode("x", add_special_tokens=False))
+    out = [d.push(i) for i in ids]
+    assert "".join(out) == TEXT and all("\ufffd" not in o for o in out)
+
+
+def test_hf_checkpoint_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    t = Tokenizer(models.BPE(unk_token=None))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator([TEXT, "hello world " * 20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(tmp_path)
+    tok = get_tokenizer(str(tmp_path))
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert tok.decode(ids) == "hello world"
+    assert _stream(tok, ids) == "hello world"
+    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "hi"}])).endswith("user: hi\nassistant:")
+    with pytest.raises(TokenizerError, match=r"messages\[0\].role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_presets_without_tokenizer_say_so():
+    with pytest.raises(TokenizerError, match="no tokenizer for 'gpt2'"):
+        get_tokenizer("gpt2")

@@ -1,0 +1,88 @@
+"""Helpers: a `spanllm serve` front end on the tiny preset (float32, CPU) in a background thread, on a free port."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from spanllm.engine.config import EngineConfig
+from spanllm.engine.llm import LLM
+from spanllm.serve.server import Server
+
+NUM_KV_BLOCKS = 256
+
+
+def make_llm(**engine) -> LLM:
+    llm = LLM("tiny", EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=engine.pop("num_kv_blocks", NUM_KV_BLOCKS),
+                                   **engine), device=torch.device("cpu"))
+    llm.get_tokenizer()
+    return llm
+
+
+class Running:
+    def __init__(self, server: Server, thread: threading.Thread) -> None:
+        self.server, self.thread = server, thread
+        self.base_url = f"http://127.0.0.1:{server.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """name{labels} -> value, for the spanllm: samples (buckets and _created left out)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("spanllm:") and "_bucket" not in line and "_created" not in line:
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def metric(self, name: str, **labels) -> float:
+        m = self.metrics()
+        total = 0.0
+        for k, v in m.items():
+            if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()):
+                total += v
+        return total
+
+
+def start_server(llm: LLM, **kw) -> Running:
+    server = Server(llm, host="127.0.0.1", port=0, **kw)
+    errors = []
+
+    def target():
+        try:
+            server.run()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=target, name="spanllm-test-server", daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if errors or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start: {errors}")
+        time.sleep(0.02)
+    return Running(server, t)
+
+
+def stop_server(r: Running) -> None:
+    r.server.stop()
+    r.thread.join(15)
+    assert not r.thread.is_alive(), "the server thread did not stop"
+
+
+def offline_greedy(ctx, prompts: list[str], max_tokens: int):
+    """LLM.generate on every rank of a launch() job (TP = world size); rank 0's texts."""
+    from spanllm.engine.parallel_dims import ParallelDims
+    from spanllm.engine.sampler import SamplingParams
+
+    llm = LLM("tiny", EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=NUM_KV_BLOCKS),
+              dims=ParallelDims(ctx.world_size, 1, ctx.world_size), device=torch.device("cpu"))
+    llm.get_tokenizer()
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        return [o.text for o in outs] if ctx.rank == 0 else None
+    finally:
+        llm.close()

@@ -1,0 +1,208 @@
+"""`spanllm serve` (TP=1, in a thread): the openai client, greedy text vs LLM.generate, 200 requests at rate
+inf with /metrics counts, bad requests, a full queue, a client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+
+from spanllm.engine.sampler import SamplingParams
+
+from serve_helpers import make_llm, start_server, stop_server
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy outputs of the offline engine (same preset, same seed: the same weights)."""
+    llm = make_llm()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    chat = llm.generate([llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])],
+                        SamplingParams(max_tokens=10, temperature=0.0))
+    llm.close()
+    return [o.text for o in outs], chat[0].text
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def test_models_health(server):
+    c = client(server)
+    assert c.models.list().data[0].id == "tiny"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_completions_match_offline(server, offline):
+    texts, _ = offline
+    c = client(server)
+    for p, want in zip(PROMPTS, texts):
+        r = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        assert r.choices[0].finish_reason in ("length", "stop")
+        assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        chunks = list(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_token_id_prompt(server, offline):
+    texts, _ = offline
+    from spanllm.engine.tokenizer import ByteTokenizer
+
+    ids = ByteTokenizer().encode(PROMPTS[0])
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [ids], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == texts[0]
+
+
+def test_chat_match_offline(server, offline):
+    _, want = offline
+    c = client(server)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_and_sampling_params(server):
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
+                             extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
+    assert r.usage.completion_tokens == 8
+    r2 = c.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
+                              extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
+    assert r2.choices[0].text == r.choices[0].text  # seeded
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "model": "nope"}, "model"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hi", "temperature": 5}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "max_tokens": 5000}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [99999]}, "prompt"),
+    ({"messages": "nope"}, "messages"),
+])
+def test_bad_requests(server, body, param):
+    url = server.base_url + ("/v1/chat/completions" if "messages" in body else "/v1/completions")
+    r = httpx.post(url, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param and err["message"]
+    if body.get("max_tokens") == 5000:
+        assert "4096" in err["message"] and "5003" in err["message"]  # the limit and the request
+    # and the server keeps serving
+    assert httpx.post(server.base_url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_malformed_json(server):
+    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+def _wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("spanllm:num_requests_running") == 0 and server.metric("spanllm:kv_cache_usage_perc") == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_frees_blocks(server):
+    aborted0 = server.metric("spanllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "x" * 40, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()  # kept referenced: a closed iterator closes the response
+            next(line for line in lines if line.startswith("data:"))
+            assert server.metric("spanllm:num_requests_running") == 1
+            assert server.metric("spanllm:kv_cache_usage_perc") > 0
+    assert _wait_idle(server)
+    assert server.metric("spanllm:request_success_total", finished_reason="abort") == aborted0 + 1
+    # non-streaming: the client times out and leaves
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    assert _wait_idle(server)
+    assert server.metric("spanllm:request_success_total", finished_reason="abort") == aborted0 + 2
+
+
+def test_200_requests_rate_inf_and_metrics(server):
+    from spanllm.bench.datasets import sample_random
+    from spanllm.bench.serve import ServeBenchConfig, run_benchmark
+    from spanllm.engine.tokenizer import ByteTokenizer
+
+    assert _wait_idle(server)
+    gen0 = server.metric("spanllm:generation_tokens_total")
+    ok0 = server.metric("spanllm:request_success_total")
+    ttft0 = server.metric("spanllm:time_to_first_token_seconds_count")
+    samples = sample_random(ByteTokenizer(), 200, input_len=16, output_len=8)
+    res = run_benchmark(samples, ServeBenchConfig(base_url=server.base_url, request_rate=math.inf, ignore_eos=True,
+                                                  show_progress=False))
+    assert res["completed"] == 200 and res["failed"] == 0, [e for e in res["errors"] if e][:3]
+    assert sum(res["output_lens"]) == 200 * 8
+    assert _wait_idle(server)
+    assert server.metric("spanllm:generation_tokens_total") - gen0 == 200 * 8
+    assert server.metric("spanllm:request_success_total") - ok0 == 200
+    assert server.metric("spanllm:time_to_first_token_seconds_count") - ttft0 == 200
+    assert server.metric("spanllm:num_requests_waiting") == 0
+
+
+def test_queue_full_503_nothing_admitted_lost():
+    llm = make_llm(max_num_seqs=1)
+    r = start_server(llm, model_name="tiny", max_queued_requests=2)
+    try:
+        async def go():
+            async with httpx.AsyncClient(base_url=r.base_url, timeout=60) as h:
+                return await asyncio.gather(*[h.post("/v1/completions", json={
+                    "prompt": f"p{i}", "max_tokens": 16, "ignore_eos": True}) for i in range(12)])
+
+        resps = asyncio.run(go())
+        codes = [x.status_code for x in resps]
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+        for x in resps:
+            if x.status_code == 200:
+                assert x.json()["usage"]["completion_tokens"] == 16
+            else:
+                assert x.json()["error"]["code"] == 503
+        assert r.metric("spanllm:request_success_total", finished_reason="length") == codes.count(200)
+        assert httpx.post(r.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        stop_server(r)
+        llm.close()
+
+
+def test_shutdown_aborts_open_streams():
+    llm = make_llm()
+    r = start_server(llm, model_name="tiny")
+    try:
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", r.base_url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as resp:
+                lines = resp.iter_lines()
+                next(line for line in lines if line.startswith("data:"))
+                t0 = time.monotonic()
+                r.server.stop()
+                rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "abort"
+        r.thread.join(10)
+        assert not r.thread.is_alive() and time.monotonic() - t0 < 10
+    finally:
+        stop_server(r)
+        llm.close()
