@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CPU emulation of the 4- and 8-GPU topologies of issue 7 over local gloo ranks (virtual nodes).
+# CPU emulation of 4- and 8-GPU topologies (1, 2 and 4 nodes; more GPUs than the lab's GPU host) over
+# local gloo ranks (virtual nodes).
 #
 # What it checks, not how fast: CPU timings say nothing about GPU speed. It shows that the
 # hierarchical schedules run with exact results on every (nodes x ranks-per-node) split of 4 and 8

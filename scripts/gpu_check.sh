@@ -121,11 +121,11 @@ for stage in "${STAGES[@]}"; do
       # The decode weight GEMMs on one GPU: F.linear (cuBLAS) vs spanllm's skinny Triton kernel, 8B and
       # 70B shapes at TP=2, M = 1, 8, 16 (heuristic configs); then a config sweep for GEMM_SWEEP_M rows.
       log "gemm bench (heuristic configs)"
-      timeout 200 python3 scripts/gpu_gemm_bench.py --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 \
+      timeout 200 python3 -m spanllm.cli bench gemm --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 \
         --sweep none --json "$OUTDIR/gemm_decode_tp2.json" || rc=1
       if [ "${GEMM_SWEEP:-small}" != none ]; then
         log "gemm bench sweep (${GEMM_SWEEP:-small}, M=${GEMM_SWEEP_M:-1,8})"
-        timeout "${GEMM_SWEEP_TIMEOUT:-240}" python3 scripts/gpu_gemm_bench.py --models "${GEMM_SWEEP_MODELS:-llama3.1-70b,llama3.1-8b}" --tp 2 \
+        timeout "${GEMM_SWEEP_TIMEOUT:-240}" python3 -m spanllm.cli bench gemm --models "${GEMM_SWEEP_MODELS:-llama3.1-70b,llama3.1-8b}" --tp 2 \
           --m "${GEMM_SWEEP_M:-1,8}" --sweep "${GEMM_SWEEP:-small}" --copy-gib 0 --json "$OUTDIR/gemm_sweep_tp2.json" || rc=1
       fi
       ;;

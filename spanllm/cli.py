@@ -19,6 +19,7 @@ import traceback
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "spanllm.demo", "CPU main job: 4 local gloo ranks as 2 virtual nodes x 2, every algorithm, the benchmark table"),
     ("bench allreduce", "spanllm.bench.allreduce", "nccl-tests-style all-reduce benchmark over every registered algorithm"),
+    ("bench gemm", "spanllm.bench.gemm", "decode weight GEMMs on one GPU: F.linear (cuBLAS) vs the skinny Triton kernel"),
     ("bench batch", "spanllm.bench.batch", "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown"),
     ("bench study", "spanllm.bench.study", "TP vs TP x PP study: every layout x every all-reduce backend in one run"),
     ("bench throughput", "spanllm.bench.throughput", "offline throughput of the serving engine (vLLM's bench throughput): ShareGPT or random"),

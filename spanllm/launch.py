@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from spanllm.comm.torch_dist import default_backend
 from spanllm.errors import Interrupted, RankError, UsageError
 
 TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
@@ -112,7 +113,7 @@ def init_from_launcher(backend: str | None = None, timeout_s: float | None = Non
     local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                            default=world)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

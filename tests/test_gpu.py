@@ -1,59 +1,53 @@
-"""GPU conformance of the all-reduce backends, asserted on the files `scripts/gpu_check.sh` writes.
+"""GPU conformance of the all-reduce backends: `python -m pytest -m gpu` launches the runs and asserts on them.
 
-The conformance run (`scripts/gpu_allreduce_conformance.py`, torchrun, one process per GPU) executes the same
-case bodies as the CPU tests (spanllm.comm.conformance) against nvrar and the baselines and writes every
-CaseResult; the timeout run (`scripts/gpu_nvrar_timeout.py`) makes the last rank skip an nvrar call. The
-folder comes from SPANLLM_GPU_RESULTS (gpu_check.sh's pytest stage sets it):
-
-    scripts/gpu_check.sh conformance timeout pytest
+Each case starts `torchrun` (one process per GPU, a free port) on `scripts/gpu_allreduce_conformance.py`, which
+executes the same case bodies as the CPU tests (spanllm.comm.conformance) against nvrar and the baselines,
+then asserts that its JSON has every case and no wrong element; `scripts/gpu_nvrar_timeout.py` makes the last
+rank skip an nvrar call, and rank 0 must raise an error naming itself, the peer and the phase. Cases are
+parametrised over world sizes 1, 2 and every GPU present; a case that needs more GPUs than the host has skips,
+saying so. The JSON files are a by-product: in $SPANLLM_GPU_OUT when set, else in pytest's tmp folder.
+The checkers are plain functions over the documents: tests/test_committed_results.py applies them to the
+committed results on any machine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2,
-                       reason=f"needs >= 2 CUDA GPUs, found {torch.cuda.device_count()}"),
-]
+pytestmark = pytest.mark.gpu
 
+ROOT = Path(__file__).resolve().parents[1]
+NGPU = torch.cuda.device_count()
+WORLDS = sorted({1, 2, max(NGPU, 1)})
 MAX_BYTES = 8 << 20  # the conformance script's --max-bytes default, which gpu_check.sh keeps
-LENGTHS = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003, MAX_BYTES // 4, MAX_BYTES // 2]
+BASE_LENGTHS = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003]
 ITEMSIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "torch.int32": 4}
 NVRAR_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16"}
-CALLS = 10_000
+CALLS = 10_000  # gpu_check.sh's conformance stage (and the committed results)
+TEST_CALLS = 1_000  # back-to-back calls of the run pytest launches (a shorter run of the same cases)
 PHASES = {1: "inter-node recursive doubling", 2: "intra-node reduce-scatter"}  # ranks_per_node -> where rank 0 waits
 
 
-def results_file(name: str) -> str:
-    folder = os.environ.get("SPANLLM_GPU_RESULTS")
-    if not folder:
-        pytest.skip("SPANLLM_GPU_RESULTS is not set: run `scripts/gpu_check.sh conformance timeout pytest`, "
-                    "which writes the result files and points this variable at them")
-    if not os.path.isdir(folder):
-        pytest.skip(f"SPANLLM_GPU_RESULTS={folder!r} is not a folder")
-    path = os.path.join(folder, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} is missing: the stage of scripts/gpu_check.sh that writes it did not run or did not finish")
-    return path
-
-
-def load(name: str) -> dict:
-    with open(results_file(name)) as f:
-        return json.load(f)
+def lengths(max_bytes: int) -> list[int]:
+    """The element counts the conformance script runs: its list plus the buffer maximum for 4- and 2-byte dtypes."""
+    return BASE_LENGTHS + [max_bytes // 4, max_bytes // 2]
 
 
 # --------------------------------------------------------------------------------------------------
 # checks (plain functions over the documents, so they read the same on any machine)
 
 
-def conformance_problems(doc: dict, ranks_per_node: int) -> list[str]:
-    """Every way a conformance document falls short; empty when it passes."""
+def conformance_problems(doc: dict, ranks_per_node: int, calls: int = CALLS, max_bytes: int = MAX_BYTES) -> list[str]:
+    """Every way a conformance document falls short; empty when it passes. `calls` and `max_bytes`: the
+    run's --calls and --max-bytes (gpu_check.sh's defaults, as in the committed results)."""
     problems = []
     if doc.get("kind") != "gpu_conformance":
         return [f"kind={doc.get('kind')!r}, expected 'gpu_conformance'"]
@@ -84,12 +78,12 @@ def conformance_problems(doc: dict, ranks_per_node: int) -> list[str]:
                 problems.append(f"{comm}: no {case} case")
         for dtype in sorted(NVRAR_DTYPES):
             got = sorted(r["detail"]["n"] for r in mine if r["case"] == "length" and r["detail"]["dtype"] == dtype)
-            want = [n for n in LENGTHS if n * ITEMSIZE[dtype] <= MAX_BYTES]
+            want = sorted({n for n in lengths(max_bytes) if n * ITEMSIZE[dtype] <= max_bytes})
             if got != want:
                 problems.append(f"{comm} {dtype}: lengths {got}, expected 1 .. {want[-1]} ({want})")
         b2b = [r["detail"]["calls"] for r in mine if r["case"] == "back_to_back"]
-        if CALLS not in b2b:
-            problems.append(f"{comm}: back_to_back calls {b2b}, expected a run of {CALLS}")
+        if calls not in b2b:
+            problems.append(f"{comm}: back_to_back calls {b2b}, expected a run of {calls}")
         strag = [r["detail"] for r in mine if r["case"] == "straggler"]
         if not any(d.get("sleep_s", 0) > 0 for d in strag):
             problems.append(f"{comm}: no straggler case with a sleeping rank ({strag})")
@@ -117,19 +111,66 @@ def timeout_problems(rec: dict, ranks_per_node: int) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
+# running the scripts
+
+
+def needs_gpus(n: int) -> None:
+    if NGPU < n:
+        pytest.skip(f"needs {n} CUDA GPU{'s' if n > 1 else ''}, this host has {NGPU}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def out_dir(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("SPANLLM_GPU_OUT") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout_s: float) -> None:
+    """One torchrun job on this host; fails the test with the output's tail when it does not exit 0."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}  # no NVLink multicast on shared hosts
+    env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")  # the conformance run holds several nvrar workspaces
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "scripts" / script), *args]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} on {nproc} GPU(s) ran past {timeout_s:.0f} s:\n{(e.stdout or '')[-3000:]}")
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{(p.stdout + p.stderr)[-4000:]}"
+
+
+def conformance_cases() -> list:
+    """(world, ranks per node): one node of `world` GPUs, and `world` single-GPU nodes."""
+    return [pytest.param(w, rpn, id=f"{w // rpn}x{rpn}") for w in WORLDS for rpn in sorted({w, 1}, reverse=True)]
+
+
+# --------------------------------------------------------------------------------------------------
 # tests
 
 
-@pytest.mark.parametrize("rpn", [2, 1])
-def test_conformance_results(rpn):
-    doc = load(f"conformance_rpn{rpn}.json")
-    assert conformance_problems(doc, rpn) == []
+@pytest.mark.parametrize("world,rpn", conformance_cases())
+def test_conformance(world, rpn, tmp_path):
+    needs_gpus(world)
+    out = out_dir(tmp_path) / f"conformance_{world // rpn}x{rpn}.json"
+    torchrun("gpu_allreduce_conformance.py", world, "--ranks-per-node", str(rpn), "--calls", str(TEST_CALLS),
+             "--out", str(out), timeout_s=600)
+    doc = json.loads(out.read_text())
+    assert conformance_problems(doc, rpn, calls=TEST_CALLS) == []
 
 
 @pytest.mark.parametrize("rpn", [2, 1])
-def test_nvrar_timeout_names_rank_peer_and_phase(rpn):
-    if torch.cuda.device_count() != 2:
-        pytest.skip("the peer and phase rank 0 waits in are worked out for 2 GPUs (last rank skips, rank 0 waits "
-                    f"for rank 1); this machine has {torch.cuda.device_count()}")
-    rec = load(f"timeout_rpn{rpn}.json.rank0")
+def test_nvrar_timeout_names_rank_peer_and_phase(rpn, tmp_path):
+    # 2 ranks whatever the host has: the last rank skips, rank 0 waits for rank 1 (the peer and phase the
+    # checker expects are worked out for that pair)
+    needs_gpus(2)
+    out = out_dir(tmp_path) / f"timeout_{2 // rpn}x{rpn}.json"
+    torchrun("gpu_nvrar_timeout.py", 2, "--ranks-per-node", str(rpn), "--out", str(out), timeout_s=180)
+    rec = json.loads(Path(f"{out}.rank0").read_text())
     assert timeout_problems(rec, rpn) == []

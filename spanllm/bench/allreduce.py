@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from spanllm import checks
 from spanllm.comm import Topology, registry
-from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
+from spanllm.comm.conformance import check_exact
 from spanllm.comm.nvrar_compile import precompile_sizes
+from spanllm.dtypes import DTYPE_NAMES, dtype_from_name
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch, under_launcher
 from spanllm.measure.report import algbw_GBps, allreduce_busbw_GBps, write_json
@@ -83,37 +84,6 @@ def comm_options(args, device: torch.device) -> dict:
     return opts
 
 
-def fill_pattern(x: torch.Tensor, rank: int) -> None:
-    """x[i] = (i mod 13) + rank + 1: small integers, exact in every dtype after summing up to 16 ranks."""
-    i = torch.arange(x.numel(), device=x.device)
-    x.copy_(((i % 13) + rank + 1).to(x.dtype))
-
-
-def count_wrong(x: torch.Tensor, world_size: int) -> int:
-    i = torch.arange(x.numel(), device=x.device)
-    expected = (world_size * (i % 13) + world_size * (world_size + 1) // 2).to(x.dtype)
-    return int((x != expected).sum().item())
-
-
-def check_algorithm(comm, x: torch.Tensor, rank: int, world_size: int, graph: bool) -> int:
-    """Wrong elements after one eager call (and one CUDA-graph replay in graph mode)."""
-    fill_pattern(x, rank)
-    comm.all_reduce_(x)
-    wrong = count_wrong(x, world_size)
-    if graph and x.is_cuda:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream(x.device)
-        s.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            comm.all_reduce_(x)
-        torch.cuda.current_stream(x.device).wait_stream(s)
-        fill_pattern(x, rank)  # change the input in place, then replay
-        g.replay()
-        wrong += count_wrong(x, world_size)
-        del g
-    return wrong
-
-
 HEADER = (f"#{'size':>12} {'count':>12} {'type':>9} {'redop':>6} | {'time(us)':>10} {'p99(us)':>9} "
           f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}  algo")
 
@@ -171,7 +141,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                 if main:
                     print(f"# {name} skipped at {count * itemsize} bytes: {reason}")
                 continue
-            wrong = check_algorithm(comm, x, ctx.rank, ctx.world_size, graph) if args.check else 0
+            wrong = check_exact(comm, x, graph) if args.check else 0
             wrong_t = torch.tensor([wrong], dtype=torch.int64, device=ctx.device)
             dist.all_reduce(wrong_t)
             runnable[name] = (comm, int(wrong_t.item()))
@@ -238,6 +208,14 @@ def sweep_bytes(args) -> tuple[torch.dtype, list[int]]:
         raise UsageError(str(e)) from None
 
 
+def check_buffer_bytes(args) -> int:
+    """--buffer-bytes in bytes, as a usage error naming the flag."""
+    try:
+        return parse_size(args.buffer_bytes)
+    except ValueError as e:
+        raise UsageError(f"--buffer-bytes: {e}") from None
+
+
 def buffers_bytes_per_rank(max_bytes: int, itemsize: int, check: bool) -> int:
     """Host memory one rank holds at the largest size: the message and its reset copy, plus the exactness
     check's int64 index temporaries (three of 8 bytes per element at its peak) or the float32 random fill."""
@@ -262,10 +240,7 @@ def check_arguments(args, size_flag: str = "-e/--maxbytes") -> None:
     world = checks.world_size(args.nprocs)
     device = checks.device_type()
     dtype, sizes = sweep_bytes(args)
-    try:
-        parse_size(args.buffer_bytes)
-    except ValueError as e:
-        raise UsageError(f"--buffer-bytes: {e}") from None
+    check_buffer_bytes(args)
     checks.at_least("-n/--iters", args.iters, 1, " (timed samples per size)")
     checks.at_least("-w/--warmup_iters", args.warmup_iters, 0, " (warm-up calls per size; 0 = none)")
     if args.check not in (0, 1):

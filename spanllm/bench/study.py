@@ -20,12 +20,13 @@ from spanllm import checks
 from spanllm.bench.batch import (BenchSettings, PartialRows, add_bench_arguments, report_from_rank0, run_layout,
                                  settings_from_args)
 from spanllm.comm.topology import Topology
+from spanllm.comm.torch_dist import default_backend
 from spanllm.engine.config import ModelConfig, resolve_model
 from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 
-DEFAULT_ALLREDUCE = {"cuda": ("nccl", "nvrar"), "cpu": ("gloo", "ref_ring")}
+COMPARED_WITH_DEFAULT = {"cuda": "nvrar", "cpu": "ref_ring"}  # without --allreduce: the group's collective vs this
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +87,7 @@ def _study_rank(ctx: DistContext, s: BenchSettings, mb_spec: str, pp_spec: str |
     cfg = resolve_model(s.model)
     topology = Topology.from_env(ctx.world_size, s.ranks_per_node)
     if not s.allreduce:
-        s = replace(s, allreduce=DEFAULT_ALLREDUCE[ctx.device.type])
+        s = replace(s, allreduce=(default_backend(ctx.device.type), COMPARED_WITH_DEFAULT[ctx.device.type]))
     valid, skipped = layouts(cfg, ctx.world_size, topology)
     wanted = pp_filter(pp_spec)
     if wanted is not None:

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from spanllm import checks
-from spanllm.bench.allreduce import check_algorithm, check_host_memory, parse_size, sizes_from, sweep_bytes
+from spanllm.bench.allreduce import check_buffer_bytes, check_host_memory, parse_size, sizes_from, sweep_bytes
 from spanllm.comm import Topology, registry
-from spanllm.comm.base import DTYPE_NAMES, dtype_from_name
+from spanllm.comm.conformance import check_exact
+from spanllm.comm.torch_dist import default_backend
 from spanllm.comm.tuning import TuningEntry, TuningTable
+from spanllm.dtypes import DTYPE_NAMES, dtype_from_name
 from spanllm.errors import SpanllmError, UsageError
 from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.report import machine_info, versions
@@ -73,7 +75,8 @@ def tune_rank(ctx: DistContext, args) -> dict:
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     gpu = ctx.device.type == "cuda"
     buffer_bytes = parse_size(args.buffer_bytes)
-    names = ["nccl", "torch_one_shot", "torch_two_shot", "nvrar"] if gpu else ["gloo", "ref_hier", "ref_rd", "ref_ring"]
+    names = [default_backend(ctx.device.type)] + (["torch_one_shot", "torch_two_shot", "nvrar"] if gpu
+                                                   else ["ref_hier", "ref_rd", "ref_ring"])
     comms = {}
     for name in names:
         rule = registry.algorithm_class(name).capability.topology_rule
@@ -107,7 +110,7 @@ def tune_rank(ctx: DistContext, args) -> dict:
             for lp in launches:
                 if lp is not None:
                     comm.fixed_launch = lp
-                wrong = torch.tensor([check_algorithm(comm, x, ctx.rank, ctx.world_size, graph=gpu)],
+                wrong = torch.tensor([check_exact(comm, x, graph=gpu)],
                                      dtype=torch.int64, device=ctx.device)
                 dist.all_reduce(wrong)  # every rank must skip the same candidates, or their calls mismatch
                 if int(wrong.item()):
@@ -164,10 +167,7 @@ def check_arguments(args) -> None:
 
     world = checks.world_size(args.nprocs)
     dtype, sizes = sweep_bytes(args)
-    try:
-        parse_size(args.buffer_bytes)
-    except ValueError as e:
-        raise UsageError(f"--buffer-bytes: {e}") from None
+    check_buffer_bytes(args)
     checks.at_least("-n/--iters", args.iters, 1, " (timed samples per candidate)")
     checks.topology(world, args.ranks_per_node)
     blocks = _ints("--blocks", args.blocks)

@@ -7,14 +7,15 @@ Construction is collective (it builds every candidate in a fixed order). `algori
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from spanllm.comm import registry
 from spanllm.comm.base import AllReduce, Capability
 from spanllm.comm.selection import Candidate, Choice, select
+from spanllm.comm.torch_dist import default_backend, device_type_of
 from spanllm.comm.tuning import TuningTable
 
-CANDIDATES = {"cuda": ("nccl", "nvrar", "torch_one_shot", "torch_two_shot"), "cpu": ("gloo", "ref_hier")}
+CANDIDATES = {"cuda": (default_backend("cuda"), "nvrar", "torch_one_shot", "torch_two_shot"),
+              "cpu": (default_backend("cpu"), "ref_hier")}
 
 
 class AutoAllReduce(AllReduce):
@@ -26,10 +27,7 @@ class AutoAllReduce(AllReduce):
     def __init__(self, group=None, topology=None, *, tuning: TuningTable | None = None,
                  device: torch.device | None = None, candidates: tuple[str, ...] | None = None, **options) -> None:
         super().__init__(group, topology)
-        if device is not None:
-            device_type = device.type
-        else:  # the group's backend decides, not whether this machine has GPUs
-            device_type = "cuda" if "nccl" in str(dist.get_backend(self.group)) else "cpu"
+        device_type = device.type if device is not None else device_type_of(self.group)
         self.device_type = device_type
         self.table = tuning
         names = candidates or CANDIDATES[device_type]

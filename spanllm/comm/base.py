@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from spanllm.comm.topology import Topology
+from spanllm.dtypes import DTYPE_NAMES
 
 
 class AllReduceError(RuntimeError):
@@ -27,27 +28,6 @@ class AllReduceError(RuntimeError):
 
 class AllReduceInputError(ValueError):
     """The caller passed a tensor this backend cannot reduce."""
-
-
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "half",
-    torch.int32: "int32",
-    torch.float64: "double",
-    torch.int64: "int64",
-}
-"""nccl-tests' names for the dtypes we reduce (the `type` column of the benchmark)."""
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    aliases = {"float32": "float", "fp32": "float", "bf16": "bfloat16", "fp16": "half", "float16": "half",
-               "float64": "double", "fp64": "double", "int": "int32"}
-    name = aliases.get(name, name)
-    for dtype, n in DTYPE_NAMES.items():
-        if n == name:
-            return dtype
-    raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_NAMES.values())}")
 
 
 @dataclass(frozen=True)
@@ -77,8 +57,7 @@ class Capability:
         return None
 
 
-_DTYPE_CODES = {dt: i for i, dt in enumerate(
-    [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.float64, torch.int64])}
+_DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPE_NAMES)}  # dtype -> small integer, for check_same_input
 
 
 def check_same_input(x: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:

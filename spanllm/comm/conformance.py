@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from spanllm.comm.base import AllReduce
+from spanllm.cuda_graph import capture_graph
 
 
 @dataclass
@@ -36,6 +37,28 @@ def pattern(n: int, rank: int, dtype: torch.dtype, device, salt: int = 0) -> tor
 def expected(n: int, world: int, dtype: torch.dtype, device, salt: int = 0) -> torch.Tensor:
     i = torch.arange(n, device=device)
     return (world * (i % 13) + world * (world + 1) // 2 + world * salt).to(dtype)
+
+
+def wrong_elements(x: torch.Tensor, world: int, salt: int = 0) -> torch.Tensor:
+    """How many elements of x differ from the exact sum of `pattern` over `world` ranks: an int64 scalar on
+    x's device (no host sync, so back-to-back checks can accumulate it)."""
+    return (x != expected(x.numel(), world, x.dtype, x.device, salt)).sum()
+
+
+def check_exact(comm: AllReduce, x: torch.Tensor, graph: bool = False) -> int:
+    """Wrong elements after one eager call on `pattern` input, and, with `graph` on a CUDA tensor, after one
+    replay of a captured call with the input changed in place (what the benchmark and the tuner check before
+    they time a backend). Collective: every rank of comm's group calls it."""
+    x.copy_(pattern(x.numel(), comm.rank, x.dtype, x.device))
+    comm.all_reduce_(x)
+    wrong = int(wrong_elements(x, comm.world_size))
+    if graph and x.is_cuda:
+        g = capture_graph(lambda: comm.all_reduce_(x), x.device)
+        x.copy_(pattern(x.numel(), comm.rank, x.dtype, x.device, salt=1))  # change the input in place, then replay
+        g.replay()
+        wrong += int(wrong_elements(x, comm.world_size, salt=1))
+        del g
+    return wrong
 
 
 def _sync(x: torch.Tensor, comm: AllReduce | None = None) -> None:
@@ -73,7 +96,7 @@ def case_lengths(comm: AllReduce, lengths: list[int], dtypes: list[torch.dtype],
             x = pattern(n, comm.rank, dtype, device)
             comm.all_reduce_(x)
             _sync(x, comm)
-            wrong = int((x != expected(n, comm.world_size, dtype, device)).sum())
+            wrong = int(wrong_elements(x, comm.world_size))
             out.append(CaseResult("length", comm.algorithm_for(x), wrong, {"n": n, "dtype": str(dtype)}))
     return out
 
@@ -100,7 +123,7 @@ def case_back_to_back(comm: AllReduce, n: int, dtype: torch.dtype, calls: int, d
     for k in range(calls):
         x.copy_(pattern(n, comm.rank, dtype, device, salt=k % 7))
         comm.all_reduce_(x)
-        wrong += (x != expected(n, comm.world_size, dtype, device, salt=k % 7)).sum()
+        wrong += wrong_elements(x, comm.world_size, salt=k % 7)
     _sync(x, comm)
     return CaseResult("back_to_back", comm.algorithm_for(x), int(wrong), {"n": n, "calls": calls, "dtype": str(dtype)})
 
@@ -116,7 +139,7 @@ def case_straggler(comm: AllReduce, n: int, dtype: torch.dtype, sleep_s: float, 
         time.sleep(sleep_s)
     comm.all_reduce_(x)
     _sync(x, comm)
-    wrong = int((x != expected(n, comm.world_size, dtype, device)).sum())
+    wrong = int(wrong_elements(x, comm.world_size))
     return CaseResult("straggler", comm.algorithm_for(x), wrong, {"n": n, "sleep_s": sleep_s})
 
 
@@ -128,17 +151,12 @@ def case_cuda_graph(comm: AllReduce, n: int, dtype: torch.dtype, replays: int, d
     x = pattern(n, comm.rank, dtype, device)
     comm.all_reduce_(x)  # warm up (compiles kernels outside the capture)
     torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        comm.all_reduce_(x)
-    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = capture_graph(lambda: comm.all_reduce_(x), device)
     wrong = torch.zeros((), dtype=torch.int64, device=device)
     for k in range(replays):
         x.copy_(pattern(n, comm.rank, dtype, device, salt=k % 5))
         graph.replay()
-        wrong += (x != expected(n, comm.world_size, dtype, device, salt=k % 5)).sum()
+        wrong += wrong_elements(x, comm.world_size, salt=k % 5)
     _sync(x, comm)
     del graph
     return CaseResult("cuda_graph", comm.algorithm_for(x), int(wrong), {"n": n, "replays": replays})

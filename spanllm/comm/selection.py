@@ -14,6 +14,7 @@ import torch
 
 from spanllm.comm.base import Capability
 from spanllm.comm.topology import Topology
+from spanllm.comm.torch_dist import default_backend
 from spanllm.comm.tuning import TuningTable
 
 
@@ -34,7 +35,8 @@ class Choice:
     reason: str
 
 
-DEFAULT_ORDER = {"cuda": ("nvrar", "nccl"), "cpu": ("gloo", "ref_hier")}
+# nvrar while the message fits its buffer, else the group's own collective (spanllm.comm.torch_dist).
+DEFAULT_ORDER = {"cuda": ("nvrar", default_backend("cuda")), "cpu": (default_backend("cpu"), "ref_hier")}
 
 
 def select(nbytes: int, dtype: torch.dtype, topology: Topology, device_type: str,

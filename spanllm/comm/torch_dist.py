@@ -11,6 +11,27 @@ import torch.distributed as dist
 
 from spanllm.comm.base import AllReduce, AllReduceInputError, Capability, check_same_input
 
+GROUP_COLLECTIVE = {"cuda": "nccl", "cpu": "gloo"}
+"""Device type -> the process group's own collective: torch.distributed's backend name, which is also the
+name of our algorithm that calls it."""
+
+
+def default_backend(device_type: str) -> str:
+    """'nccl' on 'cuda', 'gloo' on 'cpu': the backend a process group on this device type is created with,
+    and the all-reduce that takes any message (the fallback of the buffered backends, spanllm.comm.fallback)."""
+    try:
+        return GROUP_COLLECTIVE[device_type]
+    except KeyError:
+        raise ValueError(f"device type {device_type!r} has no default backend; choose one of "
+                         f"{', '.join(GROUP_COLLECTIVE)}") from None
+
+
+def device_type_of(group: dist.ProcessGroup | None = None) -> str:
+    """'cuda' for a process group on NCCL, else 'cpu': the group's backend decides, not whether this
+    machine has GPUs."""
+    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
+    return "cuda" if GROUP_COLLECTIVE["cuda"] in backend else "cpu"
+
 
 class TorchDistAllReduce(AllReduce):
     """`check_sizes` (default: on for gloo, off for NCCL's hot path) first verifies that every rank passed

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from spanllm.comm.base import DTYPE_NAMES
 from spanllm.comm.topology import Topology
+from spanllm.dtypes import DTYPE_NAMES
 
 
 @dataclass(frozen=True)

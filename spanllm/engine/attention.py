@@ -77,13 +77,21 @@ class Attention(nn.Module):
             return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
 
     def _paged(self, qk: torch.Tensor, v: torch.Tensor, meta, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The serving engine's packed tokens: qk [N, (hq+hkv)*d], v [N, hkv*d], cache (k, v) blocks of this
-        layer -> [N, hq*d] (spanllm.engine.paged_attention)."""
-        from spanllm.engine.paged_attention import paged_attention
+        """The serving engine's packed tokens: qk [N, (hq+hkv)*d], v [N, hkv*d] (views of one qkv row), cache
+        (k, v) blocks of this layer -> [N, hq*d] (spanllm.engine.paged_attention). With the Triton backend,
+        RoPE and both cache writes are one fused kernel (spanllm.engine.fused_ops.rope_and_cache)."""
+        from spanllm.engine.paged_attention import attend, paged_attention
 
         with self.timers.region("attention"):
             n = qk.shape[0]
-            qk = apply_rotary(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), meta.cos, meta.sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-            out = paged_attention(q, k, v.view(n, self.num_kv_heads, self.head_dim), cache[0], cache[1], meta)
-            return out.reshape(n, self.num_heads * self.head_dim)
+            hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            if meta.backend == "triton" and qk.stride(0) == v.stride(0) and v.data_ptr() == qk.data_ptr() + qk.shape[1] * qk.element_size():
+                from spanllm.engine.fused_ops import rope_and_cache
+
+                q = rope_and_cache(qk, meta.cos, meta.sin, meta.slot_mapping, cache[0], cache[1], hq, hkv, d)
+                out = attend(q, cache[0], cache[1], meta)
+            else:
+                qk = apply_rotary(qk.view(n, hq + hkv, d), meta.cos, meta.sin)
+                q, k = qk[:, :hq], qk[:, hq:]
+                out = paged_attention(q, k, v.view(n, hkv, d), cache[0], cache[1], meta)
+            return out.reshape(n, hq * d)

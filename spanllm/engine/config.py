@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -229,16 +230,9 @@ def resolve_model(spec: str) -> ModelConfig:
     return preset(spec)
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+# The model dtypes by name: spanllm.dtypes holds the one dtype table (the all-reduce library reads it too).
+from spanllm.dtypes import MODEL_DTYPES as DTYPES  # noqa: E402
+from spanllm.dtypes import model_dtype as parse_dtype  # noqa: E402
 
 
 COMPILE_SCOPES = ("layer", "forward")
@@ -261,7 +255,7 @@ class EngineConfig:
     eos_check_interval: int = 16
     # A buffered all-reduce (nvrar, torch symm-mem) takes messages up to this size (decode); larger ones
     # (prefill activations) go to the group's own collective, as in the paper's engine.
-    allreduce_max_bytes: int = 2 << 20
+    allreduce_max_bytes: int = BUFFERED_ALLREDUCE_MAX_BYTES
     # Decode forward (embedding -> layers -> norm -> LM head) through torch.compile (dynamic=False, default
     # mode: the engine captures its own CUDA graph around the compiled code). The row-parallel all-reduce
     # then goes through the opaque custom op torch.ops.spanllm.all_reduce_. One compile per decode bucket

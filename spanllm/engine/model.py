@@ -14,6 +14,7 @@ from torch import nn
 
 from spanllm.engine.attention import Attention, AttentionMetadata
 from spanllm.engine.config import ModelConfig
+from spanllm.engine.fused_ops import add_rms_norm, silu_mul
 from spanllm.engine.kv_cache import KVCache
 from spanllm.engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RowParallelLinear, TPContext, VocabParallelEmbedding)
@@ -56,12 +57,21 @@ class LlamaDecoderLayer(nn.Module):
         self.compiled_block = None  # set by ModelRunner for compile_scope="layer" (see block)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        if getattr(meta, "paged", False):  # serving engine: PagedKVCache, packed tokens [N, hidden]
-            return self.block(h, meta, kv_cache.layer(self.layer_id))
         cache = kv_cache.layer(self.layer_id, meta.slot_start, h.shape[0])
         if meta.compiled:  # set only when every layer has its compiled block (ModelRunner)
             return self.compiled_block(h, meta, cache)
         return self.block(h, meta, cache)
+
+    def forward_paged(self, h: torch.Tensor, residual: torch.Tensor | None, meta,
+                      cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The serving engine's layer on packed tokens [N, hidden], vLLM's layout: the residual stream travels
+        beside h, and each norm first adds the previous sub-layer's output into it (one fused kernel on GPU,
+        spanllm.engine.fused_ops; the same sums and roundings as `block`). Returns (sub-layer output, residual)."""
+        x, residual = add_rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(x, meta, cache)
+        x, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        mlp = self.mlp
+        return mlp.down_proj(silu_mul(mlp.gate_up_proj(x))), residual
 
     def block(self, h: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The layer's compute on its cache views. Nothing here depends on which layer this is (the cache
@@ -100,18 +110,30 @@ class LlamaForCausalLM(nn.Module):
                 last_index: torch.Tensor | None = None) -> torch.Tensor:
         """x: ids [B, T] (first stage) or hidden [B, T, hidden]. last_index [B]: the position whose logits
         are wanted (prefill: length - 1; None in decode, where T = 1)."""
+        if getattr(meta, "paged", False):
+            return self._forward_paged(x, meta, kv_cache)
         h = self.model.embed_tokens(x) if self.is_first else x  # [B, T, hidden]
         for layer in self.model.layers.values():
             self.tp.timers.layer_begin()  # breakdown pass only: keeps the GPU behind the host (timers.py)
             h = layer(h, meta, kv_cache)
         if not self.is_last:
             return h
-        if getattr(meta, "paged", False):
-            h = h if meta.logits_indices is None else h[meta.logits_indices]  # [S, hidden]
-            if h.shape[0] == 0:  # a step of partial prefill chunks samples nothing (same plan on every rank)
-                return torch.empty(0, self.config.vocab_size, device=h.device, dtype=torch.float32)
-        elif last_index is None:
+        if last_index is None:
             h = h[:, -1]  # [B, hidden]
         else:
             h = h[torch.arange(h.shape[0], device=h.device), last_index]  # [B, hidden]
         return self.lm_head(self.model.norm(h))  # [B, vocab] float32
+
+    def _forward_paged(self, ids: torch.Tensor, meta, kv_cache) -> torch.Tensor:
+        """Serving engine (pp = 1): packed ids [N] -> logits [S, vocab] float32 of the rows meta.logits_indices
+        names (every row when None)."""
+        h, residual = self.model.embed_tokens(ids), None  # [N, hidden]
+        for layer in self.model.layers.values():
+            h, residual = layer.forward_paged(h, residual, meta, kv_cache.layer(layer.layer_id))
+        if meta.logits_indices is not None:
+            h, residual = h[meta.logits_indices], residual[meta.logits_indices]  # [S, hidden]
+        if h.shape[0] == 0:  # a step of partial prefill chunks samples nothing (same plan on every rank)
+            return torch.empty(0, self.config.vocab_size, device=h.device, dtype=torch.float32)
+        norm = self.model.norm
+        h, _ = add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.lm_head(h)

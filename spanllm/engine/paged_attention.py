@@ -127,6 +127,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
     """q [N, hq, d], k, v [N, hkv, d] (rotated) -> [N, hq, d]: write the step's K/V, then attend."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+    """q [N, hq, d] against the cache, which already holds this step's K/V -> [N, hq, d]."""
     nd = meta.num_decode
     if meta.backend == "triton":
         from spanllm.engine import paged_attention_triton as kernels

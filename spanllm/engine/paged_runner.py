@@ -86,27 +86,47 @@ class StepInputs:
 
 
 def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
-    """StepInputs from the scheduler's (sequence, tokens) entries."""
-    ids, pos, slots, ctx, qlens, rows = [], [], [], [], [], []
-    width = max(len(s.block_table) for s, _ in entries)
-    tables = np.zeros((len(entries), width), dtype=np.int32)
-    row = 0
-    for i, (seq, n) in enumerate(entries):
+    """StepInputs from the scheduler's (sequence, tokens) entries (decodes first).
+
+    Host cost matters here (it runs every step, for up to max_num_seqs sequences, while the GPU waits):
+    decodes are planned with plain integer arithmetic, one row each; only prefill chunks use numpy ranges."""
+    s = len(entries)
+    width = max(len(seq.block_table) for seq, _ in entries)
+    tables = np.zeros((s, width), dtype=np.int32)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    ctx = np.empty(s, dtype=np.int32)
+    qlens = np.ones(s, dtype=np.int32)
+    for i in range(num_decode):  # one token each: the last one, at position num_computed
+        seq = entries[i][0]
+        p = seq.num_computed
+        bt = seq.block_table
+        tables[i, : len(bt)] = bt
+        ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[p])
+        pos.append(p)
+        slots.append(bt[p // block_size] * block_size + p % block_size)
+        ctx[i] = p + 1
+    rows = list(range(num_decode))
+    pos_parts = [np.asarray(pos, dtype=np.int64)]
+    slot_parts = [np.asarray(slots, dtype=np.int64)]
+    row = num_decode
+    for i in range(num_decode, s):
+        seq, n = entries[i]
         start = seq.num_computed
         bt = seq.block_table
         tables[i, : len(bt)] = bt
         p = np.arange(start, start + n, dtype=np.int64)
         ids.extend(seq.tokens(start, start + n))
-        pos.append(p)
-        slots.append(tables[i, p // block_size].astype(np.int64) * block_size + p % block_size)
-        ctx.append(start + n)
-        qlens.append(n)
+        pos_parts.append(p)
+        slot_parts.append(tables[i, p // block_size].astype(np.int64) * block_size + p % block_size)
+        ctx[i] = start + n
+        qlens[i] = n
         row += n
         if start + n == seq.num_tokens:  # reaches the end of what it has: samples its next token
             rows.append(row - 1)
-    return StepInputs(np.asarray(ids, dtype=np.int64), np.concatenate(pos), np.concatenate(slots), num_decode,
-                      np.asarray(ctx, dtype=np.int32), np.asarray(qlens, dtype=np.int32), tables,
-                      np.asarray(rows, dtype=np.int64))
+    return StepInputs(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
+                      num_decode, ctx, qlens, tables, np.asarray(rows, dtype=np.int64))
 
 
 @dataclass

@@ -102,12 +102,15 @@ class Scheduler:
         scheduled: set[int] = set()
 
         # 1. decodes (one token each), preempting from the newest when blocks run out
+        bs = self.blocks.block_size
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1:
+            n_tok = len(seq.prompt_ids) + len(seq.output_ids)
+            if seq.status is not SequenceStatus.RUNNING or n_tok - seq.num_computed != 1:
                 continue
-            if not self._make_room(seq, seq.num_tokens, scheduled, out):
+            # Fast path: the new token's slot is in a block it already holds (all but one step in block_size).
+            if (n_tok + bs - 1) // bs > len(seq.block_table) and not self._make_room(seq, n_tok, scheduled, out):
                 continue  # seq itself was preempted
             out.entries.append((seq, 1))
             scheduled.add(id(seq))

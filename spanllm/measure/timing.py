@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spanllm.cuda_graph import capture_graph
+
 
 SPIN_CYCLES = 100_000  # about 50 us at H200 clocks: longer than the host needs to enqueue a graph replay
 
@@ -55,14 +57,7 @@ def time_calls(fn: Callable[[], None], *, reset: Callable[[], None] | None = Non
     K = max(1, calls_per_sample)
     graph_obj = None
     if cuda and graph:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # capture on a side stream, as torch recommends
-            graph_obj = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph_obj, stream=stream):
-                for _ in range(K):
-                    fn()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        graph_obj = capture_graph(lambda: [fn() for _ in range(K)], device)
         torch.cuda.synchronize(device)
     out = []
     if cuda:

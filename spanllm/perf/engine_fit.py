@@ -24,8 +24,9 @@ from spanllm.perf.hardware import ClusterSpec, EngineCost
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate
 from spanllm.perf.measurements import EngineMeasurement, ran_algorithm
 from spanllm.perf.model_shape import ModelShape, get_model
+from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
-ENGINE_ALLREDUCE_MAX_BYTES = 2 << 20
+ENGINE_ALLREDUCE_MAX_BYTES = BUFFERED_ALLREDUCE_MAX_BYTES  # the engine's own default (spanllm.workloads)
 """spanllm.engine.config.EngineConfig.allreduce_max_bytes: larger all-reduces go to NCCL (prefill's)."""
 
 FITTED = ("decode_layer_us", "attn_position_ns", "eager_layer_host_us", "prefill_efficiency")

@@ -1,7 +1,7 @@
 """Cluster presets: the one table of hardware and per-algorithm constants the performance model uses.
 
-Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (DESIGN.md
-section 7), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
+Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (results/h200x2/:
+the files, and the floor numbers in results/h200x2/NOTES_nvrar.md), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
 hwLat tables and the LL / LL128 / tree bandwidth factors), [fit] least squares over measured points
 (named), [source] a public figure other than a datasheet (named where it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
 to replace with `spanllm perf calibrate` once a sweep on that cluster exists.
@@ -200,7 +200,8 @@ class ClusterSpec:
 # tree/LL at 64 B - 8 KiB on 2 x 8 H100 (NVIDIA/nccl#1453, NCCL_DEBUG=INFO); this table gives 25.7 us there
 # (spanllm.perf.published, `perf validate` scores it).
 # [measured] eager_us: NCCL through torch.distributed took 29-34 us per call without graphs vs 11.5 us
-# captured at small sizes on the H200 host (DESIGN.md section 7): ~20 us of host path per call.
+# captured at small sizes on the H200 host (captured: results/h200x2/allreduce_*_bf16.json; eager: a
+# `bench allreduce --no-graph` run there, not committed): ~20 us of host path per call.
 NCCL_EAGER_US = 20.0
 # [measured on the H200 host only] NCCL's nominal model would switch to LL128 / Simple well below 2 MiB
 # (20 us at 2 MiB on 2 H200s) but the measured calls stay on the LL-like line (31.2 us at 2 MiB): on that
@@ -306,7 +307,7 @@ def with_constant(spec: "ClusterSpec", path: str, value: float) -> "ClusterSpec"
 # The presets.
 
 # This lab host: 2 x H200 joined by NVLink (NV18), no network card.
-_H200_NVLINK_LATENCY_US = 1.3  # [measured] flag ping-pong over NVLink, one way (DESIGN.md section 7)
+_H200_NVLINK_LATENCY_US = 1.3  # [measured] flag ping-pong over NVLink, one way (results/h200x2/NOTES_nvrar.md, "The two numbers")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
    (Perlmutter) and InfiniBand (Vista).
 2. Up to 1.72x lower end-to-end batch latency for Llama 3.1 405B, multi-node, decode-heavy, TP.
 
-The paper's node counts and workloads are not known to us (digest section 3.2), so the checks sweep
+The paper's node counts and workloads for these claims are not stated in its abstract, so the checks sweep
 plausible ones and report the range the model predicts. No constant was fitted to these claims: the
 network constants of both presets are datasheet figures or stated assumptions (hardware.py), so a
 miss says which assumption to measure first, not that the claim is wrong.

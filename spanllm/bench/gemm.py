@@ -1,6 +1,6 @@
-"""Decode weight GEMMs on one GPU: F.linear (cuBLAS) against spanllm.engine.skinny_gemm.skinny_linear.
+"""`spanllm bench gemm`: decode weight GEMMs on one GPU, F.linear (cuBLAS) against spanllm.engine.skinny_gemm.
 
-    python scripts/gpu_gemm_bench.py --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 --json gemm.json
+    spanllm bench gemm --models llama3.1-8b,llama3.1-70b --tp 2 --m 1,8,16 --json gemm.json
 
 For each projection of each model (per GPU at tensor-parallel --tp) and each M: one CUDA graph per
 method that runs the GEMM over --weights different weight tensors in turn (together at least 3x the L2
@@ -25,13 +25,17 @@ import argparse
 import itertools
 import math
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from spanllm import checks
+from spanllm.cuda_graph import capture_graph
+from spanllm.dtypes import model_dtype
 from spanllm.engine import skinny_gemm as sg
+from spanllm.errors import UsageError
+from spanllm.measure.report import write_json
 from spanllm.perf.model_shape import get_model
 
 # The (N, K) of each projection per GPU at TP 2, written out as a check on shapes_for():
@@ -43,7 +47,6 @@ EXPECTED_TP2 = {
     "llama3.1-70b": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
     "llama3.1-8b": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},
 }
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SMEM_LIMIT = 227 * 1024  # H100/H200 shared memory per block; configs above it cannot launch
 
 
@@ -52,10 +55,11 @@ def shapes_for(model: str, tp: int) -> dict[str, tuple[int, int]]:
     try:
         m = get_model(model)
     except ValueError as e:
-        raise SystemExit(f"--models: {e}") from e
+        raise UsageError(f"--models: {e}") from e
     heads, kv, ffn, d = m.heads, m.kv_heads, m.ffn, m.head_dim
     if heads % tp or kv % tp or ffn % tp:
-        raise SystemExit(f"{model}: tp={tp} does not divide heads={heads}, kv_heads={kv}, ffn={ffn}")
+        raise UsageError(f"--tp {tp}: does not divide {model}'s heads={heads}, kv_heads={kv}, ffn={ffn}; "
+                         "choose a divisor of all three")
     shapes = {"qkv": ((heads + 2 * kv) * d // tp, m.hidden), "o": (m.hidden, heads * d // tp),
               "gate_up": (2 * ffn // tp, m.hidden), "down": (m.hidden, ffn // tp)}
     if tp == 2 and model in EXPECTED_TP2:
@@ -92,16 +96,8 @@ class Timer:
         x, weights = self.x, self.weights
         op(x, weights[0])  # compile / autotune outside the capture
         torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs recommends
-            for w in weights[:2]:
-                op(x, w)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for w in weights:
-                op(x, w)
+        # one warm-up pass on the capture stream (cuBLAS sets up its per-stream workspace there)
+        g = capture_graph(lambda: [op(x, w) for w in weights], warmup=1)
         for _ in range(self.args.warmup):
             g.replay()
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -242,15 +238,12 @@ def suggest_overrides(rows: list[dict], gain: float) -> dict:
     return out
 
 
-def main() -> int:
-    head, _, rest = __doc__.partition("\n\n")
-    ap = argparse.ArgumentParser(description=head, epilog=rest,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", default="llama3.1-8b,llama3.1-70b", help="comma list of Llama 3.1 presets (8b, 70b, 405b)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU")
     ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (any model dtype name, spanllm.dtypes)")
     ap.add_argument("--weights", type=int, default=20, help="distinct weight tensors per graph (raised so that "
                     "they total >= 3x L2)")
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per method")
@@ -260,22 +253,40 @@ def main() -> int:
     ap.add_argument("--override-gain", type=float, default=0.03,
                     help="suggest an override where the best config is this much faster than the heuristic")
     ap.add_argument("--json", default=None, help="write settings, machine, versions and raw times here")
-    args = ap.parse_args()
 
-    if not torch.cuda.is_available():
-        print("gpu_gemm_bench: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if sg.triton is None:
-        print("gpu_gemm_bench: needs Triton", file=sys.stderr)
-        return 2
-    dtype = DTYPES[args.dtype]
-    ms = [int(v) for v in args.m.split(",")]
+
+def check_arguments(args) -> tuple[torch.dtype, list[int], list[str], list[str]]:
+    """Every option, before any GPU work: dtype, M values, models x tp, layers."""
+    try:
+        dtype = model_dtype(args.dtype)
+    except ValueError as e:
+        raise UsageError(f"--dtype: {e}") from None
+    try:
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        raise UsageError(f"--m {args.m!r}: give comma-separated integers in 1..{sg.MAX_M}") from None
     if any(not 1 <= m <= sg.MAX_M for m in ms):
-        raise SystemExit(f"--m values must be in 1..{sg.MAX_M}, got {ms}")
+        raise UsageError(f"--m {args.m!r}: values must be in 1..{sg.MAX_M} (the skinny kernel's rows)")
+    checks.at_least("--tp", args.tp, 1)
+    checks.at_least("--weights", args.weights, 1)
+    checks.at_least("--replays", args.replays, 1)
+    checks.at_least("--warmup", args.warmup, 0)
     models = [s for s in args.models.split(",") if s]
     layers = [s for s in args.layers.split(",") if s]
     for mdl in models:
-        shapes_for(mdl, args.tp)  # a bad name or tp fails before any GPU work
+        shapes = shapes_for(mdl, args.tp)
+        bad = [la for la in layers if la not in shapes]
+        if bad:
+            raise UsageError(f"--layers: {bad[0]!r} is not a projection; choose from {', '.join(shapes)}")
+    if not torch.cuda.is_available():
+        raise UsageError("spanllm bench gemm times GPU kernels: run it on a machine with a CUDA GPU")
+    if sg.triton is None:
+        raise UsageError("spanllm bench gemm needs Triton for the skinny kernel: pip install triton")
+    return dtype, ms, models, layers
+
+
+def run(args) -> int:
+    dtype, ms, models, layers = check_arguments(args)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 F.linear as an exact fp32 GEMM (as skinny_linear)
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
@@ -296,7 +307,6 @@ def main() -> int:
 
     def save(complete: bool):
         if args.json:
-            from spanllm.bench.report import write_json
             write_json(args.json, "gpu_gemm_bench", settings, rows, device=device_info, copy=copy,
                        complete=complete, elapsed_s=time.time() - t0,
                        suggested_overrides={str(k): list(v) for k, v in
@@ -323,6 +333,3 @@ def main() -> int:
     print(f"({time.time() - t0:.0f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,70 @@
+"""bench serve --samples-file: the requests saved by `bench throughput --save-samples` (the GPU machine cannot
+hold the ShareGPT package), the first --num-prompts of them, in order; a bad file is a usage error (rc 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="bench serve's client needs aiohttp")
+
+from fake_openai_server import FakeServer  # noqa: E402
+
+from spanllm.bench import serve  # noqa: E402
+from spanllm.bench.datasets import SampleRequest, SampleSet  # noqa: E402
+from spanllm.bench.sample_file import save_samples  # noqa: E402
+from spanllm.cli import main  # noqa: E402
+
+
+class WordTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [0] + [len(w) for w in text.split()]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer() as s:
+        yield s
+
+
+def _saved(path, n: int = 8) -> list[SampleRequest]:
+    reqs = [SampleRequest(" ".join(["w"] * (i + 2)), i + 3, 2 + i % 3) for i in range(n)]
+    save_samples(SampleSet(reqs, {"dataset_name": "sharegpt", "seed": 0, "num_requests": n}), str(path))
+    return reqs
+
+
+def test_sweep_from_samples_file(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name: WordTokenizer())
+    samples = tmp_path / "s.json"
+    reqs = _saved(samples)
+    server.bodies.clear()
+    out = tmp_path / "res"
+    rc = main(["bench", "serve", "--base-url", server.url, "--samples-file", str(samples), "--num-prompts", "5",
+               "--request-rate", "100,inf", "--ignore-eos", "--result-dir", str(out), "--result-filename", "sw.json",
+               "--disable-tqdm", "--dataset-path", str(tmp_path / "no-such-file.json")])  # not read
+    assert rc == 0, capsys.readouterr()
+    doc = json.loads((out / "sw.json").read_text())
+    assert doc["dataset"]["samples_file"] == str(samples) and doc["dataset"]["samples_file_requests"] == 8
+    assert doc["dataset"]["num_requests"] == 5 and "partial" not in doc["settings"]
+    assert [r["completed"] for r in doc["rows"]] == [5, 5]
+    assert all(r["total_output_tokens"] == sum(q.output_len for q in reqs[:5]) for r in doc["rows"])
+    sent = sorted((b["prompt"], b["max_tokens"]) for b in server.bodies)  # the file's first 5, twice
+    assert sent == sorted([(q.prompt, q.output_len) for q in reqs[:5]] * 2)
+    assert (out / "sw.png").exists()
+
+
+def test_num_prompts_larger_than_file_takes_all(tmp_path):
+    samples = tmp_path / "s.json"
+    _saved(samples, 3)
+    args = type("A", (), {"samples_file": str(samples), "num_prompts": 1000})()
+    got = serve.samples_from_args(args, None)
+    assert len(got) == 3 and got.info["num_requests"] == 3
+
+
+def test_bad_samples_file_is_usage_error(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name: WordTokenizer())
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["bench", "serve", "--base-url", server.url, "--samples-file", str(bad), "--disable-tqdm"]) == 2
+    assert "--save-samples" in capsys.readouterr().err
