@@ -71,7 +71,7 @@ def demo_rank(ctx: DistContext, args) -> dict:
     # The serving engine on the same ranks: continuous batching over a paged KV cache (rank 0 schedules, the
     # other ranks run its step plans), text prompts through the tiny preset's byte tokenizer; its greedy
     # tokens must equal the static batch's.
-    llm = LLM("tiny", EngineConfig(dtype=torch.float32, block_size=4, max_num_batched_tokens=8, max_model_len=64),
+    llm = LLM("tiny", EngineConfig(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64),
               dims=ParallelDims(tp=ctx.world_size, pp=1, world_size=ctx.world_size), allreduce="ref_hier",
               ranks_per_node=args.ranks_per_node)
     outs = llm.generate(["hello", [1, 5, 9, 2], [7, 3]], params)

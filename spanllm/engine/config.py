@@ -292,6 +292,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                             f"{self.max_num_seqs}: a step of decodes alone would not fit the budget and the newest "
+                             "sequences would never decode; raise max_num_batched_tokens or lower max_num_seqs")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -8,7 +8,9 @@ abort (`abort_request`, shutdown).
 Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays)
 to the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward;
 only rank 0 samples, and the sampled tokens reach the other ranks as input ids in the next plan. The
-other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules.
+other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules. An idle
+server's rank 0 sends an empty plan now and then (`heartbeat`), so the workers' wait stays shorter than
+the collective timeout.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class RequestOutput:
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens: int = 0  # prefilled positions (recomputation after preemption included)
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, each counted once (recomputation is not)
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict = field(default_factory=dict)  # reason -> count
@@ -173,34 +175,47 @@ class EngineCore:
         return self.sampler(logits, [s.params for s in seqs], masks, gens)
 
     def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+        """Append a sampled token, then decide whether the request ends (vLLM's rules):
+        - before min_tokens nothing but max_tokens ends it (EOS and stop ids were masked when sampling, and
+          stop strings are not looked for);
+        - a stop id, or EOS unless ignore_eos, ends it; neither leaves text (the token id stays in the ids);
+        - a stop string ends it at the string's start: text and the streamed deltas stop before it. So that a
+          stream never shows a prefix of a stop string that later completes, the last len(longest stop) - 1
+          characters are held back until the request ends or the text moves past them."""
         seq.output_ids.append(tok)
         seq.token_times.append(now)
         if seq.first_token is None:
             seq.first_token = now
         self.stats.generation_tokens += 1
         p = seq.params
-        new_text = ""
-        detok = self._detok.get(seq.request_id)
+        checks = seq.num_output >= p.min_tokens
+        is_stop_id = tok in p.stop_token_ids
+        is_eos = tok in self.eos_token_ids and not p.ignore_eos
         finish, stop_reason = None, None
+        detok = self._detok.get(seq.request_id)
         if detok is not None:
-            new_text = detok.push(tok)
-            if tok in self.eos_token_ids and not p.ignore_eos:
-                new_text = ""  # EOS is not text
-            seq.text += new_text
-            if p.stop:
-                hit = _find_stop(seq.text, len(new_text), p.stop)
-                if hit is not None:
-                    cut, s = hit
-                    new_text = new_text[: max(0, len(new_text) - (len(seq.text) - cut))]
-                    seq.text = seq.text[:cut]
-                    finish, stop_reason = FinishReason.STOP, s
-        if finish is None:
-            if tok in p.stop_token_ids:
+            piece = detok.push(tok)
+            if not (checks and (is_stop_id or is_eos)):
+                seq.text += piece
+                if p.stop and checks:
+                    hit = _find_stop(seq.text, len(piece), p.stop)
+                    if hit is not None:
+                        cut, s = hit
+                        seq.text = seq.text[:cut]
+                        finish, stop_reason = FinishReason.STOP, s
+        if finish is None and checks:
+            if is_stop_id:
                 finish, stop_reason = FinishReason.STOP, tok
-            elif tok in self.eos_token_ids and not p.ignore_eos:
+            elif is_eos:
                 finish = FinishReason.STOP
-            elif seq.num_output >= p.max_tokens:
-                finish = FinishReason.LENGTH
+        if finish is None and seq.num_output >= p.max_tokens:
+            finish = FinishReason.LENGTH
+        new_text = ""
+        if detok is not None:
+            hold = 0 if finish is not None or not p.stop else max(len(x) for x in p.stop) - 1
+            upto = max(seq.text_emitted, len(seq.text) - hold)
+            new_text = seq.text[seq.text_emitted: upto]
+            seq.text_emitted = upto
         if finish is None:
             return self._output(seq, [tok], new_text)
         self.scheduler.finish(seq)
@@ -238,8 +253,16 @@ class EngineCore:
             x = self._broadcast(None)
             if x.stop:
                 return steps
+            if x.noop:
+                continue
             self.runner.execute(x)
             steps += 1
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: send the other ranks an empty plan, so their wait for the next step (a collective)
+        never runs into the collective timeout while no request comes; a rank that died is noticed here."""
+        if self.rank == 0 and self.tp_size > 1:
+            self._broadcast(StepInputs.heartbeat())
 
     def shutdown_workers(self) -> None:
         """Rank 0: release the other ranks' worker loops (abort everything first)."""

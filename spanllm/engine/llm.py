@@ -19,8 +19,13 @@ injected: pass `comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a nam
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+
+from spanllm.checks import ALLOW_LONG_CONTEXT_ENV
+from spanllm.errors import UsageError
 
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig, ModelConfig, resolve_model
@@ -42,7 +47,10 @@ def default_device() -> torch.device:
 
 
 def default_allreduce(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The group's own collective for this device (spanllm.comm.torch_dist.default_backend: the one rule)."""
+    from spanllm.comm.torch_dist import default_backend
+
+    return default_backend(device.type)
 
 
 class LLM:
@@ -287,9 +295,10 @@ class LLM:
                              "Use generate_static for pipelined static batches")
         e, cfg = self.engine, self.config
         max_model_len = e.max_model_len or cfg.max_position_embeddings
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}; leave it unset or lower it")
+        if max_model_len > cfg.max_position_embeddings and os.environ.get(ALLOW_LONG_CONTEXT_ENV, "") in ("", "0"):
+            raise UsageError(f"max_model_len={max_model_len} exceeds the {cfg.max_position_embeddings} positions "
+                             f"{cfg.label} was trained for (max_position_embeddings); lower it, or set "
+                             f"{ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway")
         backend = resolve_backend(e.attention_backend, self.device)
         qkv = next(iter(self.model.model.layers.values())).self_attn.qkv_proj
         per_block = bytes_per_block(len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim,
@@ -297,6 +306,11 @@ class LLM:
         ffn_local = cfg.intermediate_size // self.dims.tp
         reserve = activation_reserve_bytes(e.max_num_batched_tokens, e.max_num_seqs, cfg.hidden_size,
                                            qkv.weight.shape[0], ffn_local, cfg.vocab_size, e.dtype)
+        if e.cuda_graphs and self.device.type == "cuda":  # every captured graph keeps its own float32 logits
+            from spanllm.engine.paged_runner import bucket_ladder, token_ladder
+
+            rows = sum(bucket_ladder(e.max_num_seqs)) + len(token_ladder(e.max_num_batched_tokens)) * e.max_num_seqs
+            reserve += rows * cfg.vocab_size * 4
         sizing = size_pool(device=self.device, per_block=per_block, block_size=e.block_size,
                            gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_bytes=e.cpu_kv_cache_bytes,
                            reserve_bytes=reserve, num_kv_blocks=e.num_kv_blocks)
@@ -330,6 +344,8 @@ class LLM:
             self.tokenizer = get_tokenizer(self.config.name, self.config.checkpoint_dir)
             if self._engine_core is not None:
                 self._engine_core.tokenizer = self.tokenizer
+                if not self._engine_core.eos_token_ids:  # config.json named no EOS: the tokenizer's
+                    self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
 
     def describe_serving(self) -> str:
@@ -365,20 +381,26 @@ class LLM:
                 else:
                     ids_list.append(list(p))
                     texts.append(self.tokenizer is not None)
-            for ids, sp in zip(ids_list, plist):
-                core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
-            ids_of = {}
             for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
-                seq = core.add_request(ids, sp, with_text=t)
-                ids_of[seq.request_id] = i
+                core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
+                if sp.stop and not t:
+                    raise RequestError(f"prompt {i}: stop strings need text output; give a text prompt or load the "
+                                       "tokenizer first (get_tokenizer), or use stop_token_ids")
+            ids_of: dict[str, int] = {}
             results: list = [None] * len(prompts)
-            while core.has_unfinished():
-                for out in core.step():
-                    if out.finished and out.request_id in ids_of:
-                        results[ids_of[out.request_id]] = out
+            try:
+                for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
+                    seq = core.add_request(ids, sp, with_text=t)
+                    ids_of[seq.request_id] = i
+                while core.has_unfinished():
+                    for out in core.step():
+                        if out.finished and out.request_id in ids_of:
+                            results[ids_of[out.request_id]] = out
+            except BaseException:
+                for rid in ids_of:  # nothing of this call stays queued for the next one
+                    core.abort_request(rid)
+                raise
             return results
-        except RequestError:
-            raise
         finally:
             core.shutdown_workers()
 

@@ -3,7 +3,8 @@
 Each layer holds k, v [num_blocks, block_size, kv_heads_local, head_dim] in the model dtype. The pool
 is sized the way vLLM sizes it: the engine may use `gpu_memory_utilization` of the GPU's memory in
 all; what is left of that after the weights and a reserve for a step's activations (the largest step:
-`max_num_batched_tokens` tokens, `max_num_seqs` rows of logits) becomes KV blocks. On CPU the pool gets
+`max_num_batched_tokens` tokens, `max_num_seqs` rows of logits, and the logits every captured CUDA graph
+keeps) becomes KV blocks. On CPU the pool gets
 `cpu_kv_cache_bytes`. `num_kv_blocks` overrides both (tests use it to force preemption).
 """
 

@@ -74,6 +74,7 @@ class StepInputs:
     block_tables: np.ndarray  # [S, W] int32
     logits_rows: np.ndarray  # [R] int64 packed-token rows whose logits are sampled
     stop: bool = False  # the worker loop ends (shutdown)
+    noop: bool = False  # a heartbeat: nothing to run (keeps an idle server's workers inside the collective timeout)
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +82,16 @@ class StepInputs:
 
     @staticmethod
     def shutdown() -> "StepInputs":
+        return StepInputs._empty(stop=True)
+
+    @staticmethod
+    def heartbeat() -> "StepInputs":
+        return StepInputs._empty(noop=True)
+
+    @staticmethod
+    def _empty(**flags) -> "StepInputs":
         z = np.zeros(0, dtype=np.int64)
-        return StepInputs(z, z, z, 0, z.astype(np.int32), z.astype(np.int32), np.zeros((0, 1), np.int32), z, stop=True)
+        return StepInputs(z, z, z, 0, z.astype(np.int32), z.astype(np.int32), np.zeros((0, 1), np.int32), z, **flags)
 
 
 def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
@@ -318,6 +327,7 @@ class PagedModelRunner:
         st["positions"][:bucket].copy_(torch.from_numpy(np.concatenate([x.positions, np.zeros(pad, np.int64)])))
         st["slots"][:bucket].copy_(torch.from_numpy(np.concatenate([x.slots, np.zeros(pad, np.int64)])))
         st["cu_q"][: s + 1].copy_(torch.from_numpy(cu))
+        st["cu_q"][s + 1:].fill_(int(cu[-1]))  # every later chunk, the padding tiles' one included, is empty
         st["ctx"][:s].copy_(torch.from_numpy(x.context_lens))
         st["tables"][:s, :w].copy_(torch.from_numpy(x.block_tables))
         st["tiles"][: len(tiles)].copy_(torch.from_numpy(tiles))

@@ -49,6 +49,7 @@ class Sequence:
     finished_at: float | None = None
     # Filled by the engine for text requests: output text so far, and the index into it that was returned.
     text: str = ""
+    text_emitted: int = 0  # characters of `text` already handed out as deltas (stop-string hold-back)
     generator: object = None  # torch.Generator of a seeded request (created at its first sampled token)
 
     @property

@@ -81,7 +81,9 @@ class Llama3Tokenizer:
         return list(self._enc.encode_with_special(text))
 
     def detokenizer(self, prompt_ids: list[int]) -> "ByteDetokenizer":
-        return ByteDetokenizer(self._enc.decode_single_token_bytes)
+        """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
+        enc = self._enc
+        return ByteDetokenizer(lambda i: b"" if i >= LLAMA3_BOS else enc.decode_single_token_bytes(i))
 
 
 class HFTokenizer:
@@ -119,7 +121,8 @@ class HFTokenizer:
         return list(ids)
 
     def detokenizer(self, prompt_ids: list[int]) -> "OffsetDetokenizer":
-        return OffsetDetokenizer(self.decode, prompt_ids)
+        """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
+        return OffsetDetokenizer(lambda ids: self._tok.decode(list(ids), skip_special_tokens=True), prompt_ids)
 
 
 class ByteTokenizer:

@@ -11,6 +11,7 @@ shares its output list with the live sequence) and, if the engine fails, one `En
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,10 @@ import traceback
 from dataclasses import dataclass, field
 
 from spanllm.engine.engine_core import RequestError
+
+# An idle engine thread sends the other TP ranks an empty plan this often (EngineCore.heartbeat), far below
+# any sensible collective timeout (--pg-timeout), so idle servers keep the normal timeout.
+HEARTBEAT_S = float(os.environ.get("SPANLLM_SERVE_HEARTBEAT_S", "10"))
 
 
 class EngineUnavailable(Exception):
@@ -161,8 +166,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
+        last_broadcast = time.monotonic()
         try:
             while not self._stop.is_set():
+                if not core.has_unfinished() and time.monotonic() - last_broadcast > HEARTBEAT_S:
+                    core.heartbeat()  # idle: keep the TP workers' collective wait under its timeout
+                    last_broadcast = time.monotonic()
                 block = not core.has_unfinished()
                 events: list = []
                 while True:
@@ -175,6 +184,7 @@ class AsyncEngine:
                 if self._stop.is_set():
                     break
                 if core.has_unfinished():
+                    last_broadcast = time.monotonic()
                     for out in core.step():
                         events.append((out.request_id, _delta(out)))
                         if out.finished and self.metrics is not None:

@@ -17,8 +17,8 @@ the error, fails the open requests (500), and the server exits 1; under `--nproc
 parent's error names the rank that died; under torchrun, torchrun reports the failed rank.
 
 Idle servers: the other ranks wait for the next plan in a collective, which is bounded by the collective
-timeout. `spanllm serve` therefore sets SPANLLM_PG_TIMEOUT_S to a week unless --pg-timeout (or the
-variable) is given; a dead rank is still noticed at once (its sockets close), only a hung one is not.
+timeout (--pg-timeout); an idle engine thread sends them an empty plan every SPANLLM_SERVE_HEARTBEAT_S
+seconds (10), so the normal timeout holds and a rank that hangs (or dies) is noticed within it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import threading
 from spanllm.errors import UsageError
 
 WORKER_EXIT_S = 5.0
-IDLE_PG_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)
-    os.environ.setdefault("SPANLLM_PG_TIMEOUT_S", repr(IDLE_PG_TIMEOUT_S))
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)
     else:  # one local process: no spawn, signals reach uvicorn directly

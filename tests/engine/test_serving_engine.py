@@ -277,3 +277,81 @@ def test_text_prompts_stop_strings_and_detokenization():
 def test_stop_strings_need_text_output(tp1_llm):
     with pytest.raises(RequestError, match="stop strings need text output"):
         tp1_llm.engine_core.add_request([1, 2], SamplingParams(max_tokens=2, stop=["x"]))
+
+
+def _stream(core, prompt: str, params) -> tuple[list[str], object]:
+    """Deltas of one text request driven through EngineCore, and its final output."""
+    ids = core.tokenizer.encode(prompt)
+    seq = core.add_request(ids, params, with_text=True)
+    deltas, final = [], None
+    while final is None:
+        for out in core.step():
+            if out.request_id == seq.request_id:
+                deltas.append(out.new_text)
+                final = out if out.finished else None
+    return deltas, final
+
+
+@pytest.fixture(scope="module")
+def tiny_text():
+    """The tiny preset with its LM head restricted to printable ASCII bytes (other rows zeroed, these scaled
+    up), so that its greedy output is readable text of the byte tokenizer."""
+    llm = LLM("tiny", serving_config(max_model_len=256))
+    llm.get_tokenizer()
+    with torch.no_grad():
+        w = llm.model.lm_head.weight
+        printable = torch.zeros(w.shape[0], dtype=torch.bool)
+        printable[3 + 32: 3 + 127] = True
+        w[~printable] = 0.0
+        w[printable] *= 10.0
+    core = llm.engine_core
+    base_deltas, base = _stream(core, "héllo wörld", SamplingParams(max_tokens=40, ignore_eos=True))
+    text = base.text
+    if len(text) < 8 or "\ufffd" in text[:8]:
+        pytest.skip("the random tiny model's greedy text is too short to cut")
+    return core, base, base_deltas
+
+
+def test_stream_deltas_join_to_the_text_and_hold_back_stop_prefixes(tiny_text):
+    core, base, base_deltas = tiny_text
+    assert "".join(base_deltas) == base.text
+    stop = base.text[4:7]  # three characters, the first of them streamed before the rest exists
+    cut = base.text.index(stop)
+    deltas, out = _stream(core, "héllo wörld", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:cut] and "".join(deltas) == out.text  # no prefix of the stop leaked
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_text):
+    core, base, _ = tiny_text
+    stop = base.text[0]
+    out = _stream(core, "héllo wörld", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop], min_tokens=12))[1]
+    assert len(out.output_ids) >= 12 and out.output_ids[:12] == base.output_ids[:12]
+
+
+def test_a_stop_id_leaves_no_text(tiny_text):
+    core, base, _ = tiny_text
+    tok = core.tokenizer
+    k = next(i for i, t in enumerate(base.output_ids) if 3 <= t < 128 + 3 and i > 0)  # an ASCII byte token
+    stop_id = base.output_ids[k]
+    first = base.output_ids.index(stop_id)
+    out = _stream(core, "héllo wörld", SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,)))[1]
+    assert out.output_ids == base.output_ids[: first + 1] and out.stop_reason == stop_id
+    assert out.text == tok.decode(base.output_ids[:first])
+
+
+def test_a_refused_generate_leaves_nothing_queued(tp1_llm):
+    core = tp1_llm.engine_core
+    with pytest.raises(RequestError, match="stop strings need text output"):
+        tp1_llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop=("x",))])
+    assert not core.has_unfinished()
+    gen0 = core.stats.generation_tokens
+    tp1_llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert core.stats.generation_tokens - gen0 == 3
+
+
+def test_engine_config_refuses_a_budget_below_the_sequence_cap():
+    from spanllm.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 is below max_num_seqs=16"):
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)

@@ -54,9 +54,12 @@ def test_tp2_server_matches_tp1_and_sigterm():
 
     want = launch(offline_greedy, PROMPTS, 12, nprocs=2)[0]
     port = free_port()
+    # A 4 s collective timeout and a 0.5 s heartbeat: the idle pause below outlasts the timeout, so the server
+    # only keeps answering because the idle engine thread keeps the worker rank's wait short.
     cmd = [sys.executable, "-m", "spanllm.cli", "serve", "--model", "tiny", "--dtype", "float32", "--nprocs", "2",
-           "--num-kv-blocks", "256", "--port", str(port), "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--num-kv-blocks", "256", "--port", str(port), "--no-warmup", "--pg-timeout", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "SPANLLM_SERVE_HEARTBEAT_S": "0.5"})
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -76,6 +79,9 @@ def test_tp2_server_matches_tp1_and_sigterm():
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert r.usage.completion_tokens <= 4
+        time.sleep(6)  # idle for longer than the collective timeout
+        assert proc.poll() is None, proc.stdout.read()
+        assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
         ranks = children(proc.pid)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
