@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("bench batch", "spanllm.bench.batch", "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown"),
     ("bench study", "spanllm.bench.study", "TP vs TP x PP study: every layout x every all-reduce backend in one run"),
     ("bench throughput", "spanllm.bench.throughput", "offline throughput of the serving engine (vLLM's bench throughput): ShareGPT or random"),
+    ("bench host", "spanllm.bench.host", "the serving engine's host time per step (scheduler, planning, sampling calls), no model"),
     ("bench attention", "spanllm.bench.attention", "paged decode attention (Triton) vs its reference and the contiguous-cache SDPA"),
     ("bench serve", "spanllm.bench.serve", "load test of any OpenAI-compatible server (vLLM's bench serve): TTFT/TPOT/ITL vs request rate"),
     ("serve", "spanllm.serve.server", "OpenAI-compatible HTTP server on the serving engine"),

@@ -355,3 +355,16 @@ def test_engine_config_refuses_a_budget_below_the_sequence_cap():
 
     with pytest.raises(ValueError, match="max_num_batched_tokens=8 is below max_num_seqs=16"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+
+
+def test_bench_host_runs_the_loop_it_times():
+    """`spanllm bench host`: 4 requests of 8 prompt tokens fit one step's budget (prefill + first token), then
+    4 more tokens take 4 decode steps: exactly 5 steps, 4 sequences each."""
+    import argparse
+
+    from spanllm.bench.host import measure
+
+    args = argparse.Namespace(requests=4, prompt_len=8, output_len=5, max_num_seqs=4, max_num_batched_tokens=64,
+                              block_size=4, vocab=8, temperature=0.0)
+    r = measure(args)
+    assert r["steps"] == 5 and r["mean_sampled_per_step"] == 4.0
