@@ -14,7 +14,7 @@ vLLM's rules, from `vllm/benchmarks/datasets/{sharegpt,utils,abstractions,random
 - ShareGPT: keep conversations with >= 2 turns, `random.seed(seed); random.shuffle(data)`; walk the shuffled list:
   prompt = turn 0, completion = turn 1, prompt_len = len(ids(prompt)), output_len = len(ids(completion)) or the
   override; keep when `is_valid_sequence`; stop at num_requests; if too few, oversample with
-  `random.seed(seed); random.choice(kept)`.
+  `random.seed(seed); random.choices(kept, k=missing)`.
 - random: `numpy.random.default_rng(seed)` draws input lengths, output lengths, offsets; the prompt is the token run
   `(offset + i + arange(n)) % len(allowed)` decoded to text, re-encoded and adjusted to the target length.
 """
@@ -251,8 +251,8 @@ def sample_sharegpt(tokenizer: Tokenizer, num_requests: int, seed: int = 0,
                          f"(prompt 4..1024, output >= 4, total <= 2048 tokens)")
     n_unique = len(samples)
     if oversample and len(samples) < num_requests:
-        rng = random.Random(seed)  # == random.seed(seed); random.choice(...) in vLLM's maybe_oversample_requests
-        samples += [rng.choice(samples[:n_unique]) for _ in range(num_requests - n_unique)]
+        # vLLM's maybe_oversample_requests: random.seed(seed); random.choices(requests, k=missing)
+        samples += random.Random(seed).choices(samples[:n_unique], k=num_requests - n_unique)
     info = {"dataset_name": "sharegpt", "seed": seed, "num_requests": len(samples), "unique_requests": n_unique,
             "oversampled": len(samples) - n_unique, "sharegpt_output_len": output_len, **src.info()}
     return SampleSet(samples, info)

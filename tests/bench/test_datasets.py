@@ -123,8 +123,10 @@ def test_sharegpt_oversamples_as_vllm_when_too_few(tmp_path):
     path.write_text(json.dumps(records))
     s = sample_sharegpt(WordTokenizer(), 8, seed=3, dataset=path)
     assert len(s) == 8 and s.info["unique_requests"] == 3 and s.info["oversampled"] == 5
-    random.seed(3)
-    assert list(s)[3:] == [random.choice(list(s)[:3]) for _ in range(5)]
+    # vLLM: random.seed(seed); random.choices(requests, k=5). With seed 3 over 3 requests that draws indices
+    # [0, 1, 1, 1, 1] (a per-draw random.choice loop would give [0, 2, 2, 0, 1]).
+    kept = list(s)[:3]
+    assert list(s)[3:] == [kept[i] for i in (0, 1, 1, 1, 1)]
     assert len(sample_sharegpt(WordTokenizer(), 8, seed=3, dataset=path, oversample=False)) == 3
 
 

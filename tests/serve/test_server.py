@@ -83,6 +83,12 @@ def test_stop_and_sampling_params(server):
     r2 = c.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
                               extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
     assert r2.choices[0].text == r.choices[0].text  # seeded
+    # The same seeded request offline (same weights: make_llm is deterministic) gives the same text, and a
+    # different seed other tokens: the sampling parameters reached the sampler.
+    offline = make_llm()
+    params = dict(temperature=0.8, top_p=0.9, top_k=20, min_tokens=8, ignore_eos=True, max_tokens=8)
+    out3, out4 = (offline.generate(["abc"], SamplingParams(seed=k, **params))[0] for k in (3, 4))
+    assert out3.text == r.choices[0].text and out3.output_ids != out4.output_ids
 
 
 @pytest.mark.parametrize("body,param", [
