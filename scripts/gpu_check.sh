@@ -75,7 +75,7 @@ for stage in "${STAGES[@]}"; do
       log env
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUTDIR/env.txt"
       nvidia-smi topo -m | tee -a "$OUTDIR/env.txt"
-      python3 -c 'from spanllm.bench.report import versions; import json; print(json.dumps(versions()))' | tee -a "$OUTDIR/env.txt"
+      python3 -c 'from spanllm.measure.report import versions; import json; print(json.dumps(versions()))' | tee -a "$OUTDIR/env.txt"
       ;;
     conformance)
       for rpn in ${RPNS:-$NGPU 1}; do

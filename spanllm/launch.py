@@ -51,7 +51,9 @@ import torch
 import torch.distributed as dist
 
 from spanllm.comm.torch_dist import default_backend
-from spanllm.errors import Interrupted, RankError, UsageError
+from spanllm.errors import Interrupted, RankError, UsageError, exit_code
+
+_WORLD_ENV = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # the launchers' world-size variables
 
 TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -101,14 +103,14 @@ def _env_int(*names: str, default: int) -> int:
 
 def launcher_world_size() -> int | None:
     """The world size a launcher set (WORLD_SIZE), or None when not under one."""
-    return _env_int("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", default=1) if under_launcher() else None
+    return _env_int(*_WORLD_ENV, default=1) if under_launcher() else None
 
 
 def init_from_launcher(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Join the job that torchrun/srun/mpiexec started (env:// rendezvous)."""
     timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
     rank = _env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", default=0)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", default=1)
+    world = _env_int(*_WORLD_ENV, default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
     local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                            default=world)
@@ -182,8 +184,6 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def _record_error(workdir: str, rank: int, exc: BaseException) -> None:
-    from spanllm.errors import exit_code
-
     message = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, str) else str(exc)
     t = type(exc)
     try:

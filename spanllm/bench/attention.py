@@ -4,7 +4,7 @@ contiguous-cache attention it replaces (the static path's SDPA over [B, kv_heads
 For every batch size x context length: one decode step's attention for one layer (Llama 3.1 8B heads by
 default: 32 query, 8 KV heads of 128), every sequence at the full context, block tables shuffled over the
 pool. Triton and contiguous are timed as 20 calls in a CUDA graph (the timing discipline of
-spanllm.bench.timing); the reference (a gather + SDPA per sequence) eagerly. Each cell also reports the
+spanllm.measure.timing); the reference (a gather + SDPA per sequence) eagerly. Each cell also reports the
 largest difference of the Triton output from the reference, and the bytes of K/V read per call with
 the bandwidth they imply.
 
@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from spanllm.bench.timing import time_calls
+from spanllm.measure.timing import time_calls
 from spanllm.launch import DistContext, finish, launch
 
 
@@ -79,8 +79,6 @@ def _rank(ctx: DistContext, args) -> dict:
     from spanllm.bench.throughput import machine_info
     from spanllm.engine.config import parse_dtype
 
-    if ctx.device.type != "cuda":
-        raise SystemExit("bench attention times the Triton kernel: run it on a GPU (torchrun --nproc-per-node 1)")
     dtype = parse_dtype(args.dtype)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
@@ -95,7 +93,26 @@ def _rank(ctx: DistContext, args) -> dict:
     return {"rows": rows, "settings": vars(args), "machine": machine_info(ctx.device)}
 
 
+def _sizes(flag: str, text: str) -> list[int]:
+    from spanllm.errors import UsageError
+
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated positive integers like 1,16,256") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated positive integers like 1,16,256")
+    return sizes
+
+
 def run(args: argparse.Namespace) -> int:
+    from spanllm.errors import UsageError
+
+    args.batch_sizes = ",".join(map(str, _sizes("--batch-sizes", args.batch_sizes)))
+    args.context_lens = ",".join(map(str, _sizes("--context-lens", args.context_lens)))
+    if not torch.cuda.is_available():  # before any rank starts
+        raise UsageError("bench attention times the Triton kernel: run it on a GPU "
+                         "(torchrun --nproc-per-node 1 -m spanllm.cli bench attention)")
     r = launch(_rank, args)[0]
     if args.json and r is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -43,6 +43,7 @@ from typing import Any
 
 from spanllm.bench.datasets import SampleSet, add_dataset_arguments, get_samples
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
+from spanllm.bench.serve_report import rate_label
 from spanllm.bench.serve_metrics import (METRICS, arrival_offsets_s, calculate_metrics, parse_goodput,
                                          parse_rates)
 from spanllm.errors import SpanllmError, UsageError
@@ -233,7 +234,7 @@ def run_benchmark(samples: Sequence, config: ServeBenchConfig, tokenizer=None, p
     try:
         on_done = None
         if progress is not None:
-            task = progress.add_task(f"rate {_rate_word(config.request_rate)} req/s", total=len(samples))
+            task = progress.add_task(f"rate {rate_label(config.request_rate)} req/s", total=len(samples))
             on_done = lambda: progress.advance(task)  # noqa: E731
         result = asyncio.run(benchmark_async(samples, config, output_token_counter(tokenizer), on_done))
     finally:
@@ -318,11 +319,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_tokenizer(name: str):
     """spanllm's tokenizer for a preset, checkpoint folder or HF id (spanllm.engine.tokenizer.get_tokenizer)."""
-    try:
-        from spanllm.engine.tokenizer import get_tokenizer
-    except ImportError as e:
-        raise SpanllmError(f"bench serve counts prompt tokens with spanllm.engine.tokenizer.get_tokenizer, which "
-                           f"did not import ({e})") from e
+    from spanllm.engine.tokenizer import get_tokenizer
+
     return get_tokenizer(name)
 
 
@@ -340,10 +338,6 @@ def samples_from_args(args: argparse.Namespace, tokenizer) -> SampleSet:
     if n < 1:
         raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
     return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})
-
-
-def _rate_word(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
 def _parse_metadata(items: Sequence[str] | None) -> dict[str, str]:
@@ -382,7 +376,7 @@ def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequ
     """vLLM's file name for one rate ({label}-{rate}qps[-concurrency{c}]-{model}-{date}.json); for a sweep,
     {label}-sweep-{first}-{last}qps[...]...json."""
     conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-    rate = f"{rates[0]}qps" if len(rates) == 1 else f"sweep-{_rate_word(rates[0])}-{_rate_word(rates[-1])}qps"
+    rate = f"{rates[0]}qps" if len(rates) == 1 else f"sweep-{rate_label(rates[0])}-{rate_label(rates[-1])}qps"
     name = args.result_filename or f"{label}-{rate}{conc}-{model_id.split('/')[-1]}-{dt}.json"
     return os.path.join(args.result_dir or ".", name)
 
@@ -390,7 +384,7 @@ def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequ
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from spanllm.bench.report import machine_info, versions, write_json
+    from spanllm.measure.report import machine_info, versions, write_json
     from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
 
     cfg, rates = config_from_args(args)
@@ -426,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         done.append(r if args.save_detailed else _strip_detailed(r))
         if len(rates) > 1 and len(done) < len(rates):  # a sweep cut short keeps the rates it finished
             settings = {**{k: v for k, v in asdict(cfg).items() if k != "request_rate"},
-                        "request_rates": [_rate_word(x) for x in rates], **metadata, "partial": True}
+                        "request_rates": [rate_label(x) for x in rates], **metadata, "partial": True}
             write_json(result_path(args, cfg.label, model, rates, dt), "bench_serve_sweep", settings, done,
                        dataset=samples.info)
 
@@ -448,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
         Console(width=max(Console().width, 160)).print(sweep_table(saved, title))
         path = result_path(args, cfg.label, model, rates, dt)
         settings = {**{k: v for k, v in asdict(cfg).items() if k != "request_rate"},
-                    "request_rates": [_rate_word(r) for r in rates], **metadata}
+                    "request_rates": [rate_label(r) for r in rates], **metadata}
         write_json(path, "bench_serve_sweep", settings, saved, **extra)
         png = os.path.splitext(path)[0] + ".png"
         plot_sweep(saved, png, title)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import numpy as np
@@ -82,21 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        try:
-            import triton
-            info["triton"] = triton.__version__
-        except ImportError:
-            pass
+    """spanllm.measure.report's machine and versions, the rank's device, and transformers (the peer's library)."""
+    from spanllm.measure import report
+
+    versions = report.versions()
     try:
         import transformers
-        info["transformers"] = transformers.__version__
+        versions["transformers"] = transformers.__version__
     except ImportError:
         pass
-    return info
+    return {**report.machine_info(), "device": str(device), "versions": versions}
 
 
 def warm_up(llm) -> dict:
@@ -109,6 +103,12 @@ def warm_up(llm) -> dict:
     return {"warmup_s": round(time.perf_counter() - t0, 2), "graph_buckets": captured}
 
 
+def warm_up_worker(llm) -> None:
+    """TP ranks other than 0, in step with rank 0's warm_up: its request's plans, then the same captures."""
+    llm.generate([])
+    llm.engine_core.runner.capture_all()
+
+
 def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
     from spanllm.engine.sampler import SamplingParams
 
@@ -117,8 +117,7 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
         core = llm.engine_core
         if core.rank != 0:
             if not args.no_warmup:
-                llm.generate([])  # the warm-up request's plans
-                core.runner.capture_all()
+                warm_up_worker(llm)
             llm.generate([])  # the timed run's plans
             return None
         describe = llm.describe_serving()
@@ -174,7 +173,27 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
     return samples
 
 
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """The serving engine's flags, before any rank starts (EngineConfig repeats the rules for API users)."""
+    from spanllm import checks
+
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "min_admit"):
+        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        from spanllm.errors import UsageError
+        raise UsageError(f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
+                         f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        from spanllm.errors import UsageError
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+
+
 def run(args: argparse.Namespace) -> int:
+    from spanllm import checks
+
+    check_engine_arguments(args)
+    checks.at_least("--num-prompts", args.num_prompts, 1)
     if args.dry_run:
         from spanllm.engine.config import resolve_model
         from spanllm.engine.tokenizer import get_tokenizer

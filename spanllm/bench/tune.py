@@ -71,7 +71,7 @@ def nvrar_grid(args, topo: Topology, nbytes: int, one_shot_max: int):
 
 def tune_rank(ctx: DistContext, args) -> dict:
     dtype = dtype_from_name(args.dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     gpu = ctx.device.type == "cuda"
     buffer_bytes = parse_size(args.buffer_bytes)
@@ -182,7 +182,7 @@ def check_arguments(args) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out}: no folder {out_dir!r} to write the table into; create it first")
-    check_host_memory(sizes[-1], torch.empty((), dtype=dtype).element_size(), True, world)
+    check_host_memory(sizes[-1], dtype.itemsize, True, world)
 
 
 def run(args) -> int:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spanllm.engine.fused_ops import rope_and_cache
+from spanllm.engine.paged_attention import attend, paged_attention
 from spanllm.engine.rope import apply_rotary
 from spanllm.engine.timers import Timers
 
@@ -32,6 +34,7 @@ class AttentionMetadata:
     kv_len: int = 0  # cache positions decode attends over (max_seq_len inside a CUDA graph)
     rows: torch.Tensor | None = None  # [B] arange, decode only (built once per forward, not per layer)
     compiled: bool = False  # decode through each layer's compiled block (EngineConfig.compile_scope="layer")
+    paged: bool = False  # the serving engine's PagedMetadata says True
 
 
 class Attention(nn.Module):
@@ -47,7 +50,7 @@ class Attention(nn.Module):
         """qk [B, T, (hq+hkv)*d] (queries then keys, as the fused projection lays them out), v [B, T, hkv*d],
         cache views [B, hkv, S, d] -> [B, T, hq*d]. Queries and keys are rotated together (one set of
         RoPE kernels per layer, not two)."""
-        if getattr(meta, "paged", False):
+        if meta.paged:
             return self._paged(qk, v, meta, cache)
         with self.timers.region("attention"):
             b, t, _ = qk.shape
@@ -80,14 +83,10 @@ class Attention(nn.Module):
         """The serving engine's packed tokens: qk [N, (hq+hkv)*d], v [N, hkv*d] (views of one qkv row), cache
         (k, v) blocks of this layer -> [N, hq*d] (spanllm.engine.paged_attention). With the Triton backend,
         RoPE and both cache writes are one fused kernel (spanllm.engine.fused_ops.rope_and_cache)."""
-        from spanllm.engine.paged_attention import attend, paged_attention
-
         with self.timers.region("attention"):
             n = qk.shape[0]
             hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if meta.backend == "triton" and qk.stride(0) == v.stride(0) and v.data_ptr() == qk.data_ptr() + qk.shape[1] * qk.element_size():
-                from spanllm.engine.fused_ops import rope_and_cache
-
                 q = rope_and_cache(qk, meta.cos, meta.sin, meta.slot_mapping, cache[0], cache[1], hq, hkv, d)
                 out = attend(q, cache[0], cache[1], meta)
             else:

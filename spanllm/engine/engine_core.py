@@ -138,7 +138,8 @@ class EngineCore:
     # --- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        self.stats.preemptions = self.scheduler.num_preemptions
+        if batch.preempted:  # the scheduler counts them; the stats mirror its count
+            self.stats.preemptions = self.scheduler.num_preemptions
         if not batch:
             return []
         x = plan_step(batch.entries, batch.num_decode, self.blocks.block_size)

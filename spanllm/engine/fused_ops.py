@@ -49,8 +49,6 @@ if triton is not None:
         act = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the input dtype, then the product
         tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=ok)
 
-
-if triton is not None:
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_c,
                            stride_qt, stride_slot, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):

@@ -110,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
                 last_index: torch.Tensor | None = None) -> torch.Tensor:
         """x: ids [B, T] (first stage) or hidden [B, T, hidden]. last_index [B]: the position whose logits
         are wanted (prefill: length - 1; None in decode, where T = 1)."""
-        if getattr(meta, "paged", False):
+        if meta.paged:
             return self._forward_paged(x, meta, kv_cache)
         h = self.model.embed_tokens(x) if self.is_first else x  # [B, T, hidden]
         for layer in self.model.layers.values():

@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+try:  # the GPU kernels (Triton); the CPU wheel has the reference only
+    from spanllm.engine import paged_attention_triton as kernels
+except ImportError:
+    kernels = None
+
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -33,7 +38,6 @@ BACKENDS = ("auto", "torch", "triton")
 class PagedMetadata:
     """One forward of the serving engine, shared by every layer. Tensors on the model's device."""
 
-    positions: torch.Tensor  # [N] int64
     cos: torch.Tensor  # [N, 1, d] (broadcast over heads)
     sin: torch.Tensor  # [N, 1, d]
     slot_mapping: torch.Tensor  # [N] int64: where each token's K/V go
@@ -50,14 +54,13 @@ class PagedMetadata:
     logits_indices: torch.Tensor | None = None  # [S] rows of the packed tokens whose logits are wanted
     backend: str = "torch"
     num_splits: int = 1  # decode: context splits per (sequence, KV head); fixed per captured bucket
-    paged: bool = True
-    compiled: bool = False  # the static path's flag (compiled blocks); the paged path has none yet
+    paged: bool = True  # (AttentionMetadata, the static path's, has paged=False)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
-    has_triton = _triton_available()
+    has_triton = kernels is not None
     if name == "auto":
         return "triton" if device.type == "cuda" and has_triton else "torch"
     if name == "triton" and (device.type != "cuda" or not has_triton):
@@ -65,14 +68,6 @@ def resolve_backend(name: str, device: torch.device) -> str:
                          f"Triton {'installed' if has_triton else 'missing'}. Use attention_backend='torch' (the "
                          "reference) here")
     return name
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -134,8 +129,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """q [N, hq, d] against the cache, which already holds this step's K/V -> [N, hq, d]."""
     nd = meta.num_decode
     if meta.backend == "triton":
-        from spanllm.engine import paged_attention_triton as kernels
-
         if nd == q.shape[0]:
             return kernels.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                   meta.num_splits)

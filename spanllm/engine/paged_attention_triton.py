@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from spanllm.engine.skinny_gemm import num_sms_of
+
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
-_SM_COUNT: dict[int, int] = {}
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -36,10 +37,7 @@ def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
     """Context splits for a decode batch: enough programs for about two waves of the GPU."""
     if device.type != "cuda":
         return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(MAX_SPLITS, (2 * _SM_COUNT[idx]) // max(1, batch * kv_heads)))
+    return max(1, min(MAX_SPLITS, (2 * num_sms_of(device)) // max(1, batch * kv_heads)))
 
 
 @triton.jit

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spanllm.engine.block_manager import RESERVED_BLOCKS
+
 GIB = 1 << 30
 
 
@@ -26,10 +28,10 @@ class CacheSizing:
 
     @property
     def capacity_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.block_size  # block 0 is reserved
+        return (self.num_blocks - RESERVED_BLOCKS) * self.block_size
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks - 1} blocks x {self.block_size} tokens = {self.capacity_tokens} tokens "
+        return (f"KV cache: {self.num_blocks - RESERVED_BLOCKS} blocks x {self.block_size} tokens = {self.capacity_tokens} tokens "
                 f"({(self.num_blocks * self.bytes_per_block) / GIB:.2f} GiB; {self.how})")
 
 

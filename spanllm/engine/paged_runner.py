@@ -30,10 +30,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spanllm.cuda_graph import capture_graph
 from spanllm.engine.model import LlamaForCausalLM
 from spanllm.engine.paged_attention import PagedMetadata
 from spanllm.engine.paged_cache import PagedKVCache
 from spanllm.engine.rope import RotaryEmbedding
+
+try:  # the Triton backend's host helpers (the CPU wheel has no Triton: the reference backend needs none)
+    from spanllm.engine.paged_attention_triton import num_splits_for, prefill_block_q, prefill_tiles
+except ImportError:
+    num_splits_for = prefill_block_q = prefill_tiles = None
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -173,12 +179,13 @@ class PagedModelRunner:
     def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
         dev = self.device
         nd = x.num_decode
-        cos, sin = self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1)
+        cos, sin = self.rope.lookup(positions)
         tables = torch.from_numpy(x.block_tables).to(dev, non_blocking=True)
         ctx = torch.from_numpy(x.context_lens).to(dev, non_blocking=True)
-        meta = PagedMetadata(positions, cos, sin, slots, nd, tables[:nd], ctx[:nd],
+        reference = self.backend == "torch"  # the reference loops over host lists; the kernels read tensors
+        meta = PagedMetadata(cos, sin, slots, nd, tables[:nd], ctx[:nd],
                              logits_indices=torch.from_numpy(x.logits_rows).to(dev, non_blocking=True),
-                             backend=self.backend, decode_ctx_host=x.context_lens[:nd].tolist())
+                             backend=self.backend, decode_ctx_host=x.context_lens[:nd].tolist() if reference else None)
         if nd:
             meta.num_splits = self._num_splits(nd)
         if nd < len(x.q_lens):
@@ -188,20 +195,17 @@ class PagedModelRunner:
             meta.prefill_cu_q = torch.from_numpy(cu).to(dev, non_blocking=True)
             meta.prefill_context_lens = ctx[nd:]
             meta.prefill_block_tables = tables[nd:]
-            meta.prefill_q_lens_host = q_lens.tolist()
-            meta.prefill_ctx_host = x.context_lens[nd:].tolist()
-            if self.backend == "triton":
-                from spanllm.engine.paged_attention_triton import prefill_tiles
-
-                tiles = np.asarray(prefill_tiles(meta.prefill_q_lens_host, self.group), dtype=np.int32).reshape(-1, 2)
+            if reference:
+                meta.prefill_q_lens_host = q_lens.tolist()
+                meta.prefill_ctx_host = x.context_lens[nd:].tolist()
+            else:
+                tiles = np.asarray(prefill_tiles(q_lens.tolist(), self.group), dtype=np.int32).reshape(-1, 2)
                 meta.prefill_tiles = torch.from_numpy(tiles).to(dev, non_blocking=True)
         return meta
 
     def _num_splits(self, batch: int) -> int:
         if self.backend != "triton":
             return 1
-        from spanllm.engine.paged_attention_triton import num_splits_for
-
         return num_splits_for(batch, self.kv_heads_local, self.device)
 
     # --- running a step -----------------------------------------------------------------------------
@@ -254,25 +258,19 @@ class PagedModelRunner:
         st["tables"][:bucket, :w].copy_(torch.from_numpy(tables), non_blocking=True)
         g = self._graphs.get(bucket)
         if g is None:
-            g = self._graphs[bucket] = self._capture(bucket)
+            g = self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
         g.graph.replay()
         return g.logits[:b]
 
     def _graph_forward(self, bucket: int) -> torch.Tensor:
         st = self._static_buffers()
         positions = st["positions"][:bucket]
-        meta = PagedMetadata(positions, self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1),
-                             st["slots"][:bucket], bucket, st["tables"][:bucket], st["ctx"][:bucket],
+        meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], bucket, st["tables"][:bucket], st["ctx"][:bucket],
                              logits_indices=None, backend=self.backend, num_splits=self._num_splits(bucket))
         return self.model(st["ids"][:bucket], meta, self.cache)
 
-    def _capture(self, bucket: int) -> _DecodeGraph:
-        return self._capture_with(lambda: self._graph_forward(bucket))
-
     # --- mixed steps in graphs ------------------------------------------------------------------------------
     def _max_tiles(self, tokens: int) -> int:
-        from spanllm.engine.paged_attention_triton import prefill_block_q
-
         return self.max_num_seqs + -(-tokens // prefill_block_q(self.group))
 
     def _mixed_buffers(self) -> dict[str, torch.Tensor]:
@@ -294,8 +292,7 @@ class PagedModelRunner:
     def _mixed_forward(self, bucket: int) -> torch.Tensor:
         st = self._mixed_buffers()
         positions = st["positions"][:bucket]
-        meta = PagedMetadata(positions, self.rope.cos[positions].unsqueeze(1), self.rope.sin[positions].unsqueeze(1),
-                             st["slots"][:bucket], 0, None, None, prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
+        meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], 0, None, None, prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
                              prefill_block_tables=st["tables"], prefill_tiles=st["tiles"][: self._max_tiles(bucket)],
                              logits_indices=st["rows"], backend=self.backend)
         return self.model(st["ids"][:bucket], meta, self.cache)
@@ -307,8 +304,6 @@ class PagedModelRunner:
         st["tiles"][:, 0] = self.max_num_seqs  # every tile: the empty chunk
 
     def _replay_mixed(self, x: StepInputs) -> torch.Tensor:
-        from spanllm.engine.paged_attention_triton import prefill_tiles
-
         n = x.num_tokens
         bucket = next(b for b in self.token_ladder if b >= n)
         st = self._mixed_buffers()
@@ -339,20 +334,13 @@ class PagedModelRunner:
         return g.logits[: len(x.logits_rows)]
 
     def _capture_with(self, forward) -> _DecodeGraph:
-        """Warm up on a side stream (Triton compiles, NCCL setup), then capture into the shared pool. The
-        warm-up runs write K/V at the static buffers' slots, which the replay writes again (same values)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        """Capture forward() into the shared pool (spanllm.cuda_graph: two warm-up runs on the capture's side
+        stream first). The warm-up runs write K/V at the static buffers' slots, which a replay writes again."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = forward()
-        return _DecodeGraph(graph, logits)
+        out: list[torch.Tensor] = []
+        graph = capture_graph(lambda: out.append(forward()), self.device, warmup=2, pool=self._pool)
+        return _DecodeGraph(graph, out[-1])  # the captured run's logits: the graph's static output
 
     def capture_all(self) -> list[int]:
         """Capture every bucket of the ladder now (collective under TP: every rank calls it), with padding
@@ -366,7 +354,7 @@ class PagedModelRunner:
             for name in ("ids", "positions", "slots", "tables"):
                 st[name].zero_()
             st["ctx"].fill_(1)
-            self._graphs[bucket] = self._capture(bucket)
+            self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
         for bucket in self.token_ladder:  # largest first would not matter: one pool, captured in turn
             if bucket in self._mixed_graphs:
                 continue

@@ -43,7 +43,7 @@ class RotaryEmbedding:
         self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, d] (broadcast over heads)."""
+        """positions [B, T] -> cos, sin [B, 1, T, d] (broadcast over heads); packed positions [N] -> [N, 1, d]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

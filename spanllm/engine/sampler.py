@@ -98,14 +98,12 @@ class BatchSampler:
     generator for unseeded rows and each seeded row's own generator (created at its first token)."""
 
     def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
                  generators: list[torch.Generator | None]) -> list[int]:
         """stop_masks[i]: ids to forbid in row i (EOS / stop ids before min_tokens). Returns B token ids."""
-        b = logits.shape[0]
         for i, ids in enumerate(stop_masks):
             if ids:
                 logits[i, list(ids)] = float("-inf")

@@ -15,8 +15,7 @@ import os
 import queue
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError
 
@@ -37,14 +36,11 @@ class QueueFull(Exception):
 class Delta:
     new_text: str
     new_ids: list[int]
-    num_prompt: int
     num_output: int
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None
     text: str | None = None  # whole text, on the finished delta
-    output_ids: list[int] | None = None  # whole output, on the finished delta
-    metrics: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -199,7 +195,6 @@ class AsyncEngine:
             core.shutdown_workers()
         except BaseException as e:  # noqa: BLE001 - a failed step (a dead TP rank): fail every request, stop
             self.error = f"the engine loop failed: {type(e).__name__}: {e}"
-            self._tb = traceback.format_exc()
             dead = EngineDead(self.error)
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:
@@ -212,12 +207,6 @@ def _put_all(items) -> None:
 
 
 def _delta(out) -> Delta:
-    d = Delta(out.new_text, list(out.new_ids), len(out.prompt_ids), len(out.output_ids), out.finished,
-              out.finish_reason, out.stop_reason)
-    if out.finished:
-        d.text, d.output_ids, d.metrics = out.text, list(out.output_ids), out.metrics
-    return d
-
-
-def now() -> float:
-    return time.monotonic()
+    """What a handler needs of one step's output (new_ids is a fresh list per step already)."""
+    return Delta(out.new_text, out.new_ids, len(out.output_ids), out.finished, out.finish_reason, out.stop_reason,
+                 out.text if out.finished else None)

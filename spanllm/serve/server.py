@@ -51,10 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    from spanllm import checks
+    from spanllm.bench.throughput import check_engine_arguments
+
+    check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise UsageError(f"--max-queued-requests {args.max_queued_requests}: must be >= 1 (leave it out: unbounded)")
+    checks.at_least("--max-queued-requests", args.max_queued_requests, 1, " (leave it out: unbounded)")
 
 
 class Server:
@@ -139,8 +142,9 @@ def _worker(llm, warm: bool) -> None:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, on_signal)
     if warm:
-        llm.generate([])
-        core.runner.capture_all()
+        from spanllm.bench.throughput import warm_up_worker
+
+        warm_up_worker(llm)
     core.worker_loop()
 
 
