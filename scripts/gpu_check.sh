@@ -8,7 +8,8 @@
 # Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
 # (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
 # (its GPU tests), attention (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1
-# step), hfpeer (transformers' continuous batching on the same requests). Serving knobs: NUM_PROMPTS,
+# step), profile (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers'
+# continuous batching on the same requests). Serving knobs: NUM_PROMPTS,
 # TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
 # `bench throughput --save-samples`: the GPU machine cannot hold the 125 MB ShareGPT package;
 # results/h200/inputs/sharegpt_llama3_seed0_n1000.json is vLLM's sampling of its recovered records).
@@ -196,6 +197,11 @@ for stage in "${STAGES[@]}"; do
       log "serving engine, batch-1 decode step (random 128-token prompt, 256 tokens, default settings)"
       timeout 300 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput --model llama3.1-8b \
         --dataset-name random --input-len 128 --output-len 256 --num-prompts 1 ${SERVE_OPTS:-} --json "$OUTDIR/decode_b1_llama3.1-8b.json" || rc=1
+      ;;
+    profile)
+      log "where a serving step's time goes: kernel tables of decode and prefill steps, the ShareGPT step trace ${SERVE_OPTS:-}"
+      timeout "${PROFILE_TIMEOUT:-300}" python3 scripts/gpu_profile_steps.py --model llama3.1-8b ${SAMPLES:+--samples-file "$SAMPLES"} \
+        ${SERVE_OPTS:-} --out "$OUTDIR/profile${TP_SUFFIX:-}" || rc=1
       ;;
     hfpeer)
       log "peer: transformers continuous batching on the same ShareGPT requests"

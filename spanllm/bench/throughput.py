@@ -99,8 +99,10 @@ def warm_up(llm) -> dict:
 
     t0 = time.perf_counter()
     llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
-    captured = llm.engine_core.runner.capture_all()
-    return {"warmup_s": round(time.perf_counter() - t0, 2), "graph_buckets": captured}
+    runner = llm.engine_core.runner
+    captured = runner.capture_all()
+    return {"warmup_s": round(time.perf_counter() - t0, 2), "graph_buckets": captured,
+            "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 3)}
 
 
 def warm_up_worker(llm) -> None:

@@ -200,17 +200,26 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over the local vocabulary rows, then gathered: every TP rank gets the full row."""
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+    def forward(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, written into `out` when given (the serving engine's graphs share
+        one logits buffer instead of each keeping its own)."""
         with self.tp.timers.region("gemm"):
             local = self.tp.linear(h, self.weight)  # [N, Vp]
-        if self.tp.size > 1:
-            n = local.shape[0]
-            gathered = torch.empty(self.tp.size * n, self.vocab_local, device=local.device, dtype=local.dtype)
+        n, tp, vl = local.shape[0], self.tp.size, self.vocab_local
+        if tp > 1:
+            gathered = torch.empty(tp * n, vl, device=local.device, dtype=local.dtype)
             _all_gather_single(gathered, local, group=self.tp.group)  # [tp*N, Vp], rank-major
-            # One copy: rank-major -> row-major and to float32 together ([N, tp, Vp] -> [N, tp*Vp]).
-            full = gathered.view(self.tp.size, n, self.vocab_local).transpose(0, 1).float().reshape(n, -1)
-            return full[:, : self.vocab_size]
-        return local[:, : self.vocab_size].float()
+            exact = tp * vl == self.vocab_size  # no padding rows in the vocabulary
+            dst = out if out is not None and exact else torch.empty(n, tp * vl, device=local.device, dtype=torch.float32)
+            # One pass: rank-major -> row-major ([tp, N, Vp] -> [N, tp, Vp]) and to float32 together.
+            dst.view(n, tp, vl).copy_(gathered.view(tp, n, vl).transpose(0, 1))
+            if dst is out:
+                return out
+            full = dst[:, : self.vocab_size]
+            return full if out is None else out.copy_(full)
+        if out is None:
+            return local[:, : self.vocab_size].float()
+        return out.copy_(local[:, : self.vocab_size])
 
 
 # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old.

@@ -306,11 +306,8 @@ class LLM:
         ffn_local = cfg.intermediate_size // self.dims.tp
         reserve = activation_reserve_bytes(e.max_num_batched_tokens, e.max_num_seqs, cfg.hidden_size,
                                            qkv.weight.shape[0], ffn_local, cfg.vocab_size, e.dtype)
-        if e.cuda_graphs and self.device.type == "cuda":  # every captured graph keeps its own float32 logits
-            from spanllm.engine.paged_runner import bucket_ladder, token_ladder
-
-            rows = sum(bucket_ladder(e.max_num_seqs)) + len(token_ladder(e.max_num_batched_tokens)) * e.max_num_seqs
-            reserve += rows * cfg.vocab_size * 4
+        if e.cuda_graphs and self.device.type == "cuda":  # the graphs' shared float32 logits buffer
+            reserve += e.max_num_seqs * cfg.vocab_size * 4
         sizing = size_pool(device=self.device, per_block=per_block, block_size=e.block_size,
                            gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_bytes=e.cpu_kv_cache_bytes,
                            reserve_bytes=reserve, num_kv_blocks=e.num_kv_blocks)

@@ -136,4 +136,4 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty(0, self.config.vocab_size, device=h.device, dtype=torch.float32)
         norm = self.model.norm
         h, _ = add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.lm_head(h)
+        return self.lm_head(h, out=meta.logits_out)

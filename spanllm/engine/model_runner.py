@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spanllm.cuda_graph import capture_graph
 from spanllm.engine.attention import AttentionMetadata
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.kv_cache import KVCache
@@ -184,20 +185,14 @@ class ModelRunner:
     def _capture(self, x: torch.Tensor, positions: torch.Tensor, slot_start: int) -> _DecodeGraph:
         static_x, static_pos = x.clone(), positions.clone()
         kv_len = self.engine.max_seq_len
-        # Warm up on a side stream (lazy inits, NCCL communicator setup). These runs write this step's
-        # K/V at these positions: the replay that follows writes the same values again.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_forward(static_x, static_pos, slot_start, kv_len)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Two warm-up runs first (lazy inits, NCCL communicator setup). They write this step's K/V at these
+        # positions: the replay that follows writes the same values again.
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._decode_forward(static_x, static_pos, slot_start, kv_len)
-        return _DecodeGraph(graph, static_x, static_pos, out)
+        outs: list[torch.Tensor] = []
+        graph = capture_graph(lambda: outs.append(self._decode_forward(static_x, static_pos, slot_start, kv_len)),
+                              self.device, warmup=2, pool=self._pool)
+        return _DecodeGraph(graph, static_x, static_pos, outs[-1])
 
     # --- the device-resident whole-model step (pp = 1) ---------------------------------------------------
     def start_steps(self, slot_start: int, first_tokens: torch.Tensor, positions: torch.Tensor,
@@ -249,24 +244,24 @@ class ModelRunner:
         # (and the token it sampled at position + 1, which the mask hides until a real step overwrites it).
         saved = [t.clone() for t in st.state()]
         rng = sampler.generator.get_state() if params.temperature != 0.0 else None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step_body(st, params, sampler, kv_len)
-                for t, s0 in zip(st.state(), saved):
-                    t.copy_(s0)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if rng is not None:
-            sampler.generator.set_state(rng)  # the warm-up draws do not count
-            # The sampler's own generator (not the default one): registered, each replay advances its
-            # Philox offset, so every step draws fresh numbers and eager draws in between stay in sequence.
-            graph.register_generator_state(sampler.generator)
+
+        def restore() -> None:
+            for t, s0 in zip(st.state(), saved):
+                t.copy_(s0)
+
+        def register(graph: "torch.cuda.CUDAGraph") -> None:
+            if rng is not None:
+                sampler.generator.set_state(rng)  # the warm-up draws do not count
+                # The sampler's own generator (not the default one): registered, each replay advances its
+                # Philox offset, so every step draws fresh numbers and eager draws in between stay in sequence.
+                graph.register_generator_state(sampler.generator)
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            st.logits = self._step_body(st, params, sampler, kv_len)
+        outs: list[torch.Tensor] = []
+        graph = capture_graph(lambda: outs.append(self._step_body(st, params, sampler, kv_len)), self.device,
+                              warmup=2, pool=self._pool, after_warmup=restore, before_capture=register)
+        st.logits = outs[-1]  # the captured run's logits: the graph's static output
         st.graph = graph  # capture ran nothing: the buffers still hold this step's input
 
     @property

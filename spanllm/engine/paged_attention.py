@@ -54,6 +54,7 @@ class PagedMetadata:
     logits_indices: torch.Tensor | None = None  # [S] rows of the packed tokens whose logits are wanted
     backend: str = "torch"
     num_splits: int = 1  # decode: context splits per (sequence, KV head); fixed per captured bucket
+    logits_out: torch.Tensor | None = None  # [S, vocab] float32 the LM head writes into (graphs share one)
     paged: bool = True  # (AttentionMetadata, the static path's, has paged=False)
 
 

@@ -8,7 +8,9 @@ loaded once for g queries. tl.dot needs at least 16 rows, so the decode kernel p
 Decode, graph safety: the grid (batch, KV heads, splits) is fixed by the shapes a CUDA graph captured;
 each program derives its range of keys from context_lens on the device, so one captured graph serves
 every step. Split s of a sequence with n key tiles takes tiles [s*c, min(n, (s+1)*c)), c = ceil(n/S):
-every split of a short sequence past its end does nothing (m = -inf, l = 0), and the merge weighs it 0.
+a split past a short sequence's end does nothing at all. The splits that own keys write partial (m, l, acc)
+and count themselves in on a per-(sequence, head) counter; the last to arrive merges them in the same
+kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter.
 
 Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
 value dtype for the second dot, fp32 accumulation, one rounding at the store.
@@ -41,7 +43,7 @@ def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, sem_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, scale_log2,
                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
@@ -52,64 +54,82 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
     n = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(n, BLOCK)
     per_split = tl.cdiv(n_tiles, SPLITS)
-    t0 = s * per_split
-    t1 = tl.minimum(t0 + per_split, n_tiles)
+    n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (>= 1: n >= 1)
+    if s < n_active:
+        t0 = s * per_split
+        t1 = tl.minimum(t0 + per_split, n_tiles)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        g_ok = g < G
+        q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for t in range(t0, t1):
+            offs = t * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+            row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
+        if n_active == 1:  # the whole context in this split: no partials, no merge
+            tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            # Partials [B, H, SPLITS, G_PAD(, D)], contiguous; only the G real rows are written and read.
+            base = (b * tl.num_programs(1) + h) * SPLITS * G_PAD
+            mine = base + s * G_PAD + g
+            tl.store(m_ptr + mine, m_i, mask=g_ok)
+            tl.store(l_ptr + mine, l_i, mask=g_ok)
+            tl.store(acc_ptr + mine[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+            # The last split of (b, h) to finish merges. Memory ordering: the counter's atomic is acq_rel at GPU
+            # scope, so each split's partial stores above are visible before its increment (release), and the
+            # last one's loads below (.cg: from L2, not a stale L1) come after it saw every increment (acquire).
+            # It resets the counter, so the next call (or graph replay) starts from zero again.
+            arrived = tl.atomic_add(sem_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
+            if arrived == n_active - 1:
+                m_max = tl.full([G_PAD], float("-inf"), tl.float32)
+                for j in range(0, n_active):
+                    m_max = tl.maximum(m_max, tl.load(m_ptr + base + j * G_PAD + g, mask=g_ok, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                l_sum = tl.zeros([G_PAD], tl.float32)
+                acc_sum = tl.zeros([G_PAD, D], tl.float32)
+                for j in range(0, n_active):
+                    rows = base + j * G_PAD + g
+                    w = tl.exp2(tl.load(m_ptr + rows, mask=g_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
+                    l_sum += w * tl.load(l_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    acc_sum += w[:, None] * tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None],
+                                                    other=0.0, cache_modifier=".cg")
+                tl.store(out_rows, (acc_sum / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+                tl.atomic_xchg(sem_ptr + b * tl.num_programs(1) + h, 0)
 
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    g_ok = g < G
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    for t in range(t0, t1):
-        offs = t * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
-        row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
-        scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
-    if SPLITS == 1:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    else:
-        # Partials [B, H, SPLITS, G_PAD(, D)], contiguous.
-        base = ((b * tl.num_programs(1) + h) * SPLITS + s) * G_PAD
-        tl.store(m_ptr + base + g, m_i)
-        tl.store(l_ptr + base + g, l_i)
-        tl.store(acc_ptr + (base + g)[:, None] * D + d[None, :], acc)
+
+_SEMAPHORE_MIN = 1 << 16
+_semaphores: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # smaller counter arrays that captured graphs may still point at: never freed
 
 
-@triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    base = (b * tl.num_programs(1) + h) * SPLITS * G_PAD
-    m_max = tl.full([G_PAD], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + s * G_PAD + g))
-    l_sum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    for s in range(SPLITS):
-        m_s = tl.load(m_ptr + base + s * G_PAD + g)
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))  # an empty split weighs nothing
-        l_sum += w * tl.load(l_ptr + base + s * G_PAD + g)
-        acc += w[:, None] * tl.load(acc_ptr + (base + s * G_PAD + g)[:, None] * D + d[None, :])
-    o = acc / l_sum[:, None]
-    tl.store(out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=(g < G)[:, None])
+def _semaphore(device: torch.device, n: int) -> torch.Tensor:
+    """The merge counters: one int32 per (sequence, KV head), zero between calls (the last split resets its
+    own). Allocated outside any capture (a graph must not own it: it is state across replays); a larger one
+    is made by an eager call (capture_graph's warm-up runs come first), and the old one stays alive."""
+    t = _semaphores.get(device)
+    if t is None or t.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged decode needs {n} merge counters but {0 if t is None else t.numel()} exist; "
+                               "run one eager decode of the largest batch before capturing graphs")
+        if t is not None:
+            _outgrown.append(t)
+        t = _semaphores[device] = torch.zeros(max(n, _SEMAPHORE_MIN), dtype=torch.int32, device=device)
+    return t
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -125,17 +145,16 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         m = torch.empty(b, hkv, num_splits, g_pad, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(b, hkv, num_splits, g_pad, d, device=q.device, dtype=torch.float32)
+        sem = _semaphore(q.device, b * hkv)
     else:
         m = l = acc = out  # unused
+        sem = context_lens
     _decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc,
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, sem,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale_log2,
         G=g, G_PAD=g_pad, D=d, CACHE_BLOCK=cache_block, BLOCK=BLOCK_N, SPLITS=num_splits, PREC=_precision(q),
         num_warps=4)
-    if num_splits > 1:
-        _merge_kernel[(b, hkv)](m, l, acc, out, out.stride(0), out.stride(1), G=g, G_PAD=g_pad, D=d,
-                                SPLITS=num_splits, num_warps=4)
     return out
 
 

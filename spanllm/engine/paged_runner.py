@@ -147,7 +147,7 @@ def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
 @dataclass
 class _DecodeGraph:
     graph: "torch.cuda.CUDAGraph"
-    logits: torch.Tensor  # [bucket, vocab] static output
+    logits: torch.Tensor  # [rows, vocab] static output: a view of the runner's one shared logits buffer
 
 
 class PagedModelRunner:
@@ -174,6 +174,12 @@ class PagedModelRunner:
         self._mixed: dict[str, torch.Tensor] | None = None
         self._pool = None
         self._static: dict[str, torch.Tensor] | None = None
+        # Every graph's LM head writes into this one [max_num_seqs, vocab] float32 buffer (allocated at the
+        # first capture, outside the graph pool): graphs replay one at a time and a step's logits are sampled
+        # before the next step replays, so one buffer serves them all (per-graph outputs would cost
+        # sum(ladder) + len(token ladder) * max_num_seqs rows: 4.4 GiB of an 8B model's vocabulary at 256).
+        self._logits: torch.Tensor | None = None
+        self.graph_memory_bytes = 0  # what capture_all's graphs (their pool, static buffers, logits) took
 
     # --- metadata ------------------------------------------------------------------------------------
     def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
@@ -262,11 +268,18 @@ class PagedModelRunner:
         g.graph.replay()
         return g.logits[:b]
 
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = torch.empty(self.max_num_seqs, self.model.config.vocab_size, dtype=torch.float32,
+                                       device=self.device)
+        return self._logits[:rows]
+
     def _graph_forward(self, bucket: int) -> torch.Tensor:
         st = self._static_buffers()
         positions = st["positions"][:bucket]
         meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], bucket, st["tables"][:bucket], st["ctx"][:bucket],
-                             logits_indices=None, backend=self.backend, num_splits=self._num_splits(bucket))
+                             logits_indices=None, backend=self.backend, num_splits=self._num_splits(bucket),
+                             logits_out=self._logits_buffer(bucket))
         return self.model(st["ids"][:bucket], meta, self.cache)
 
     # --- mixed steps in graphs ------------------------------------------------------------------------------
@@ -294,7 +307,8 @@ class PagedModelRunner:
         positions = st["positions"][:bucket]
         meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], 0, None, None, prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
                              prefill_block_tables=st["tables"], prefill_tiles=st["tiles"][: self._max_tiles(bucket)],
-                             logits_indices=st["rows"], backend=self.backend)
+                             logits_indices=st["rows"], backend=self.backend,
+                             logits_out=self._logits_buffer(self.max_num_seqs))
         return self.model(st["ids"][:bucket], meta, self.cache)
 
     def _reset_mixed(self) -> None:
@@ -336,6 +350,7 @@ class PagedModelRunner:
     def _capture_with(self, forward) -> _DecodeGraph:
         """Capture forward() into the shared pool (spanllm.cuda_graph: two warm-up runs on the capture's side
         stream first). The warm-up runs write K/V at the static buffers' slots, which a replay writes again."""
+        self._logits_buffer(1)  # allocated before the capture, so outside its pool
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         out: list[torch.Tensor] = []
@@ -347,6 +362,7 @@ class PagedModelRunner:
         inputs (they write only reserved block 0). Returns the captured buckets ([] without graphs)."""
         if not self.use_cuda_graphs:
             return []
+        before = torch.cuda.memory_allocated(self.device)
         st = self._static_buffers()
         for bucket in self.ladder:
             if bucket in self._graphs:
@@ -361,6 +377,7 @@ class PagedModelRunner:
             self._reset_mixed()  # padding only: every tile empty, every token writes slot 0
             self._mixed_graphs[bucket] = self._capture_with(lambda b=bucket: self._mixed_forward(b))
         torch.cuda.synchronize(self.device)
+        self.graph_memory_bytes += torch.cuda.memory_allocated(self.device) - before
         return self.captured_buckets
 
     @property
@@ -375,3 +392,4 @@ class PagedModelRunner:
         self._graphs.clear()
         self._mixed_graphs.clear()
         self._pool = None
+        self._logits = None

@@ -1,0 +1,223 @@
+"""Where a serving step's time goes, on one GPU (TP=1). Diagnostic for the serving engine's speed work.
+
+    python3 scripts/gpu_profile_steps.py --model llama3.1-8b --samples-file S.json --out DIR [engine flags]
+
+Writes DIR/profile_steps.json:
+- `trace`: the offline throughput workload (the saved requests, ignore_eos, temperature 1) driven step by step
+  through EngineCore with a CUDA event pair around each step's forward: per step the kind (decode-only or
+  mixed), sequences, tokens, GPU forward time, and host time (schedule + plan + sample + append: the wall time
+  of the step minus the GPU forward it waited for). Totals by kind, so the gap to a throughput goal splits
+  into "GPU forward" and "host".
+- `kernels`: torch.profiler tables (CUDA time per kernel name, summed over replays) of decode steps at batch
+  1 and 256 replayed from their CUDA graphs, the same steps eager (graphs off: launch gaps show as the
+  difference), and one mixed step of max_num_batched_tokens prefill tokens. Each with the measured step
+  time (CUDA events, median of the replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+
+def parse() -> argparse.Namespace:
+    from spanllm.bench import throughput
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    throughput.add_arguments(p)
+    p.add_argument("--out", required=True, help="folder for profile_steps.json")
+    p.add_argument("--trace-prompts", type=int, default=1000, help="requests of the step trace (from the samples)")
+    p.add_argument("--profile-batches", default="1,256", help="decode batch sizes profiled kernel by kernel")
+    p.add_argument("--profile-context", type=int, default=256, help="context of the profiled decode steps")
+    p.add_argument("--replays", type=int, default=20)
+    return p.parse_args()
+
+
+def kernel_table(prof, limit: int = 40) -> list[dict]:
+    """GPU-side events (kernels, copies, memsets) by name, largest total first."""
+    rows = []
+    for e in prof.key_averages():
+        if "CUDA" not in str(getattr(e, "device_type", "")):
+            continue
+        us = float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "device_time_total", 0.0))
+        if us > 0:
+            rows.append({"name": e.key[:160], "calls": int(e.count), "cuda_us_total": us})
+    rows.sort(key=lambda r: -r["cuda_us_total"])
+    return rows[:limit]
+
+
+def trace_workload(llm, samples, n: int) -> dict:
+    from spanllm.engine.paged_runner import plan_step
+    from spanllm.engine.sampler import SamplingParams
+
+    core = llm.engine_core
+    runner = core.runner
+    tok = llm.get_tokenizer()
+    steps = []
+    for r in list(samples)[:n]:
+        ids = list(r.prompt_token_ids) if r.prompt_token_ids else tok.encode(r.prompt)
+        core.add_request(ids, SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=r.output_len), with_text=False)
+    execute = runner.execute
+    timing: dict = {}
+
+    def timed_execute(x):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = execute(x)
+        b.record()
+        timing["events"] = (a, b)
+        timing["x"] = x
+        return out
+
+    runner.execute = timed_execute
+    torch.cuda.synchronize()
+    t_start = time.perf_counter()
+    try:
+        while core.has_unfinished():
+            t0 = time.perf_counter()
+            timing.clear()
+            core.step()
+            wall = time.perf_counter() - t0
+            if "events" not in timing:
+                continue
+            a, b = timing["events"]
+            b.synchronize()
+            gpu = a.elapsed_time(b) / 1e3
+            x = timing["x"]
+            steps.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, gpu, wall))
+    finally:
+        runner.execute = execute
+    total = time.perf_counter() - t_start
+    arr = np.asarray(steps, dtype=np.float64)
+    out = {"requests": n, "wall_s": total, "steps": len(steps),
+           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s"],
+           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6)] for s in steps]}
+    for kind, mask in (("decode_only", arr[:, 0] == 1), ("mixed", arr[:, 0] == 0)):
+        sub = arr[mask]
+        out[kind] = {"steps": int(mask.sum()), "gpu_forward_s": float(sub[:, 3].sum()),
+                     "wall_s": float(sub[:, 4].sum()), "host_s": float((sub[:, 4] - sub[:, 3]).clip(min=0).sum()),
+                     "tokens": int(sub[:, 2].sum()), "mean_seqs": float(sub[:, 1].mean()) if len(sub) else 0.0}
+    return out
+
+
+def profile_decode(llm, batch: int, context: int, replays: int, graphs: bool) -> dict:
+    """`replays` decode steps of `batch` sequences at `context` tokens (block tables of real blocks)."""
+    from spanllm.engine.paged_runner import StepInputs
+
+    core = llm.engine_core
+    runner = core.runner
+    bs = runner.block_size
+    nblk = -(-context // bs)
+    # Nothing else runs: any blocks past the reserved block 0 serve (the block manager is not involved).
+    tables = (1 + np.arange(batch * nblk, dtype=np.int32)).reshape(batch, nblk)
+    pos = np.full(batch, context - 1, dtype=np.int64)
+    slots = tables[:, (context - 1) // bs].astype(np.int64) * bs + (context - 1) % bs
+    x = StepInputs(np.ones(batch, np.int64), pos, slots, batch, np.full(batch, context, np.int32),
+                   np.ones(batch, np.int32), tables, np.arange(batch, dtype=np.int64))
+    return _profile(runner, x, replays, graphs)
+
+
+def profile_prefill(llm, tokens: int, chunk: int, replays: int) -> dict:
+    from spanllm.engine.paged_runner import StepInputs
+
+    core = llm.engine_core
+    runner = core.runner
+    bs = runner.block_size
+    n = tokens // chunk
+    nblk = -(-chunk // bs)
+    tables = (1 + np.arange(n * nblk, dtype=np.int32)).reshape(n, nblk)
+    pos = np.tile(np.arange(chunk, dtype=np.int64), n)
+    slots = (tables[:, np.arange(chunk) // bs].astype(np.int64) * bs + np.arange(chunk) % bs).reshape(-1)
+    x = StepInputs(np.ones(n * chunk, np.int64), pos, slots, 0, np.full(n, chunk, np.int32),
+                   np.full(n, chunk, np.int32), tables, np.arange(chunk - 1, n * chunk, chunk, dtype=np.int64))
+    return _profile(runner, x, replays, True)
+
+
+def _profile(runner, x, replays: int, graphs: bool) -> dict:
+    keep = runner.use_cuda_graphs
+    runner.use_cuda_graphs = graphs and keep
+    try:
+        for _ in range(3):
+            runner.execute(x)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            runner.execute(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                runner.execute(x)
+            torch.cuda.synchronize()
+        table = kernel_table(prof)
+    finally:
+        runner.use_cuda_graphs = keep
+    return {"graphs": bool(graphs and keep), "tokens": x.num_tokens, "seqs": len(x.q_lens),
+            "step_ms_median": float(np.median(times)), "step_ms": [round(t, 4) for t in times],
+            "replays_profiled": replays,
+            "kernel_us_per_step": [{**r, "us_per_step": r["cuda_us_total"] / replays} for r in table],
+            "kernel_us_per_step_sum": sum(r["cuda_us_total"] for r in table) / replays}
+
+
+def main() -> int:
+    from spanllm.bench.sample_file import load_samples
+    from spanllm.bench.throughput import engine_config_from_args, machine_info, warm_up
+    from spanllm.engine.config import resolve_model
+    from spanllm.engine.llm import LLM
+
+    args = parse()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    llm = LLM(resolve_model(args.model), engine_config_from_args(args, device), device=device)
+    llm.get_tokenizer()
+    result: dict = {"describe": llm.describe_serving(), "machine": machine_info(device),
+                    "settings": {k: v for k, v in vars(args).items() if not callable(v)}}
+    print(result["describe"], flush=True)
+    result["warmup"] = warm_up(llm)
+    path = os.path.join(args.out, "profile_steps.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["kernels"] = {}
+    for b in [int(v) for v in args.profile_batches.split(",") if v]:
+        if b > llm.engine.max_num_seqs:
+            continue
+        for graphs in (True, False):
+            key = f"decode_b{b}_ctx{args.profile_context}_{'graph' if graphs else 'eager'}"
+            result["kernels"][key] = profile_decode(llm, b, args.profile_context, args.replays, graphs)
+            print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
+            save()
+    t = llm.engine.max_num_batched_tokens
+    key = f"prefill_{t}_tokens_chunks_of_512"
+    result["kernels"][key] = profile_prefill(llm, t, 512, max(3, args.replays // 4))
+    print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
+    save()
+    if args.samples_file:
+        samples = load_samples(args.samples_file)
+        tr = trace_workload(llm, samples, min(args.trace_prompts, len(samples)))
+        out_tokens = sum(r.output_len for r in list(samples)[: tr["requests"]])
+        tr["output_tokens"] = out_tokens
+        tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
+        result["trace"] = tr
+        print(f"trace: {tr['steps']} steps in {tr['wall_s']:.2f} s = {tr['output_tokens_per_second']:.0f} output tok/s; "
+              f"decode-only {tr['decode_only']}; mixed {tr['mixed']}", flush=True)
+        save()
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
