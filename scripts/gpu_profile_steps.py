@@ -169,6 +169,41 @@ def _profile(runner, x, replays: int, graphs: bool) -> dict:
             "kernel_us_per_step_sum": sum(r["cuda_us_total"] for r in table) / replays}
 
 
+def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
+    """The split decode kernel alone (8B heads) at small batches: microseconds per call for each minimum of
+    key tiles per split (paged_attention_triton.MIN_TILES_PER_SPLIT picks one)."""
+    from spanllm.engine import paged_attention_triton as kt
+
+    from spanllm.cuda_graph import capture_graph
+
+    cache = llm.engine_core.runner.cache
+    layer = next(iter(cache.k))
+    kc, vc = cache.k[layer], cache.v[layer]
+    hkv, d = kc.shape[2], kc.shape[3]
+    hq = hkv * llm.engine_core.runner.group
+    rows = []
+    for b in (1, 8, 32):
+        splits = kt.num_splits_for(b, hkv, kc.device)
+        for ctx in (128, 256, 512, 1024, 2048, 4096):
+            nblk = -(-ctx // cache.block_size)
+            tables = (1 + torch.arange(b * nblk, dtype=torch.int32, device=kc.device)).reshape(b, nblk)
+            cl = torch.full((b,), ctx, dtype=torch.int32, device=kc.device)
+            q = torch.randn(b, hq, d, device=kc.device, dtype=kc.dtype)
+            for mt in (1, 2, 4, 8):
+                # `calls` back-to-back kernels in one graph (as a step's layers run): no host launch cost inside
+                graph = capture_graph(lambda: [kt.decode(q, kc, vc, tables, cl, splits, mt) for _ in range(calls)],
+                                      kc.device, warmup=1)
+                graph.replay()
+                a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                rows.append({"batch": b, "context": ctx, "splits": splits, "min_tiles": mt,
+                             "us_per_call": 1e3 * a.elapsed_time(e) / calls})
+    return rows
+
+
 def main() -> int:
     from spanllm.bench.sample_file import load_samples
     from spanllm.bench.throughput import engine_config_from_args, machine_info, warm_up
@@ -191,6 +226,8 @@ def main() -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
+    result["decode_min_tiles_sweep"] = sweep_min_tiles(llm)
+    save()
     result["kernels"] = {}
     for b in [int(v) for v in args.profile_batches.split(",") if v]:
         if b > llm.engine.max_num_seqs:

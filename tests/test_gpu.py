@@ -4,7 +4,7 @@ Each case starts `torchrun` (one process per GPU, a free port) on `scripts/gpu_a
 executes the same case bodies as the CPU tests (spanllm.comm.conformance) against nvrar and the baselines,
 then asserts that its JSON has every case and no wrong element; `scripts/gpu_nvrar_timeout.py` makes the last
 rank skip an nvrar call, and rank 0 must raise an error naming itself, the peer and the phase. Cases are
-parametrised over world sizes 1, 2 and every GPU present; a case that needs more GPUs than the host has skips,
+parametrised over world sizes 2 and every GPU present (nvrar refuses a single rank); a case that needs more GPUs than the host has skips,
 saying so. The JSON files are a by-product: in $SPANLLM_GPU_OUT when set, else in pytest's tmp folder.
 The checkers are plain functions over the documents: tests/test_committed_results.py applies them to the
 committed results on any machine.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 NGPU = torch.cuda.device_count()
-WORLDS = sorted({1, 2, max(NGPU, 1)})
+WORLDS = sorted({2, max(NGPU, 2)})  # nvrar refuses 1 rank (symmetric memory needs 2): nothing to reduce there
 MAX_BYTES = 8 << 20  # the conformance script's --max-bytes default, which gpu_check.sh keeps
 BASE_LENGTHS = [1, 2, 3, 5, 7, 8, 31, 127, 128, 1000, 1023, 4097, 65537, 262147, 1_000_003]
 ITEMSIZE = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "torch.int32": 4}

@@ -39,6 +39,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="paged attention: triton on CUDA (auto), torch = the reference")
     g.add_argument("--min-admit", type=int, default=1,
                    help="admission batching: while decoding, admit only once this many slots are free (1 = off)")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="the host waits for each step's tokens before planning the next (default: it plans the next "
+                        "while the GPU runs, on a GPU at TP=1)")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size)")
     g.add_argument("--allreduce", default=None, help="registered all-reduce (default: nccl on GPU, gloo on CPU)")
 
@@ -53,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                         attention_backend=args.attention_backend, min_admit=args.min_admit,
+                        async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
                         **({"max_model_len": args.max_model_len} if getattr(args, "max_model_len", None) else {}))
 
 

@@ -187,6 +187,9 @@ class NvrarAllReduce(AllReduce):
                  tuning=None, launch: LaunchParams | None = None, device: torch.device | None = None,
                  trace: bool = False) -> None:
         super().__init__(group, topology)
+        if self.world_size < 2:
+            raise AllReduceInputError(f"nvrar: a group of {self.world_size} rank needs no all-reduce, and torch symmetric "
+                                      "memory (its transport) needs at least 2 ranks; run nvrar on 2 or more")
         from spanllm.comm import nvrar_kernel, symm  # triton + NVSHMEM, GPU only
 
         if not 0 < max_bytes < MAX_BUFFER_BYTES:

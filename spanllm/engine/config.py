@@ -284,6 +284,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the sizing (tests: a pool small enough to preempt)
     attention_backend: str = "auto"  # paged attention: auto (triton on CUDA), torch (reference), triton
     min_admit: int = 1  # admission batching (spanllm.engine.scheduler.SchedulerConfig.min_admit); 1 = off
+    # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -11,6 +11,16 @@ only rank 0 samples, and the sampled tokens reach the other ranks as input ids i
 other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules. An idle
 server's rank 0 sends an empty plan now and then (`heartbeat`), so the workers' wait stays shorter than
 the collective timeout.
+
+Async scheduling (TP = 1, on by default on a GPU): the host never waits for the step it just launched.
+`step()` plans and launches step t+1 while step t's sampled tokens are still on their way: the tokens
+stay on the device, the plan of t+1 takes their ids from there (`StepInputs.prev_rows`), and the host reads
+step t's tokens (a pinned copy, its own event) only after t+1 is queued, then appends them, checks stops
+and reports them. So the GPU always has the next step queued while the host schedules, detokenizes and
+streams. What it costs: a request that ends on EOS or a stop (not on its length: the scheduler knows
+those) runs one step more than it needed, whose token is dropped; its blocks are freed at once (that
+step's cache write lands before any later step, in stream order, so a block handed to a new request is
+written by it afterwards). Outputs arrive one step later than they are computed.
 """
 
 from __future__ import annotations
@@ -48,6 +58,16 @@ class RequestOutput:
 
 
 @dataclass
+class _InFlight:
+    """A step whose sampled tokens the host has not read yet (async scheduling)."""
+
+    seqs: list[Sequence]  # the sequences that sampled, in row order
+    tokens: torch.Tensor  # [R] int64 on the device: the next plan's decode inputs read it
+    host: torch.Tensor  # [>= R] int64 (pinned on a GPU): its copy, valid once `ready` fired
+    ready: object  # torch.cuda.Event, or None on CPU (the copy is done when it returns)
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests, each counted once (recomputation is not)
@@ -59,7 +79,8 @@ class EngineStats:
 class EngineCore:
     def __init__(self, runner: PagedModelRunner, blocks: BlockManager, config: SchedulerConfig, *, vocab_size: int,
                  eos_token_ids: tuple[int, ...], tokenizer=None, seed: int = 0,
-                 control_group: dist.ProcessGroup | None = None, rank: int = 0, tp_size: int = 1) -> None:
+                 control_group: dist.ProcessGroup | None = None, rank: int = 0, tp_size: int = 1,
+                 async_scheduling: bool | None = None) -> None:
         self.runner = runner
         self.blocks = blocks
         self.config = config
@@ -74,6 +95,17 @@ class EngineCore:
         self._requests: dict[str, Sequence] = {}
         self._detok: dict[str, object] = {}
         self._counter = 0
+        if async_scheduling is None:  # default: on a GPU at TP = 1 (TP ranks take token ids from the plan)
+            async_scheduling = runner.device.type == "cuda" and tp_size == 1
+        if async_scheduling and tp_size > 1:
+            raise ValueError(f"async_scheduling needs tp=1 (the other TP ranks read token ids from the host plan); "
+                             f"this engine has tp={tp_size}")
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
+        pin = runner.device.type == "cuda"
+        n = config.max_num_seqs
+        self._host_tokens = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_turn = 0
 
     # --- admission ------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -125,7 +157,7 @@ class EngineCore:
         return self._finish_output(seq, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -137,43 +169,74 @@ class EngineCore:
 
     # --- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, launch and sample one step; return the outputs of the step whose tokens the host read
+        (this one; with async scheduling the one before, while this one runs)."""
         batch = self.scheduler.schedule()
         if batch.preempted:  # the scheduler counts them; the stats mirror its count
             self.stats.preemptions = self.scheduler.num_preemptions
-        if not batch:
-            return []
-        x = plan_step(batch.entries, batch.num_decode, self.blocks.block_size)
-        self._broadcast(x)
-        logits = self.runner.execute(x)
-        self.stats.steps += 1
-        sampling = [seq for seq, n in batch.entries if seq.num_computed + n == seq.num_tokens]
-        for seq, n in batch.entries:
-            if seq.num_computed == 0 and seq.num_preemptions == 0:
-                self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
-            seq.num_computed += n
-        if not sampling:
-            return []
-        tokens = self._sample(logits, sampling)
+        prev = self._inflight
+        self._inflight = None
+        new = None
+        if batch:
+            x = plan_step(batch.entries, batch.num_decode, self.blocks.block_size)
+            self._broadcast(x)
+            logits = self.runner.execute(x, prev.tokens if prev is not None else None)
+            self.stats.steps += 1
+            sampling = [seq for seq, n in batch.entries if seq.num_computed + n == seq.num_tokens]
+            for seq, n in batch.entries:
+                if seq.num_computed == 0 and seq.num_preemptions == 0:
+                    self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
+                seq.num_computed += n
+            if sampling:
+                new = self._sample(logits, sampling)
+        outs = self._land(prev) if prev is not None else []
+        if new is not None:
+            if self.async_scheduling:
+                self._inflight = new  # read at the next step, after that one is queued
+            else:
+                outs += self._land(new)
+        return outs
+
+    def _land(self, f: _InFlight) -> list[RequestOutput]:
+        """The host reads a step's sampled tokens (waiting for that step only), appends them and reports."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        tokens = f.host[: len(f.seqs)].tolist()
         now = time.monotonic()
         outs = []
-        for seq, tok in zip(sampling, tokens):
+        for seq, tok in zip(f.seqs, tokens):
+            seq.num_pending -= 1
+            if seq.is_finished:  # ended (stop, abort) after this step was launched: its token is dropped
+                continue
             outs.append(self._append(seq, tok, now))
         return outs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> _InFlight:
+        """Sample on the device, start the copy to the host; the tokens count as pending until they land."""
         masks = []
         gens = []
         for s in seqs:
             p = s.params
             banned = ()
-            if s.num_output < p.min_tokens:
+            if s.num_output + s.num_pending < p.min_tokens:
                 banned = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
             masks.append(banned)
             if p.seed is not None and not p.greedy and s.generator is None:
                 s.generator = torch.Generator(device=self.runner.device)
                 s.generator.manual_seed(p.seed)
             gens.append(s.generator)
-        return self.sampler(logits, [s.params for s in seqs], masks, gens)
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], masks, gens)
+        for row, s in enumerate(seqs):
+            s.num_pending += 1
+            s.pending_row = row
+        host = self._host_tokens[self._host_turn]
+        self._host_turn ^= 1  # two buffers: the step being read and the one being sampled
+        host[: len(seqs)].copy_(tokens, non_blocking=True)
+        ready = None
+        if tokens.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _InFlight(seqs, tokens, host, ready)
 
     def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
         """Append a sampled token, then decide whether the request ends (vLLM's rules):

@@ -331,7 +331,7 @@ class LLM:
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(runner, blocks, sched, vocab_size=cfg.vocab_size, eos_token_ids=eos,
                           tokenizer=self.tokenizer, seed=e.seed, control_group=self._control_group,
-                          rank=self.groups.tp_rank, tp_size=self.dims.tp)
+                          rank=self.groups.tp_rank, tp_size=self.dims.tp, async_scheduling=e.async_scheduling)
 
     def get_tokenizer(self):
         """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once."""
@@ -353,7 +353,8 @@ class LLM:
         return (f"{self.config.label} | {self.dims} | {self.engine.dtype} on {self.device} | all-reduce "
                 f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
                 f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
-                f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}"
+                f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
+                f"{'on' if core.async_scheduling else 'off'}"
                 + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else ""))
 
     def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:

@@ -7,7 +7,8 @@ loaded once for g queries. tl.dot needs at least 16 rows, so the decode kernel p
 
 Decode, graph safety: the grid (batch, KV heads, splits) is fixed by the shapes a CUDA graph captured;
 each program derives its range of keys from context_lens on the device, so one captured graph serves
-every step. Split s of a sequence with n key tiles takes tiles [s*c, min(n, (s+1)*c)), c = ceil(n/S):
+every step. Split s of a sequence with n key tiles takes tiles [s*c, min(n, (s+1)*c)),
+c = max(ceil(n/S), MIN_TILES_PER_SPLIT):
 a split past a short sequence's end does nothing at all. The splits that own keys write partial (m, l, acc)
 and count themselves in on a per-(sequence, head) counter; the last to arrive merges them in the same
 kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter.
@@ -28,6 +29,9 @@ from spanllm.engine.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
+# A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
+# to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
+MIN_TILES_PER_SPLIT = 4
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -47,13 +51,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, scale_log2,
                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(n, BLOCK)
-    per_split = tl.cdiv(n_tiles, SPLITS)
+    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), MIN_TILES)  # short contexts: fewer splits, maybe no merge
     n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (>= 1: n >= 1)
     if s < n_active:
         t0 = s * per_split
@@ -133,7 +137,7 @@ def _semaphore(device: torch.device, n: int) -> torch.Tensor:
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, num_splits: int) -> torch.Tensor:
+           context_lens: torch.Tensor, num_splits: int, min_tiles: int | None = None) -> torch.Tensor:
     """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32 (>= 1), block_tables [B, W] int32."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
@@ -153,7 +157,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, sem,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), scale_log2,
-        G=g, G_PAD=g_pad, D=d, CACHE_BLOCK=cache_block, BLOCK=BLOCK_N, SPLITS=num_splits, PREC=_precision(q),
+        G=g, G_PAD=g_pad, D=d, CACHE_BLOCK=cache_block, BLOCK=BLOCK_N, SPLITS=num_splits,
+        MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles, PREC=_precision(q),
         num_warps=4)
     return out
 

@@ -25,7 +25,7 @@ with graphs off, runs eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -79,6 +79,10 @@ class StepInputs:
     q_lens: np.ndarray  # [S] int32 tokens each runs this step (1 for decodes)
     block_tables: np.ndarray  # [S, W] int32
     logits_rows: np.ndarray  # [R] int64 packed-token rows whose logits are sampled
+    # Async scheduling: token rows whose ids are still on the device, in the previous step's sampled tokens
+    # (row prev_rows[i] of this step takes sampled[prev_src[i]]); empty when every id is on the host.
+    prev_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    prev_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     stop: bool = False  # the worker loop ends (shutdown)
     noop: bool = False  # a heartbeat: nothing to run (keeps an idle server's workers inside the collective timeout)
 
@@ -118,11 +122,14 @@ def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
         p = seq.num_computed
         bt = seq.block_table
         tables[i, : len(bt)] = bt
-        ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[p])
+        # The token at position p: on the host, or (async scheduling) still on the device: 0 here, and the
+        # runner copies it in from the previous step's sampled tokens (prev_rows / prev_src).
+        ids.append(0 if seq.num_pending else seq.token_at(p))
         pos.append(p)
         slots.append(bt[p // block_size] * block_size + p % block_size)
         ctx[i] = p + 1
     rows = list(range(num_decode))
+    prev_rows = [i for i in range(num_decode) if entries[i][0].num_pending]
     pos_parts = [np.asarray(pos, dtype=np.int64)]
     slot_parts = [np.asarray(slots, dtype=np.int64)]
     row = num_decode
@@ -132,6 +139,8 @@ def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
         bt = seq.block_table
         tables[i, : len(bt)] = bt
         p = np.arange(start, start + n, dtype=np.int64)
+        if seq.num_pending:
+            raise RuntimeError(f"{seq.request_id}: a prefill chunk with a token still on the device (scheduler bug)")
         ids.extend(seq.tokens(start, start + n))
         pos_parts.append(p)
         slot_parts.append(tables[i, p // block_size].astype(np.int64) * block_size + p % block_size)
@@ -140,8 +149,12 @@ def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
         row += n
         if start + n == seq.num_tokens:  # reaches the end of what it has: samples its next token
             rows.append(row - 1)
-    return StepInputs(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
-                      num_decode, ctx, qlens, tables, np.asarray(rows, dtype=np.int64))
+    x = StepInputs(np.asarray(ids, dtype=np.int64), np.concatenate(pos_parts), np.concatenate(slot_parts),
+                   num_decode, ctx, qlens, tables, np.asarray(rows, dtype=np.int64))
+    if prev_rows:
+        x.prev_rows = np.asarray(prev_rows, dtype=np.int64)
+        x.prev_src = np.asarray([entries[i][0].pending_row for i in prev_rows], dtype=np.int64)
+    return x
 
 
 @dataclass
@@ -180,6 +193,7 @@ class PagedModelRunner:
         # sum(ladder) + len(token ladder) * max_num_seqs rows: 4.4 GiB of an 8B model's vocabulary at 256).
         self._logits: torch.Tensor | None = None
         self.graph_memory_bytes = 0  # what capture_all's graphs (their pool, static buffers, logits) took
+        self._prev: torch.Tensor | None = None  # execute()'s prev_tokens, for the step being set up
 
     # --- metadata ------------------------------------------------------------------------------------
     def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
@@ -216,18 +230,31 @@ class PagedModelRunner:
 
     # --- running a step -----------------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, x: StepInputs) -> torch.Tensor:
-        """Run one step on this rank; logits [len(logits_rows), vocab] float32 (identical on every TP rank)."""
+    def execute(self, x: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step on this rank; logits [len(logits_rows), vocab] float32 (identical on every TP rank).
+        prev_tokens: the previous step's sampled ids on the device, when x.prev_rows takes ids from them."""
+        if len(x.prev_rows) and prev_tokens is None:
+            raise ValueError(f"the step takes {len(x.prev_rows)} token ids from the previous step's samples; pass them")
+        self._prev = prev_tokens
         if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
             return self._replay(x)
         if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
             return self._replay_mixed(x)
         dev = self.device
         ids = torch.from_numpy(x.token_ids).to(dev, non_blocking=True)
+        self._fill_prev(ids, x)
         positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
         slots = torch.from_numpy(x.slots).to(dev, non_blocking=True)
         meta = self._metadata(x, positions, slots)
         return self.model(ids, meta, self.cache)
+
+    def _fill_prev(self, ids: torch.Tensor, x: StepInputs) -> None:
+        """ids[prev_rows] = prev_tokens[prev_src], on the device, in stream order: after the previous step's
+        sampling, before this step's forward (async scheduling never waits for the host to see a token)."""
+        if len(x.prev_rows):
+            rows = torch.from_numpy(x.prev_rows).to(self.device, non_blocking=True)
+            src = torch.from_numpy(x.prev_src).to(self.device, non_blocking=True)
+            ids.index_copy_(0, rows, self._prev.index_select(0, src))
 
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.ladder if b >= batch)
@@ -262,6 +289,7 @@ class PagedModelRunner:
         st["slots"][:bucket].copy_(torch.from_numpy(slots), non_blocking=True)
         st["ctx"][:bucket].copy_(torch.from_numpy(ctx), non_blocking=True)
         st["tables"][:bucket, :w].copy_(torch.from_numpy(tables), non_blocking=True)
+        self._fill_prev(st["ids"], x)
         g = self._graphs.get(bucket)
         if g is None:
             g = self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
@@ -341,6 +369,7 @@ class PagedModelRunner:
         st["tables"][:s, :w].copy_(torch.from_numpy(x.block_tables))
         st["tiles"][: len(tiles)].copy_(torch.from_numpy(tiles))
         st["rows"].copy_(torch.from_numpy(rows))
+        self._fill_prev(st["ids"], x)
         g = self._mixed_graphs.get(bucket)
         if g is None:
             g = self._mixed_graphs[bucket] = self._capture_with(lambda: self._mixed_forward(bucket))

@@ -104,11 +104,16 @@ class BatchSampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
                  generators: list[torch.Generator | None]) -> list[int]:
         """stop_masks[i]: ids to forbid in row i (EOS / stop ids before min_tokens). Returns B token ids."""
+        return self.sample(logits, params, stop_masks, generators).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """As __call__, but the ids stay on the device ([B] int64): nothing here waits for the GPU."""
         for i, ids in enumerate(stop_masks):
             if ids:
                 logits[i, list(ids)] = float("-inf")
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
         probs_logits = logits / temps[:, None]
         if any(p.top_k_active for p in params):
@@ -131,4 +136,4 @@ class BatchSampler:
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
             sampled[rows] = logits[rows].argmax(dim=-1)
-        return sampled.tolist()
+        return sampled

@@ -88,8 +88,12 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        """A running sequence finished in postprocessing: leave the running list, free its blocks."""
-        self.running.remove(seq)
+        """A sequence finished in postprocessing: leave its queue, free its blocks. Usually it is running;
+        with async scheduling it may have been preempted (waiting) after the step that sampled its last token."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
         self.blocks.free(seq)
 
     def has_work(self) -> bool:
@@ -106,9 +110,11 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            n_tok = len(seq.prompt_ids) + len(seq.output_ids)
+            n_tok = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_pending
             if seq.status is not SequenceStatus.RUNNING or n_tok - seq.num_computed != 1:
                 continue
+            if seq.num_pending and len(seq.output_ids) + seq.num_pending >= seq.params.max_tokens:
+                continue  # its last token is in flight (async scheduling): it finishes when that one lands
             # Fast path: the new token's slot is in a block it already holds (all but one step in block_size).
             if (n_tok + bs - 1) // bs > len(seq.block_table) and not self._make_room(seq, n_tok, scheduled, out):
                 continue  # seq itself was preempted

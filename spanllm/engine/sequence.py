@@ -5,6 +5,11 @@ the cache; the scheduler advances it as prefill chunks and decode steps run, and
 recompute) resets it to 0 with the blocks freed: the request then prefills its prompt and what it had
 generated so far again, and goes on where it stopped (its output is kept).
 
+With async scheduling a sampled token can be on the device only: `num_pending` counts them (0, or 1
+while the step after the one that sampled it is planned; 2 for a moment while that step samples again).
+They count in `num_tokens`, so the scheduler plans the next decode as if the token were there, and the
+plan takes its id from the device (`pending_row`: its row in the newest in-flight sample).
+
 Timestamps are `time.monotonic()` seconds (what a serving benchmark needs): arrival, first scheduled,
 first token, every token, finish.
 """
@@ -43,6 +48,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose K/V are cached
     num_preemptions: int = 0
+    num_pending: int = 0  # sampled on the device, not yet appended on the host (async scheduling)
+    pending_row: int = -1  # the newest pending token's row in its step's sampled tensor
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -58,7 +65,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def num_output(self) -> int:

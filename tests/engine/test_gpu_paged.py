@@ -41,12 +41,13 @@ TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 4, 16), (8, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_decode_kernel_matches_reference(dtype, hq, hkv, d, splits):
+@pytest.mark.parametrize("min_tiles", [1, None])  # 1: every split of a 1000-token context active; None: the default
+def test_decode_kernel_matches_reference(dtype, hq, hkv, d, splits, min_tiles):
     ctx = [1, 15, 16, 17, 64, 65, 300, 1000]
     kc, vc, tables = _pool(ctx, 16, hkv, d, dtype)
     q = torch.randn(len(ctx), hq, d, device=DEV, dtype=dtype)
     ref = pa.reference_decode(q.float(), kc.float(), vc.float(), tables, ctx)
-    out = kt.decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits)
+    out = kt.decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits, min_tiles)
     assert (out.float() - ref).abs().max().item() < TOL[dtype]
 
 

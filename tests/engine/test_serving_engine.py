@@ -147,9 +147,10 @@ def hf_serving_reference(hf_checkpoint):
     return out
 
 
-@pytest.fixture(scope="module")
-def tp1_llm(hf_checkpoint):
-    return LLM(hf_checkpoint[0], serving_config())
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tp1_llm(hf_checkpoint, request):
+    """Both host loops: the host waits for each step's tokens (sync), or plans the next step first (async)."""
+    return LLM(hf_checkpoint[0], serving_config(async_scheduling=request.param))
 
 
 def _tokens(res: dict) -> list[list[int]]:
@@ -161,16 +162,19 @@ def test_alone_equals_transformers(tp1_llm, hf_serving_reference):
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"block_size": 16, "num_kv_blocks": 20}])
-def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_reference, kw):
-    llm = LLM(hf_checkpoint[0], serving_config(**kw))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_reference, kw, async_scheduling):
+    llm = LLM(hf_checkpoint[0], serving_config(**kw, async_scheduling=async_scheduling))
     res = run_scenario(llm)
     assert _tokens(res) == hf_serving_reference
     assert all(r["finish_reason"] == "length" for r in res["results"].values())
     assert res["free_blocks"] == res["usable_blocks"]
 
 
-def test_preemption_keeps_tokens_and_frees_every_block(hf_checkpoint, hf_serving_reference):
-    llm = LLM(hf_checkpoint[0], serving_config(num_kv_blocks=14, max_num_batched_tokens=8))  # 52 tokens of pool
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_keeps_tokens_and_frees_every_block(hf_checkpoint, hf_serving_reference, async_scheduling):
+    llm = LLM(hf_checkpoint[0], serving_config(num_kv_blocks=14, max_num_batched_tokens=8,  # 52 tokens of pool
+                                               async_scheduling=async_scheduling))
     res = run_scenario(llm)
     assert res["preemptions"] > 0
     assert _tokens(res) == hf_serving_reference
@@ -186,6 +190,41 @@ def test_aborts_lose_nothing_else(tp1_llm, hf_serving_reference):
         else:
             assert r["finish_reason"] == "length" and r["tokens"] == ref
     assert res["free_blocks"] == res["usable_blocks"]
+
+
+def test_async_scheduling_reports_a_step_late_and_drops_the_extra_step(hf_checkpoint, hf_serving_reference):
+    """Async: step 1 (the prefill) reports nothing, its token is in flight; step 2 reports it while step 2's
+    token is in flight. A request that ends on a stop id has one step more queued behind it, whose token is
+    dropped: the output is the sync engine's, and every block is free afterwards."""
+    llm = LLM(hf_checkpoint[0], serving_config(async_scheduling=True))
+    core = llm.engine_core
+    assert core.async_scheduling
+    seq = core.add_request(SERVE_PROMPTS[0], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert core.step() == [] and seq.num_pending == 1 and seq.output_ids == []
+    outs = core.step()
+    assert [o.new_ids for o in outs] == [hf_serving_reference[0][:1]] and seq.num_pending == 1
+    while core.has_unfinished():
+        core.step()
+    assert seq.output_ids == hf_serving_reference[0] and seq.num_pending == 0
+    ref = hf_serving_reference[0]
+    stop = ref[3]
+    steps0 = core.stats.steps
+    out = llm.generate([SERVE_PROMPTS[0]], SamplingParams(max_tokens=10, stop_token_ids=(stop,)))[0]
+    assert out.output_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+    assert core.stats.steps - steps0 == ref.index(stop) + 2  # one step ran behind the stop, its token dropped
+    core.blocks.check([])
+    assert core.blocks.num_free == core.blocks.num_usable
+
+
+def test_async_scheduling_needs_tp1():
+    from spanllm.engine.engine_core import EngineCore
+
+    class _Runner:
+        device = torch.device("cpu")
+
+    with pytest.raises(ValueError, match="async_scheduling needs tp=1"):
+        EngineCore(_Runner(), BlockManager(8, 4), SchedulerConfig(), vocab_size=8, eos_token_ids=(), tp_size=2,
+                   async_scheduling=True)
 
 
 # --- TP=2 over gloo ---------------------------------------------------------------------------------------
@@ -292,11 +331,11 @@ def _stream(core, prompt: str, params) -> tuple[list[str], object]:
     return deltas, final
 
 
-@pytest.fixture(scope="module")
-def tiny_text():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tiny_text(request):
     """The tiny preset with its LM head restricted to printable ASCII bytes (other rows zeroed, these scaled
-    up), so that its greedy output is readable text of the byte tokenizer."""
-    llm = LLM("tiny", serving_config(max_model_len=256))
+    up), so that its greedy output is readable text of the byte tokenizer. Both host loops (sync, async)."""
+    llm = LLM("tiny", serving_config(max_model_len=256, async_scheduling=request.param))
     llm.get_tokenizer()
     with torch.no_grad():
         w = llm.model.lm_head.weight

@@ -20,6 +20,7 @@ import pytest
 
 from serve_helpers import offline_greedy
 
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
 
 
