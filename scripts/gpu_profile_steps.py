@@ -65,10 +65,10 @@ def trace_workload(llm, samples, n: int) -> dict:
     execute = runner.execute
     timing: dict = {}
 
-    def timed_execute(x):
+    def timed_execute(x, prev_tokens=None):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        out = execute(x)
+        out = execute(x, prev_tokens)
         b.record()
         timing["events"] = (a, b)
         timing["x"] = x

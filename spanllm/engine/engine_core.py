@@ -88,7 +88,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
-        self.sampler = BatchSampler(runner.device, seed)
+        self.sampler = BatchSampler(runner.device, seed, to_device=getattr(getattr(runner, "staging", None), "tensor", None))
         self.control_group = control_group
         self.rank, self.tp_size = rank, tp_size
         self.stats = EngineStats()

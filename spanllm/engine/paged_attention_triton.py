@@ -31,7 +31,7 @@ BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
 # to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
-MIN_TILES_PER_SPLIT = 4
+MIN_TILES_PER_SPLIT = 2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
 
 
 def _precision(x: torch.Tensor) -> str:

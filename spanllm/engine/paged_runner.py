@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from spanllm.cuda_graph import capture_graph
+from spanllm.engine.host_staging import HostStaging
 from spanllm.engine.model import LlamaForCausalLM
 from spanllm.engine.paged_attention import PagedMetadata
 from spanllm.engine.paged_cache import PagedKVCache
@@ -194,17 +195,22 @@ class PagedModelRunner:
         self._logits: torch.Tensor | None = None
         self.graph_memory_bytes = 0  # what capture_all's graphs (their pool, static buffers, logits) took
         self._prev: torch.Tensor | None = None  # execute()'s prev_tokens, for the step being set up
+        # Every host -> device copy of a step goes through pinned staging (async scheduling must not wait):
+        # room for the token arrays, one block-table row per sequence, the prefill tiles and the sampler's rows.
+        t, n = max_num_batched_tokens, max_num_seqs
+        self.staging = HostStaging(device, 8 * 4 * t + 4 * (n + 1) * (self.max_blocks + 8) + 8 * (n + 1 + t)  # tiles <= seqs + tokens
+                                   + 64 * n + (1 << 20))
 
     # --- metadata ------------------------------------------------------------------------------------
     def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
-        dev = self.device
         nd = x.num_decode
         cos, sin = self.rope.lookup(positions)
-        tables = torch.from_numpy(x.block_tables).to(dev, non_blocking=True)
-        ctx = torch.from_numpy(x.context_lens).to(dev, non_blocking=True)
+        h2d = self.staging.tensor
+        tables = h2d(x.block_tables)
+        ctx = h2d(x.context_lens)
         reference = self.backend == "torch"  # the reference loops over host lists; the kernels read tensors
         meta = PagedMetadata(cos, sin, slots, nd, tables[:nd], ctx[:nd],
-                             logits_indices=torch.from_numpy(x.logits_rows).to(dev, non_blocking=True),
+                             logits_indices=h2d(x.logits_rows),
                              backend=self.backend, decode_ctx_host=x.context_lens[:nd].tolist() if reference else None)
         if nd:
             meta.num_splits = self._num_splits(nd)
@@ -212,7 +218,7 @@ class PagedModelRunner:
             q_lens = x.q_lens[nd:]
             cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
             np.cumsum(q_lens, out=cu[1:])
-            meta.prefill_cu_q = torch.from_numpy(cu).to(dev, non_blocking=True)
+            meta.prefill_cu_q = h2d(cu)
             meta.prefill_context_lens = ctx[nd:]
             meta.prefill_block_tables = tables[nd:]
             if reference:
@@ -220,7 +226,7 @@ class PagedModelRunner:
                 meta.prefill_ctx_host = x.context_lens[nd:].tolist()
             else:
                 tiles = np.asarray(prefill_tiles(q_lens.tolist(), self.group), dtype=np.int32).reshape(-1, 2)
-                meta.prefill_tiles = torch.from_numpy(tiles).to(dev, non_blocking=True)
+                meta.prefill_tiles = h2d(tiles)
         return meta
 
     def _num_splits(self, batch: int) -> int:
@@ -236,15 +242,16 @@ class PagedModelRunner:
         if len(x.prev_rows) and prev_tokens is None:
             raise ValueError(f"the step takes {len(x.prev_rows)} token ids from the previous step's samples; pass them")
         self._prev = prev_tokens
+        self.staging.begin_step()
         if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
             return self._replay(x)
         if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
             return self._replay_mixed(x)
-        dev = self.device
-        ids = torch.from_numpy(x.token_ids).to(dev, non_blocking=True)
+        h2d = self.staging.tensor
+        ids = h2d(x.token_ids)
         self._fill_prev(ids, x)
-        positions = torch.from_numpy(x.positions).to(dev, non_blocking=True)
-        slots = torch.from_numpy(x.slots).to(dev, non_blocking=True)
+        positions = h2d(x.positions)
+        slots = h2d(x.slots)
         meta = self._metadata(x, positions, slots)
         return self.model(ids, meta, self.cache)
 
@@ -252,8 +259,8 @@ class PagedModelRunner:
         """ids[prev_rows] = prev_tokens[prev_src], on the device, in stream order: after the previous step's
         sampling, before this step's forward (async scheduling never waits for the host to see a token)."""
         if len(x.prev_rows):
-            rows = torch.from_numpy(x.prev_rows).to(self.device, non_blocking=True)
-            src = torch.from_numpy(x.prev_src).to(self.device, non_blocking=True)
+            rows = self.staging.tensor(x.prev_rows)
+            src = self.staging.tensor(x.prev_src)
             ids.index_copy_(0, rows, self._prev.index_select(0, src))
 
     def _bucket(self, batch: int) -> int:
@@ -284,11 +291,12 @@ class PagedModelRunner:
         w = x.block_tables.shape[1]
         tables = np.zeros((bucket, w), np.int32)
         tables[:b] = x.block_tables
-        st["ids"][:bucket].copy_(torch.from_numpy(ids), non_blocking=True)
-        st["positions"][:bucket].copy_(torch.from_numpy(pos), non_blocking=True)
-        st["slots"][:bucket].copy_(torch.from_numpy(slots), non_blocking=True)
-        st["ctx"][:bucket].copy_(torch.from_numpy(ctx), non_blocking=True)
-        st["tables"][:bucket, :w].copy_(torch.from_numpy(tables), non_blocking=True)
+        put = self.staging.copy_
+        put(st["ids"][:bucket], ids)
+        put(st["positions"][:bucket], pos)
+        put(st["slots"][:bucket], slots)
+        put(st["ctx"][:bucket], ctx)
+        put(st["tables"][:bucket, :w], tables)
         self._fill_prev(st["ids"], x)
         g = self._graphs.get(bucket)
         if g is None:
@@ -360,15 +368,16 @@ class PagedModelRunner:
         rows = np.zeros(self.max_num_seqs, dtype=np.int64)
         rows[: len(x.logits_rows)] = x.logits_rows
         w = x.block_tables.shape[1]
-        st["ids"][:bucket].copy_(torch.from_numpy(np.concatenate([x.token_ids, np.zeros(pad, np.int64)])))
-        st["positions"][:bucket].copy_(torch.from_numpy(np.concatenate([x.positions, np.zeros(pad, np.int64)])))
-        st["slots"][:bucket].copy_(torch.from_numpy(np.concatenate([x.slots, np.zeros(pad, np.int64)])))
-        st["cu_q"][: s + 1].copy_(torch.from_numpy(cu))
+        put = self.staging.copy_
+        put(st["ids"][:bucket], np.concatenate([x.token_ids, np.zeros(pad, np.int64)]))
+        put(st["positions"][:bucket], np.concatenate([x.positions, np.zeros(pad, np.int64)]))
+        put(st["slots"][:bucket], np.concatenate([x.slots, np.zeros(pad, np.int64)]))
+        put(st["cu_q"][: s + 1], cu)
         st["cu_q"][s + 1:].fill_(int(cu[-1]))  # every later chunk, the padding tiles' one included, is empty
-        st["ctx"][:s].copy_(torch.from_numpy(x.context_lens))
-        st["tables"][:s, :w].copy_(torch.from_numpy(x.block_tables))
-        st["tiles"][: len(tiles)].copy_(torch.from_numpy(tiles))
-        st["rows"].copy_(torch.from_numpy(rows))
+        put(st["ctx"][:s], x.context_lens)
+        put(st["tables"][:s, :w], x.block_tables)
+        put(st["tiles"][: len(tiles)], tiles)
+        put(st["rows"], rows)
         self._fill_prev(st["ids"], x)
         g = self._mixed_graphs.get(bucket)
         if g is None:
@@ -391,7 +400,7 @@ class PagedModelRunner:
         inputs (they write only reserved block 0). Returns the captured buckets ([] without graphs)."""
         if not self.use_cuda_graphs:
             return []
-        before = torch.cuda.memory_allocated(self.device)
+        before = torch.cuda.memory_reserved(self.device)
         st = self._static_buffers()
         for bucket in self.ladder:
             if bucket in self._graphs:
@@ -406,7 +415,7 @@ class PagedModelRunner:
             self._reset_mixed()  # padding only: every tile empty, every token writes slot 0
             self._mixed_graphs[bucket] = self._capture_with(lambda b=bucket: self._mixed_forward(b))
         torch.cuda.synchronize(self.device)
-        self.graph_memory_bytes += torch.cuda.memory_allocated(self.device) - before
+        self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before  # the pool keeps what it freed
         return self.captured_buckets
 
     @property

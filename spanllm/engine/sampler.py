@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -97,9 +98,12 @@ class BatchSampler:
     when some row asks: the sort is the costly part), then the exponential race, with the engine's
     generator for unseeded rows and each seeded row's own generator (created at its first token)."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, to_device=None) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # host list/array -> tensor on the device; the engine passes its runner's pinned staging (HostStaging.tensor),
+        # so that sampling never makes the host wait for the GPU
+        self.to_device = to_device or (lambda a: torch.as_tensor(a, device=device))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
                  generators: list[torch.Generator | None]) -> list[int]:
@@ -109,20 +113,22 @@ class BatchSampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([B] int64): nothing here waits for the GPU."""
-        for i, ids in enumerate(stop_masks):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
+        masked = [(i, t) for i, ids in enumerate(stop_masks) for t in ids]
+        if masked:
+            rc = np.asarray(masked, dtype=np.int64)
+            logits[self.to_device(rc[:, 0]), self.to_device(rc[:, 1])] = float("-inf")
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        h2d = self.to_device
+        temps = h2d(np.asarray([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32))
         probs_logits = logits / temps[:, None]
         if any(p.top_k_active for p in params):
-            k = torch.tensor([p.top_k if p.top_k_active else logits.shape[1] for p in params], device=logits.device)
+            k = h2d(np.asarray([p.top_k if p.top_k_active else logits.shape[1] for p in params], dtype=np.int64))
             kth = probs_logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
             probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))
         probs = torch.softmax(probs_logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+            top_p = h2d(np.asarray([p.top_p for p in params], dtype=np.float32))
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]  # mass above already >= top_p
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
@@ -134,6 +140,6 @@ class BatchSampler:
         sampled = (probs / race).argmax(dim=-1)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
+            rows = h2d(np.asarray(greedy_rows, dtype=np.int64))
             sampled[rows] = logits[rows].argmax(dim=-1)
         return sampled
