@@ -27,13 +27,16 @@ class SizeFallback:
     Owns both: `close()` closes them (collective, like their construction)."""
 
     def __init__(self, primary: AllReduce, fallback: AllReduce) -> None:
-        if primary.world_size != fallback.world_size:
-            raise ValueError(f"SizeFallback: primary {primary.name} spans {primary.world_size} ranks but fallback "
-                             f"{fallback.name} spans {fallback.world_size}; build both on the same process group")
+        # primary may be any communicator object with all_reduce_, max_bytes and unsupported_reason (the
+        # engine accepts such objects); what it lacks of an AllReduce is taken from the fallback.
+        pw, fw = getattr(primary, "world_size", fallback.world_size), fallback.world_size
+        if pw != fw:
+            raise ValueError(f"SizeFallback: primary {primary.name} spans {pw} ranks but fallback "
+                             f"{fallback.name} spans {fw}; build both on the same process group")
         self.primary, self.fallback = primary, fallback
-        self.name = primary.name  # what was asked for; algorithm_for(x) says what runs
-        self.group, self.rank, self.world_size = primary.group, primary.rank, primary.world_size
-        self.topology = primary.topology
+        self.name = getattr(primary, "name", type(primary).__name__)  # what was asked for; algorithm_for(x): what runs
+        self.group, self.rank, self.world_size = fallback.group, fallback.rank, fw
+        self.topology = getattr(primary, "topology", fallback.topology)
 
     @property
     def max_bytes(self) -> int | None:
@@ -53,7 +56,9 @@ class SizeFallback:
     __call__ = all_reduce_
 
     def algorithm_for(self, x: torch.Tensor) -> str:
-        return self.comm_for(x).algorithm_for(x)
+        half = self.comm_for(x)
+        probe = getattr(half, "algorithm_for", None)
+        return probe(x) if probe is not None else getattr(half, "name", type(half).__name__)
 
     def close(self) -> None:
         self.primary.close()

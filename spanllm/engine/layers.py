@@ -46,18 +46,17 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # The row-parallel layers' all-reduce. For a buffered backend (nvrar) LLM passes
+    # spanllm.comm.fallback.SizeFallback(backend, the group's collective): messages above the buffer (prefill
+    # activations) go to nccl / gloo. Which one ran is reported by LLM.allreduce_ran*.
     comm: Communicator | None = None
-    # The process group's own collective (nccl/gloo) for messages the chosen communicator cannot take
-    # (prefill activations exceed nvrar's buffer). Which one ran is reported by LLM.allreduce_ran*.
-    large_comm: Communicator | None = None
     timers: Timers = field(default_factory=Timers)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    # torch.ops.spanllm.all_reduce_ handles of comm / large_comm (spanllm.comm.op.register), set by LLM when
+    # torch.ops.spanllm.all_reduce_ handle of comm (spanllm.comm.op.register), set by LLM when
     # EngineConfig.compile_decode is on: the row-parallel all-reduce then calls the opaque custom op, which
     # torch.compile keeps as one node, instead of tracing into the communicator's Python. None: call directly.
     comm_handle: str | None = None
-    large_comm_handle: str | None = None
     # EngineConfig.decode_gemm: "skinny" sends weight GEMMs of <= skinny_gemm.MAX_M rows to
     # torch.ops.spanllm.skinny_linear (LLM checks GPU and Triton first); "torch" (and more rows): F.linear.
     decode_gemm: str = "torch"
@@ -66,23 +65,13 @@ class TPContext:
         if self.size > 1 and self.comm is None:
             raise ValueError(f"tp size {self.size} needs a communicator (an object with all_reduce_); got None")
 
-    def comm_for(self, x: torch.Tensor) -> Communicator:
-        """The communicator that reduces `x`: the chosen one, or large_comm where the chosen one cannot."""
-        if self.large_comm is not None:
-            why = getattr(self.comm, "unsupported_reason", None)
-            if why is not None and why(x) is not None:
-                return self.large_comm
-        return self.comm
-
     def all_reduce_(self, x: torch.Tensor) -> None:
-        """Sum x in place over the TP group with comm_for(x): directly, or through the custom op when a
-        handle is registered (compile_decode)."""
-        comm = self.comm_for(x)
+        """Sum x in place over the TP group: directly, or through the custom op when a handle is registered
+        (compile_decode)."""
         if self.comm_handle is None:
-            comm.all_reduce_(x)
+            self.comm.all_reduce_(x)
         else:
-            handle = self.large_comm_handle if comm is self.large_comm else self.comm_handle
-            torch.ops.spanllm.all_reduce_(x, handle)
+            torch.ops.spanllm.all_reduce_(x, self.comm_handle)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: the skinny Triton GEMM for decode-sized x when decode_gemm="skinny", else F.linear."""

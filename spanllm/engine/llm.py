@@ -83,14 +83,12 @@ class LLM:
             allreduce = allreduce or default_allreduce(self.device)
             comm = self._create_comm(allreduce)
             self._owns_comm = True
-        self.comm = comm
-        self.large_comm = None
-        self._ensure_large_comm(comm)
+        self.comm = self._with_fallback(comm)
 
         self.timers = Timers(self.device, enabled=self.engine.breakdown, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
-        tp = TPContext(rank=self.groups.tp_rank, size=self.dims.tp, group=self.groups.tp_group, comm=comm,
-                       large_comm=self.large_comm, decode_gemm=self.engine.decode_gemm,
+        tp = TPContext(rank=self.groups.tp_rank, size=self.dims.tp, group=self.groups.tp_group, comm=self.comm,
+                       decode_gemm=self.engine.decode_gemm,
                        timers=self.timers, device=self.device, dtype=self.engine.dtype)
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
@@ -149,16 +147,15 @@ class LLM:
         if probe is None:
             return self.allreduce_name
         x = torch.empty(batch, 1, self.config.hidden_size, dtype=self.engine.dtype, device=self.device)
-        return self.model.tp.comm_for(x).algorithm_for(x) if self.large_comm is not None else probe(x)
+        return probe(x)
 
     def allreduce_ran_prefill(self, batch: int, prompt_len: int) -> str:
         """The algorithm that reduces a prefill all-reduce ([batch, prompt_len, hidden])."""
         if self.dims.tp == 1:
             return "none"
         x = torch.empty(batch, prompt_len, self.config.hidden_size, dtype=self.engine.dtype, device=self.device)
-        comm = self.model.tp.comm_for(x)
-        probe = getattr(comm, "algorithm_for", None)
-        return probe(x) if probe is not None else getattr(comm, "name", type(comm).__name__)
+        probe = getattr(self.comm, "algorithm_for", None)
+        return probe(x) if probe is not None else self.allreduce_name
 
     def _create_comm(self, name: str) -> Communicator:
         """A registered all-reduce on this rank's TP group (collective over the group)."""
@@ -173,11 +170,29 @@ class LLM:
                              [self.engine.dtype])
         return comm
 
-    def _ensure_large_comm(self, comm: Communicator | None) -> None:
-        """A buffered backend (nvrar, torch symm-mem) takes decode-sized messages; larger ones (prefill)
-        go to the group's own collective, as in the paper's engine. allreduce_ran_prefill() names it."""
-        if self.dims.tp > 1 and self.large_comm is None and getattr(comm, "max_bytes", None) is not None:
-            self.large_comm = self._create_comm(default_allreduce(self.device))
+    def _with_fallback(self, comm: Communicator | None) -> Communicator | None:
+        """A buffered backend (nvrar, torch symm-mem: it declares max_bytes) takes decode-sized messages;
+        larger ones (prefill) go to the group's own collective, as in the paper's engine: one communicator,
+        spanllm.comm.fallback.SizeFallback (collective: builds the fallback). allreduce_ran_prefill() names it."""
+        if self.dims.tp == 1 or getattr(comm, "max_bytes", None) is None:
+            return comm
+        from spanllm.comm.fallback import SizeFallback
+
+        return SizeFallback(comm, self._create_comm(default_allreduce(self.device)))
+
+    def _close_comm(self) -> None:
+        """Close what this LLM owns: the communicator it created, and the fallback half it added."""
+        comm = self.comm
+        self.comm = None
+        if comm is None:
+            return
+        from spanllm.comm.fallback import SizeFallback
+
+        if isinstance(comm, SizeFallback):
+            comm.fallback.close()
+            comm = comm.primary
+        if self._owns_comm:
+            comm.close()
 
     def use_allreduce(self, name: str | None = None, comm: Communicator | None = None) -> None:
         """Swap the communicator the row-parallel layers call (by registered name, or an object), keeping
@@ -189,13 +204,10 @@ class LLM:
         if name is not None:
             comm = self._create_comm(name)
         self._unregister_ops()  # before the old communicator closes
-        if self._owns_comm and self.comm is not None:
-            self.comm.close()
+        self._close_comm()
         self._owns_comm = name is not None
-        self.comm = comm
-        self._ensure_large_comm(comm)
-        self.model.tp.comm = comm
-        self.model.tp.large_comm = self.large_comm
+        self.comm = self._with_fallback(comm)
+        self.model.tp.comm = self.comm
         self._register_ops()  # compiled code guards on the handle: the next decode recompiles
         if self._runner is not None:
             self._runner.reset_graphs()
@@ -203,8 +215,8 @@ class LLM:
             self._engine_core.runner.reset_graphs()
 
     def _register_ops(self) -> None:
-        """compile_decode: register comm (and large_comm) for torch.ops.spanllm.all_reduce_ and hand the
-        handles to the row-parallel layers (callers have dropped any previous registration)."""
+        """compile_decode: register comm for torch.ops.spanllm.all_reduce_ and hand the handle to the
+        row-parallel layers (callers have dropped any previous registration)."""
         if not self.engine.compile_decode or self.dims.tp == 1:
             return
         from spanllm.comm import op
@@ -212,9 +224,6 @@ class LLM:
         tp = self.model.tp
         tp.comm_handle = op.register(self.comm)
         self._op_handles.append(tp.comm_handle)
-        if self.large_comm is not None:
-            tp.large_comm_handle = op.register(self.large_comm)
-            self._op_handles.append(tp.large_comm_handle)
 
     def _unregister_ops(self) -> None:
         if not self._op_handles:
@@ -224,7 +233,7 @@ class LLM:
         for h in self._op_handles:
             op.unregister(h)
         self._op_handles.clear()
-        self.model.tp.comm_handle = self.model.tp.large_comm_handle = None
+        self.model.tp.comm_handle = None
 
     @property
     def cuda_graphs(self) -> bool:
@@ -409,9 +418,4 @@ class LLM:
         if self._engine_core is not None:
             self._engine_core.runner.reset_graphs()
         self._unregister_ops()
-        if self._owns_comm and self.comm is not None:
-            self.comm.close()
-        self.comm = None
-        if self.large_comm is not None:
-            self.large_comm.close()
-            self.large_comm = None
+        self._close_comm()

@@ -46,8 +46,8 @@ class CountingComm:
 
 
 class CappedComm(CountingComm):
-    """A counting communicator with a message limit, like a buffered backend (nvrar): the engine adds a
-    large_comm for what exceeds it."""
+    """A counting communicator with a message limit, like a buffered backend (nvrar): the engine puts the
+    group's collective behind it for what exceeds it (spanllm.comm.fallback.SizeFallback)."""
 
     def __init__(self, inner, max_bytes: int) -> None:
         super().__init__(inner)
@@ -176,13 +176,15 @@ def compiled_world2(ctx, single: str, prompts, new_tokens: int) -> dict:
     res["compiled_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
     handles = list(llm._op_handles)
     res["registered"] = (len(handles), all(h in op._LIVE for h in handles), llm.model.tp.comm_handle == handles[0])
-    capped = CappedComm(create("gloo"), max_bytes=4096)  # decode messages fit, prefill ones go to large_comm
+    capped = CappedComm(create("gloo"), max_bytes=4096)  # decode messages fit, prefill ones go to the fallback
     llm.use_allreduce(comm=capped)
     res["capped"] = generate(llm, prompts, new_tokens)
+    from spanllm.comm.fallback import SizeFallback
+
     res["swapped"] = (handles[0] not in op._LIVE, len(llm._op_handles),
-                      llm.model.tp.large_comm_handle is not None)
+                      isinstance(llm.model.tp.comm, SizeFallback) and llm.model.tp.comm.primary is capped)
     capped.calls = 0
-    generate(llm, prompts, 3)  # prefill on large_comm; 2 decode steps x 2 all-reduces x layers on capped
+    generate(llm, prompts, 3)  # prefill on the fallback; 2 decode steps x 2 all-reduces x layers on capped
     res["capped_calls"] = (capped.calls, 2 * 2 * len(llm.model.layer_ids))
     live = list(llm._op_handles)
     llm.close()

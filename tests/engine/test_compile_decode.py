@@ -89,7 +89,7 @@ def test_compiled_decode_tp2_equals_eager_and_transformers(hf_checkpoint, hf_ref
             assert r[key]["tokens"] == r["eager"]["tokens"], key
             torch.testing.assert_close(r[key]["logits"], r["eager"]["logits"], atol=1e-4, rtol=0)
         assert r["registered"] == (1, True, True)
-        assert r["swapped"] == (True, 2, True)
+        assert r["swapped"] == (True, 1, True)  # one handle: the SizeFallback (capped + the group collective)
         assert r["capped_calls"][0] == r["capped_calls"][1]
         assert r["closed"]
 
