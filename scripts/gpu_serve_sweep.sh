@@ -15,7 +15,8 @@
 # run), LOW_RATES / LOW_NUM_PROMPTS (an extra sweep at low rates with fewer prompts; off by default),
 # OVERHEAD (1: run the offline bench throughput), INSTALL_WHEELS (auto: only when fastapi/uvicorn/quicktok do not
 # import), SPANLLM_GPU_OUT (results/gpu_run), timeouts SERVER_START_TIMEOUT (300), SWEEP_TIMEOUT (360),
-# LOW_TIMEOUT (200), THROUGHPUT_TIMEOUT (180), STOP_TIMEOUT (60).
+# LOW_TIMEOUT (200), THROUGHPUT_TIMEOUT (180), STOP_TIMEOUT (60), SERVE_FLAGS (extra flags for spanllm serve only,
+# e.g. --frontend-process: the HTTP front end in its own process).
 #
 # Files written (at most 8, the device tool's limit on what comes back): run.log, serve.log,
 # serve_sweep_<model>.json/.png (written after each rate, so a sweep cut short keeps its finished rates),
@@ -72,8 +73,8 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 SERVER_PID=""
 start_server() {  # $1 = port; the rest: extra flags
   local port=$1; shift
-  log "spanllm serve --model $MODEL --dtype $DTYPE --port $port $ENGINE_FLAGS $*"
-  python3 -m spanllm.cli serve --model "$MODEL" --dtype "$DTYPE" --port "$port" $ENGINE_FLAGS "$@" \
+  log "spanllm serve --model $MODEL --dtype $DTYPE --port $port $ENGINE_FLAGS ${SERVE_FLAGS:-} $*"
+  python3 -m spanllm.cli serve --model "$MODEL" --dtype "$DTYPE" --port "$port" $ENGINE_FLAGS ${SERVE_FLAGS:-} "$@" \
     >>"$OUT_DIR/serve.log" 2>&1 &
   SERVER_PID=$!
   local deadline=$(( $(date +%s) + ${SERVER_START_TIMEOUT:-300} ))

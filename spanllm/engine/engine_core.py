@@ -110,24 +110,8 @@ class EngineCore:
     # --- admission ------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError naming the value, the limit and the fix."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty: give at least one token")
-        for i, t in enumerate(prompt_ids):
-            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt_ids) + params.max_tokens
-        limit = self.config.max_model_len
-        if total > limit:
-            raise RequestError(f"this model's maximum context length is {limit} tokens. However, you requested "
-                               f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "
-                               "completion). Reduce the prompt or max_tokens")
-        cap = self.blocks.capacity_tokens
-        if total > cap:
-            raise RequestError(f"the request needs up to {total} tokens of KV cache but the whole pool holds {cap}; "
-                               "it could never run. Reduce the prompt or max_tokens, or give the cache more memory")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
+        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
+                         capacity_tokens=self.blocks.capacity_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival: float | None = None, with_text: bool = False) -> Sequence:
@@ -174,8 +158,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.preempted:  # the scheduler counts them; the stats mirror its count
             self.stats.preemptions = self.scheduler.num_preemptions
-        prev = self._inflight
-        self._inflight = None
+        prev = self._inflight  # stays self._inflight until it lands: a failed launch below does not lose it
         new = None
         if batch:
             x = plan_step(batch.entries, batch.num_decode, self.blocks.block_size)
@@ -189,7 +172,10 @@ class EngineCore:
                 seq.num_computed += n
             if sampling:
                 new = self._sample(logits, sampling)
-        outs = self._land(prev) if prev is not None else []
+        outs = []
+        if prev is not None:
+            self._inflight = None
+            outs = self._land(prev)
         if new is not None:
             if self.async_scheduling:
                 self._inflight = new  # read at the next step, after that one is queued
@@ -332,6 +318,29 @@ class EngineCore:
         """Rank 0: release the other ranks' worker loops (abort everything first)."""
         if self.rank == 0 and self.tp_size > 1:
             self._broadcast(StepInputs.shutdown())
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                     capacity_tokens: int) -> None:
+    """The admission checks, on the engine's fixed limits only (a front end in another process runs them too).
+    Raises RequestError naming the value, the limit and the fix."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty: give at least one token")
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(f"this model's maximum context length is {max_model_len} tokens. However, you requested "
+                           f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "
+                           "completion). Reduce the prompt or max_tokens")
+    if total > capacity_tokens:
+        raise RequestError(f"the request needs up to {total} tokens of KV cache but the whole pool holds "
+                           f"{capacity_tokens}; it could never run. Reduce the prompt or max_tokens, or give the cache "
+                           "more memory")
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
 
 
 def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -151,9 +151,8 @@ def sse(obj: Any) -> str:
 
 def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, metrics=None) -> FastAPI:
     app = FastAPI(title="spanllm", docs_url=None, redoc_url=None)
-    core = engine.core
-    vocab = core.vocab_size
-    ctx_limit = min(max_model_len, core.blocks.capacity_tokens)
+    vocab = engine.vocab_size
+    ctx_limit = min(max_model_len, engine.capacity_tokens)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

@@ -64,6 +64,16 @@ class AsyncEngine:
         self._accepting = True
 
     # --- any thread -------------------------------------------------------------------------------------
+    # The engine's fixed limits, which the HTTP handlers read (spanllm.serve.frontend_process.EngineClient has
+    # the same attributes, from the engine process).
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.core.blocks.capacity_tokens
+
     def start(self) -> None:
         self._thread.start()
 

@@ -81,5 +81,46 @@ class ServerMetrics:
         if m.get("first_scheduled") is not None:
             self.queue.observe(max(0.0, m["first_scheduled"] - arrival))
 
+    def apply(self, snap: dict) -> None:
+        """A MetricsRelay snapshot from the engine process (the front end runs in its own process)."""
+        self.running.set(snap["running"])
+        self.waiting.set(snap["waiting"])
+        self.kv_usage.set(snap["kv_usage"])
+        for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+                             ("preemptions", self.preemptions)):
+            now = snap[name]
+            if now > self._last[name]:
+                metric.inc(now - self._last[name])
+            self._last[name] = now
+        for reason, m in snap["finished"]:
+            self.observe_finished(reason, m)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MetricsRelay:
+    """The engine-process side of ServerMetrics when the HTTP front end runs in another process: the same
+    calls (baseline, observe_finished, update_engine), turned into one snapshot message per engine-loop pass
+    (`send(("metrics", snapshot))`) that the front end applies to its registry (ServerMetrics.apply).
+    Counters travel as totals since the baseline; finished requests as (reason, metrics) since the last pass."""
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self._base = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self._finished: list = []
+        self.extra: dict = {}  # more fields for the snapshot (the engine's count of adds it received)
+
+    def baseline(self, core) -> None:
+        for name in self._base:
+            self._base[name] = getattr(core.stats, name)
+
+    def observe_finished(self, reason: str | None, m: dict) -> None:
+        self._finished.append((reason, m))
+
+    def update_engine(self, core, extra_waiting: int = 0) -> None:
+        s = core.stats
+        snap = {"running": core.num_running, "waiting": core.num_waiting + extra_waiting, "kv_usage": core.blocks.usage,
+                "finished": self._finished, **{k: getattr(s, k) - v for k, v in self._base.items()}, **self.extra}
+        self._finished = []
+        self._send(("metrics", snap))

@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 8 -m spanllm.cli serve --model llama3.1-70b          # one node, TP=8
 
 Every rank builds the engine; rank 0 runs uvicorn (the HTTP front end, main thread) and the engine loop
-(its own thread, spanllm.serve.async_engine); the other ranks run `EngineCore.worker_loop()`.
+(its own thread, spanllm.serve.async_engine); the other ranks run `EngineCore.worker_loop()`. With
+`--frontend-process` the front end runs in a process of its own (spanllm.serve.frontend_process).
 
 Shutdown: SIGINT / SIGTERM on rank 0 stop uvicorn from accepting, abort every request (streams end with
 finish_reason "abort"), then the engine thread calls `shutdown_workers()` and the other ranks leave their
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="waiting requests beyond which new ones get 503 (default: unbounded)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request and decode-graph capture")
     g.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
+    g.add_argument("--frontend-process", action="store_true",
+                   help="run the HTTP front end (uvicorn, tokenization, JSON) in its own process instead of a "
+                        "thread beside the engine loop (spanllm.serve.frontend_process)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -160,8 +164,14 @@ def _rank(ctx, args: argparse.Namespace):
         print(llm.describe_serving(), flush=True)
         if not args.no_warmup:
             warm_up(llm)
-        server = Server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                        max_queued_requests=args.max_queued_requests, log_level=args.log_level)
+        if args.frontend_process:
+            from spanllm.serve.frontend_process import ProcessServer
+
+            server_cls = ProcessServer
+        else:
+            server_cls = Server
+        server = server_cls(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                            max_queued_requests=args.max_queued_requests, log_level=args.log_level)
         server.run(on_started=lambda s: print(f"spanllm serve: {s.model_name!r} on http://{s.host}:{s.port} "
                                               f"(world {ctx.world_size})", flush=True))
         return None

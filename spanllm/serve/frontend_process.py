@@ -1,0 +1,352 @@
+"""`spanllm serve --frontend-process`: the HTTP front end in a process of its own.
+
+By default rank 0 runs uvicorn and the engine loop as two threads of one process, and they share one GIL:
+at rate inf the first measurement gave 0.717 of the offline rate (results/h200/serve/overhead_*.json). With
+this option rank 0 keeps the engine (it owns the GPU and the TP group) and spawns the front end: uvicorn,
+FastAPI, tokenization of prompts, chat templates, JSON and SSE, the Prometheus registry. They talk over one
+duplex multiprocessing pipe:
+
+    front end -> engine   ("add", rid, prompt_ids, params, arrival)  ("abort", rid)  ("abort_all",)
+                          ("started", port)  ("exit",)
+    engine -> front end   ("metrics", snapshot) before ("events", [(rid, Delta | EngineDead | Refusal)])
+                          ("shutdown",)  ("dead", message)
+
+The engine side is AsyncEngine's loop unchanged (`PipeEngine`: commands arrive from the pipe, events leave
+through it); the front end holds an `EngineClient` with AsyncEngine's interface, so the HTTP handlers
+(spanllm.serve.api) are the same code in both modes. Requests are validated in the front end against the
+engine's fixed limits (spanllm.engine.engine_core.validate_request), before anything crosses the pipe.
+Each engine-loop pass sends its metrics snapshot first, then its events: by the time a client sees its
+request finish, /metrics counts it.
+
+Lifetime: a signal to the front end (uvicorn) aborts every request and ends it; its pipe closing (or its
+("exit",)) ends the engine loop, which releases the other TP ranks. A signal to rank 0 aborts everything and
+tells the front end to shut down. If the engine loop fails, the front end answers 500 to open requests,
+503 on /health, and exits; the engine process raises the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from spanllm.engine.engine_core import RequestError, validate_request
+from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, QueueFull, _put_all
+
+
+@dataclass
+class Refusal:
+    """A request the engine refused after the front end's checks (the handler answers 400)."""
+
+    message: str
+
+
+# --- the engine side (rank 0's process) ------------------------------------------------------------------
+class PipeEngine(AsyncEngine):
+    """AsyncEngine's loop, fed by the front end's pipe and reporting through it."""
+
+    def __init__(self, core, conn, *, on_dead=None) -> None:
+        from spanllm.serve.metrics import MetricsRelay
+
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._user_on_dead = on_dead
+        super().__init__(core, max_queued_requests=None, metrics=MetricsRelay(self._send), on_dead=self._dead)
+        self.metrics.baseline(core)
+        self.adds_received = 0
+        self.metrics.extra = {"adds_received": 0}
+        self.port: int | None = None
+        self.started = threading.Event()
+        self.frontend_done = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="spanllm-engine-pipe", daemon=True)
+
+    def start(self) -> None:
+        super().start()
+        self._reader.start()
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, ValueError):  # the front end is gone: nothing to tell
+                pass
+
+    def shutdown_frontend(self) -> None:
+        self._send(("shutdown",))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = ("exit",)
+            kind = msg[0]
+            if kind == "add":
+                with self._lock:
+                    self._pending_adds += 1
+                    self.adds_received += 1
+                    self.metrics.extra = {"adds_received": self.adds_received}
+                self._streams[msg[1]] = None  # known here; AsyncEngine's "add" admits only known requests
+                self._cmds.put(msg)
+            elif kind == "abort":
+                if self._streams.pop(msg[1], "gone") != "gone":
+                    self._cmds.put(msg)
+            elif kind == "abort_all":
+                self.abort_all()
+            elif kind == "started":
+                self.port = msg[1]
+                self.started.set()
+            elif kind == "exit":  # the front end ended (or died): end the loop, release the TP ranks
+                self.frontend_done.set()
+                self.stop(timeout=0)
+                return
+
+    def _deliver(self, events: list) -> None:
+        out = []
+        for rid, ev in events:
+            if rid not in self._streams:
+                continue
+            if isinstance(ev, Delta) and not ev.finished:
+                out.append((rid, ev))
+                continue
+            self._streams.pop(rid, None)
+            out.append((rid, ev if isinstance(ev, (Delta, EngineDead)) else Refusal(str(ev))))
+        if out:
+            self._send(("events", out))
+
+    def _dead(self, message: str) -> None:
+        self._send(("dead", message))
+        if self._user_on_dead is not None:
+            self._user_on_dead(message)
+
+
+class ProcessServer:
+    """Rank 0 with the front end in its own process: `run()` blocks until the front end ends or a signal."""
+
+    def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+                 max_queued_requests: int | None = None, log_level: str = "warning") -> None:
+        core = llm.engine_core
+        self.model_name = model_name or llm.config.name
+        self.host = host
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state, no engine threads copied
+        self._conn, child = ctx.Pipe(duplex=True)
+        cfg = {"model": llm.config.name, "checkpoint_dir": llm.config.checkpoint_dir, "model_name": self.model_name,
+               "host": host, "port": port, "log_level": log_level, "max_queued_requests": max_queued_requests,
+               "limits": {"vocab_size": core.vocab_size, "capacity_tokens": core.blocks.capacity_tokens,
+                          "max_model_len": core.config.max_model_len, "has_tokenizer": core.tokenizer is not None}}
+        self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
+        self._child = child
+        self.engine = PipeEngine(core, self._conn)
+
+    @property
+    def port(self) -> int | None:
+        return self.engine.port
+
+    def run(self, on_started=None) -> None:
+        self._proc.start()
+        self._child.close()  # the front end holds its end; ours closes when it exits
+        self.engine.start()
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, lambda signum, frame: self.stop())
+        notified = False
+        try:
+            while self._proc.is_alive() and not self.engine.frontend_done.is_set() and self.engine.alive:
+                if not notified and self.engine.started.wait(0.1):
+                    notified = True
+                    if on_started is not None:
+                        on_started(self)
+                time.sleep(0.05)
+        finally:
+            self.stop()
+            self.engine.stop()
+            self._proc.join(15)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5)
+        if self.engine.error:
+            raise RuntimeError(self.engine.error)
+
+    def stop(self) -> None:
+        self.engine.abort_all()
+        self.engine.shutdown_frontend()
+
+
+# --- the front end (its own process) ----------------------------------------------------------------------
+class EngineClient:
+    """AsyncEngine's interface for the HTTP handlers, talking to a PipeEngine in another process."""
+
+    def __init__(self, conn, limits: dict, *, max_queued_requests: int | None, metrics, on_dead=None,
+                 on_shutdown=None) -> None:
+        self.conn = conn
+        self.vocab_size = limits["vocab_size"]
+        self.capacity_tokens = limits["capacity_tokens"]
+        self.max_model_len = limits["max_model_len"]
+        self.has_tokenizer = limits["has_tokenizer"]
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.on_dead, self.on_shutdown = on_dead, on_shutdown
+        self.error: str | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._accepting = True
+        self._waiting = 0  # the engine's waiting count, from its last snapshot
+        self._adds_sent = 0
+        self._adds_received = 0  # by the engine, from its last snapshot
+        self._reader = threading.Thread(target=self._read, name="spanllm-frontend-pipe", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._reader.is_alive() and self._accepting
+
+    def num_waiting(self) -> int:
+        return self._waiting + (self._adds_sent - self._adds_received)
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
+        if not self.alive:
+            raise EngineUnavailable(self.error or "the server is shutting down")
+        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                         capacity_tokens=self.capacity_tokens)
+        if params.stop and not self.has_tokenizer:
+            raise RequestError("stop strings need a tokenizer")
+        with self._lock:
+            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
+                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
+                                "--max-queued-requests); retry later")
+            self._adds_sent += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        try:
+            self._send(("add", request_id, list(prompt_ids), params, arrival))
+        except (OSError, EOFError, ValueError) as e:
+            self._streams.pop(request_id, None)
+            raise EngineUnavailable(f"the engine process is gone ({type(e).__name__})") from None
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            try:
+                self._send(("abort", request_id))
+            except (OSError, EOFError, ValueError):
+                pass
+
+    def abort_all(self) -> None:
+        self._accepting = False
+        try:
+            self._send(("abort_all",))
+        except (OSError, EOFError, ValueError):
+            pass
+
+    def stop(self, timeout: float = 0.0) -> None:
+        self._accepting = False
+        try:
+            self._send(("exit",))
+        except (OSError, EOFError, ValueError):
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self._fail("the engine process closed its connection")
+                return
+            kind = msg[0]
+            if kind == "metrics":
+                snap = msg[1]
+                self._waiting = snap["waiting"]
+                self._adds_received = snap.get("adds_received", self._adds_received)
+                if self.metrics is not None:
+                    self.metrics.apply(snap)
+            elif kind == "events":
+                self._dispatch(msg[1])
+            elif kind == "shutdown":
+                self._accepting = False
+                if self.on_shutdown is not None:
+                    self.on_shutdown()
+            elif kind == "dead":
+                self._fail(msg[1])
+                return
+
+    def _dispatch(self, events) -> None:
+        by_loop: dict = {}
+        for rid, ev in events:
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            if isinstance(ev, Refusal):
+                ev = RequestError(ev.message)
+            if not isinstance(ev, Delta) or ev.finished:
+                self._streams.pop(rid, None)
+            by_loop.setdefault(s[0], []).append((s[1], ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed (shutdown)
+                pass
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+        dead = EngineDead(self.error)
+        self._dispatch([(rid, dead) for rid in list(self._streams)])
+        if self.on_dead is not None:
+            self.on_dead(self.error)
+
+
+def frontend_main(conn, cfg: dict) -> None:
+    """The front-end process: tokenizer, app, uvicorn; tells the engine its port, then serves until a signal,
+    the engine's ("shutdown",), or the engine's death."""
+    import uvicorn
+
+    from spanllm.engine.tokenizer import get_tokenizer
+    from spanllm.serve.api import build_app
+    from spanllm.serve.metrics import ServerMetrics
+
+    tokenizer = get_tokenizer(cfg["model"], cfg["checkpoint_dir"])
+    metrics = ServerMetrics(cfg["model_name"])
+    holder: dict = {}
+
+    def end(_msg=None) -> None:
+        uv = holder.get("uv")
+        if uv is not None:
+            uv.should_exit = True
+
+    client = EngineClient(conn, cfg["limits"], max_queued_requests=cfg["max_queued_requests"], metrics=metrics,
+                          on_dead=end, on_shutdown=end)
+    app = build_app(client, tokenizer, model_name=cfg["model_name"], max_model_len=cfg["limits"]["max_model_len"],
+                    metrics=metrics)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # a signal: abort everything so open streams end now
+            client.abort_all()
+            super().handle_exit(sig, frame)
+
+    uv = holder["uv"] = _Uvicorn(uvicorn.Config(app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"],
+                                                timeout_graceful_shutdown=5, lifespan="off"))
+    client.start()
+
+    def notify() -> None:
+        while not uv.started and not uv.should_exit:
+            time.sleep(0.02)
+        if uv.started:
+            port = uv.servers[0].sockets[0].getsockname()[1] if cfg["port"] == 0 else cfg["port"]
+            client._send(("started", port))
+
+    threading.Thread(target=notify, daemon=True).start()
+    try:
+        uv.run()
+    finally:
+        client.stop()
+        conn.close()

@@ -1,0 +1,138 @@
+"""`spanllm serve --frontend-process` (TP=1, CPU, a subprocess): the HTTP front end in its own process gives the
+offline engine's greedy text (streamed and not), refuses bad requests and keeps serving, counts what it served
+in /metrics, frees a disconnected client's blocks, and stops with its front-end process on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from serve_helpers import make_llm
+
+from spanllm.engine.sampler import SamplingParams
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _metrics(base: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("spanllm:") and "_bucket" not in line and "_created" not in line:
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def _metric(base: str, name: str, **labels) -> float:
+    return sum(v for k, v in _metrics(base).items()
+               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
+
+
+def test_frontend_process_serves_the_engines_text_and_stops():
+    llm = make_llm()
+    want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
+    llm.close()
+    cmd = [sys.executable, "-m", "spanllm.cli", "serve", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks",
+           "256", "--port", "0", "--no-warmup", "--frontend-process"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        base, seen = None, []
+        deadline = time.monotonic() + 120
+        while base is None:
+            assert time.monotonic() < deadline, "the server did not come up:\n" + "".join(seen)
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, "the server exited:\n" + "".join(seen)
+                continue
+            seen.append(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
+            base = m.group(1) if m else None
+        frontends = _children(proc.pid)
+        assert frontends, "no front-end process under the server"
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        done_tokens = 0
+        for p, w in zip(PROMPTS, want):
+            r = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+            assert r.choices[0].text == w and r.choices[0].finish_reason == "length"
+            done_tokens += r.usage.completion_tokens
+            chunks = list(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w
+            assert chunks[-1].usage.completion_tokens == 12
+            done_tokens += 12
+        chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat.usage.completion_tokens == 4
+        done_tokens += 4
+        # Bad requests: refused in the front end, named, and the server goes on.
+        bad = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1}, timeout=10)
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        long = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000},
+                          timeout=10)
+        assert long.status_code == 400 and "4096" in long.json()["error"]["message"]
+        # /metrics counts exactly what was served (7 requests, their tokens), nothing running.
+        assert _metric(base, "spanllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS) + 1
+        assert _metric(base, "spanllm:generation_tokens_total") == done_tokens
+        # A client that goes away mid-stream: its request is aborted and its blocks are freed.
+        with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "temperature": 0,
+                                "stream": True}) as s:
+            for n, _ in enumerate(s.iter_lines()):
+                if n >= 3:
+                    break
+        deadline = time.monotonic() + 30
+        while _metric(base, "spanllm:request_success_total", finished_reason="abort") < 1:
+            assert time.monotonic() < deadline, "the disconnected stream was not aborted"
+            time.sleep(0.1)
+        assert _metric(base, "spanllm:num_requests_running") == 0
+        assert _metric(base, "spanllm:kv_cache_usage_perc") == 0.0
+        assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the server did not stop within 30 s of SIGTERM") from None
+        assert time.monotonic() - t0 < 20
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in frontends) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in frontends), "the front-end process outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
