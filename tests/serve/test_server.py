@@ -213,3 +213,20 @@ def test_shutdown_aborts_open_streams():
     finally:
         stop_server(r)
         llm.close()
+
+
+def test_async_scheduling_serves_the_same_text(offline):
+    """The engine loop with async scheduling (the default on a GPU; forced on here): the same text, streamed or
+    not, and /metrics counts every finished request."""
+    texts, _ = offline
+    running = start_server(make_llm(async_scheduling=True))
+    try:
+        assert running.server.engine.core.async_scheduling
+        c = client(running)
+        for p, want in zip(PROMPTS, texts):
+            assert c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text == want
+            chunks = list(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert running.metric("spanllm:request_success_total") == 2 * len(PROMPTS)
+    finally:
+        stop_server(running)
