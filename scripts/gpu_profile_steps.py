@@ -5,8 +5,8 @@
 Writes DIR/profile_steps.json:
 - `trace`: the offline throughput workload (the saved requests, ignore_eos, temperature 1) driven step by step
   through EngineCore with a CUDA event pair around each step's forward: per step the kind (decode-only or
-  mixed), sequences, tokens, GPU forward time, and host time (schedule + plan + sample + append: the wall time
-  of the step minus the GPU forward it waited for). Totals by kind, so the gap to a throughput goal splits
+  mixed), sequences, tokens, GPU forward time, and the host's wall time in step() (with async scheduling the
+  host does not wait for the forward, so the two overlap; synchronously the wall time holds the forward). Totals by kind, so the gap to a throughput goal splits
   into "GPU forward" and "host".
 - `kernels`: torch.profiler tables (CUDA time per kernel name, summed over replays) of decode steps at batch
   1 and 256 replayed from their CUDA graphs, the same steps eager (graphs off: launch gaps show as the
@@ -77,6 +77,7 @@ def trace_workload(llm, samples, n: int) -> dict:
     runner.execute = timed_execute
     torch.cuda.synchronize()
     t_start = time.perf_counter()
+    pending = []  # (kind, seqs, tokens, events, host wall of the step): read after the run, so no step waits
     try:
         while core.has_unfinished():
             t0 = time.perf_counter()
@@ -85,14 +86,14 @@ def trace_workload(llm, samples, n: int) -> dict:
             wall = time.perf_counter() - t0
             if "events" not in timing:
                 continue
-            a, b = timing["events"]
-            b.synchronize()
-            gpu = a.elapsed_time(b) / 1e3
             x = timing["x"]
-            steps.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, gpu, wall))
+            pending.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, timing["events"], wall))
     finally:
         runner.execute = execute
+    torch.cuda.synchronize()
     total = time.perf_counter() - t_start
+    for kind, seqs, tokens, (a, b), wall in pending:
+        steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall))
     arr = np.asarray(steps, dtype=np.float64)
     out = {"requests": n, "wall_s": total, "steps": len(steps),
            "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s"],

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from spanllm.engine.engine_core import RequestError
+from spanllm.engine.engine_core import RequestError, validate_request
 
 # An idle engine thread sends the other TP ranks an empty plan this often (EngineCore.heartbeat), far below
 # any sensible collective timeout (--pg-timeout), so idle servers keep the normal timeout.
@@ -74,6 +74,17 @@ class AsyncEngine:
     def capacity_tokens(self) -> int:
         return self.core.blocks.capacity_tokens
 
+    @property
+    def max_model_len(self) -> int:
+        return self.core.config.max_model_len
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.core.tokenizer is not None
+
+    def _count_add(self) -> None:  # under self._lock
+        self._pending_adds += 1
+
     def start(self) -> None:
         self._thread.start()
 
@@ -100,18 +111,7 @@ class AsyncEngine:
     # --- the event loop -----------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
         """Validate (RequestError), check the queue bound (QueueFull), submit; returns the request's queue."""
-        if not self.alive or not self._accepting:
-            raise EngineUnavailable(self.error or "the server is shutting down")
-        self.core.validate(prompt_ids, params)  # reads only fixed limits: safe off the engine thread
-        if params.stop and self.core.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer")
-        with self._lock:
-            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
-                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
-                                "--max-queued-requests); retry later")
-            self._pending_adds += 1
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        q = open_request(self, request_id, prompt_ids, params)
         self._cmds.put(("add", request_id, list(prompt_ids), params, arrival))
         return q
 
@@ -209,6 +209,26 @@ class AsyncEngine:
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:
                 self.on_dead(self.error)
+
+
+def open_request(front, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+    """What a front door (AsyncEngine, or frontend_process.EngineClient) does before a request goes to the
+    engine: refuse when shutting down (EngineUnavailable), check it against the engine's fixed limits
+    (RequestError), check the queue bound (QueueFull), count it as waiting, and give it its queue."""
+    if not front.alive or not front._accepting:
+        raise EngineUnavailable(front.error or "the server is shutting down")
+    validate_request(prompt_ids, params, vocab_size=front.vocab_size, max_model_len=front.max_model_len,
+                     capacity_tokens=front.capacity_tokens)
+    if params.stop and not front.has_tokenizer:
+        raise RequestError("stop strings need a tokenizer")
+    with front._lock:
+        if front.max_queued_requests is not None and front.num_waiting() >= front.max_queued_requests:
+            raise QueueFull(f"the waiting queue is full ({front.max_queued_requests} requests, "
+                            "--max-queued-requests); retry later")
+        front._count_add()
+    q: asyncio.Queue = asyncio.Queue()
+    front._streams[request_id] = (asyncio.get_running_loop(), q)
+    return q
 
 
 def _put_all(items) -> None:

@@ -33,8 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from spanllm.engine.engine_core import RequestError, validate_request
-from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, QueueFull, _put_all
+from spanllm.engine.engine_core import RequestError
+from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, _put_all, open_request
 
 
 @dataclass
@@ -213,20 +213,11 @@ class EngineClient:
         with self._send_lock:
             self.conn.send(msg)
 
+    def _count_add(self) -> None:  # under self._lock
+        self._adds_sent += 1
+
     def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
-        if not self.alive:
-            raise EngineUnavailable(self.error or "the server is shutting down")
-        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                         capacity_tokens=self.capacity_tokens)
-        if params.stop and not self.has_tokenizer:
-            raise RequestError("stop strings need a tokenizer")
-        with self._lock:
-            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
-                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
-                                "--max-queued-requests); retry later")
-            self._adds_sent += 1
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        q = open_request(self, request_id, prompt_ids, params)
         try:
             self._send(("add", request_id, list(prompt_ids), params, arrival))
         except (OSError, EOFError, ValueError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -23,28 +24,56 @@ def make_llm(**engine) -> LLM:
     return llm
 
 
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is pid (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    """pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def metrics_of(base_url: str) -> dict[str, float]:
+    """name{labels} -> value, for the spanllm: samples of base_url's /metrics (buckets and _created left out)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("spanllm:") and "_bucket" not in line and "_created" not in line:
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def metric_of(base_url: str, name: str, **labels) -> float:
+    """The sum of name's samples with these labels."""
+    return sum(v for k, v in metrics_of(base_url).items()
+               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
+
+
 class Running:
     def __init__(self, server: Server, thread: threading.Thread) -> None:
         self.server, self.thread = server, thread
         self.base_url = f"http://127.0.0.1:{server.port}"
 
     def metrics(self) -> dict[str, float]:
-        """name{labels} -> value, for the spanllm: samples (buckets and _created left out)."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("spanllm:") and "_bucket" not in line and "_created" not in line:
-                k, v = line.rsplit(" ", 1)
-                out[k] = float(v)
-        return out
+        return metrics_of(self.base_url)
 
     def metric(self, name: str, **labels) -> float:
-        m = self.metrics()
-        total = 0.0
-        for k, v in m.items():
-            if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()):
-                total += v
-        return total
+        return metric_of(self.base_url, name, **labels)
 
 
 def start_server(llm: LLM, **kw) -> Running:

@@ -4,7 +4,6 @@ in /metrics, frees a disconnected client's blocks, and stops with its front-end 
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import signal
@@ -15,7 +14,7 @@ import time
 
 import pytest
 
-from serve_helpers import make_llm
+from serve_helpers import alive, children, make_llm, metric_of
 
 from spanllm.engine.sampler import SamplingParams
 
@@ -23,41 +22,6 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _metrics(base: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("spanllm:") and "_bucket" not in line and "_created" not in line:
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
-
-
-def _metric(base: str, name: str, **labels) -> float:
-    return sum(v for k, v in _metrics(base).items()
-               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
 
 
 def test_frontend_process_serves_the_engines_text_and_stops():
@@ -82,7 +46,7 @@ def test_frontend_process_serves_the_engines_text_and_stops():
             seen.append(line)
             m = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
             base = m.group(1) if m else None
-        frontends = _children(proc.pid)
+        frontends = children(proc.pid)
         assert frontends, "no front-end process under the server"
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         done_tokens = 0
@@ -105,8 +69,8 @@ def test_frontend_process_serves_the_engines_text_and_stops():
                           timeout=10)
         assert long.status_code == 400 and "4096" in long.json()["error"]["message"]
         # /metrics counts exactly what was served (7 requests, their tokens), nothing running.
-        assert _metric(base, "spanllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS) + 1
-        assert _metric(base, "spanllm:generation_tokens_total") == done_tokens
+        assert metric_of(base, "spanllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS) + 1
+        assert metric_of(base, "spanllm:generation_tokens_total") == done_tokens
         # A client that goes away mid-stream: its request is aborted and its blocks are freed.
         with httpx.stream("POST", base + "/v1/completions", timeout=30,
                           json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "temperature": 0,
@@ -115,11 +79,11 @@ def test_frontend_process_serves_the_engines_text_and_stops():
                 if n >= 3:
                     break
         deadline = time.monotonic() + 30
-        while _metric(base, "spanllm:request_success_total", finished_reason="abort") < 1:
+        while metric_of(base, "spanllm:request_success_total", finished_reason="abort") < 1:
             assert time.monotonic() < deadline, "the disconnected stream was not aborted"
             time.sleep(0.1)
-        assert _metric(base, "spanllm:num_requests_running") == 0
-        assert _metric(base, "spanllm:kv_cache_usage_perc") == 0.0
+        assert metric_of(base, "spanllm:num_requests_running") == 0
+        assert metric_of(base, "spanllm:kv_cache_usage_perc") == 0.0
         assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -129,9 +93,9 @@ def test_frontend_process_serves_the_engines_text_and_stops():
             raise AssertionError("the server did not stop within 30 s of SIGTERM") from None
         assert time.monotonic() - t0 < 20
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in frontends) and time.monotonic() < deadline:
+        while any(alive(p) for p in frontends) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in frontends), "the front-end process outlived the server"
+        assert not any(alive(p) for p in frontends), "the front-end process outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()

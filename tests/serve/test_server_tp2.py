@@ -18,34 +18,13 @@ import time
 
 import pytest
 
-from serve_helpers import offline_greedy
+from serve_helpers import alive, children, offline_greedy
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
 
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_tp2_server_matches_tp1_and_sigterm():
