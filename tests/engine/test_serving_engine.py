@@ -412,3 +412,16 @@ def test_bench_host_runs_the_loop_it_times():
                               block_size=4, vocab=8, temperature=0.0)
     r = measure(args)
     assert r["steps"] == 5 and r["mean_sampled_per_step"] == 4.0
+
+
+def test_graph_ladders_cover_every_size_with_little_padding():
+    from spanllm.engine.paged_runner import bucket_ladder, token_ladder
+
+    for max_tokens in (16, 100, 1024, 8192, 16384):
+        ladder = token_ladder(max_tokens)
+        assert ladder == sorted(set(ladder)) and ladder[-1] == max_tokens and ladder[0] <= 16
+        for n in range(1, max_tokens + 1, 7):  # the bucket a step of n tokens pads to
+            b = next(x for x in ladder if x >= n)
+            assert b - n < (64 if n <= 1024 else 128 if n <= 2048 else 512), (max_tokens, n, b)
+    assert bucket_ladder(256)[:5] == [1, 2, 4, 8, 16] and bucket_ladder(256)[-1] == 256
+    assert all(b - a == 8 for a, b in zip(bucket_ladder(256)[4:], bucket_ladder(256)[5:]))
