@@ -166,22 +166,33 @@ class EngineCore:
             logits = self.runner.execute(x, prev.tokens if prev is not None else None)
             self.stats.steps += 1
             sampling = [seq for seq, n in batch.entries if seq.num_computed + n == seq.num_tokens]
+            if sampling:  # before num_computed moves: if sampling fails, the step can simply run again
+                new = self._sample(logits, sampling)
             for seq, n in batch.entries:
                 if seq.num_computed == 0 and seq.num_preemptions == 0:
                     self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
                 seq.num_computed += n
-            if sampling:
-                new = self._sample(logits, sampling)
         outs = []
         if prev is not None:
-            self._inflight = None
-            outs = self._land(prev)
+            self._inflight = new if self.async_scheduling else None
+            outs = self._land_or_abort(prev)
         if new is not None:
             if self.async_scheduling:
                 self._inflight = new  # read at the next step, after that one is queued
             else:
-                outs += self._land(new)
+                outs += self._land_or_abort(new)
         return outs
+
+    def _land_or_abort(self, f: "_InFlight") -> list[RequestOutput]:
+        """_land; if that fails part-way (a detokenizer error, say), its tokens cannot be landed again: the
+        requests it carried end as aborted, so none is left waiting for a token that never comes."""
+        try:
+            return self._land(f)
+        except BaseException:
+            for seq in f.seqs:
+                if not seq.is_finished:
+                    self.abort_request(seq.request_id)
+            raise
 
     def _land(self, f: _InFlight) -> list[RequestOutput]:
         """The host reads a step's sampled tokens (waiting for that step only), appends them and reports."""

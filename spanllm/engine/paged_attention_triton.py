@@ -97,7 +97,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
             # The last split of (b, h) to finish merges. Memory ordering: the counter's atomic is acq_rel at GPU
             # scope, so each split's partial stores above are visible before its increment (release), and the
             # last one's loads below (.cg: from L2, not a stale L1) come after it saw every increment (acquire).
-            # It resets the counter, so the next call (or graph replay) starts from zero again.
+            # It resets the counter, so the next call (or graph replay) starts from zero again. The atomic is issued
+            # by one thread: the barrier first makes every warp's partial stores precede it (Triton 3.6 puts one
+            # there anyway; this does not depend on how a compiler lowers a scalar atomic).
+            tl.debug_barrier()
             arrived = tl.atomic_add(sem_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
             if arrived == n_active - 1:
                 m_max = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -123,7 +126,8 @@ _outgrown: list[torch.Tensor] = []  # smaller counter arrays that captured graph
 
 def _semaphore(device: torch.device, n: int) -> torch.Tensor:
     """The merge counters: one int32 per (sequence, KV head), zero between calls (the last split resets its
-    own). Allocated outside any capture (a graph must not own it: it is state across replays); a larger one
+    own). One array per device: decode kernels on one device must not run concurrently (one engine per GPU,
+    one stream; two engines decoding on two streams of one GPU would mix their counts). Allocated outside any capture (a graph must not own it: it is state across replays); a larger one
     is made by an eager call (capture_graph's warm-up runs come first), and the old one stays alive."""
     t = _semaphores.get(device)
     if t is None or t.numel() < n:

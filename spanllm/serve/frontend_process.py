@@ -57,7 +57,7 @@ class PipeEngine(AsyncEngine):
         super().__init__(core, max_queued_requests=None, metrics=MetricsRelay(self._send), on_dead=self._dead)
         self.metrics.baseline(core)
         self.adds_received = 0
-        self.metrics.extra = {"adds_received": 0}
+        self.metrics.counts = self._counts
         self.port: int | None = None
         self.started = threading.Event()
         self.frontend_done = threading.Event()
@@ -77,7 +77,21 @@ class PipeEngine(AsyncEngine):
     def shutdown_frontend(self) -> None:
         self._send(("shutdown",))
 
+    def _counts(self) -> tuple[int, int]:
+        """(adds received but not yet in the engine, adds received in all), read together: the front end's
+        waiting count is the engine's plus what it sent that the engine had not received."""
+        with self._lock:
+            return self._pending_adds, self.adds_received
+
     def _read(self) -> None:
+        try:
+            self._read_loop()
+        except BaseException as e:  # noqa: BLE001 - a broken message: the front end cannot be served any more
+            self.error = self.error or f"the engine's pipe reader failed: {type(e).__name__}: {e}"
+            self.frontend_done.set()
+            self.stop(timeout=0)
+
+    def _read_loop(self) -> None:
         while True:
             try:
                 msg = self.conn.recv()
@@ -85,11 +99,16 @@ class PipeEngine(AsyncEngine):
                 msg = ("exit",)
             kind = msg[0]
             if kind == "add":
+                rid = msg[1]
+                if not self._accepting:  # after abort_all (shutdown): refuse at once, as an aborted request
+                    with self._lock:
+                        self.adds_received += 1
+                    self._send(("events", [(rid, Delta("", [], 0, True, "abort", None, ""))]))
+                    continue
                 with self._lock:
                     self._pending_adds += 1
                     self.adds_received += 1
-                    self.metrics.extra = {"adds_received": self.adds_received}
-                self._streams[msg[1]] = None  # known here; AsyncEngine's "add" admits only known requests
+                self._streams[rid] = None  # known here; AsyncEngine's "add" admits only known requests
                 self._cmds.put(msg)
             elif kind == "abort":
                 if self._streams.pop(msg[1], "gone") != "gone":
@@ -140,6 +159,7 @@ class ProcessServer:
         self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
         self._child = child
         self.engine = PipeEngine(core, self._conn)
+        self._stop_requested = threading.Event()  # stop() or a signal: the front end ends because we asked
 
     @property
     def port(self) -> int | None:
@@ -150,18 +170,22 @@ class ProcessServer:
         self._child.close()  # the front end holds its end; ours closes when it exits
         self.engine.start()
         if threading.current_thread() is threading.main_thread():
+            # The handler only sets a flag (it may interrupt this thread inside a pipe send); the loop acts on it.
             for s in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(s, lambda signum, frame: self.stop())
-        notified = False
+                signal.signal(s, lambda signum, frame: self._stop_requested.set())
+        notified, asked = False, False
         try:
             while self._proc.is_alive() and not self.engine.frontend_done.is_set() and self.engine.alive:
+                if self._stop_requested.is_set() and not asked:
+                    asked = True
+                    self._shutdown()
                 if not notified and self.engine.started.wait(0.1):
                     notified = True
                     if on_started is not None:
                         on_started(self)
                 time.sleep(0.05)
         finally:
-            self.stop()
+            self._shutdown()
             self.engine.stop()
             self._proc.join(15)
             if self._proc.is_alive():
@@ -169,8 +193,18 @@ class ProcessServer:
                 self._proc.join(5)
         if self.engine.error:
             raise RuntimeError(self.engine.error)
+        code = self._proc.exitcode
+        # 0: it ended as asked (or after the engine's shutdown); -SIGINT / -SIGTERM: a signal reached it (a
+        # terminal's Ctrl-C goes to both processes; uvicorn re-raises it after its graceful shutdown).
+        if code not in (0, -signal.SIGINT, -signal.SIGTERM):
+            raise RuntimeError(f"the HTTP front-end process exited with code {code} (its output above says why)")
 
     def stop(self) -> None:
+        """From any thread: abort everything and end the front end (run() returns)."""
+        self._stop_requested.set()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         self.engine.abort_all()
         self.engine.shutdown_frontend()
 
@@ -247,6 +281,12 @@ class EngineClient:
             pass
 
     def _read(self) -> None:
+        try:
+            self._read_loop()
+        except BaseException as e:  # noqa: BLE001 - fail the open requests rather than leave them waiting
+            self._fail(f"the front end's pipe reader failed: {type(e).__name__}: {e}")
+
+    def _read_loop(self) -> None:
         while True:
             try:
                 msg = self.conn.recv()

@@ -109,7 +109,8 @@ class MetricsRelay:
         self._send = send
         self._base = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
         self._finished: list = []
-        self.extra: dict = {}  # more fields for the snapshot (the engine's count of adds it received)
+        # () -> (adds not yet in the engine, adds received in all), read under one lock (PipeEngine sets it)
+        self.counts = None
 
     def baseline(self, core) -> None:
         for name in self._base:
@@ -120,7 +121,12 @@ class MetricsRelay:
 
     def update_engine(self, core, extra_waiting: int = 0) -> None:
         s = core.stats
+        received = None
+        if self.counts is not None:
+            extra_waiting, received = self.counts()
         snap = {"running": core.num_running, "waiting": core.num_waiting + extra_waiting, "kv_usage": core.blocks.usage,
-                "finished": self._finished, **{k: getattr(s, k) - v for k, v in self._base.items()}, **self.extra}
+                "finished": self._finished, **{k: getattr(s, k) - v for k, v in self._base.items()}}
+        if received is not None:
+            snap["adds_received"] = received
         self._finished = []
         self._send(("metrics", snap))

@@ -425,3 +425,44 @@ def test_graph_ladders_cover_every_size_with_little_padding():
             assert b - n < (64 if n <= 1024 else 128 if n <= 2048 else 512), (max_tokens, n, b)
     assert bucket_ladder(256)[:5] == [1, 2, 4, 8, 16] and bucket_ladder(256)[-1] == 256
     assert all(b - a == 8 for a, b in zip(bucket_ladder(256)[4:], bucket_ladder(256)[5:]))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_loses_no_request(hf_checkpoint, hf_serving_reference, async_scheduling):
+    """A step whose sampling fails runs again (the same tokens come out); a step whose tokens fail to land
+    ends its requests as aborted. Either way nothing waits forever and every block comes back."""
+    llm = LLM(hf_checkpoint[0], serving_config(async_scheduling=async_scheduling))
+    core = llm.engine_core
+    seq = core.add_request(SERVE_PROMPTS[0], SamplingParams(max_tokens=10, ignore_eos=True))
+    core.step()
+    core.step()
+    real = core.sampler.sample
+
+    def boom(*a, **k):
+        raise RuntimeError("transient")
+
+    core.sampler.sample = boom
+    with pytest.raises(RuntimeError, match="transient"):
+        core.step()
+    core.sampler.sample = real
+    for _ in range(50):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert seq.output_ids == hf_serving_reference[0] and seq.finish_reason is FinishReason.LENGTH
+    seq = core.add_request(SERVE_PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    core.step()
+    core.step()
+    real_append = core._append
+    core._append = boom
+    with pytest.raises(RuntimeError, match="transient"):
+        for _ in range(3):  # async: the token lands one step after it is sampled
+            core.step()
+    core._append = real_append
+    for _ in range(50):
+        if not core.has_unfinished():
+            break
+        core.step()
+    assert not core.has_unfinished() and seq.finish_reason is FinishReason.ABORT
+    core.blocks.check([])
+    assert core.blocks.num_free == core.blocks.num_usable

@@ -100,3 +100,32 @@ def test_frontend_process_serves_the_engines_text_and_stops():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_engine_side_refuses_adds_after_abort_all():
+    """Shutdown (abort_all) then a request still in the pipe: it ends at once as aborted, nothing runs."""
+    import multiprocessing as mp
+
+    from spanllm.serve.frontend_process import PipeEngine
+
+    llm = make_llm()
+    mine, theirs = mp.Pipe(duplex=True)
+    engine = PipeEngine(llm.engine_core, mine)
+    engine.start()
+    try:
+        engine.abort_all()
+        theirs.send(("add", "r1", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), time.monotonic()))
+        got, deadline = [], time.monotonic() + 10
+        while not any(getattr(ev, "finished", False) for _, ev in got):
+            assert time.monotonic() < deadline, f"no answer to the late request: {got}"
+            if theirs.poll(0.1):
+                msg = theirs.recv()
+                if msg[0] == "events":
+                    got += msg[1]
+        (rid, ev), = got
+        assert rid == "r1" and ev.finish_reason == "abort" and ev.num_output == 0
+        assert llm.engine_core.stats.generation_tokens == 0
+    finally:
+        theirs.send(("exit",))
+        engine.stop()
+        llm.close()
