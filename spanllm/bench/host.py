@@ -23,7 +23,10 @@ class _NoModel:
     device = torch.device("cpu")
 
     def __init__(self, vocab: int) -> None:
+        from spanllm.engine.host_staging import HostStaging
+
         self.vocab = vocab
+        self.staging = HostStaging(self.device, 0)  # CPU: arrays as they are, as the real runner's
 
     def execute(self, x, prev_tokens=None):
         return torch.zeros(len(x.logits_rows), self.vocab)

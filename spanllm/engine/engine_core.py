@@ -88,19 +88,19 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
-        self.sampler = BatchSampler(runner.device, seed, to_device=getattr(getattr(runner, "staging", None), "tensor", None))
-        self.control_group = control_group
-        self.rank, self.tp_size = rank, tp_size
-        self.stats = EngineStats()
-        self._requests: dict[str, Sequence] = {}
-        self._detok: dict[str, object] = {}
-        self._counter = 0
         if async_scheduling is None:  # default: on a GPU at TP = 1 (TP ranks take token ids from the plan)
             async_scheduling = runner.device.type == "cuda" and tp_size == 1
         if async_scheduling and tp_size > 1:
             raise ValueError(f"async_scheduling needs tp=1 (the other TP ranks read token ids from the host plan); "
                              f"this engine has tp={tp_size}")
         self.async_scheduling = async_scheduling
+        self.sampler = BatchSampler(runner.device, seed, to_device=runner.staging.tensor)
+        self.control_group = control_group
+        self.rank, self.tp_size = rank, tp_size
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        self._detok: dict[str, object] = {}
+        self._counter = 0
         self._inflight: _InFlight | None = None
         pin = runner.device.type == "cuda"
         n = config.max_num_seqs
@@ -172,16 +172,10 @@ class EngineCore:
                 if seq.num_computed == 0 and seq.num_preemptions == 0:
                     self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
                 seq.num_computed += n
-        outs = []
-        if prev is not None:
-            self._inflight = new if self.async_scheduling else None
-            outs = self._land_or_abort(prev)
-        if new is not None:
-            if self.async_scheduling:
-                self._inflight = new  # read at the next step, after that one is queued
-            else:
-                outs += self._land_or_abort(new)
-        return outs
+        if not self.async_scheduling:
+            return self._land_or_abort(new) if new is not None else []
+        self._inflight = new  # read at the next step, after that one is queued
+        return self._land_or_abort(prev) if prev is not None else []
 
     def _land_or_abort(self, f: "_InFlight") -> list[RequestOutput]:
         """_land; if that fails part-way (a detokenizer error, say), its tokens cannot be landed again: the

@@ -193,7 +193,6 @@ class PagedModelRunner:
         # sum(ladder) + len(token ladder) * max_num_seqs rows: 4.4 GiB of an 8B model's vocabulary at 256).
         self._logits: torch.Tensor | None = None
         self.graph_memory_bytes = 0  # what capture_all's graphs (their pool, static buffers, logits) took
-        self._prev: torch.Tensor | None = None  # execute()'s prev_tokens, for the step being set up
         # Every host -> device copy of a step goes through pinned staging (async scheduling must not wait):
         # room for the token arrays, one block-table row per sequence, the prefill tiles and the sampler's rows.
         t, n = max_num_batched_tokens, max_num_seqs
@@ -240,27 +239,26 @@ class PagedModelRunner:
         prev_tokens: the previous step's sampled ids on the device, when x.prev_rows takes ids from them."""
         if len(x.prev_rows) and prev_tokens is None:
             raise ValueError(f"the step takes {len(x.prev_rows)} token ids from the previous step's samples; pass them")
-        self._prev = prev_tokens
         self.staging.begin_step()
         if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
-            return self._replay(x)
+            return self._replay(x, prev_tokens)
         if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
-            return self._replay_mixed(x)
+            return self._replay_mixed(x, prev_tokens)
         h2d = self.staging.tensor
         ids = h2d(x.token_ids)
-        self._fill_prev(ids, x)
+        self._fill_prev(ids, x, prev_tokens)
         positions = h2d(x.positions)
         slots = h2d(x.slots)
         meta = self._metadata(x, positions, slots)
         return self.model(ids, meta, self.cache)
 
-    def _fill_prev(self, ids: torch.Tensor, x: StepInputs) -> None:
+    def _fill_prev(self, ids: torch.Tensor, x: StepInputs, prev_tokens: torch.Tensor | None) -> None:
         """ids[prev_rows] = prev_tokens[prev_src], on the device, in stream order: after the previous step's
         sampling, before this step's forward (async scheduling never waits for the host to see a token)."""
         if len(x.prev_rows):
             rows = self.staging.tensor(x.prev_rows)
             src = self.staging.tensor(x.prev_src)
-            ids.index_copy_(0, rows, self._prev.index_select(0, src))
+            ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
 
     def _bucket(self, batch: int) -> int:
         return next(b for b in self.ladder if b >= batch)
@@ -277,7 +275,7 @@ class PagedModelRunner:
             }
         return self._static
 
-    def _replay(self, x: StepInputs) -> torch.Tensor:
+    def _replay(self, x: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         b = x.num_decode
         bucket = self._bucket(b)
         st = self._static_buffers()
@@ -296,7 +294,7 @@ class PagedModelRunner:
         put(st["slots"][:bucket], slots)
         put(st["ctx"][:bucket], ctx)
         put(st["tables"][:bucket, :w], tables)
-        self._fill_prev(st["ids"], x)
+        self._fill_prev(st["ids"], x, prev_tokens)
         g = self._graphs.get(bucket)
         if g is None:
             g = self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
@@ -352,7 +350,7 @@ class PagedModelRunner:
             t.zero_()
         st["tiles"][:, 0] = self.max_num_seqs  # every tile: the empty chunk
 
-    def _replay_mixed(self, x: StepInputs) -> torch.Tensor:
+    def _replay_mixed(self, x: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         n = x.num_tokens
         bucket = next(b for b in self.token_ladder if b >= n)
         st = self._mixed_buffers()
@@ -377,7 +375,7 @@ class PagedModelRunner:
         put(st["tables"][:s, :w], x.block_tables)
         put(st["tiles"][: len(tiles)], tiles)
         put(st["rows"], rows)
-        self._fill_prev(st["ids"], x)
+        self._fill_prev(st["ids"], x, prev_tokens)
         g = self._mixed_graphs.get(bucket)
         if g is None:
             g = self._mixed_graphs[bucket] = self._capture_with(lambda: self._mixed_forward(bucket))

@@ -48,20 +48,65 @@ class EngineDead:
     message: str
 
 
-class AsyncEngine:
-    def __init__(self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None) -> None:
-        self.core = core
+class FrontDoor:
+    """What the HTTP handlers hold, in either mode (AsyncEngine here, frontend_process.EngineClient): the
+    engine's fixed limits (vocab_size, capacity_tokens, max_model_len, has_tokenizer), `alive`, `error`,
+    `num_waiting()`, and the two halves every request goes through: `_open_stream` before it goes to the
+    engine, `_deliver` for what comes back. Subclasses count an admitted request in `_count_add`."""
+
+    def __init__(self, max_queued_requests: int | None) -> None:
         self.max_queued_requests = max_queued_requests
-        self.metrics = metrics
-        self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
         self.error: str | None = None
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
+        self._accepting = True
+
+    def _open_stream(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
+        """Refuse when shutting down (EngineUnavailable), check the request against the engine's fixed limits
+        (RequestError), check the queue bound (QueueFull), count it as waiting, and give it its queue."""
+        if not self.alive or not self._accepting:
+            raise EngineUnavailable(self.error or "the server is shutting down")
+        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                         capacity_tokens=self.capacity_tokens)
+        if params.stop and not self.has_tokenizer:
+            raise RequestError("stop strings need a tokenizer")
+        with self._lock:
+            if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
+                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
+                                "--max-queued-requests); retry later")
+            self._count_add()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def _deliver(self, events: list) -> None:
+        """Put each (request id, event) on its request's queue, from any thread: one call_soon_threadsafe per
+        event loop. A request's stream ends with its finished Delta, or any other event (an error)."""
+        by_loop: dict = {}
+        for rid, ev in events:
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            if getattr(ev, "finished", True):
+                self._streams.pop(rid, None)
+            by_loop.setdefault(s[0], []).append((s[1], ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed (shutdown)
+                pass
+
+
+class AsyncEngine(FrontDoor):
+    def __init__(self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None) -> None:
+        super().__init__(max_queued_requests)
+        self.core = core
+        self.metrics = metrics
+        self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spanllm-engine", daemon=True)
-        self._accepting = True
 
     # --- any thread -------------------------------------------------------------------------------------
     # The engine's fixed limits, which the HTTP handlers read (spanllm.serve.frontend_process.EngineClient has
@@ -111,7 +156,7 @@ class AsyncEngine:
     # --- the event loop -----------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
         """Validate (RequestError), check the queue bound (QueueFull), submit; returns the request's queue."""
-        q = open_request(self, request_id, prompt_ids, params)
+        q = self._open_stream(request_id, prompt_ids, params)
         self._cmds.put(("add", request_id, list(prompt_ids), params, arrival))
         return q
 
@@ -155,21 +200,6 @@ class AsyncEngine:
                 events.append((out.request_id, _delta(out)))
         return events
 
-    def _deliver(self, events: list) -> None:
-        by_loop: dict = {}
-        for rid, ev in events:
-            s = self._streams.get(rid)
-            if s is None:
-                continue
-            if getattr(ev, "finished", True):
-                self._streams.pop(rid, None)
-            by_loop.setdefault(s[0], []).append((s[1], ev))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed (shutdown)
-                pass
-
     def _run(self) -> None:
         core = self.core
         last_broadcast = time.monotonic()
@@ -209,26 +239,6 @@ class AsyncEngine:
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:
                 self.on_dead(self.error)
-
-
-def open_request(front, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
-    """What a front door (AsyncEngine, or frontend_process.EngineClient) does before a request goes to the
-    engine: refuse when shutting down (EngineUnavailable), check it against the engine's fixed limits
-    (RequestError), check the queue bound (QueueFull), count it as waiting, and give it its queue."""
-    if not front.alive or not front._accepting:
-        raise EngineUnavailable(front.error or "the server is shutting down")
-    validate_request(prompt_ids, params, vocab_size=front.vocab_size, max_model_len=front.max_model_len,
-                     capacity_tokens=front.capacity_tokens)
-    if params.stop and not front.has_tokenizer:
-        raise RequestError("stop strings need a tokenizer")
-    with front._lock:
-        if front.max_queued_requests is not None and front.num_waiting() >= front.max_queued_requests:
-            raise QueueFull(f"the waiting queue is full ({front.max_queued_requests} requests, "
-                            "--max-queued-requests); retry later")
-        front._count_add()
-    q: asyncio.Queue = asyncio.Queue()
-    front._streams[request_id] = (asyncio.get_running_loop(), q)
-    return q
 
 
 def _put_all(items) -> None:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError
-from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, _put_all, open_request
+from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor
 
 
 @dataclass
@@ -210,24 +210,20 @@ class ProcessServer:
 
 
 # --- the front end (its own process) ----------------------------------------------------------------------
-class EngineClient:
+class EngineClient(FrontDoor):
     """AsyncEngine's interface for the HTTP handlers, talking to a PipeEngine in another process."""
 
     def __init__(self, conn, limits: dict, *, max_queued_requests: int | None, metrics, on_dead=None,
                  on_shutdown=None) -> None:
+        super().__init__(max_queued_requests)
         self.conn = conn
         self.vocab_size = limits["vocab_size"]
         self.capacity_tokens = limits["capacity_tokens"]
         self.max_model_len = limits["max_model_len"]
         self.has_tokenizer = limits["has_tokenizer"]
-        self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.on_dead, self.on_shutdown = on_dead, on_shutdown
-        self.error: str | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._accepting = True
         self._waiting = 0  # the engine's waiting count, from its last snapshot
         self._adds_sent = 0
         self._adds_received = 0  # by the engine, from its last snapshot
@@ -251,7 +247,7 @@ class EngineClient:
         self._adds_sent += 1
 
     def add(self, request_id: str, prompt_ids: list[int], params, arrival: float) -> asyncio.Queue:
-        q = open_request(self, request_id, prompt_ids, params)
+        q = self._open_stream(request_id, prompt_ids, params)
         try:
             self._send(("add", request_id, list(prompt_ids), params, arrival))
         except (OSError, EOFError, ValueError) as e:
@@ -301,7 +297,8 @@ class EngineClient:
                 if self.metrics is not None:
                     self.metrics.apply(snap)
             elif kind == "events":
-                self._dispatch(msg[1])
+                self._deliver([(rid, RequestError(ev.message) if isinstance(ev, Refusal) else ev)
+                               for rid, ev in msg[1]])
             elif kind == "shutdown":
                 self._accepting = False
                 if self.on_shutdown is not None:
@@ -310,28 +307,11 @@ class EngineClient:
                 self._fail(msg[1])
                 return
 
-    def _dispatch(self, events) -> None:
-        by_loop: dict = {}
-        for rid, ev in events:
-            s = self._streams.get(rid)
-            if s is None:
-                continue
-            if isinstance(ev, Refusal):
-                ev = RequestError(ev.message)
-            if not isinstance(ev, Delta) or ev.finished:
-                self._streams.pop(rid, None)
-            by_loop.setdefault(s[0], []).append((s[1], ev))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed (shutdown)
-                pass
-
     def _fail(self, message: str) -> None:
         if self.error is None:
             self.error = message
         dead = EngineDead(self.error)
-        self._dispatch([(rid, dead) for rid in list(self._streams)])
+        self._deliver([(rid, dead) for rid in list(self._streams)])
         if self.on_dead is not None:
             self.on_dead(self.error)
 
@@ -339,11 +319,10 @@ class EngineClient:
 def frontend_main(conn, cfg: dict) -> None:
     """The front-end process: tokenizer, app, uvicorn; tells the engine its port, then serves until a signal,
     the engine's ("shutdown",), or the engine's death."""
-    import uvicorn
-
     from spanllm.engine.tokenizer import get_tokenizer
     from spanllm.serve.api import build_app
     from spanllm.serve.metrics import ServerMetrics
+    from spanllm.serve.server import bound_port, make_uvicorn
 
     tokenizer = get_tokenizer(cfg["model"], cfg["checkpoint_dir"])
     metrics = ServerMetrics(cfg["model_name"])
@@ -359,21 +338,15 @@ def frontend_main(conn, cfg: dict) -> None:
     app = build_app(client, tokenizer, model_name=cfg["model_name"], max_model_len=cfg["limits"]["max_model_len"],
                     metrics=metrics)
 
-    class _Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # a signal: abort everything so open streams end now
-            client.abort_all()
-            super().handle_exit(sig, frame)
-
-    uv = holder["uv"] = _Uvicorn(uvicorn.Config(app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"],
-                                                timeout_graceful_shutdown=5, lifespan="off"))
+    uv = holder["uv"] = make_uvicorn(app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"],
+                                     on_signal=client.abort_all)
     client.start()
 
     def notify() -> None:
         while not uv.started and not uv.should_exit:
             time.sleep(0.02)
         if uv.started:
-            port = uv.servers[0].sockets[0].getsockname()[1] if cfg["port"] == 0 else cfg["port"]
-            client._send(("started", port))
+            client._send(("started", bound_port(uv, cfg["port"])))
 
     threading.Thread(target=notify, daemon=True).start()
     try:

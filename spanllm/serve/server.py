@@ -64,13 +64,32 @@ def check_args(args: argparse.Namespace) -> None:
     checks.at_least("--max-queued-requests", args.max_queued_requests, 1, " (leave it out: unbounded)")
 
 
+def make_uvicorn(app, *, host: str, port: int, log_level: str, on_signal):
+    """The uvicorn server both modes run: on SIGINT / SIGTERM it first calls on_signal() (abort every request,
+    so open streams end now), then shuts down gracefully (5 s)."""
+    import uvicorn
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            on_signal()
+            super().handle_exit(sig, frame)
+
+    return _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                   lifespan="off"))
+
+
+def bound_port(uv, port: int) -> int:
+    """The port uvicorn listens on (port 0: the one the system chose, once it is started)."""
+    if port == 0 and uv.servers:
+        return uv.servers[0].sockets[0].getsockname()[1]
+    return port
+
+
 class Server:
     """Rank 0's front end: the engine thread and a uvicorn server (run() blocks; stop() from any thread)."""
 
     def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
                  max_queued_requests: int | None = None, log_level: str = "warning") -> None:
-        import uvicorn
-
         from spanllm.serve.api import build_app
         from spanllm.serve.async_engine import AsyncEngine
         from spanllm.serve.metrics import ServerMetrics
@@ -83,15 +102,7 @@ class Server:
                                   on_dead=self._on_dead)
         self.app = build_app(self.engine, llm.get_tokenizer(), model_name=self.model_name,
                              max_model_len=core.config.max_model_len, metrics=self.metrics)
-        engine = self.engine
-
-        class _Uvicorn(uvicorn.Server):
-            def handle_exit(self, sig, frame):  # a signal: abort everything so open streams end now
-                engine.abort_all()
-                super().handle_exit(sig, frame)
-
-        self._uv = _Uvicorn(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5, lifespan="off"))
+        self._uv = make_uvicorn(self.app, host=host, port=port, log_level=log_level, on_signal=self.engine.abort_all)
         self.host = host
         self._port = port
 
@@ -101,9 +112,7 @@ class Server:
 
     @property
     def port(self) -> int:
-        if self._port == 0 and self._uv.servers:
-            return self._uv.servers[0].sockets[0].getsockname()[1]
-        return self._port
+        return bound_port(self._uv, self._port)
 
     def _on_dead(self, message: str) -> None:
         self._uv.should_exit = True

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import queue
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +26,51 @@ def make_llm(**engine) -> LLM:
                                    **engine), device=torch.device("cpu"))
     llm.get_tokenizer()
     return llm
+
+
+def start_cli_server(serve_args: list[str], deadline: float, what: str = "the server",
+                     env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`spanllm serve SERVE_ARGS` (with --port 0) as a subprocess; returns (the process, its base URL) once it
+    prints the address it bound, by `deadline` (time.monotonic()). Kills it if it never comes up."""
+    cmd = [sys.executable, "-m", "spanllm.cli", "serve", *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        base, seen = None, []
+        while base is None:
+            assert time.monotonic() < deadline, f"{what} did not come up:\n" + "".join(seen)
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, f"{what} exited:\n" + "".join(seen)
+                continue
+            seen.append(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
+            base = m.group(1) if m else None
+        return proc, base
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def sigterm_and_check(proc: subprocess.Popen, descendants: list[int], what: str, outlived: str) -> None:
+    """SIGTERM the server: it must exit within 20 s (waiting up to 30), and `descendants` (its ranks or its
+    front-end process) within 5 s more."""
+    import signal
+
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what} did not stop within 30 s of SIGTERM") from None
+    assert time.monotonic() - t0 < 20
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in descendants) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in descendants), outlived
 
 
 def children(pid: int) -> list[int]:

@@ -4,17 +4,11 @@ in /metrics, frees a disconnected client's blocks, and stops with its front-end 
 
 from __future__ import annotations
 
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from serve_helpers import alive, children, make_llm, metric_of
+from serve_helpers import children, make_llm, metric_of, sigterm_and_check, start_cli_server
 
 from spanllm.engine.sampler import SamplingParams
 
@@ -28,24 +22,9 @@ def test_frontend_process_serves_the_engines_text_and_stops():
     llm = make_llm()
     want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
     llm.close()
-    cmd = [sys.executable, "-m", "spanllm.cli", "serve", "--model", "tiny", "--dtype", "float32", "--num-kv-blocks",
-           "256", "--port", "0", "--no-warmup", "--frontend-process"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    proc, base = start_cli_server(["--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "256", "--port", "0",
+                                   "--no-warmup", "--frontend-process"], time.monotonic() + 120)
     try:
-        base, seen = None, []
-        deadline = time.monotonic() + 120
-        while base is None:
-            assert time.monotonic() < deadline, "the server did not come up:\n" + "".join(seen)
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "the server exited:\n" + "".join(seen)
-                continue
-            seen.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
-            base = m.group(1) if m else None
         frontends = children(proc.pid)
         assert frontends, "no front-end process under the server"
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -85,17 +64,7 @@ def test_frontend_process_serves_the_engines_text_and_stops():
         assert metric_of(base, "spanllm:num_requests_running") == 0
         assert metric_of(base, "spanllm:kv_cache_usage_perc") == 0.0
         assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the server did not stop within 30 s of SIGTERM") from None
-        assert time.monotonic() - t0 < 20
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in frontends) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in frontends), "the front-end process outlived the server"
+        sigterm_and_check(proc, frontends, "the server", "the front-end process outlived the server")
     finally:
         if proc.poll() is None:
             proc.kill()

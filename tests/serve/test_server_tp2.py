@@ -8,17 +8,11 @@ checkpoint with a tokenizer (not available offline here)."""
 from __future__ import annotations
 
 import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from serve_helpers import alive, children, offline_greedy
+from serve_helpers import children, offline_greedy, sigterm_and_check, start_cli_server
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
@@ -34,25 +28,11 @@ def test_tp2_server_matches_tp1_and_sigterm():
     # Port 0: the server binds a free port itself and prints it (no window for another process to take it).
     # A 10 s collective timeout and a 0.5 s heartbeat: the idle pause below outlasts the timeout, so the server
     # only keeps answering because the idle engine thread keeps the worker rank's wait short.
-    cmd = [sys.executable, "-m", "spanllm.cli", "serve", "--model", "tiny", "--dtype", "float32", "--nprocs", "2",
-           "--num-kv-blocks", "256", "--port", "0", "--no-warmup", "--pg-timeout", "10"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "SPANLLM_SERVE_HEARTBEAT_S": "0.5"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + 180
+    proc, base = start_cli_server(["--model", "tiny", "--dtype", "float32", "--nprocs", "2", "--num-kv-blocks", "256",
+                                   "--port", "0", "--no-warmup", "--pg-timeout", "10"], deadline, "the TP=2 server",
+                                  env={**os.environ, "SPANLLM_SERVE_HEARTBEAT_S": "0.5"})
     try:
-        base, seen = None, []
-        deadline = time.monotonic() + 180
-        while base is None:
-            assert time.monotonic() < deadline, "the TP=2 server did not come up:\n" + "".join(seen)
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "the TP=2 server exited:\n" + "".join(seen)
-                continue
-            seen.append(line)
-            m = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
-            base = m.group(1) if m else None
         while httpx.get(base + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the TP=2 server never turned healthy"
             time.sleep(0.3)
@@ -67,17 +47,7 @@ def test_tp2_server_matches_tp1_and_sigterm():
         assert proc.poll() is None, "the idle TP=2 server exited"
         assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
         ranks = children(proc.pid)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the TP=2 server did not stop within 30 s of SIGTERM") from None
-        assert time.monotonic() - t0 < 20
-        deadline = time.monotonic() + 5
-        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in ranks), "a rank outlived the server"
+        sigterm_and_check(proc, ranks, "the TP=2 server", "a rank outlived the server")
     finally:
         if proc.poll() is None:
             proc.kill()
