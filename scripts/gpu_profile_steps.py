@@ -212,6 +212,9 @@ def main() -> int:
     from spanllm.engine.llm import LLM
 
     args = parse()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_profile_steps.py profiles CUDA kernels and graphs: this machine has no CUDA GPU "
+                         f"(torch {torch.__version__}); run it on the GPU machine (scripts/gpu_check.sh profile)")
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
