@@ -7,7 +7,7 @@
 #
 # Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
 # (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
-# (its GPU tests), attention (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1
+# (its GPU tests), gemm1 (decode GEMMs of the 8B at TP=1: cuBLAS vs skinny, and a config sweep), attention (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1
 # step), profile (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers'
 # continuous batching on the same requests). Serving knobs: NUM_PROMPTS,
 # TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
@@ -134,6 +134,17 @@ for stage in "${STAGES[@]}"; do
           --m "${GEMM_SWEEP_M:-1,8}" --sweep "${GEMM_SWEEP:-small}" --copy-gib 0 --json "$OUTDIR/gemm_sweep_tp2.json" || rc=1
       fi
       ;;
+    gemm1)
+      # The serving engine's decode GEMMs (Llama 3.1 8B at TP=1, one GPU): F.linear vs the skinny kernel's
+      # heuristic at M = 1..16, then a config sweep at GEMM_SWEEP_M rows (the rows of CONFIG_OVERRIDES).
+      log "gemm bench, 8B TP=1 shapes (heuristic configs, then the ${GEMM_SWEEP:-small} sweep at M=${GEMM_SWEEP_M:-1,8})"
+      timeout 200 python3 -m spanllm.cli bench gemm --models llama3.1-8b --tp 1 --m 1,2,4,8,16 \
+        --sweep none --json "$OUTDIR/gemm_decode_tp1.json" || rc=1
+      if [ "${GEMM_SWEEP:-small}" != none ]; then
+        timeout "${GEMM_SWEEP_TIMEOUT:-240}" python3 -m spanllm.cli bench gemm --models llama3.1-8b --tp 1 \
+          --m "${GEMM_SWEEP_M:-1,8}" --sweep "${GEMM_SWEEP:-small}" --copy-gib 0 --json "$OUTDIR/gemm_sweep_tp1.json" || rc=1
+      fi
+      ;;
     smoke)
       # A short engine run over both all-reduces (4 layers of 8B): checks the nvrar path inside the
       # engine (graph capture, tuning table) before the long stages.
@@ -178,7 +189,7 @@ for stage in "${STAGES[@]}"; do
       ;;
     paged)
       log "pytest: the serving engine's GPU tests (paged attention kernels, graphs, engine vs static path)"
-      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt" || rc=1
+      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt" || rc=1
       ;;
     attention)
       log "bench attention (paged decode kernel vs reference vs contiguous SDPA)"
@@ -196,7 +207,7 @@ for stage in "${STAGES[@]}"; do
     decode1)
       log "serving engine, batch-1 decode step (random 128-token prompt, 256 tokens, default settings)"
       timeout 300 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput --model llama3.1-8b \
-        --dataset-name random --input-len 128 --output-len 256 --num-prompts 1 ${SERVE_OPTS:-} --json "$OUTDIR/decode_b1_llama3.1-8b.json" || rc=1
+        --dataset-name random --input-len 128 --output-len 256 --num-prompts 1 ${SERVE_OPTS:-} --json "$OUTDIR/decode_b1_llama3.1-8b${TP_SUFFIX:-}.json" || rc=1
       ;;
     profile)
       log "where a serving step's time goes: kernel tables of decode and prefill steps, the ShareGPT step trace ${SERVE_OPTS:-}"

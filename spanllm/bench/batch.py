@@ -269,8 +269,8 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
 
 
 def _skinny_table_id(decode_gemm: str) -> str | None:
-    """Which measured config table the skinny GEMM ran with (its fingerprint), for decode_gemm="skinny"."""
-    if decode_gemm != "skinny":
+    """Which measured config table the skinny GEMM ran with (its fingerprint), for decode_gemm skinny / auto."""
+    if decode_gemm == "torch":
         return None
     from spanllm.engine.skinny_gemm import table_id
     return table_id()

@@ -236,7 +236,7 @@ from spanllm.dtypes import model_dtype as parse_dtype  # noqa: E402
 
 
 COMPILE_SCOPES = ("layer", "forward")
-DECODE_GEMMS = ("torch", "skinny")
+DECODE_GEMMS = ("auto", "torch", "skinny")
 
 
 @dataclass(frozen=True)
@@ -270,9 +270,11 @@ class EngineConfig:
     compile_scope: str = "layer"
     # The weight GEMMs (every column/row-parallel linear and the LM head) of calls with at most 16 rows, i.e.
     # decode up to batch 16: "torch" = F.linear (cuBLAS), "skinny" = spanllm.engine.skinny_gemm (a Triton
-    # stream over W with split-K, torch.ops.spanllm.skinny_linear; GPU + Triton only). More rows (prefill,
-    # larger batches) always run F.linear. describe() names the choice.
-    decode_gemm: str = "torch"
+    # stream over W with split-K, torch.ops.spanllm.skinny_linear; GPU + Triton only), "auto" = skinny for
+    # the shapes where its measured table says it beats F.linear (skinny_gemm.MEASURED_US), F.linear for the
+    # rest and on CPU. With skinny / auto the serving engine's down projection also computes SiLU(gate) * up
+    # inside the kernel. More rows (prefill, larger batches) always run F.linear. describe() names the choice.
+    decode_gemm: str = "auto"
     # --- the serving engine (LLM.generate, spanllm serve): continuous batching over a paged KV cache ---
     # max_batch_size / max_seq_len above size the static path only (generate_static, bench batch / study).
     block_size: int = 16  # tokens per KV block

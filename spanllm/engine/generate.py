@@ -37,9 +37,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer",
                         help="--compile-decode: 'layer' compiles one decoder layer, shared by all (one compile "
                              "per bucket at any depth); 'forward' the whole decode forward")
-    parser.add_argument("--decode-gemm", choices=DECODE_GEMMS, default="torch",
+    parser.add_argument("--decode-gemm", choices=DECODE_GEMMS, default="auto",
                         help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = "
-                             "spanllm's Triton split-K stream over the weights (GPU + Triton)")
+                             "spanllm's Triton stream over the weights (GPU + Triton), 'auto' = skinny where its "
+                             "measured table (spanllm/engine/skinny_gemm.py) says it is faster, else F.linear")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens one sequence may hold, prompt + generated (default: the model's "
                              "max_position_embeddings; more only with SPANLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")

@@ -29,6 +29,8 @@ from spanllm.errors import UsageError
 
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig, ModelConfig, resolve_model
+from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
+from spanllm.engine.skinny_gemm import SILU_MUL_US, prefer_skinny
 from spanllm.engine.layers import Communicator, TPContext
 from spanllm.engine.loader import load_checkpoint, random_init
 from spanllm.engine.model import LlamaForCausalLM
@@ -248,8 +250,37 @@ class LLM:
                 f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
                 + (f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
                    if self.engine.compile_decode else "")
-                + (" | decode GEMMs skinny (Triton, <= 16 rows; F.linear above)"
-                   if self.engine.decode_gemm == "skinny" else ""))
+                + f" | {self.describe_decode_gemm(serving=False)}")
+
+    def describe_decode_gemm(self, serving: bool = True) -> str:
+        """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
+        TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o, down+SiLU; F.linear gate_up, lm_head'.
+        serving: the serving engine's layer (its down projection can take SiLU(gate) * up in the kernel)."""
+        mode = self.engine.decode_gemm
+        if mode == "torch":
+            return "decode GEMMs F.linear"
+        if self.device.type != "cuda":
+            return f"decode GEMMs {mode}: F.linear (no CUDA device)"
+        layer = next(iter(self.model.model.layers.values()), None)
+        gemms = []
+        if layer is not None:
+            a, mlp = layer.self_attn, layer.mlp
+            gemms += [("qkv", a.qkv_proj.weight, 0.0), ("o", a.o_proj.weight, 0.0),
+                      ("gate_up", mlp.gate_up_proj.weight, 0.0),
+                      ("down+SiLU", mlp.down_proj.weight, SILU_MUL_US) if serving else ("down", mlp.down_proj.weight, 0.0)]
+        if self.model.lm_head is not None:
+            gemms.append(("lm_head", self.model.lm_head.weight, 0.0))
+        if mode == "skinny":
+            return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(g[0] for g in gemms)
+
+        def picks(rows: int) -> str:
+            skinny = [n for n, w, saved in gemms if prefer_skinny(rows, *w.shape, w.element_size(), saved)]
+            rest = [n for n, _, _ in gemms if n not in skinny]
+            return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
+
+        one, most = picks(1), picks(SKINNY_MAX_M)
+        body = f"1-{SKINNY_MAX_M} rows: {one}" if one == most else f"1 row: {one} | {SKINNY_MAX_M} rows: {most}"
+        return f"decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at {body}"
 
     # --- generation -----------------------------------------------------------------------------------
     def generate_static(self, prompts: list[list[int]], params: SamplingParams | None = None,
@@ -364,7 +395,8 @@ class LLM:
                 f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
                 f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
                 f"{'on' if core.async_scheduling else 'off'}"
-                + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else ""))
+                + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else "")
+                + f" | {self.describe_decode_gemm()}")
 
     def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:
         """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one

@@ -98,7 +98,39 @@ CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]
     (8, 14336, 4096, 2): (128, 128, 1, 4, 4),  # 30.1 vs 30.3
     (1, 4096, 7168, 2): (32, 128, 2, 4, 5),  # 8B down: 18.0 vs 19.9
     (8, 4096, 7168, 2): (32, 256, 1, 4, 5),  # 17.8 vs 20.3
+    # Llama 3.1 8B at TP=1 (the serving engine's default), `spanllm bench gemm --tp 1 --sweep small` on one
+    # H200, 2026-12-01 (results/h200/engine_speed/call5_gemm/gemm_sweep_tp1.json).
+    (1, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 8B qkv: 14.9 vs 15.5
+    (8, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 15.2 vs 15.7
+    (1, 4096, 4096, 2): (32, 256, 1, 4, 4),  # 8B o: 11.9 vs 12.3 (cuBLAS: split-K + a reduce kernel)
+    (8, 4096, 4096, 2): (32, 256, 1, 4, 5),  # 11.9 vs 12.5
+    (1, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 8B gate_up: 56.0 vs 54.9
+    (8, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 56.5 vs 55.7
+    (1, 4096, 14336, 2): (128, 128, 4, 4, 4),  # 8B down: 30.5 vs 30.3
+    (8, 4096, 14336, 2): (128, 128, 4, 4, 4),  # 31.3 vs 30.9
 }
+
+# The same runs' times, microseconds per GEMM inside a CUDA graph: key -> (the entry's config, F.linear).
+# decode_gemm="auto" reads them (`prefer_skinny`): the skinny kernel only where it measured faster.
+MEASURED_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
+    (1, 5120, 8192, 2): (24.2, 25.5), (8, 5120, 8192, 2): (23.1, 27.0),
+    (1, 8192, 4096, 2): (18.7, 18.9), (8, 8192, 4096, 2): (18.9, 18.9),
+    (1, 28672, 8192, 2): (109.1, 108.4), (8, 28672, 8192, 2): (109.9, 109.8),
+    (1, 8192, 14336, 2): (55.7, 59.3), (8, 8192, 14336, 2): (56.0, 59.8),
+    (1, 3072, 4096, 2): (10.4, 11.9), (8, 3072, 4096, 2): (10.5, 11.7),
+    (1, 4096, 2048, 2): (7.4, 7.2), (8, 4096, 2048, 2): (7.5, 7.2),
+    (1, 14336, 4096, 2): (29.7, 30.6), (8, 14336, 4096, 2): (30.1, 30.3),
+    (1, 4096, 7168, 2): (18.0, 19.9), (8, 4096, 7168, 2): (17.8, 20.3),
+    (1, 6144, 4096, 2): (14.94, 15.48), (8, 6144, 4096, 2): (15.15, 15.68),
+    (1, 4096, 4096, 2): (11.91, 12.28), (8, 4096, 4096, 2): (11.94, 12.46),
+    (1, 28672, 4096, 2): (55.95, 54.85), (8, 28672, 4096, 2): (56.52, 55.70),
+    (1, 4096, 14336, 2): (30.53, 30.34), (8, 4096, 14336, 2): (31.27, 30.88),
+}
+
+# What the fused down projection (skinny_silu_linear) saves besides its GEMM: the separate _silu_mul_kernel
+# of a decode step at batch 1, 46.5 us per step over 32 layers (results/h200/engine_speed/call4_final/
+# profile_steps.json, decode_b1_ctx256_graph), not counting the launch gap it also leaves behind.
+SILU_MUL_US = 1.45
 
 
 def m_bucket(m: int) -> int:
@@ -143,21 +175,42 @@ _X_L2_WEIGHT = 0.4  # cost of a byte of x from L2 relative to a byte of W from H
 _PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
 
 
-def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | None:
-    """The measured config for this shape: CONFIG_OVERRIDES at M's bucket, else at the nearest bucket of the
-    same (n, k, elem_bytes) (ties: the larger bucket); None when the table has no entry for the shape."""
+def _table_key(m: int, n: int, k: int, elem_bytes: int) -> tuple[int, int, int, int] | None:
+    """The CONFIG_OVERRIDES key for this GEMM: M's bucket, else the nearest bucket of the same (n, k,
+    elem_bytes) (ties: the larger bucket); None when the table has no entry for the shape."""
     buckets = [mb for (mb, n2, k2, e2) in CONFIG_OVERRIDES if (n2, k2, e2) == (n, k, elem_bytes)]
     if not buckets:
         return None
     want = m_bucket(m)
     mb = min(buckets, key=lambda b: (abs(b.bit_length() - want.bit_length()), -b))
-    return _check_config(CONFIG_OVERRIDES[(mb, n, k, elem_bytes)])
+    return (mb, n, k, elem_bytes)
+
+
+def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | None:
+    """The measured config for this shape (`_table_key`); None when the table has no entry for the shape."""
+    key = _table_key(m, n, k, elem_bytes)
+    return None if key is None else _check_config(CONFIG_OVERRIDES[key])
+
+
+@functools.lru_cache(maxsize=None)
+def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2, saved_us: float = 0.0) -> bool:
+    """decode_gemm="auto": whether x [m, k] @ W[n, k]^T takes the skinny kernel. Yes only where the measured
+    table has the shape and its config beat F.linear there (MEASURED_US), counting `saved_us` that taking it
+    saves elsewhere (SILU_MUL_US for the fused down projection); shapes never measured, more than MAX_M rows,
+    or no Triton: F.linear."""
+    if triton is None or m > MAX_M:
+        return False
+    key = _table_key(m, n, k, elem_bytes)
+    if key is None:
+        return False
+    skinny_us, f_linear_us = MEASURED_US[key]
+    return skinny_us < f_linear_us + saved_us
 
 
 def table_id() -> str:
     """A short fingerprint of CONFIG_OVERRIDES, recorded with engine rows that ran the skinny GEMM."""
     import hashlib
-    text = repr(sorted(CONFIG_OVERRIDES.items()))
+    text = repr(sorted(CONFIG_OVERRIDES.items())) + repr(sorted(MEASURED_US.items()))
     return f"{len(CONFIG_OVERRIDES)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
@@ -219,8 +272,14 @@ if triton is not None:
     def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_chunk,
                             stride_xm, stride_wn, stride_os, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN_K: tl.constexpr, IS_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
-        """out[pid_k, m, n] = sum over this program's K chunk of x[m, k] * w[n, k] (out is y or a partial)."""
+                            EVEN_K: tl.constexpr, IS_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
+                            SILU_X: tl.constexpr):
+        """out[pid_k, m, n] = sum over this program's K chunk of x[m, k] * w[n, k] (out is y or a partial).
+
+        SILU_X: x_ptr is the MLP's gate_up [M, 2K] laid out [gate | up], and x = SiLU(gate) * up is made
+        on the fly, rounded exactly as fused_ops' _silu_mul_kernel rounds it (SiLU to the input dtype, then
+        the product), so the result equals silu_mul followed by this kernel bit for bit: one kernel (and
+        one launch gap) less per layer, and the activation never goes through HBM."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -239,11 +298,17 @@ if triton is not None:
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")  # W is streamed once: keep L2 for x
-                xt = tl.load(x_ptrs, mask=m_mask, other=0.0, eviction_policy="evict_last")
+                x_mask = m_mask
             else:
                 k_mask = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                xt = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0, eviction_policy="evict_last")
+                x_mask = m_mask & k_mask[None, :]
+            xt = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+            if SILU_X:  # xt is the gate; the up half starts K elements later in the row
+                up = tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                g = xt.to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+                xt = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
             if IS_FP32:
                 # fp32 inputs: full-precision products, as F.linear (tf32 would lose 13 mantissa bits).
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
@@ -299,39 +364,54 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
     `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
     Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture.
     """
+    return _skinny(x, weight, config, silu_x=False)
+
+
+def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """y = (SiLU(gate) * up) @ weight^T for gate_up [..., 2K] laid out [gate | up] (the MLP's merged
+    projection), at most 16 rows; equal bit for bit to skinny_linear(fused_ops.silu_mul(gate_up), weight)
+    with the same config. The config is the one of the K-wide GEMM (the table's down-projection entry)."""
+    return _skinny(gate_up, weight, config, silu_x=True)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, config: tuple | None, silu_x: bool) -> torch.Tensor:
+    name = "skinny_silu_linear" if silu_x else "skinny_linear"
     if triton is None:
-        raise RuntimeError("skinny_linear needs Triton, which is not installed; use torch.nn.functional.linear")
+        raise RuntimeError(f"{name} needs Triton, which is not installed; use torch.nn.functional.linear")
     if weight.dim() != 2:
-        raise ValueError(f"skinny_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() < 1:
-        raise ValueError("skinny_linear: x must have at least one dimension (its last is K)")
+        raise ValueError(f"{name}: x must have at least one dimension (its last is K)")
     if x.dtype != weight.dtype:
-        raise ValueError(f"skinny_linear: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
+        raise ValueError(f"{name}: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"skinny_linear: dtype {x.dtype} not supported (bfloat16, float16, float32)")
+        raise ValueError(f"{name}: dtype {x.dtype} not supported (bfloat16, float16, float32)")
     n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"skinny_linear: K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}), "
-                         f"weight has K={k} (shape {tuple(weight.shape)})")
+    x_cols = 2 * k if silu_x else k
+    if x.shape[-1] != x_cols:
+        has = (f"gate_up has {x.shape[-1]} columns, must have 2K={2 * k}" if silu_x
+               else f"x has K={x.shape[-1]}")
+        raise ValueError(f"{name}: K mismatch: {has} (shape {tuple(x.shape)}), weight has K={k} "
+                         f"(shape {tuple(weight.shape)})")
     if not weight.is_contiguous():
-        raise ValueError(f"skinny_linear: weight must be contiguous (row-major [N, K]); got strides "
+        raise ValueError(f"{name}: weight must be contiguous (row-major [N, K]); got strides "
                          f"{weight.stride()} for shape {tuple(weight.shape)}")
     if x.device != weight.device:
-        raise ValueError(f"skinny_linear: x is on {x.device}, weight on {weight.device}")
+        raise ValueError(f"{name}: x is on {x.device}, weight on {weight.device}")
     lead = x.shape[:-1]
     m = math.prod(lead)
     if m > MAX_M:
-        raise ValueError(f"skinny_linear: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
+        raise ValueError(f"{name}: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
                          "use torch.nn.functional.linear for larger batches")
     if m == 0 or n == 0 or k == 0:
         return (torch.zeros if k == 0 else torch.empty)((*lead, n), dtype=x.dtype, device=x.device)
-    x2 = x.reshape(m, k)
+    x2 = x.reshape(m, x_cols)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     cfg = _check_config(config) if config is not None else choose_config(
         m, n, k, num_sms_of(x.device), x.element_size())
     if x.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"skinny_linear: tensors must be on a CUDA device, got {x.device} "
+        raise ValueError(f"{name}: tensors must be on a CUDA device, got {x.device} "
                          "(CPU tensors run only under TRITON_INTERPRET=1)")
     split = effective_split_k(k, cfg.block_k, cfg.split_k)
     chunk = split_k_chunk(k, cfg.block_k, split)
@@ -341,7 +421,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2, weight, out, m, n, k, chunk, x2.stride(0), weight.stride(0), stride_os, n,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
-        IS_FP32=(x.dtype == torch.float32), NUM_STAGES=cfg.num_stages,
+        IS_FP32=(x.dtype == torch.float32), NUM_STAGES=cfg.num_stages, SILU_X=silu_x,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
@@ -361,3 +441,11 @@ if triton is not None:
     @skinny_linear_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.custom_op("spanllm::skinny_silu_linear", mutates_args=())
+    def skinny_silu_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return skinny_silu_linear(gate_up, weight)
+
+    @skinny_silu_linear_op.register_fake
+    def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

@@ -144,6 +144,29 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
     assert outs[0] == outs[1]
 
 
+def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
+    """decode_gemm='auto' (the default) on a 2-layer slice of the 8B in bf16: the measured table sends qkv, o
+    and the down projection with SiLU fused into it to the skinny kernel at 1-16 rows, gate_up and the LM head
+    to F.linear, and the engine says so. Prefill (more than 16 rows) runs F.linear either way, so every
+    request's first token equals the 'torch' engine's; two runs give the same tokens; the skinny kernels ran."""
+    prompts = [list(range(1000, 1000 + n)) for n in (20, 70, 33)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    runs = {}
+    for mode in ("auto", "torch", "auto"):
+        cfg = EngineConfig(dtype=torch.bfloat16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=200,
+                           max_model_len=1024, decode_gemm=mode)
+        llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
+        if mode == "auto":
+            assert ("decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o, "
+                    "down+SiLU; F.linear gate_up, lm_head") in llm.describe_serving()
+        outs = [o.output_ids for o in llm.generate(prompts, params)]
+        assert all(len(o) == 10 for o in outs)
+        runs.setdefault(mode, []).append(outs)
+        llm.close()
+    assert runs["auto"][0] == runs["auto"][1]
+    assert [o[0] for o in runs["auto"][0]] == [o[0] for o in runs["torch"][0]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops_match_their_references(dtype):
     from spanllm.engine import fused_ops as fo
