@@ -34,7 +34,6 @@ from spanllm import checks
 from spanllm.cuda_graph import capture_graph
 from spanllm.dtypes import model_dtype
 from spanllm.engine import skinny_gemm as sg
-from spanllm.engine.fused_ops import silu_mul
 from spanllm.errors import UsageError
 from spanllm.measure.report import write_json
 from spanllm.perf.model_shape import get_model
@@ -175,20 +174,6 @@ def bench_case(args, model, layer, n, k, m, dtype, num_sms, log) -> dict:
     row["skinny_heuristic"] = summarize(timer.time(lambda a, b: sg.skinny_linear(a, b, config=heur)), wbytes)
     if table is not None:
         row["skinny_table"] = summarize(timer.time(lambda a, b: sg.skinny_linear(a, b, config=table)), wbytes)
-    if layer == "down":
-        # The serving engine's down projection takes the MLP's gate_up [M, 2K]: silu_mul (fused_ops) and then
-        # F.linear, against the skinny kernel that makes SiLU(gate) * up itself (skinny_silu_linear) at the
-        # table's config (else the heuristic's); and whether the two skinny ways agree bit for bit.
-        gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype, generator=gen)
-        cfg = table or heur
-        silu_timer = Timer(args, gate_up, weights)
-        row["silu_config"] = list(cfg)
-        row["silu_then_f_linear"] = summarize(silu_timer.time(lambda a, b: F.linear(silu_mul(a), b)), wbytes)
-        row["skinny_silu_fused"] = summarize(
-            silu_timer.time(lambda a, b: sg.skinny_silu_linear(a, b, config=cfg)), wbytes)
-        row["skinny_silu_fused_equals_unfused"] = bool(torch.equal(
-            sg.skinny_silu_linear(gate_up, weights[0], config=cfg),
-            sg.skinny_linear(silu_mul(gate_up), weights[0], config=cfg)))
 
     sweep = []
 
@@ -235,10 +220,7 @@ def fmt_row(r: dict) -> str:
             f"{fl['median_us']:8.1f} {fl['TBps']:5.2f} | {he['median_us']:8.1f} {he['TBps']:5.2f} "
             f"{','.join(map(str, r['heuristic_config'])):<16} | {best['median_us']:8.1f} {best['TBps']:5.2f} "
             f"{','.join(map(str, best['config'])):<16} | {r['error_skinny']['rel_to_max']:.1e} "
-            f"{r['error_f_linear']['rel_to_max']:.1e}"
-            + (f"\n{'':<13} {'down+SiLU':<8} silu_mul + F.linear {r['silu_then_f_linear']['median_us']:.1f} us | fused "
-               f"skinny {r['skinny_silu_fused']['median_us']:.1f} us ({','.join(map(str, r['silu_config']))}); "
-               f"fused == unfused skinny: {r['skinny_silu_fused_equals_unfused']}" if "skinny_silu_fused" in r else ""))
+            f"{r['error_f_linear']['rel_to_max']:.1e}")
 
 
 HEADER = (f"{'model':<13} {'layer':<8} {'N':>6} {'K':>6} {'M':>3} | {'F.linear':>8} {'TB/s':>5} | "

@@ -272,8 +272,7 @@ class EngineConfig:
     # decode up to batch 16: "torch" = F.linear (cuBLAS), "skinny" = spanllm.engine.skinny_gemm (a Triton
     # stream over W with split-K, torch.ops.spanllm.skinny_linear; GPU + Triton only), "auto" = skinny for
     # the shapes where its measured table says it beats F.linear (skinny_gemm.MEASURED_US), F.linear for the
-    # rest and on CPU. With skinny / auto the serving engine's down projection also computes SiLU(gate) * up
-    # inside the kernel. More rows (prefill, larger batches) always run F.linear. describe() names the choice.
+    # rest and on CPU. More rows (prefill, larger batches) always run F.linear. describe() names the choice.
     decode_gemm: str = "auto"
     # --- the serving engine (LLM.generate, spanllm serve): continuous batching over a paged KV cache ---
     # max_batch_size / max_seq_len above size the static path only (generate_static, bench batch / study).

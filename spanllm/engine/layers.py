@@ -22,9 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spanllm.engine.fused_ops import silu_mul
 from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
-from spanllm.engine.skinny_gemm import SILU_MUL_US, prefer_skinny
+from spanllm.engine.skinny_gemm import prefer_skinny
 from spanllm.engine.timers import Timers
 
 
@@ -33,11 +32,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     under torch.compile. LLM checks once, before building the model, that GPU and Triton are there (no
     check here: this runs on every decode GEMM)."""
     return torch.ops.spanllm.skinny_linear(x, weight)
-
-
-def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(SiLU(gate) * up) @ weight^T as one opaque custom op (skinny_gemm.skinny_silu_linear)."""
-    return torch.ops.spanllm.skinny_silu_linear(gate_up, weight)
 
 
 class Communicator(Protocol):
@@ -67,8 +61,7 @@ class TPContext:
     # EngineConfig.decode_gemm, for weight GEMMs of <= skinny_gemm.MAX_M rows: "skinny" sends every one to
     # torch.ops.spanllm.skinny_linear (LLM checks GPU and Triton first), "auto" only those whose shape the
     # measured table says the skinny kernel runs faster (skinny_gemm.prefer_skinny; CUDA tensors only);
-    # "torch" (and more rows): F.linear. The MLP's down projection then also takes SiLU(gate) * up inside
-    # the kernel (skinny_silu_linear) instead of a separate silu_mul.
+    # "torch" (and more rows): F.linear.
     decode_gemm: str = "torch"
 
     def __post_init__(self) -> None:
@@ -83,9 +76,8 @@ class TPContext:
         else:
             torch.ops.spanllm.all_reduce_(x, self.comm_handle)
 
-    def use_skinny(self, x: torch.Tensor, weight: torch.Tensor, saved_us: float = 0.0) -> bool:
-        """Whether x @ weight^T (weight [N, K]) runs the skinny kernel (see decode_gemm); x's last dimension
-        may be a multiple of K (the fused down projection reads gate_up [rows, 2K])."""
+    def use_skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether x @ weight^T (weight [N, K]) runs the skinny kernel (see decode_gemm)."""
         if self.decode_gemm == "torch":
             return False
         rows = x.numel() // x.shape[-1]
@@ -94,20 +86,13 @@ class TPContext:
         if self.decode_gemm == "skinny":
             return True
         n, k = weight.shape
-        return x.is_cuda and prefer_skinny(rows, n, k, x.element_size(), saved_us)
+        return x.is_cuda and prefer_skinny(rows, n, k, x.element_size())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: the skinny Triton GEMM where use_skinny says so, else F.linear."""
         if self.use_skinny(x, weight):
             return skinny_linear(x, weight)
         return F.linear(x, weight)
-
-    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """(SiLU(gate) * up) @ weight^T for gate_up [..., 2K]: one fused skinny kernel where use_skinny says so
-        (the separate SiLU kernel it saves counted: SILU_MUL_US), else silu_mul then linear."""
-        if self.use_skinny(gate_up, weight, saved_us=SILU_MUL_US):
-            return skinny_silu_linear(gate_up, weight)
-        return self.linear(silu_mul(gate_up), weight)
 
     def empty(self, *shape: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(*shape, device=self.device, dtype=self.dtype), requires_grad=False)
@@ -180,12 +165,10 @@ class RowParallelLinear(nn.Module):
         self.in_start = tp.rank * self.in_local
         self.weight = tp.empty(out_features, self.in_local)  # [out, in/tp]
 
-    def forward(self, x: torch.Tensor, silu_of_gate_up: bool = False) -> torch.Tensor:  # [..., in/tp] -> [..., out]
-        """silu_of_gate_up: x is the MLP's gate_up [..., 2 in/tp] and the input is SiLU(gate) * up
-        (TPContext.silu_linear: fused into the GEMM for decode rows where that is faster)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
         timers = self.tp.timers
         with timers.region("gemm"):
-            y = self.tp.silu_linear(x, self.weight) if silu_of_gate_up else self.tp.linear(x, self.weight)
+            y = self.tp.linear(x, self.weight)
         if self.tp.size > 1:
             with timers.region("allreduce"):
                 self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor

@@ -30,7 +30,7 @@ from spanllm.errors import UsageError
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig, ModelConfig, resolve_model
 from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
-from spanllm.engine.skinny_gemm import SILU_MUL_US, prefer_skinny
+from spanllm.engine.skinny_gemm import prefer_skinny
 from spanllm.engine.layers import Communicator, TPContext
 from spanllm.engine.loader import load_checkpoint, random_init
 from spanllm.engine.model import LlamaForCausalLM
@@ -250,12 +250,11 @@ class LLM:
                 f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
                 + (f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
                    if self.engine.compile_decode else "")
-                + f" | {self.describe_decode_gemm(serving=False)}")
+                + f" | {self.describe_decode_gemm()}")
 
-    def describe_decode_gemm(self, serving: bool = True) -> str:
+    def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
-        TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o, down+SiLU; F.linear gate_up, lm_head'.
-        serving: the serving engine's layer (its down projection can take SiLU(gate) * up in the kernel)."""
+        TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o; F.linear gate_up, down, lm_head'."""
         mode = self.engine.decode_gemm
         if mode == "torch":
             return "decode GEMMs F.linear"
@@ -265,17 +264,16 @@ class LLM:
         gemms = []
         if layer is not None:
             a, mlp = layer.self_attn, layer.mlp
-            gemms += [("qkv", a.qkv_proj.weight, 0.0), ("o", a.o_proj.weight, 0.0),
-                      ("gate_up", mlp.gate_up_proj.weight, 0.0),
-                      ("down+SiLU", mlp.down_proj.weight, SILU_MUL_US) if serving else ("down", mlp.down_proj.weight, 0.0)]
+            gemms += [("qkv", a.qkv_proj.weight), ("o", a.o_proj.weight), ("gate_up", mlp.gate_up_proj.weight),
+                      ("down", mlp.down_proj.weight)]
         if self.model.lm_head is not None:
-            gemms.append(("lm_head", self.model.lm_head.weight, 0.0))
+            gemms.append(("lm_head", self.model.lm_head.weight))
         if mode == "skinny":
             return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(g[0] for g in gemms)
 
         def picks(rows: int) -> str:
-            skinny = [n for n, w, saved in gemms if prefer_skinny(rows, *w.shape, w.element_size(), saved)]
-            rest = [n for n, _, _ in gemms if n not in skinny]
+            skinny = [n for n, w in gemms if prefer_skinny(rows, *w.shape, w.element_size())]
+            rest = [n for n, _ in gemms if n not in skinny]
             return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
 
         one, most = picks(1), picks(SKINNY_MAX_M)

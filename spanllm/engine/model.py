@@ -14,7 +14,7 @@ from torch import nn
 
 from spanllm.engine.attention import Attention, AttentionMetadata
 from spanllm.engine.config import ModelConfig
-from spanllm.engine.fused_ops import add_rms_norm
+from spanllm.engine.fused_ops import add_rms_norm, silu_mul
 from spanllm.engine.kv_cache import KVCache
 from spanllm.engine.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RowParallelLinear, TPContext, VocabParallelEmbedding)
@@ -71,7 +71,7 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(x, meta, cache)
         x, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         mlp = self.mlp
-        return mlp.down_proj(mlp.gate_up_proj(x), silu_of_gate_up=True), residual
+        return mlp.down_proj(silu_mul(mlp.gate_up_proj(x))), residual
 
     def block(self, h: torch.Tensor, meta: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The layer's compute on its cache views. Nothing here depends on which layer this is (the cache

@@ -35,6 +35,12 @@ Config
     capture (triton.autotune would time kernels there). The table holds configs measured by
     `spanllm bench gemm` (formerly scripts/gpu_gemm_bench.py); shapes it lacks take a cost-model heuristic.
 
+Tried and dropped
+    Making SiLU(gate) * up inside this kernel (the MLP's down projection reading gate_up, one kernel less
+    per layer): 45.8 us per 8B down projection at M = 1 against 32.5 us for silu_mul + F.linear
+    (results/h200/engine_speed/call6_fused_down/gemm_decode_tp1.json): each of the N/BLOCK_N programs recomputes
+    the activation of its whole K range, 16 padded rows of exp per tile, on the loop's critical path.
+
 The module imports without Triton (CI has none): the kernels exist only where Triton does, and
 `skinny_linear` raises a RuntimeError without it.
 """
@@ -127,11 +133,6 @@ MEASURED_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
     (1, 4096, 14336, 2): (30.53, 30.34), (8, 4096, 14336, 2): (31.27, 30.88),
 }
 
-# What the fused down projection (skinny_silu_linear) saves besides its GEMM: the separate _silu_mul_kernel
-# of a decode step at batch 1, 46.5 us per step over 32 layers (results/h200/engine_speed/call4_final/
-# profile_steps.json, decode_b1_ctx256_graph), not counting the launch gap it also leaves behind.
-SILU_MUL_US = 1.45
-
 
 def m_bucket(m: int) -> int:
     """The CONFIG_OVERRIDES bucket of M: the next power of two (1, 2, 4, 8, 16)."""
@@ -193,18 +194,17 @@ def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | 
 
 
 @functools.lru_cache(maxsize=None)
-def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2, saved_us: float = 0.0) -> bool:
+def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     """decode_gemm="auto": whether x [m, k] @ W[n, k]^T takes the skinny kernel. Yes only where the measured
-    table has the shape and its config beat F.linear there (MEASURED_US), counting `saved_us` that taking it
-    saves elsewhere (SILU_MUL_US for the fused down projection); shapes never measured, more than MAX_M rows,
-    or no Triton: F.linear."""
+    table has the shape and its config beat F.linear there (MEASURED_US); shapes never measured, more than
+    MAX_M rows, or no Triton: F.linear."""
     if triton is None or m > MAX_M:
         return False
     key = _table_key(m, n, k, elem_bytes)
     if key is None:
         return False
     skinny_us, f_linear_us = MEASURED_US[key]
-    return skinny_us < f_linear_us + saved_us
+    return skinny_us < f_linear_us
 
 
 def table_id() -> str:
@@ -272,14 +272,8 @@ if triton is not None:
     def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_chunk,
                             stride_xm, stride_wn, stride_os, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN_K: tl.constexpr, IS_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
-                            SILU_X: tl.constexpr):
-        """out[pid_k, m, n] = sum over this program's K chunk of x[m, k] * w[n, k] (out is y or a partial).
-
-        SILU_X: x_ptr is the MLP's gate_up [M, 2K] laid out [gate | up], and x = SiLU(gate) * up is made
-        on the fly, rounded exactly as fused_ops' _silu_mul_kernel rounds it (SiLU to the input dtype, then
-        the product), so the result equals silu_mul followed by this kernel bit for bit: one kernel (and
-        one launch gap) less per layer, and the activation never goes through HBM."""
+                            EVEN_K: tl.constexpr, IS_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """out[pid_k, m, n] = sum over this program's K chunk of x[m, k] * w[n, k] (out is y or a partial)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -298,17 +292,11 @@ if triton is not None:
         for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")  # W is streamed once: keep L2 for x
-                x_mask = m_mask
+                xt = tl.load(x_ptrs, mask=m_mask, other=0.0, eviction_policy="evict_last")
             else:
                 k_mask = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                x_mask = m_mask & k_mask[None, :]
-            xt = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-            if SILU_X:  # xt is the gate; the up half starts K elements later in the row
-                up = tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                g = xt.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
-                xt = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+                xt = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0, eviction_policy="evict_last")
             if IS_FP32:
                 # fp32 inputs: full-precision products, as F.linear (tf32 would lose 13 mantissa bits).
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
@@ -364,54 +352,39 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
     `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
     Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture.
     """
-    return _skinny(x, weight, config, silu_x=False)
-
-
-def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """y = (SiLU(gate) * up) @ weight^T for gate_up [..., 2K] laid out [gate | up] (the MLP's merged
-    projection), at most 16 rows; equal bit for bit to skinny_linear(fused_ops.silu_mul(gate_up), weight)
-    with the same config. The config is the one of the K-wide GEMM (the table's down-projection entry)."""
-    return _skinny(gate_up, weight, config, silu_x=True)
-
-
-def _skinny(x: torch.Tensor, weight: torch.Tensor, config: tuple | None, silu_x: bool) -> torch.Tensor:
-    name = "skinny_silu_linear" if silu_x else "skinny_linear"
     if triton is None:
-        raise RuntimeError(f"{name} needs Triton, which is not installed; use torch.nn.functional.linear")
+        raise RuntimeError("skinny_linear needs Triton, which is not installed; use torch.nn.functional.linear")
     if weight.dim() != 2:
-        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+        raise ValueError(f"skinny_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() < 1:
-        raise ValueError(f"{name}: x must have at least one dimension (its last is K)")
+        raise ValueError("skinny_linear: x must have at least one dimension (its last is K)")
     if x.dtype != weight.dtype:
-        raise ValueError(f"{name}: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
+        raise ValueError(f"skinny_linear: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}: dtype {x.dtype} not supported (bfloat16, float16, float32)")
+        raise ValueError(f"skinny_linear: dtype {x.dtype} not supported (bfloat16, float16, float32)")
     n, k = weight.shape
-    x_cols = 2 * k if silu_x else k
-    if x.shape[-1] != x_cols:
-        has = (f"gate_up has {x.shape[-1]} columns, must have 2K={2 * k}" if silu_x
-               else f"x has K={x.shape[-1]}")
-        raise ValueError(f"{name}: K mismatch: {has} (shape {tuple(x.shape)}), weight has K={k} "
-                         f"(shape {tuple(weight.shape)})")
+    if x.shape[-1] != k:
+        raise ValueError(f"skinny_linear: K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}), "
+                         f"weight has K={k} (shape {tuple(weight.shape)})")
     if not weight.is_contiguous():
-        raise ValueError(f"{name}: weight must be contiguous (row-major [N, K]); got strides "
+        raise ValueError(f"skinny_linear: weight must be contiguous (row-major [N, K]); got strides "
                          f"{weight.stride()} for shape {tuple(weight.shape)}")
     if x.device != weight.device:
-        raise ValueError(f"{name}: x is on {x.device}, weight on {weight.device}")
+        raise ValueError(f"skinny_linear: x is on {x.device}, weight on {weight.device}")
     lead = x.shape[:-1]
     m = math.prod(lead)
     if m > MAX_M:
-        raise ValueError(f"{name}: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
+        raise ValueError(f"skinny_linear: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
                          "use torch.nn.functional.linear for larger batches")
     if m == 0 or n == 0 or k == 0:
         return (torch.zeros if k == 0 else torch.empty)((*lead, n), dtype=x.dtype, device=x.device)
-    x2 = x.reshape(m, x_cols)
+    x2 = x.reshape(m, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     cfg = _check_config(config) if config is not None else choose_config(
         m, n, k, num_sms_of(x.device), x.element_size())
     if x.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"{name}: tensors must be on a CUDA device, got {x.device} "
+        raise ValueError(f"skinny_linear: tensors must be on a CUDA device, got {x.device} "
                          "(CPU tensors run only under TRITON_INTERPRET=1)")
     split = effective_split_k(k, cfg.block_k, cfg.split_k)
     chunk = split_k_chunk(k, cfg.block_k, split)
@@ -421,7 +394,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, config: tuple | None, silu_x:
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x2, weight, out, m, n, k, chunk, x2.stride(0), weight.stride(0), stride_os, n,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
-        IS_FP32=(x.dtype == torch.float32), NUM_STAGES=cfg.num_stages, SILU_X=silu_x,
+        IS_FP32=(x.dtype == torch.float32), NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
@@ -441,11 +414,3 @@ if triton is not None:
     @skinny_linear_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.custom_op("spanllm::skinny_silu_linear", mutates_args=())
-    def skinny_silu_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return skinny_silu_linear(gate_up, weight)
-
-    @skinny_silu_linear_op.register_fake
-    def _(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

@@ -178,41 +178,9 @@ def test_random_values_close_and_deterministic(interp):
     torch.testing.assert_close(y1, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
 
 
-def _silu_mul_kernel_output(gate_up):
-    """SiLU(gate) * up from fused_ops' own Triton kernel (the one the fused GEMM replaces), interpreted too:
-    the same exp as the fused kernel's, so the two activations agree bit for bit."""
-    import triton
-    from spanllm.engine import fused_ops
-    m, k = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(m, k, dtype=gate_up.dtype)
-    fused_ops._silu_mul_kernel[(m, triton.cdiv(k, 1024))](gate_up, out, gate_up.stride(0), out.stride(0), k,
-                                                          BLOCK=1024)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,n,k,config", [(1, 70, 200, (32, 64, 1, 4, 3)), (5, 70, 200, (32, 32, 3, 4, 2)),
-                                          (16, 64, 256, (32, 32, 4, 4, 3))])
-def test_silu_fused_equals_silu_then_skinny(interp, dtype, m, n, k, config):
-    """skinny_silu_linear(gate_up) makes SiLU(gate) * up inside the kernel: bit for bit what skinny_linear
-    computes on the separately made activation (same config, so the same summation order), K tails and
-    split-K included; a gate_up whose width is not 2K is refused."""
-    g = torch.Generator().manual_seed(m + n)
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 3).to(dtype)
-    w = _ints(n, k, dtype=dtype, seed=n)
-    fused = interp.skinny_silu_linear(gate_up, w, config=config)
-    assert fused.shape == (m, n) and fused.dtype == dtype
-    act = _silu_mul_kernel_output(gate_up)
-    torch.testing.assert_close(act, torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:],
-                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-    assert torch.equal(fused, interp.skinny_linear(act, w, config=config))
-    with pytest.raises(ValueError, match=rf"gate_up has {k} columns, must have 2K=400"):
-        interp.skinny_silu_linear(gate_up[:, :k], _ints(n, 200, dtype=dtype, seed=1), config=config)
-
-
 # The tests that take the `interp` fixture, and how many cases they have in all.
-INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close or silu_fused"
-INTERPRETER_TESTS = 4 * 3 * 4 + 3 + 2 * 3
+INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close"
+INTERPRETER_TESTS = 4 * 3 * 4 + 3
 
 
 def test_interpreter_suite():
@@ -334,8 +302,8 @@ def test_measured_times_cover_the_table():
 
 def test_prefer_skinny_follows_the_measured_times(monkeypatch):
     """On the 8B's TP=1 shapes (bf16): qkv and o measured faster in the skinny kernel, gate_up and down
-    slower, the down projection faster once the SiLU kernel it saves is counted; any M up to 16 takes the
-    nearest measured bucket; unmeasured shapes, fp32, more than 16 rows, or no Triton: F.linear."""
+    slower; any M up to 16 takes the nearest measured bucket; unmeasured shapes, fp32, more than 16 rows, or
+    no Triton: F.linear."""
     if gemm.triton is None:
         assert not gemm.prefer_skinny(1, 6144, 4096)
         return
@@ -343,7 +311,6 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
     for m in (1, 2, 8, 16):
         assert gemm.prefer_skinny(m, *qkv) and gemm.prefer_skinny(m, *o)
         assert not gemm.prefer_skinny(m, *gate_up) and not gemm.prefer_skinny(m, *down)
-        assert gemm.prefer_skinny(m, *down, saved_us=gemm.SILU_MUL_US)
     assert not gemm.prefer_skinny(17, *qkv)
     assert not gemm.prefer_skinny(1, *qkv, elem_bytes=4)
     assert not gemm.prefer_skinny(1, 128256, 4096)  # the LM head: never measured
@@ -384,28 +351,6 @@ def test_gpu_matches_f_linear(dtype):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
             assert torch.equal(y, real.skinny_linear(x, w, config=cfg))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_fused_down_projection_equals_silu_mul_then_skinny(dtype):
-    """The fused down projection against fused_ops.silu_mul (the Triton kernel it replaces) followed by
-    skinny_linear, bit for bit, on the 8B's TP=1 down shape at the table's config and on a K-tail shape."""
-    _triton()
-    if INTERPRETED:
-        pytest.skip("TRITON_INTERPRET=1 in the environment")
-    from spanllm.engine.fused_ops import silu_mul
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for m in (1, 4, 16):
-        for n, k, cfg in [(4096, 14336, None), (1000, 1000, (64, 128, 4, 4, 3))]:
-            gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype, generator=g) * 3
-            w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
-            fused = gemm.skinny_silu_linear(gate_up, w, config=cfg)
-            assert torch.equal(fused, gemm.skinny_linear(silu_mul(gate_up), w, config=cfg)), (m, n, k)
-            tol = 1e-4 if dtype == torch.float32 else 3e-2
-            torch.testing.assert_close(fused.double(), F.linear(silu_mul(gate_up).double(), w.double()),
-                                       rtol=tol, atol=tol)
 
 
 def test_tp_context_decode_gemm_modes():
