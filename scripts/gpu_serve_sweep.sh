@@ -7,13 +7,15 @@
 # as spanllm serve, and the ratio of output tokens/s per rate.
 #
 # GPU machine (carry .whl; the wheels go to /tmp/site):
-#   SPANLLM_GPU_OUT=$OUT bash scripts/gpu_serve_sweep.sh
+#   SPANLLM_GPU_OUT=/tmp/serve bash scripts/gpu_serve_sweep.sh     # all files also in $OUT/serve_results.tgz
 # CPU dry run (tiny preset, byte tokenizer):
 #   spanllm bench throughput --model tiny --dataset-name random --input-len 16 --output-len 8 --num-prompts 50 \
 #       --save-samples /tmp/s.json --dry-run
 #   MODEL=tiny DTYPE=float32 SAMPLES=/tmp/s.json RATES=inf,50 NUM_PROMPTS=50 bash scripts/gpu_serve_sweep.sh
-# The peer alone (section 1 cut to one short run; not yet timed on the H200, estimated 6 to 8 minutes):
-#   RATES=inf NUM_PROMPTS=200 OVERHEAD=0 PEER=hf SPANLLM_GPU_OUT=$OUT bash scripts/gpu_serve_sweep.sh
+# The peer alone (section 1 cut to one short run). Timed on one H200 (results/h200/engine_speed/call7_final/serve):
+# checkpoint 18 s (15 GiB), transformers serve up in 18 s, its 100 requests at rate 4 in 121 s (0.83 req/s):
+# PEER_TIMEOUT must allow ~130 s per 100 requests and rate.
+#   RATES=inf NUM_PROMPTS=200 OVERHEAD=0 PEER=hf SPANLLM_GPU_OUT=/tmp/serve bash scripts/gpu_serve_sweep.sh
 # Its CPU dry run (spanllm: tiny; the peer: a 2-layer, 256-wide checkpoint with the Llama 3 vocabulary; needs
 # accelerate, and psutil for continuous batching on CPU): the tiny line above plus
 #   PEER=hf PEER_NUM_PROMPTS=5 PEER_CKPT=/tmp/hf_small PEER_CKPT_FLAGS="--model llama3.1-8b --layers 2 --hidden 256
@@ -84,6 +86,12 @@ tail -2 "$LOG"
 [ -f "$SAMPLES" ] || { log "no samples file $SAMPLES"; exit 1; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >>"$LOG" 2>&1
 
+# The device tool brings back only a few files from $OUT: when it is set, everything under OUT_DIR is also packed
+# into $OUT/serve_results.tgz after each section (give SPANLLM_GPU_OUT a folder outside $OUT, e.g. /tmp/serve, so that
+# the archive is the one file to come back).
+pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/serve_results.tgz" -C "$OUT_DIR" . 2>/dev/null; return 0; }
+case "$OUT_DIR/" in "${OUT:-/nonexistent}"/*) log "note: SPANLLM_GPU_OUT=$OUT_DIR is under \$OUT: files past the device tool's count stay behind (serve_results.tgz has them all)";; esac
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 SERVER_PID=""
@@ -116,7 +124,7 @@ stop_server() {  # SIGTERM, bounded wait, then SIGKILL
   wait "$SERVER_PID" 2>/dev/null; log "server exit status $?"
   SERVER_PID=""
 }
-trap 'stop_server' EXIT
+trap 'stop_server; pack' EXIT
 trap 'stop_server; exit 130' INT TERM
 
 bench_serve() {  # $1 = port, $2 = rates, $3 = num prompts, $4 = result file name, $5 = timeout s, rest: extra flags
@@ -125,7 +133,7 @@ bench_serve() {  # $1 = port, $2 = rates, $3 = num prompts, $4 = result file nam
   timeout "$limit" python3 -m spanllm.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" \
     --samples-file "$SAMPLES" --num-prompts "$n" --request-rate "$rates" --ignore-eos --temperature 1.0 --top-p 1.0 \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --goodput tpot:50 --request-timeout 300 \
-    --result-dir "$OUT_DIR" --result-filename "$name" --disable-tqdm \
+    --result-dir "$OUT_DIR" --result-filename "$name" --disable-tqdm --save-result \
     --metadata "model=$MODEL" "engine_flags=$ENGINE_FLAGS" "dtype=$DTYPE" "$@" 2>&1 | tee -a "$LOG"
   local s=${PIPESTATUS[0]}
   [ "$s" = 0 ] || log "bench serve exit status $s (124 = cut at ${limit} s; finished rates are in $name)"
@@ -148,6 +156,7 @@ else
   rc=1
 fi
 stop_server
+pack
 
 # --- 2. server overhead: the same requests offline (bench throughput), same engine flags -----------------------------
 TPUT="throughput_${MODEL}.json"
@@ -161,7 +170,8 @@ if [ "$OVERHEAD" = 1 ]; then
 import json, sys
 sweep_path, tput_path, out_path = sys.argv[1:]
 try:
-    rows = json.load(open(sweep_path))["rows"]
+    doc = json.load(open(sweep_path))
+    rows = doc.get("rows", [doc])  # a sweep, or one rate's result (--save-result)
     off = json.load(open(tput_path))
 except (OSError, ValueError, KeyError) as e:
     sys.exit(f"overhead: missing input ({e})")
@@ -186,6 +196,7 @@ print(f"server overhead: HTTP rate inf {h['output_throughput']:.1f} output tok/s
 print(f"wrote {out_path}")
 EOF
 fi
+pack
 
 # --- 3. optional peer (PEER=hf): transformers serve and spanllm serve on the same requests and rates ---------------
 # transformers serve has no random-weight mode: scripts/make_hf_checkpoint.py writes the preset's shape (random
@@ -248,6 +259,7 @@ app = typer.Typer(add_completion=False); app.command()(Serve); app()')
     rc=1
   fi
   stop_server
+  pack
   rm -f "$OUT_DIR/${SP_SWEEP%.json}.png"  # the numbers are in the JSON and the ratio file: fewer files to bring back
 
   # (c) transformers serve --continuous-batching, one warm-up request (model in memory, CB manager made), the sweep
@@ -294,6 +306,7 @@ EOF
     rc=1
   fi
   stop_server
+  pack
 
   # (d) the ratio, per rate (from whatever rates both sweeps finished)
   python3 - "$OUT_DIR/$SP_SWEEP" "$OUT_DIR/$HF_SWEEP" "$PEER_CKPT/spanllm_checkpoint.json" "$SAMPLES" \
@@ -346,4 +359,5 @@ elif [ -n "$PEER" ]; then
 fi
 
 log "done rc=$rc; files in $OUT_DIR:"; ls -la "$OUT_DIR" | tee -a "$LOG"
+pack
 exit $rc
