@@ -103,7 +103,7 @@ for stage in "${STAGES[@]}"; do
       log "pytest -m gpu (every GPU test; multi-GPU cases skip on a smaller host)"
       # The GPU tests launch their own multi-process runs (tests/test_gpu.py: torchrun per case, over the GPUs
       # present; cases needing more GPUs skip with the reason); their JSON lands in $OUTDIR/pytest_runs.
-      SPANLLM_GPU_OUT="$OUTDIR/pytest_runs" timeout "${PYTEST_TIMEOUT:-1500}" python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUTDIR/pytest_gpu.txt" || rc=1
+      SPANLLM_GPU_OUT="$OUTDIR/pytest_runs" timeout "${PYTEST_TIMEOUT:-1500}" python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUTDIR/pytest_gpu.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
       ;;
     bench)
       pick_tuning
@@ -189,7 +189,7 @@ for stage in "${STAGES[@]}"; do
       ;;
     paged)
       log "pytest: the serving engine's GPU tests (paged attention kernels, graphs, engine vs static path)"
-      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt" || rc=1
+      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
       ;;
     attention)
       log "bench attention (paged decode kernel vs reference vs contiguous SDPA)"

@@ -129,6 +129,7 @@ trap 'stop_server; exit 130' INT TERM
 
 bench_serve() {  # $1 = port, $2 = rates, $3 = num prompts, $4 = result file name, $5 = timeout s, rest: extra flags
   local port=$1 rates=$2 n=$3 name=$4 limit=$5; shift 5
+  rm -f "$OUT_DIR/$name"  # a run cut before it writes must not leave an older run's file to be read as this one
   log "bench serve rates $rates, $n prompts from $SAMPLES -> $OUT_DIR/$name"
   timeout "$limit" python3 -m spanllm.cli bench serve --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" \
     --samples-file "$SAMPLES" --num-prompts "$n" --request-rate "$rates" --ignore-eos --temperature 1.0 --top-p 1.0 \
@@ -254,7 +255,7 @@ app = typer.Typer(add_completion=False); app.command()(Serve); app()')
   PORT=$(free_port)
   if [ "$peer_ok" = 1 ] && start_server "$PORT"; then
     bench_serve "$PORT" "$PEER_RATES" "$PEER_NUM_PROMPTS" "$SP_SWEEP" "${PEER_SPANLLM_TIMEOUT:-240}" "server=spanllm" \
-      --save-result || rc=1
+      || rc=1
   else
     rc=1
   fi
@@ -294,6 +295,7 @@ EOF
     [ "${PIPESTATUS[0]}" = 0 ] || peer_ok=0
   fi
   if [ "$peer_ok" = 1 ]; then
+    rm -f "$OUT_DIR/$HF_SWEEP"
     log "bench serve (peer, no --ignore-eos) rates $PEER_RATES, $PEER_NUM_PROMPTS prompts -> $OUT_DIR/$HF_SWEEP"
     timeout "${PEER_TIMEOUT:-360}" python3 -m spanllm.cli bench serve --base-url "http://127.0.0.1:$PORT" --model "$PEER_CKPT" \
       --tokenizer "$MODEL" --samples-file "$SAMPLES" --num-prompts "$PEER_NUM_PROMPTS" --request-rate "$PEER_RATES" \

@@ -77,6 +77,9 @@ WARMUP_DECODE_LEN = 32  # decode tokens of a warm-up run (captures the graph; no
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    # The static-batch benchmarks keep F.linear unless asked (--decode-gemm auto / skinny): their rows feed the
+    # perf model, whose engine constants describe the eager forward with F.linear (perf/measurements.py).
+    parser.set_defaults(decode_gemm="torch")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-heavy",
                         help="decode-heavy = prompt 128, decode 512; prefill-heavy = prompt 2048, decode 32")

@@ -227,15 +227,20 @@ HEADER = (f"{'model':<13} {'layer':<8} {'N':>6} {'K':>6} {'M':>3} | {'F.linear':
           f"{'heur us':>8} {'TB/s':>5} {'heur cfg':<16} | {'best us':>8} {'TB/s':>5} {'best cfg':<16} | err: skinny F.linear (max abs / max |fp32 ref|)")
 
 
-def suggest_overrides(rows: list[dict], gain: float) -> dict:
+def _suggested(rows: list[dict], gain: float) -> dict:
+    """key -> (best config, its median us, F.linear's median us) for rows whose sweep best beats the
+    heuristic by more than `gain`; several M of one bucket: the largest M's (the bucket's worst case for x)."""
     out = {}
     for r in sorted(rows, key=lambda r: r["m"]):
         best = r.get("best")
         if best and best["median_us"] < r["skinny_heuristic"]["median_us"] * (1 - gain):
             key = (sg.m_bucket(r["m"]), r["n"], r["k"], r["weight_bytes"] // (r["n"] * r["k"]))
-            # several M of one bucket: keep the config of the largest M (the bucket's worst case for x)
-            out[key] = tuple(best["config"])
+            out[key] = (tuple(best["config"]), round(best["median_us"], 2), round(r["f_linear"]["median_us"], 2))
     return out
+
+
+def suggest_overrides(rows: list[dict], gain: float) -> dict:
+    return {key: cfg for key, (cfg, _, _) in _suggested(rows, gain).items()}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -329,6 +334,11 @@ def run(args) -> int:
     print("CONFIG_OVERRIDES = {")
     for key, cfg in sorted(suggest_overrides(rows, args.override_gain).items()):
         print(f"    {key}: {cfg},")
+    print("}")
+    print("and their times (decode_gemm='auto' takes an entry only with its times, where skinny is faster):")
+    print("MEASURED_US = {")
+    for key, (_, us, f_us) in sorted(_suggested(rows, args.override_gain).items()):
+        print(f"    {key}: ({us}, {f_us}),")
     print("}")
     print(f"({time.time() - t0:.0f} s)")
     return 0

@@ -30,7 +30,7 @@ from spanllm.errors import UsageError
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig, ModelConfig, resolve_model
 from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
-from spanllm.engine.skinny_gemm import prefer_skinny
+from spanllm.engine.skinny_gemm import describe_auto
 from spanllm.engine.layers import Communicator, TPContext
 from spanllm.engine.loader import load_checkpoint, random_init
 from spanllm.engine.model import LlamaForCausalLM
@@ -270,15 +270,8 @@ class LLM:
             gemms.append(("lm_head", self.model.lm_head.weight))
         if mode == "skinny":
             return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(g[0] for g in gemms)
-
-        def picks(rows: int) -> str:
-            skinny = [n for n, w in gemms if prefer_skinny(rows, *w.shape, w.element_size())]
-            rest = [n for n, _ in gemms if n not in skinny]
-            return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
-
-        one, most = picks(1), picks(SKINNY_MAX_M)
-        body = f"1-{SKINNY_MAX_M} rows: {one}" if one == most else f"1 row: {one} | {SKINNY_MAX_M} rows: {most}"
-        return f"decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at {body}"
+        shapes = [(name, *w.shape, w.element_size()) for name, w in gemms]
+        return f"decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at {describe_auto(shapes)}"
 
     # --- generation -----------------------------------------------------------------------------------
     def generate_static(self, prompts: list[list[int]], params: SamplingParams | None = None,

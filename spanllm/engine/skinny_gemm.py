@@ -203,8 +203,26 @@ def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     key = _table_key(m, n, k, elem_bytes)
     if key is None:
         return False
-    skinny_us, f_linear_us = MEASURED_US[key]
-    return skinny_us < f_linear_us
+    times = MEASURED_US.get(key)  # a config pasted without its times (bench gemm prints both): not chosen
+    return times is not None and times[0] < times[1]
+
+
+def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
+    """What decode_gemm="auto" runs for named GEMMs (name, N, K, element bytes) at 1..MAX_M rows, runs of row
+    counts with the same choice together, e.g. '1-16 rows: skinny qkv, o; F.linear gate_up, down, lm_head'."""
+    def picks(rows: int) -> str:
+        skinny = [name for name, n, k, e in gemms if prefer_skinny(rows, n, k, e)]
+        rest = [name for name, *_ in gemms if name not in skinny]
+        return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
+
+    runs: list[list] = []  # [first rows, last rows, picks]
+    for rows in range(1, MAX_M + 1):
+        p = picks(rows)
+        if runs and runs[-1][2] == p:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, p])
+    return " | ".join(f"{a}{'' if a == b else f'-{b}'} row{'s' if b > 1 else ''}: {p}" for a, b, p in runs)
 
 
 def table_id() -> str:

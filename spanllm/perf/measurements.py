@@ -154,7 +154,7 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
                 return not r.get("compile_decode") and r.get("decode_gemm", "torch") == "torch"
             other = [r for r in rows if not modelled(r)]
             if other:
-                skipped.append(f"{path}: {len(other)} rows with a compiled decode step or decode_gemm='skinny': "
+                skipped.append(f"{path}: {len(other)} rows with a compiled decode step or decode_gemm other than 'torch': "
                                "the engine model's constants describe the eager forward with F.linear")
             eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in rows if modelled(row)]
         else:

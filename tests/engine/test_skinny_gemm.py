@@ -322,6 +322,27 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
         gemm.prefer_skinny.cache_clear()
 
 
+def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
+    """The engine's description of decode_gemm="auto": the 8B at TP=1 takes skinny for qkv and o at every row
+    count; the 70B at TP=2 has o faster at bucket 1 (rows 1-2) and tied at bucket 8 (rows 3-16: F.linear); a
+    config pasted without its times (MEASURED_US) is never chosen."""
+    if gemm.triton is None:
+        pytest.skip("prefer_skinny is False everywhere without Triton")
+    qkv, o, gate_up, down = SHAPES_8B_TP1
+    eight = [("qkv", *qkv, 2), ("o", *o, 2), ("gate_up", *gate_up, 2), ("down", *down, 2), ("lm_head", 128256, 4096, 2)]
+    assert gemm.describe_auto(eight) == "1-16 rows: skinny qkv, o; F.linear gate_up, down, lm_head"
+    q70, o70, gu70, d70 = SHAPES_TP2["70b"]
+    seventy = [("qkv", *q70, 2), ("o", *o70, 2), ("gate_up", *gu70, 2), ("down", *d70, 2)]
+    assert gemm.describe_auto(seventy) == ("1-2 rows: skinny qkv, o, down; F.linear gate_up | "
+                                           "3-16 rows: skinny qkv, down; F.linear o, gate_up")
+    gemm.prefer_skinny.cache_clear()
+    monkeypatch.setattr(gemm, "MEASURED_US", {k: v for k, v in gemm.MEASURED_US.items() if k[1:3] != qkv})
+    try:
+        assert not gemm.prefer_skinny(1, *qkv) and gemm.prefer_skinny(1, *o)
+    finally:
+        gemm.prefer_skinny.cache_clear()
+
+
 def test_choose_config_small_and_fp32():
     bn, bk, split, _, _ = gemm.choose_config(3, 70, 200, 132)
     assert bk == 256 and split == 1  # one K tile: no split
@@ -373,3 +394,19 @@ def test_tp_context_decode_gemm_modes():
         assert "decode GEMMs auto: F.linear (no CUDA device)" in llm.describe()
     finally:
         llm.close()
+
+
+def test_decode_gemm_defaults_of_the_commands():
+    """The serving commands default to 'auto'; the static-batch benchmarks (bench batch / study) keep F.linear,
+    the kernel mix the perf model's engine constants describe."""
+    import argparse
+
+    from spanllm.bench import batch, study, throughput
+
+    def default(mod):
+        p = argparse.ArgumentParser()
+        mod.add_arguments(p)
+        return p.parse_args(["--model", "tiny"]).decode_gemm
+
+    assert default(throughput) == "auto"
+    assert default(batch) == "torch" and default(study) == "torch"

@@ -122,5 +122,5 @@ def test_compiled_and_skinny_rows_are_skipped_with_a_reason(tmp_path):
     (tmp_path / "batch_x.json").write_text(json.dumps({"kind": "batch", "machine": {"gpus": ["H200"]}, "rows": rows}))
     _, eng, skipped = load_results(result_files(tmp_path))
     assert [e.row["batch"] for e in eng] == [1, 8] and not any(e.row.get("compile_decode") for e in eng)
-    assert skipped == [f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm='skinny': "
+    assert skipped == [f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm other than 'torch': "
                        "the engine model's constants describe the eager forward with F.linear"]

@@ -73,6 +73,16 @@ def sigterm_and_check(proc: subprocess.Popen, descendants: list[int], what: str,
     assert not any(alive(p) for p in descendants), outlived
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (children, their children, ...)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def children(pid: int) -> list[int]:
     """Process ids whose parent is pid (from /proc)."""
     out = []

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from serve_helpers import children, offline_greedy, sigterm_and_check, start_cli_server
+from serve_helpers import descendants, offline_greedy, sigterm_and_check, start_cli_server
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
@@ -46,8 +46,8 @@ def test_tp2_server_matches_tp1_and_sigterm():
         time.sleep(12)  # idle for longer than the collective timeout
         assert proc.poll() is None, "the idle TP=2 server exited"
         assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
-        ranks = children(proc.pid)
-        sigterm_and_check(proc, ranks, "the TP=2 server", "a rank outlived the server")
+        below = descendants(proc.pid)  # the ranks, rank 0's front-end process, multiprocessing's helpers
+        sigterm_and_check(proc, below, "the TP=2 server", "a rank or the front end outlived the server")
     finally:
         if proc.poll() is None:
             proc.kill()
