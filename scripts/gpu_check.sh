@@ -8,8 +8,9 @@
 # Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
 # (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
 # (its GPU tests), gemm1 (decode GEMMs of the 8B at TP=1: cuBLAS vs skinny, and a config sweep), attention
-# (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers'
-# continuous batching on the same requests). Serving knobs: NUM_PROMPTS,
+# (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile
+# (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers' continuous batching on
+# the same requests). Serving knobs: NUM_PROMPTS,
 # TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
 # `bench throughput --save-samples`: the GPU machine cannot hold the 125 MB ShareGPT package;
 # results/h200/inputs/sharegpt_llama3_seed0_n1000.json is vLLM's sampling of its recovered records).
