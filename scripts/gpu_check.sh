@@ -18,6 +18,7 @@
 # ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); COMPILED_MODELS,
 # COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward); DECODE_GEMM (engine stages: torch or skinny,
 # EngineConfig.decode_gemm; skinny files get a _skinny suffix); GEMM_SWEEP, GEMM_SWEEP_M (gemm stage);
+# HF_DEADLINE (hfpeer: seconds before the peer's partial result, default 200; it finished 934 of 1000 in 200 s),
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
 # micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
 # BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
@@ -218,7 +219,8 @@ for stage in "${STAGES[@]}"; do
     hfpeer)
       log "peer: transformers continuous batching on the same ShareGPT requests"
       timeout "${HF_TIMEOUT:-560}" python3 scripts/hf_continuous_batching_peer.py --model llama3.1-8b \
-        --num-prompts "${NUM_PROMPTS:-1000}" ${SAMPLES:+--samples-file "$SAMPLES"} --json "$OUTDIR/hf_continuous_batching_llama3.1-8b.json" || rc=1
+        --num-prompts "${NUM_PROMPTS:-1000}" ${SAMPLES:+--samples-file "$SAMPLES"} --deadline-s "${HF_DEADLINE:-200}" \
+        --json "$OUTDIR/hf_continuous_batching_llama3.1-8b.json" || rc=1
       ;;
     *) echo "unknown stage $stage"; rc=2 ;;
   esac
