@@ -101,13 +101,14 @@ start_server() {  # $1 = port; the rest: extra flags
   python3 -m spanllm.cli serve --model "$MODEL" --dtype "$DTYPE" --port "$port" $ENGINE_FLAGS ${SERVE_FLAGS:-} "$@" \
     >>"$OUT_DIR/serve.log" 2>&1 &
   SERVER_PID=$!
-  local deadline=$(( $(date +%s) + ${SERVER_START_TIMEOUT:-300} ))
-  while :; do
-    if python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2).status != 200)" 2>/dev/null; then
-      log "server up (pid $SERVER_PID)"; tail -3 "$OUT_DIR/serve.log"; return 0
-    fi
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "server exited before /health answered"; tail -20 "$OUT_DIR/serve.log"; return 1; fi
-    if [ "$(date +%s)" -ge "$deadline" ]; then log "server not healthy after ${SERVER_START_TIMEOUT:-300} s"; tail -20 "$OUT_DIR/serve.log"; return 1; fi
+  wait_healthy "$port" server "$OUT_DIR/serve.log" "${SERVER_START_TIMEOUT:-300}" || return 1
+  log "server up (pid $SERVER_PID)"; tail -3 "$OUT_DIR/serve.log"
+}
+wait_healthy() {  # $1 = port, $2 = what, $3 = its log, $4 = timeout s: until /health answers 200 from $SERVER_PID
+  local port=$1 what=$2 logf=$3 deadline=$(( $(date +%s) + $4 ))
+  until python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2).status != 200)" 2>/dev/null; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "$what exited before /health answered"; tail -20 "$logf"; return 1; fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then log "$what not healthy after $4 s"; tail -20 "$logf"; return 1; fi
     sleep 2
   done
 }
@@ -270,12 +271,7 @@ app = typer.Typer(add_completion=False); app.command()(Serve); app()')
     "${PEER_CMD[@]}" "$PEER_CKPT" --continuous-batching --host 127.0.0.1 --port "$PORT" $PEER_SERVE_FLAGS \
       >>"$OUT_DIR/peer_serve.log" 2>&1 &
     SERVER_PID=$!  # stop_server and the EXIT trap stop it like spanllm's
-    deadline=$(( $(date +%s) + ${PEER_START_TIMEOUT:-300} ))
-    until python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2).status != 200)" 2>/dev/null; do
-      if ! kill -0 "$SERVER_PID" 2>/dev/null; then log "peer exited before /health answered"; tail -20 "$OUT_DIR/peer_serve.log"; peer_ok=0; break; fi
-      if [ "$(date +%s)" -ge "$deadline" ]; then log "peer not healthy after ${PEER_START_TIMEOUT:-300} s"; tail -20 "$OUT_DIR/peer_serve.log"; peer_ok=0; break; fi
-      sleep 2
-    done
+    wait_healthy "$PORT" peer "$OUT_DIR/peer_serve.log" "${PEER_START_TIMEOUT:-300}" || peer_ok=0
   fi
   if [ "$peer_ok" = 1 ]; then
     log "peer up (pid $SERVER_PID); warm-up request (the CB manager is made on the first request, with its sampling)"

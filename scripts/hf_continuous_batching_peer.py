@@ -23,31 +23,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from spanllm.bench.datasets import add_dataset_arguments, get_samples  # noqa: E402
 from spanllm.bench.throughput import machine_info  # noqa: E402
-from spanllm.engine.config import preset  # noqa: E402
 from spanllm.engine.tokenizer import get_tokenizer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_hf_checkpoint import init_random_, llama_config  # noqa: E402  (the same config and weights)
 
 
 def hf_model(name: str, attn: str, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    c = preset(name)
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                      head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-                      rope_theta=c.rope_theta, tie_word_embeddings=False, attn_implementation=attn,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      bos_token_id=c.bos_token_id, eos_token_id=None, pad_token_id=0)
+    cfg = llama_config(name, attn_implementation=attn)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    init_random_(model, 0, device)
     # Non-persistent buffers (rotary inv_freq) were left empty by to_empty: rebuild them.
     for m in model.modules():
         if hasattr(m, "rope_init_fn") and hasattr(m, "inv_freq"):

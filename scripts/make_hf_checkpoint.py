@@ -64,35 +64,37 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def llama_config(args: argparse.Namespace):
-    """scripts/hf_continuous_batching_peer.py's hf_model config (no attn_implementation: the loader picks)."""
+def llama_config(model: str, layers: int | None = None, hidden: int | None = None, **extra):
+    """The transformers LlamaConfig of a spanllm Llama 3.1 preset (this script's checkpoints, and the model of
+    scripts/hf_continuous_batching_peer.py, which passes attn_implementation in `extra`); eos None, pad 0.
+    `layers` / `hidden` shrink it (--layers / --hidden)."""
     from transformers import LlamaConfig
 
     from spanllm.engine.config import ModelConfigError, preset
 
-    if args.model.split(":", 1)[0] == "tiny":
+    if model.split(":", 1)[0] == "tiny":
         sys.exit("--model tiny: spanllm's tiny preset tokenizes with its byte tokenizer (vocabulary 512), which has "
                  "no Hugging Face tokenizer here; for a CPU-sized checkpoint with the Llama 3 tokenizer use "
                  "--model llama3.1-8b --layers 2 --hidden 256 --dtype fp32 --device cpu")
     try:
-        c = preset(args.model)
+        c = preset(model)
     except ModelConfigError as e:
         sys.exit(f"--model: {e}")
     if c.vocab_size != 128256 or c.rope_scaling is None:
-        sys.exit(f"--model {args.model}: vocabulary {c.vocab_size}; only the Llama 3.1 presets (vocabulary 128256, "
+        sys.exit(f"--model {model}: vocabulary {c.vocab_size}; only the Llama 3.1 presets (vocabulary 128256, "
                  "llama3 rope scaling) have the quicktok Llama 3 tokenizer")
-    hidden, heads, kv, head_dim, ffn = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    if args.hidden is not None:
-        if args.hidden < 64 or args.hidden % 64:
-            sys.exit(f"--hidden {args.hidden}: use a multiple of 64 (heads of 64 dims), e.g. 256")
-        hidden, head_dim = args.hidden, 64
-        heads = hidden // 64
-        kv, ffn = math.gcd(heads, c.num_kv_heads), int(3.5 * hidden)
-    layers = c.num_layers if args.layers is None else args.layers
+    size, heads, kv, head_dim, ffn = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    if hidden is not None:
+        if hidden < 64 or hidden % 64:
+            sys.exit(f"--hidden {hidden}: use a multiple of 64 (heads of 64 dims), e.g. 256")
+        size, head_dim = hidden, 64
+        heads = size // 64
+        kv, ffn = math.gcd(heads, c.num_kv_heads), int(3.5 * size)
+    layers = c.num_layers if layers is None else layers
     if layers < 1:
         sys.exit(f"--layers {layers}: must be >= 1")
     r = c.rope_scaling
-    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=size, intermediate_size=ffn, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
                        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
                        rope_theta=c.rope_theta, tie_word_embeddings=False,
@@ -100,7 +102,7 @@ def llama_config(args: argparse.Namespace):
                                      "high_freq_factor": r.high_freq_factor,
                                      "original_max_position_embeddings": r.original_max_position_embeddings},
                        bos_token_id=c.bos_token_id, eos_token_id=None, pad_token_id=0,
-                       architectures=["LlamaForCausalLM"])
+                       architectures=["LlamaForCausalLM"], **extra)
 
 
 def generation_config(cfg):
@@ -149,6 +151,19 @@ def build_tokenizer(model_max_length: int):
     return tok
 
 
+def init_random_(model, seed: int, device) -> None:
+    """Random weights in place: normal(0, 0.02) from one seeded generator in parameter order, norms 1.0."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 def write_weights(cfg, out: str, dtype_name: str, device: str, seed: int) -> dict:
     import torch
     from transformers import LlamaForCausalLM
@@ -158,13 +173,7 @@ def write_weights(cfg, out: str, dtype_name: str, device: str, seed: int) -> dic
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    init_random_(model, seed, device)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t_init = time.perf_counter() - t0
@@ -227,7 +236,7 @@ def main() -> int:
     import tokenizers
     import transformers
 
-    cfg = llama_config(args)
+    cfg = llama_config(args.model, args.layers, args.hidden)
     if not args.tokenizer_only and args.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

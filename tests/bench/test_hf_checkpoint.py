@@ -88,9 +88,7 @@ def test_check_samples_passes_and_fails_loudly(written, tmp_path, monkeypatch, c
 
 
 def test_tiny_preset_refused_with_the_way_out():
-    import argparse
-
     mod = _script()
     with pytest.raises(SystemExit) as e:
-        mod.llama_config(argparse.Namespace(model="tiny", layers=None, hidden=None))
+        mod.llama_config("tiny")
     assert "--layers 2 --hidden 256" in str(e.value)
