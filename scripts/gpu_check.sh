@@ -8,7 +8,8 @@
 # Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
 # (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
 # (its GPU tests), gemm1 (decode GEMMs of the 8B at TP=1: cuBLAS vs skinny, and a config sweep), attention
-# (bench attention), throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile
+# (bench attention), attnvar (the decode attention kernel's variants: scripts/gpu_decode_attention_variants.py),
+# throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile
 # (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers' continuous batching on
 # the same requests). Serving knobs: NUM_PROMPTS,
 # TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
@@ -192,6 +193,11 @@ for stage in "${STAGES[@]}"; do
     paged)
       log "pytest: the serving engine's GPU tests (paged attention kernels, graphs, engine vs static path)"
       timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
+      ;;
+    attnvar)
+      log "paged decode attention kernel variants (prefetch, merge, stages, min tiles; 8B heads)"
+      timeout "${ATTNVAR_TIMEOUT:-300}" python3 scripts/gpu_decode_attention_variants.py \
+        --context-lens "${ATTNVAR_CTX:-128,256,512,1024,4096}" --json "$OUTDIR/decode_attention_variants.json" || rc=1
       ;;
     attention)
       log "bench attention (paged decode kernel vs reference vs contiguous SDPA)"

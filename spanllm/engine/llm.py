@@ -254,7 +254,7 @@ class LLM:
 
     def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
-        TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o; F.linear gate_up, down, lm_head'."""
+        TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o, down; F.linear gate_up, lm_head'."""
         mode = self.engine.decode_gemm
         if mode == "torch":
             return "decode GEMMs F.linear"

@@ -11,7 +11,8 @@ every step. Split s of a sequence with n key tiles takes tiles [s*c, min(n, (s+1
 c = max(ceil(n/S), MIN_TILES_PER_SPLIT):
 a split past a short sequence's end does nothing at all. The splits that own keys write partial (m, l, acc)
 and count themselves in on a per-(sequence, head) counter; the last to arrive merges them in the same
-kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter.
+kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter
+(the protocol and its memory ordering: spanllm.engine.arrival_counters).
 
 Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
 value dtype for the second dot, fp32 accumulation, one rounding at the store.
@@ -25,12 +26,26 @@ import torch
 import triton
 import triton.language as tl
 
+from spanllm.engine.arrival_counters import arrival_counters
 from spanllm.engine.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
 # to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
+# The decode loop's variants, measured on one H200 with 8B heads (scripts/gpu_decode_attention_variants.py;
+# results/h200/engine_speed/call8_attention/decode_attention_variants.json, microseconds per call in a graph):
+# - block ids one tile ahead, K and V issued together: faster while the grid is small (batch 1, context 512:
+#   9.06 -> 8.28; batch 32 = 256 programs, context 4096: 142.6 -> 126.1), slower on a full GPU (batch 128 =
+#   1024 programs, context 4096: 492.6 -> 508.7; both K and V tiles live at once). So it is on up to
+#   PREFETCH_MAX_PROGRAMS programs (batch x KV heads x splits); between 256 and 1024 was not measured.
+# - the merge in one pass (each split's m, l, acc loaded together) instead of two (all maxima first, then the
+#   sums: twice the trips to L2): batch 1, context 512, 9.06 -> 7.97; with the prefetch 7.15. Never slower:
+#   the two-pass merge is gone.
+# - Triton's software pipelining of the key loop (num_stages) 1, 2, 3: 3 (Triton's default) best or tied in
+#   most cells.
+PREFETCH_MAX_PROGRAMS = 512
+DECODE_NUM_STAGES = 3
 MIN_TILES_PER_SPLIT = 2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
 
 
@@ -51,7 +66,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, scale_log2,
                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK: tl.constexpr, SPLITS: tl.constexpr, MIN_TILES: tl.constexpr, PREC: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -69,21 +85,43 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for t in range(t0, t1):
-            offs = t * BLOCK + tl.arange(0, BLOCK)
-            ok = offs < n
-            blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
-            row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
-            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
-            scores = tl.where(ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+        if PREFETCH:
+            # Each tile's block ids are loaded one iteration ahead, so a tile costs one trip to memory (its K and
+            # V, issued together) instead of three in a row (block ids, then K, then V after the scores).
+            nxt = t0 * BLOCK + tl.arange(0, BLOCK)
+            blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
+            for t in range(t0, t1):
+                offs = t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                nxt = offs + BLOCK
+                blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+        else:
+            for t in range(t0, t1):
+                offs = t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
         out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
         if n_active == 1:  # the whole context in this split: no partials, no merge
             tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -103,46 +141,33 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
             tl.debug_barrier()
             arrived = tl.atomic_add(sem_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
             if arrived == n_active - 1:
+                # One pass in split order (deterministic whichever split came last): each split's (m, l, acc)
+                # loaded together, the running sums rescaled to the new maximum. Padding rows load m = 0 (no
+                # inf - inf) and are never stored.
                 m_max = tl.full([G_PAD], float("-inf"), tl.float32)
-                for j in range(0, n_active):
-                    m_max = tl.maximum(m_max, tl.load(m_ptr + base + j * G_PAD + g, mask=g_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
                 l_sum = tl.zeros([G_PAD], tl.float32)
                 acc_sum = tl.zeros([G_PAD, D], tl.float32)
                 for j in range(0, n_active):
                     rows = base + j * G_PAD + g
-                    w = tl.exp2(tl.load(m_ptr + rows, mask=g_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
-                    l_sum += w * tl.load(l_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    acc_sum += w[:, None] * tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None],
-                                                    other=0.0, cache_modifier=".cg")
+                    m_j = tl.load(m_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    l_j = tl.load(l_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    a_j = tl.load(acc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m_new = tl.maximum(m_max, m_j)
+                    c_old = tl.exp2(m_max - m_new)
+                    c_j = tl.exp2(m_j - m_new)
+                    l_sum = l_sum * c_old + l_j * c_j
+                    acc_sum = acc_sum * c_old[:, None] + a_j * c_j[:, None]
+                    m_max = m_new
                 tl.store(out_rows, (acc_sum / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
                 tl.atomic_xchg(sem_ptr + b * tl.num_programs(1) + h, 0)
 
 
-_SEMAPHORE_MIN = 1 << 16
-_semaphores: dict[torch.device, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []  # smaller counter arrays that captured graphs may still point at: never freed
-
-
-def _semaphore(device: torch.device, n: int) -> torch.Tensor:
-    """The merge counters: one int32 per (sequence, KV head), zero between calls (the last split resets its
-    own). One array per device: decode kernels on one device must not run concurrently (one engine per GPU,
-    one stream; two engines decoding on two streams of one GPU would mix their counts). Allocated outside any capture (a graph must not own it: it is state across replays); a larger one
-    is made by an eager call (capture_graph's warm-up runs come first), and the old one stays alive."""
-    t = _semaphores.get(device)
-    if t is None or t.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"paged decode needs {n} merge counters but {0 if t is None else t.numel()} exist; "
-                               "run one eager decode of the largest batch before capturing graphs")
-        if t is not None:
-            _outgrown.append(t)
-        t = _semaphores[device] = torch.zeros(max(n, _SEMAPHORE_MIN), dtype=torch.int32, device=device)
-    return t
-
-
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           context_lens: torch.Tensor, num_splits: int, min_tiles: int | None = None) -> torch.Tensor:
-    """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32 (>= 1), block_tables [B, W] int32."""
+           context_lens: torch.Tensor, num_splits: int, min_tiles: int | None = None, *,
+           prefetch: bool | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32 (>= 1), block_tables [B, W] int32. The keyword
+    arguments replace the module's measured defaults (benchmarks: scripts/gpu_decode_attention_variants.py)."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -153,7 +178,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         m = torch.empty(b, hkv, num_splits, g_pad, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty(b, hkv, num_splits, g_pad, d, device=q.device, dtype=torch.float32)
-        sem = _semaphore(q.device, b * hkv)
+        sem = arrival_counters(q.device, b * hkv)
     else:
         m = l = acc = out  # unused
         sem = context_lens
@@ -163,7 +188,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         out.stride(0), out.stride(1), scale_log2,
         G=g, G_PAD=g_pad, D=d, CACHE_BLOCK=cache_block, BLOCK=BLOCK_N, SPLITS=num_splits,
         MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles, PREC=_precision(q),
-        num_warps=4)
+        PREFETCH=(b * hkv * num_splits <= PREFETCH_MAX_PROGRAMS) if prefetch is None else prefetch,
+        num_warps=4, num_stages=DECODE_NUM_STAGES if num_stages is None else num_stages)
     return out
 
 

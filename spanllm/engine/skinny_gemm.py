@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y = x @ W^T with few rows in x (M <= 16), as one Triton kernel (+ a reduce).
+"""Skinny GEMM for decode: y = x @ W^T with few rows in x (M <= 16), as one Triton kernel.
 
 x is [M, K] (the decode batch), W is [N, K] row-major (nn.Linear layout), y is [M, N] in x's dtype,
 accumulated in fp32. At decode batch sizes these GEMMs are memory-bound: W is read once from HBM and
@@ -21,13 +21,16 @@ Why split-K
     H200 (132 SMs), and an SM alone cannot pull its share of HBM bandwidth with one short stream.
     Splitting K multiplies the programs (and the independent streams) by SPLIT_K, so every SM gets
     several and their sizes balance; the price is an fp32 partial [SPLIT_K, M, N] (tiny next to W at
-    M <= 16) and one small reduce kernel.
+    M <= 16), summed in the same launch.
 
-Why no atomics
-    The partials go to a workspace and a second kernel sums them in a fixed order (split 0, 1, ...).
-    fp32 atomic adds would finish in whatever order the programs happen to run, so the result would
-    change from run to run in its last bits; decode runs inside CUDA graphs and must be reproducible
-    (a replay, a rerun and a TP peer must see bit-identical logits).
+Why the last program sums, and no atomic adds
+    Each program of a split tile stores its fp32 partial and counts itself in on the tile's arrival counter
+    (spanllm.engine.arrival_counters); the last to arrive adds the SPLIT_K partials in a fixed order (split
+    0, 1, ...) and stores y. Until 2026-12-02 a second kernel did that sum: in a CUDA graph its launch gap
+    and tail cost ~1.5 us per GEMM, which kept the 8B's down projection (split 4) behind cuBLAS. fp32
+    atomic adds into y would finish in whatever order the programs happen to run, so the result would
+    change from run to run in its last bits; decode runs inside CUDA graphs and must be reproducible (a
+    replay, a rerun and a TP peer must see bit-identical logits). The fixed order keeps it so.
 
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
@@ -41,7 +44,7 @@ Tried and dropped
     (results/h200/engine_speed/call6_fused_down/gemm_decode_tp1.json): each of the N/BLOCK_N programs recomputes
     the activation of its whole K range, 16 padded rows of exp per tile, on the loop's critical path.
 
-The module imports without Triton (CI has none): the kernels exist only where Triton does, and
+The module imports without Triton (the CPU torch wheel does not bring it): the kernels exist only where Triton does, and
 `skinny_linear` raises a RuntimeError without it.
 """
 
@@ -53,6 +56,8 @@ from typing import NamedTuple
 
 import torch
 
+from spanllm.engine.arrival_counters import arrival_counters
+
 try:
     import triton
     import triton.language as tl
@@ -63,7 +68,6 @@ except ImportError:  # the CPU torch wheel comes without Triton
 MAX_M = 16  # rows of x the kernel handles: one MMA tile of 16 rows
 BLOCK_M = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-REDUCE_BLOCK = 1024  # elements of y per program of the split-K reduce
 DEFAULT_NUM_SMS = 132  # H200; used when the tensors are not on a GPU (Triton's CPU interpreter)
 
 
@@ -112,9 +116,13 @@ CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]
     (8, 4096, 4096, 2): (32, 256, 1, 4, 5),  # 11.9 vs 12.5
     (1, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 8B gate_up: 56.0 vs 54.9
     (8, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 56.5 vs 55.7
-    (1, 4096, 14336, 2): (128, 128, 4, 4, 4),  # 8B down: 30.5 vs 30.3
-    (8, 4096, 14336, 2): (128, 128, 4, 4, 4),  # 31.3 vs 30.9
+    # 8B down, split 4: remeasured 2026-12-02 with the split-K sum inside the kernel (before: a second
+    # kernel; 128,128,4,4,4 took 30.5 vs 30.3 then), results/h200/engine_speed/call8_attention/gemm_sweep_tp1.json.
+    (1, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 8B down: 30.85 vs 31.12
+    (8, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 31.59 vs 31.64
 }
+# The split-K entries above measured before 2026-12-02 (70B qkv at M=1, 8B qkv and down at TP=2) ran the
+# two-kernel version: their times are that version's, not remeasured with the in-kernel sum.
 
 # The same runs' times, microseconds per GEMM inside a CUDA graph: key -> (the entry's config, F.linear).
 # decode_gemm="auto" reads them (`prefer_skinny`): the skinny kernel only where it measured faster.
@@ -130,7 +138,7 @@ MEASURED_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
     (1, 6144, 4096, 2): (14.94, 15.48), (8, 6144, 4096, 2): (15.15, 15.68),
     (1, 4096, 4096, 2): (11.91, 12.28), (8, 4096, 4096, 2): (11.94, 12.46),
     (1, 28672, 4096, 2): (55.95, 54.85), (8, 28672, 4096, 2): (56.52, 55.70),
-    (1, 4096, 14336, 2): (30.53, 30.34), (8, 4096, 14336, 2): (31.27, 30.88),
+    (1, 4096, 14336, 2): (30.85, 31.12), (8, 4096, 14336, 2): (31.59, 31.64),
 }
 
 
@@ -170,7 +178,7 @@ def _check_config(cfg: tuple) -> SkinnyConfig:
 # H200 is ~4.3 TB/s / 132 = ~33 KB per us; with ~1 us of memory latency an SM needs ~32 KiB in flight
 # (Little's law), i.e. 16-32 KiB tiles with 2-3 of them in the pipeline.
 _SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipeline may use (H100/H200 have 227 KiB/SM)
-_SPLIT_OVERHEAD_US = 1.5  # an extra kernel in a CUDA graph (the reduce): launch gap + its own tail
+_SPLIT_OVERHEAD_US = 1.5  # split-K's merge; measured as a second kernel's launch gap + tail (now in-kernel: less)
 _SM_BYTES_PER_US = 4.3e6 / 132  # one SM's share of HBM bandwidth, bytes per microsecond
 _X_L2_WEIGHT = 0.4  # cost of a byte of x from L2 relative to a byte of W from HBM
 _PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
@@ -209,7 +217,7 @@ def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
 
 def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
     """What decode_gemm="auto" runs for named GEMMs (name, N, K, element bytes) at 1..MAX_M rows, runs of row
-    counts with the same choice together, e.g. '1-16 rows: skinny qkv, o; F.linear gate_up, down, lm_head'."""
+    counts with the same choice together, e.g. '1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head'."""
     def picks(rows: int) -> str:
         skinny = [name for name, n, k, e in gemms if prefer_skinny(rows, n, k, e)]
         rest = [name for name, *_ in gemms if name not in skinny]
@@ -287,11 +295,11 @@ def launch_for_tile(block_n: int, block_k: int, elem_bytes: int) -> tuple[int, i
 if triton is not None:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_chunk,
-                            stride_xm, stride_wn, stride_os, stride_om,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_chunk, stride_xm, stride_wn, stride_ym,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                             EVEN_K: tl.constexpr, IS_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
-        """out[pid_k, m, n] = sum over this program's K chunk of x[m, k] * w[n, k] (out is y or a partial)."""
+        """y[m, n] = sum over k of x[m, k] * w[n, k]; with SPLIT_K > 1 each program sums one K chunk into the fp32
+        workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -322,19 +330,26 @@ if triton is not None:
                 acc = tl.dot(xt, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    @triton.jit
-    def _split_k_reduce_kernel(ws_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        """y[i] = sum over s = 0, 1, ... of ws[s, i], in that order (deterministic), cast to y's dtype."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Partials [SPLIT_K, M, N] fp32, contiguous. The tile's last program to arrive sums them (protocol
+            # and memory ordering: spanllm.engine.arrival_counters): the barrier orders every warp's partial
+            # stores before the one thread's acq_rel increment; the winner reads the partials from L2 (.cg),
+            # in split order from zero (the same sum, bit for bit, whichever program came last), and resets
+            # the tile's counter for the next launch or graph replay.
+            tile = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
 def _interpreting() -> bool:
@@ -406,17 +421,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
                          "(CPU tensors run only under TRITON_INTERPRET=1)")
     split = effective_split_k(k, cfg.block_k, cfg.split_k)
     chunk = split_k_chunk(k, cfg.block_k, split)
+    n_tiles = triton.cdiv(n, cfg.block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    stride_os = 0 if split == 1 else m * n
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x2, weight, out, m, n, k, chunk, x2.stride(0), weight.stride(0), stride_os, n,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=(k % cfg.block_k == 0),
+    if split == 1:
+        ws = counters = y  # unused
+    else:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, n_tiles)
+    _skinny_gemm_kernel[(n_tiles, split)](
+        x2, weight, y, ws, counters, m, n, k, chunk, x2.stride(0), weight.stride(0), n,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=(k % cfg.block_k == 0),
         IS_FP32=(x.dtype == torch.float32), NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            out, y, m * n, SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4)
     return y.reshape(*lead, n)
 
 

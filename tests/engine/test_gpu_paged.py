@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
+from spanllm.engine import arrival_counters  # noqa: E402
 from spanllm.engine import paged_attention as pa  # noqa: E402
 from spanllm.engine import paged_attention_triton as kt  # noqa: E402
 from spanllm.engine.config import EngineConfig  # noqa: E402
@@ -73,7 +74,7 @@ def test_split_decode_merges_right_on_every_call_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[-1], first)
-    assert int(kt._semaphores[q.device].abs().sum()) == 0
+    assert arrival_counters.all_zero(q.device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -145,9 +146,10 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
 
 
 def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
-    """decode_gemm='auto' (the default) on a 2-layer slice of the 8B in bf16: the measured table sends qkv and
-    o to the skinny kernel at 1-16 rows, gate_up, down and the LM head to F.linear, and the engine says so. Prefill (more than 16 rows) runs F.linear either way, so every
-    request's first token equals the 'torch' engine's; two runs give the same tokens; the skinny kernels ran."""
+    """decode_gemm='auto' (the default) on a 2-layer slice of the 8B in bf16: the measured table sends qkv, o
+    and down to the skinny kernel at 1-16 rows, gate_up and the LM head to F.linear, and the engine says so.
+    Prefill (more than 16 rows) runs F.linear either way, so every request's first token equals the 'torch'
+    engine's; two runs give the same tokens; the skinny kernels ran."""
     prompts = [list(range(1000, 1000 + n)) for n in (20, 70, 33)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     runs = {}
@@ -156,8 +158,8 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
                            max_model_len=1024, decode_gemm=mode)
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         if mode == "auto":
-            assert ("decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o; "
-                    "F.linear gate_up, down, lm_head") in llm.describe_serving()
+            assert ("decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o, down; "
+                    "F.linear gate_up, lm_head") in llm.describe_serving()
         outs = [o.output_ids for o in llm.generate(prompts, params)]
         assert all(len(o) == 10 for o in outs)
         runs.setdefault(mode, []).append(outs)

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spanllm.engine import arrival_counters
 from spanllm.engine import skinny_gemm as gemm  # imports without Triton (CI): the config tests run there too
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -152,6 +153,12 @@ def test_split_k_forced_by_override_table(interp, monkeypatch):
     assert interp.effective_split_k(k, 32, 3) == 3
     x, w = _ints(m, k, dtype=torch.bfloat16, seed=1), _ints(n, k, dtype=torch.bfloat16, seed=2)
     assert torch.equal(interp.skinny_linear(x, w), _expect(x, w))
+    # The last program of each of the 3 tiles summed and reset its counter: all zero again, so a second
+    # launch (another shape, fewer tiles) counts from zero too.
+    assert arrival_counters.all_zero(x.device)
+    x2, w2 = _ints(2, k, dtype=torch.bfloat16, seed=3), _ints(20, k, dtype=torch.bfloat16, seed=4)
+    assert torch.equal(interp.skinny_linear(x2, w2, config=(16, 32, 2, 4, 2)), _expect(x2, w2))
+    assert arrival_counters.all_zero(x.device)
 
 
 def test_3d_input_and_strided_x(interp):
@@ -301,7 +308,7 @@ def test_measured_times_cover_the_table():
 
 
 def test_prefer_skinny_follows_the_measured_times(monkeypatch):
-    """On the 8B's TP=1 shapes (bf16): qkv and o measured faster in the skinny kernel, gate_up and down
+    """On the 8B's TP=1 shapes (bf16): qkv, o and down measured faster in the skinny kernel, gate_up
     slower; any M up to 16 takes the nearest measured bucket; unmeasured shapes, fp32, more than 16 rows, or
     no Triton: F.linear."""
     if gemm.triton is None:
@@ -309,8 +316,8 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
         return
     qkv, o, gate_up, down = SHAPES_8B_TP1
     for m in (1, 2, 8, 16):
-        assert gemm.prefer_skinny(m, *qkv) and gemm.prefer_skinny(m, *o)
-        assert not gemm.prefer_skinny(m, *gate_up) and not gemm.prefer_skinny(m, *down)
+        assert gemm.prefer_skinny(m, *qkv) and gemm.prefer_skinny(m, *o) and gemm.prefer_skinny(m, *down)
+        assert not gemm.prefer_skinny(m, *gate_up)
     assert not gemm.prefer_skinny(17, *qkv)
     assert not gemm.prefer_skinny(1, *qkv, elem_bytes=4)
     assert not gemm.prefer_skinny(1, 128256, 4096)  # the LM head: never measured
@@ -323,14 +330,14 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
 
 
 def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
-    """The engine's description of decode_gemm="auto": the 8B at TP=1 takes skinny for qkv and o at every row
-    count; the 70B at TP=2 has o faster at bucket 1 (rows 1-2) and tied at bucket 8 (rows 3-16: F.linear); a
+    """The engine's description of decode_gemm="auto": the 8B at TP=1 takes skinny for qkv, o and down at every
+    row count; the 70B at TP=2 has o faster at bucket 1 (rows 1-2) and tied at bucket 8 (rows 3-16: F.linear); a
     config pasted without its times (MEASURED_US) is never chosen."""
     if gemm.triton is None:
         pytest.skip("prefer_skinny is False everywhere without Triton")
     qkv, o, gate_up, down = SHAPES_8B_TP1
     eight = [("qkv", *qkv, 2), ("o", *o, 2), ("gate_up", *gate_up, 2), ("down", *down, 2), ("lm_head", 128256, 4096, 2)]
-    assert gemm.describe_auto(eight) == "1-16 rows: skinny qkv, o; F.linear gate_up, down, lm_head"
+    assert gemm.describe_auto(eight) == "1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
     q70, o70, gu70, d70 = SHAPES_TP2["70b"]
     seventy = [("qkv", *q70, 2), ("o", *o70, 2), ("gate_up", *gu70, 2), ("down", *d70, 2)]
     assert gemm.describe_auto(seventy) == ("1-2 rows: skinny qkv, o, down; F.linear gate_up | "
@@ -372,6 +379,40 @@ def test_gpu_matches_f_linear(dtype):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
             assert torch.equal(y, real.skinny_linear(x, w, config=cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_split_k_merge_in_a_cuda_graph():
+    """Split-K's in-kernel merge on compiled kernels: exact on small integers (every sum is exact in fp32),
+    the same bits on every eager call and graph replay, and every arrival counter back at zero; the 8B's
+    down projection in its table config (split 4) too."""
+    _triton()
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 in the environment")
+    from spanllm.cuda_graph import capture_graph
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for m, n, k, cfg in [(3, 1000, 1000, (64, 128, 4, 4, 3)), (1, 4096, 14336, None), (8, 4096, 14336, None)]:
+        x = _ints(m, k, dtype=torch.bfloat16, seed=m).to(dev)
+        w = _ints(n, k, dtype=torch.bfloat16, seed=n).to(dev)
+        first = gemm.skinny_linear(x, w, config=cfg)
+        assert torch.equal(first, _expect(x, w))
+        if cfg is None:
+            assert gemm.choose_config(m, n, k, gemm.num_sms_of(dev)).split_k > 1
+        xr = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        wr = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        ref = gemm.skinny_linear(xr, wr, config=cfg)
+        for _ in range(20):
+            assert torch.equal(gemm.skinny_linear(xr, wr, config=cfg), ref)
+        outs: list[torch.Tensor] = []
+        graph = capture_graph(lambda: outs.append(gemm.skinny_linear(xr, wr, config=cfg)), dev, warmup=1)
+        for _ in range(20):
+            outs[-1].zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[-1], ref)
+        assert arrival_counters.all_zero(dev)
 
 
 def test_tp_context_decode_gemm_modes():

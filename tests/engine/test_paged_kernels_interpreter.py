@@ -1,0 +1,108 @@
+"""The Triton paged-attention kernels (spanllm.engine.paged_attention_triton) on CPU tensors under Triton's
+interpreter, against the gather + SDPA reference: every variant of the decode kernel (block ids one tile ahead
+or not, splits from 1 to 16 with the in-kernel merge, minimum tiles per split 1 and 2) and the prefill
+kernel over a paged prefix. float32 tensors (the interpreter's tl.dot on bf16 needs a shim; the numerics of
+16-bit caches are checked on the GPU in test_gpu_paged.py).
+
+As in test_skinny_gemm.py, Triton decides at import whether it interprets, so the cases run in a child pytest
+with TRITON_INTERPRET=1 set from the start (`test_interpreter_suite`); in the parent they skip, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    if not INTERPRETED:
+        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
+    pytest.importorskip("triton")
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:  # Triton 3.6's interpreter calls int() on a shape-(1,) array, which numpy >= 2.4 refuses (#9171)
+        int(np.array([1]))
+    except TypeError:
+        orig = interpreter._patch_lang_tensor
+
+        def patch(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+    from spanllm.engine import paged_attention_triton as kt
+    return kt
+
+
+def _pool(ctx: list[int], block: int, hkv: int, d: int, seed: int):
+    """A shuffled block pool holding one sequence per context length (block 0 left unused)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-c // block) for c in ctx]
+    total = sum(nblk) + 1
+    kc = torch.randn(total, block, hkv, d, generator=g)
+    vc = torch.randn(total, block, hkv, d, generator=g)
+    tables = torch.zeros(len(ctx), max(nblk), dtype=torch.int32)
+    perm = (torch.randperm(total - 1, generator=g) + 1).to(torch.int32)
+    i = 0
+    for r, nb in enumerate(nblk):
+        tables[r, :nb] = perm[i:i + nb]
+        i += nb
+    return kc, vc, tables
+
+
+CTX = [1, 63, 64, 65, 300]  # one key; a tile short of one; exactly one tile; one past; several splits
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("splits,min_tiles", [(1, 2), (4, 1), (16, 1), (16, 2)])
+def test_decode_variants_match_reference(kernels, prefetch, splits, min_tiles):
+    from spanllm.engine import arrival_counters
+    from spanllm.engine import paged_attention as pa
+
+    kc, vc, tables = _pool(CTX, 16, 2, 16, seed=splits)
+    q = torch.randn(len(CTX), 8, 16, generator=torch.Generator().manual_seed(1))
+    cl = torch.tensor(CTX, dtype=torch.int32)
+    out = kernels.decode(q, kc, vc, tables, cl, splits, min_tiles, prefetch=prefetch)
+    ref = pa.reference_decode(q, kc, vc, tables, CTX)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert arrival_counters.all_zero(q.device)  # every merging split reset its sequence's counter
+
+
+def test_prefill_over_a_paged_prefix_matches_reference(kernels):
+    from spanllm.engine import paged_attention as pa
+
+    q_lens, ctx = [5, 1, 70], [5, 40, 130]  # a whole prompt; one query after a prefix; a chunk after a prefix
+    kc, vc, tables = _pool(ctx, 16, 2, 16, seed=7)
+    q = torch.randn(sum(q_lens), 8, 16, generator=torch.Generator().manual_seed(2))
+    cu_q = torch.tensor([0, 5, 6, 76], dtype=torch.int32)
+    tiles = torch.tensor(kernels.prefill_tiles(q_lens, 4), dtype=torch.int32)
+    out = kernels.prefill(q, kc, vc, tables, cu_q, torch.tensor(ctx, dtype=torch.int32), tiles)
+    torch.testing.assert_close(out, pa.reference_prefill(q, kc, vc, tables, q_lens, ctx), rtol=1e-5, atol=1e-5)
+
+
+INTERPRETER_TESTS = 2 * 4 + 1
+
+
+def test_interpreter_suite():
+    """This file again in a child pytest with TRITON_INTERPRET=1: every case must pass there."""
+    if INTERPRETED:
+        pytest.skip("this is the child")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("PYTEST_ADDOPTS", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                          "-k", "not interpreter_suite", "-W", "ignore::RuntimeWarning"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
+    assert passed == INTERPRETER_TESTS and "skipped" not in summary, summary
