@@ -44,7 +44,7 @@ MAX_SPLITS = 16
 #   the two-pass merge is gone.
 # - Triton's software pipelining of the key loop (num_stages) 1, 2, 3: 3 (Triton's default) best or tied in
 #   most cells.
-PREFETCH_MAX_PROGRAMS = 512
+PREFETCH_MAX_PROGRAMS = 256
 DECODE_NUM_STAGES = 3
 MIN_TILES_PER_SPLIT = 2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
 
