@@ -13,8 +13,8 @@
 #       --save-samples /tmp/s.json --dry-run
 #   MODEL=tiny DTYPE=float32 SAMPLES=/tmp/s.json RATES=inf,50 NUM_PROMPTS=50 bash scripts/gpu_serve_sweep.sh
 # The peer alone (section 1 cut to one short run). Timed on one H200 (results/h200/engine_speed/call7_final/serve):
-# checkpoint 18 s (15 GiB), transformers serve up in 18 s, its 100 requests at rate 4 in 121 s (0.83 req/s):
-# PEER_TIMEOUT must allow ~130 s per 100 requests and rate.
+# checkpoint 18 s (15 GiB), transformers serve up in 18 s, its 100 requests at rate 4 in 121 s (0.83 req/s), at
+# rate inf in 113 s (call9_serve): PEER_TIMEOUT must allow ~130 s per 100 requests and rate.
 #   RATES=inf NUM_PROMPTS=200 OVERHEAD=0 PEER=hf SPANLLM_GPU_OUT=/tmp/serve bash scripts/gpu_serve_sweep.sh
 # Its CPU dry run (spanllm: tiny; the peer: a 2-layer, 256-wide checkpoint with the Llama 3 vocabulary; needs
 # accelerate, and psutil for continuous batching on CPU): the tiny line above plus

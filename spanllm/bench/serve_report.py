@@ -110,7 +110,10 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str, title: str) -> None:
         highs = [_high_percentile(r, metric) for r in runs]
         if all(highs):
             ax.plot(x, [h[1] for h in highs], "s--", label=highs[0][0])
-        ax.set_ylabel(f"{name} (ms)")
+        values = [r[f"median_{metric}_ms"] for r in runs] + [h[1] for h in highs if h]
+        if min(values) > 0 and max(values) / min(values) > 50:
+            ax.set_yscale("log")  # TTFT at rate inf (queueing, seconds) next to ms-scale rates: keep both readable
+        ax.set_ylabel(f"{name} (ms{', log scale' if ax.get_yscale() == 'log' else ''})")
         ax.set_title(name)
         ax.legend()
     axes[2].plot(x, [r["output_throughput"] for r in runs], "o-", color="tab:green")
