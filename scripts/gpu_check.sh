@@ -195,7 +195,7 @@ for stage in "${STAGES[@]}"; do
       timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
       ;;
     attnvar)
-      log "paged decode attention kernel variants (prefetch, merge, stages, min tiles; 8B heads)"
+      log "paged decode attention kernel variants (prefetch, stages, min tiles; 8B heads)"
       timeout "${ATTNVAR_TIMEOUT:-300}" python3 scripts/gpu_decode_attention_variants.py \
         --context-lens "${ATTNVAR_CTX:-128,256,512,1024,4096}" --json "$OUTDIR/decode_attention_variants.json" || rc=1
       ;;

@@ -89,7 +89,7 @@ def main() -> int:
             if not arrival_counters.all_zero(dev):
                 raise SystemExit(f"arrival counters not all zero after batch {b}, context {n}")
             best = min(cell, key=lambda r: r["us_per_call"])
-            prefetch = b * hkv * splits <= kt.PREFETCH_MAX_PROGRAMS  # what decode() picks by itself
+            prefetch = kt.prefetch_block_ids(b * hkv * splits, dev)  # what decode() picks by itself
             dflt = next(r for r in cell if r["prefetch"] == prefetch and all(r[k] == defaults[k] for k in defaults))
             print(f"B={b:4d} ctx={n:5d} splits={splits:2d}  defaults (prefetch={prefetch}) {dflt['us_per_call']:6.2f} us  "
                   f"best {best['us_per_call']:6.2f} us (prefetch={best['prefetch']} stages={best['num_stages']} "
@@ -98,7 +98,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     out = {"machine": machine_info(dev), "settings": {**vars(args), "heads": hq, "kv_heads": hkv, "head_dim": d,
                                                       "block_size": bs, "dtype": str(dtype), "defaults": defaults,
-                                                      "prefetch_max_programs": kt.PREFETCH_MAX_PROGRAMS},
+                                                      "prefetch_max_programs": kt.PREFETCH_WAVES * kt.num_sms_of(dev)},
            "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

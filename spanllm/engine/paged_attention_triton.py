@@ -31,27 +31,34 @@ from spanllm.engine.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
-# A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
-# to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
 # The decode loop's variants, measured on one H200 with 8B heads (scripts/gpu_decode_attention_variants.py;
 # results/h200/engine_speed/call8_attention/decode_attention_variants.json, microseconds per call in a graph):
 # - block ids one tile ahead, K and V issued together: faster while the grid is small (batch 1, context 512:
 #   9.06 -> 8.28; batch 32 = 256 programs, context 4096: 142.6 -> 126.1), slower on a full GPU (batch 128 =
-#   1024 programs, context 4096: 492.6 -> 508.7; both K and V tiles live at once). So it is on up to
-#   PREFETCH_MAX_PROGRAMS programs (batch x KV heads x splits); between 256 and 1024 was not measured.
+#   1024 programs, context 4096: 492.6 -> 508.7; batch 64 = 512 programs: 13-38% slower in
+#   results/h200/engine_speed/call11_attention_bench/paged_attention_prefetch512.json; both K and V tiles live
+#   at once). So it is on while the grid (batch x KV heads x splits) is at most PREFETCH_WAVES programs per SM:
+#   exactly the grids that num_splits_for fills by splitting (up to 2 x SMs), 264 on an H200.
 # - the merge in one pass (each split's m, l, acc loaded together) instead of two (all maxima first, then the
 #   sums: twice the trips to L2): batch 1, context 512, 9.06 -> 7.97; with the prefetch 7.15. Never slower:
 #   the two-pass merge is gone.
 # - Triton's software pipelining of the key loop (num_stages) 1, 2, 3: 3 (Triton's default) best or tied in
 #   most cells.
-PREFETCH_MAX_PROGRAMS = 256
+PREFETCH_WAVES = 2
 DECODE_NUM_STAGES = 3
+# A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
+# to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
 MIN_TILES_PER_SPLIT = 2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
 
 
 def _precision(x: torch.Tensor) -> str:
     """float32 caches multiply in IEEE fp32 (tests compare with the reference); 16-bit ones as usual."""
     return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def prefetch_block_ids(programs: int, device: torch.device) -> bool:
+    """Whether a decode grid of this many programs takes the loop with block ids one tile ahead."""
+    return programs <= PREFETCH_WAVES * num_sms_of(device)
 
 
 def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -188,7 +195,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         out.stride(0), out.stride(1), scale_log2,
         G=g, G_PAD=g_pad, D=d, CACHE_BLOCK=cache_block, BLOCK=BLOCK_N, SPLITS=num_splits,
         MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles, PREC=_precision(q),
-        PREFETCH=(b * hkv * num_splits <= PREFETCH_MAX_PROGRAMS) if prefetch is None else prefetch,
+        PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
         num_warps=4, num_stages=DECODE_NUM_STAGES if num_stages is None else num_stages)
     return out
 

@@ -117,7 +117,8 @@ CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]
     (1, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 8B gate_up: 56.0 vs 54.9
     (8, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 56.5 vs 55.7
     # 8B down, split 4: remeasured 2026-12-02 with the split-K sum inside the kernel (before: a second
-    # kernel; 128,128,4,4,4 took 30.5 vs 30.3 then), results/h200/engine_speed/call8_attention/gemm_sweep_tp1.json.
+    # kernel; 128,128,4,4,4 took 30.5 vs 30.3 then), results/h200/engine_speed/call8_attention/gemm_sweep_tp1.json:
+    # a tie with cuBLAS (128,128,4,4,4 took 30.62 and 30.94 in the same run), auto's strict rule picks skinny.
     (1, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 8B down: 30.85 vs 31.12
     (8, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 31.59 vs 31.64
 }
@@ -178,7 +179,8 @@ def _check_config(cfg: tuple) -> SkinnyConfig:
 # H200 is ~4.3 TB/s / 132 = ~33 KB per us; with ~1 us of memory latency an SM needs ~32 KiB in flight
 # (Little's law), i.e. 16-32 KiB tiles with 2-3 of them in the pipeline.
 _SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipeline may use (H100/H200 have 227 KiB/SM)
-_SPLIT_OVERHEAD_US = 1.5  # split-K's merge; measured as a second kernel's launch gap + tail (now in-kernel: less)
+_SPLIT_OVERHEAD_US = 1.5  # split-K's merge: a guess from the old second kernel's gap + tail; the in-kernel merge
+#                          costs less, not measured alone (it only moves the heuristic for shapes off the table)
 _SM_BYTES_PER_US = 4.3e6 / 132  # one SM's share of HBM bandwidth, bytes per microsecond
 _X_L2_WEIGHT = 0.4  # cost of a byte of x from L2 relative to a byte of W from HBM
 _PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
@@ -247,7 +249,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use
     Otherwise a small cost model: the kernel takes as long
     as its most loaded SM needs to stream its programs' W bytes (programs are equal-sized, so an SM gets
     ceil(programs / num_sms) of them; each also re-reads its x tiles from L2 and pays a fixed cost),
-    plus, for split-K, the fp32 partials (written and read back) and one more kernel. Candidates with
+    plus, for split-K, the fp32 partials (written and read back) and the in-kernel merge. Candidates with
     >= num_sms programs win (an idle SM is bandwidth never used); split chunks keep >= 2 K tiles (else
     the pipeline has nothing to overlap). Near-ties (1%) go to fewer splits, then to larger BLOCK_N.
     """
@@ -383,7 +385,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
     """y = x @ weight^T for x [..., K] with at most 16 rows in all, weight [N, K] contiguous; y [..., N].
 
     `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
-    Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture.
+    Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture once one eager call
+    has run (split-K's arrival counters are allocated outside any capture: arrival_counters).
     """
     if triton is None:
         raise RuntimeError("skinny_linear needs Triton, which is not installed; use torch.nn.functional.linear")
@@ -438,7 +441,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
 
 # torch.ops.spanllm.skinny_linear: the same call as one opaque op, so that torch.compile (the engine's
 # compiled decode) keeps the launch as a single graph node instead of tracing into the Python above
-# (config choice, allocations, two launches). Registered where Triton exists; the fake returns y's shape.
+# (config choice, allocations, the launch). Registered where Triton exists; the fake returns y's shape.
 if triton is not None:
 
     @torch.library.custom_op("spanllm::skinny_linear", mutates_args=())

@@ -43,16 +43,19 @@ TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 4, 16), (8, 1, 64)])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("min_tiles", [1, None])  # 1: every split of a 1000-token context active; None: the default
-def test_decode_kernel_matches_reference(dtype, hq, hkv, d, splits, min_tiles):
+@pytest.mark.parametrize("prefetch", [True, False])  # both key loops, whatever the grid size would pick
+def test_decode_kernel_matches_reference(dtype, hq, hkv, d, splits, min_tiles, prefetch):
     ctx = [1, 15, 16, 17, 64, 65, 300, 1000]
     kc, vc, tables = _pool(ctx, 16, hkv, d, dtype)
     q = torch.randn(len(ctx), hq, d, device=DEV, dtype=dtype)
     ref = pa.reference_decode(q.float(), kc.float(), vc.float(), tables, ctx)
-    out = kt.decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits, min_tiles)
+    out = kt.decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits, min_tiles,
+                    prefetch=prefetch)
     assert (out.float() - ref).abs().max().item() < TOL[dtype]
 
 
-def test_split_decode_merges_right_on_every_call_and_replay():
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_split_decode_merges_right_on_every_call_and_replay(prefetch):
     """The last split of each (sequence, KV head) to finish merges and resets its counter: the same output (bit
     for bit: the merge order is fixed, whichever split arrives last) on 30 calls in a row and on 20 replays of
     a captured call, equal to the reference, and every counter back at zero afterwards."""
@@ -63,12 +66,12 @@ def test_split_decode_merges_right_on_every_call_and_replay():
     q = torch.randn(len(ctx), 32, 128, device=DEV, dtype=torch.bfloat16)
     cl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     ref = pa.reference_decode(q.float(), kc.float(), vc.float(), tables, ctx)
-    first = kt.decode(q, kc, vc, tables, cl, 16)
+    first = kt.decode(q, kc, vc, tables, cl, 16, prefetch=prefetch)
     assert (first.float() - ref).abs().max().item() < TOL[torch.bfloat16]
     for _ in range(30):
-        assert torch.equal(kt.decode(q, kc, vc, tables, cl, 16), first)
+        assert torch.equal(kt.decode(q, kc, vc, tables, cl, 16, prefetch=prefetch), first)
     outs: list[torch.Tensor] = []
-    graph = capture_graph(lambda: outs.append(kt.decode(q, kc, vc, tables, cl, 16)), DEV, warmup=1)
+    graph = capture_graph(lambda: outs.append(kt.decode(q, kc, vc, tables, cl, 16, prefetch=prefetch)), DEV, warmup=1)
     for _ in range(20):
         outs[-1].zero_()
         graph.replay()

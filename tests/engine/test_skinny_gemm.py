@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from spanllm.engine import arrival_counters
-from spanllm.engine import skinny_gemm as gemm  # imports without Triton (CI): the config tests run there too
+from spanllm.engine import skinny_gemm as gemm  # imports without Triton (the CPU torch wheel): config tests run there too
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
