@@ -41,6 +41,7 @@ def main() -> int:
     args = parse()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode_attention_variants.py times CUDA kernels: run it on the GPU machine")
+    from spanllm.bench.attention import random_decode_inputs
     from spanllm.bench.throughput import machine_info
     from spanllm.cuda_graph import capture_graph
     from spanllm.engine import arrival_counters
@@ -57,14 +58,7 @@ def main() -> int:
     for b in [int(v) for v in args.batch_sizes.split(",")]:
         splits = kt.num_splits_for(b, hkv, dev)
         for n in [int(v) for v in args.context_lens.split(",")]:
-            per_seq = -(-n // bs)
-            nb = b * per_seq + 1
-            gen = torch.Generator(device=dev).manual_seed(b * 100003 + n)
-            kc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dtype, generator=gen)
-            vc = torch.randn(nb, bs, hkv, d, device=dev, dtype=dtype, generator=gen)
-            tables = (torch.randperm(nb - 1, device=dev, generator=gen) + 1).to(torch.int32).view(b, per_seq)
-            cl = torch.full((b,), n, dtype=torch.int32, device=dev)
-            q = torch.randn(b, hq, d, device=dev, dtype=dtype, generator=gen)
+            q, kc, vc, tables, cl = random_decode_inputs(b, n, hq, hkv, d, bs, dtype, dev)  # bench attention's
             ref = pa.reference_decode(q.float(), kc.float(), vc.float(), tables, [n] * b)
             cell = []
             for v, mt in itertools.product(variants, [int(x) for x in args.min_tiles.split(",")]):

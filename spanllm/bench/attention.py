@@ -36,11 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None)
 
 
-def _cell(b: int, n: int, args, device, dtype) -> dict:
-    from spanllm.engine import paged_attention as pa
-    from spanllm.engine import paged_attention_triton as kt
-
-    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+def random_decode_inputs(b: int, n: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype,
+                         device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, block_tables, context_lens) of one decode step: b sequences of n cached tokens in
+    a pool of blocks of bs tokens, block tables shuffled over the pool (block 0 unused), seeded by (b, n)."""
     per_seq = -(-n // bs)
     nb = b * per_seq + 1
     gen = torch.Generator(device=device).manual_seed(b * 100003 + n)
@@ -49,6 +48,16 @@ def _cell(b: int, n: int, args, device, dtype) -> dict:
     tables = (torch.randperm(nb - 1, device=device, generator=gen) + 1).to(torch.int32).view(b, per_seq)
     ctx = torch.full((b,), n, dtype=torch.int32, device=device)
     q = torch.randn(b, hq, d, device=device, dtype=dtype, generator=gen)
+    return q, k_cache, v_cache, tables, ctx
+
+
+def _cell(b: int, n: int, args, device, dtype) -> dict:
+    from spanllm.engine import paged_attention as pa
+    from spanllm.engine import paged_attention_triton as kt
+
+    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    per_seq = -(-n // bs)
+    q, k_cache, v_cache, tables, ctx = random_decode_inputs(b, n, hq, hkv, d, bs, dtype, device)
     splits = kt.num_splits_for(b, hkv, device)
     out = {"batch": b, "context": n, "num_splits": splits}
     tri = kt.decode(q, k_cache, v_cache, tables, ctx, splits)

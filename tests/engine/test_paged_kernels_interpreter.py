@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from triton_interpreter import patch_scalar_index
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -26,19 +27,7 @@ def kernels(monkeypatch):
     if not INTERPRETED:
         pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
     pytest.importorskip("triton")
-    import numpy as np
-    from triton.runtime import interpreter
-
-    try:  # Triton 3.6's interpreter calls int() on a shape-(1,) array, which numpy >= 2.4 refuses (#9171)
-        int(np.array([1]))
-    except TypeError:
-        orig = interpreter._patch_lang_tensor
-
-        def patch(tensor, scope):
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+    patch_scalar_index(monkeypatch)  # numpy >= 2.4 (triton_interpreter.py)
     from spanllm.engine import paged_attention_triton as kt
     return kt
 

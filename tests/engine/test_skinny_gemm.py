@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from spanllm.engine import arrival_counters
 from spanllm.engine import skinny_gemm as gemm  # imports without Triton (the CPU torch wheel): config tests run there too
+from triton_interpreter import patch_scalar_index, widen_bf16_dot
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -42,42 +43,10 @@ def _triton():
 
 
 def _interpreter_shims(monkeypatch):
-    """Two gaps of Triton 3.6's interpreter, patched while a test runs (the GPU path needs neither):
-
-    - it turns a scalar into an int with int(array of shape (1,)), which numpy >= 2.4 refuses
-      (triton-lang/triton#9171), so every loop with a runtime bound fails: apply the upstream fix
-      (squeeze first), only where numpy needs it;
-    - it stores bf16 as raw uint16 bits and its tl.dot multiplies those bits as integers: widen bf16
-      operands to fp32 first (exact: every bf16 is an fp32), which is what the tensor cores compute.
-    """
-    import numpy as np
-    triton = _triton()
-    from triton.runtime import interpreter
-
-    try:
-        int(np.array([1]))
-    except TypeError:
-        orig_patch = interpreter._patch_lang_tensor
-
-        def patch_lang_tensor(tensor, scope):
-            orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-
-    orig_dot = interpreter.InterpreterBuilder.create_dot
-    bf16 = triton.language.bfloat16
-
-    def widen(h):
-        if h.dtype.scalar != bf16:
-            return h
-        data = interpreter._convert_float(h.data, bf16, triton.language.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, triton.language.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    """Two gaps of Triton 3.6's interpreter, patched while a test runs (triton_interpreter.py)."""
+    _triton()
+    patch_scalar_index(monkeypatch)
+    widen_bf16_dot(monkeypatch)
 
 
 def _probe_interpreter():

@@ -1,0 +1,47 @@
+"""Patches for Triton 3.6's interpreter (TRITON_INTERPRET=1, kernels on CPU tensors), applied with a pytest
+monkeypatch while an interpreter test runs; the GPU path needs neither.
+
+- `patch_scalar_index`: the interpreter turns a scalar into an int with int(array of shape (1,)), which numpy
+  >= 2.4 refuses (triton-lang/triton#9171), so every loop with a runtime bound fails: apply the upstream fix
+  (squeeze first), only where numpy needs it.
+- `widen_bf16_dot`: it stores bf16 as raw uint16 bits and its tl.dot multiplies those bits as integers: widen
+  bf16 operands to fp32 first (exact: every bf16 is an fp32), which is what the tensor cores compute.
+"""
+
+from __future__ import annotations
+
+
+def patch_scalar_index(monkeypatch) -> None:
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.array([1]))
+    except TypeError:
+        orig_patch = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope):
+            orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
+def widen_bf16_dot(monkeypatch) -> None:
+    import numpy as np
+    import triton
+    from triton.runtime import interpreter
+
+    orig_dot = interpreter.InterpreterBuilder.create_dot
+    bf16 = triton.language.bfloat16
+
+    def widen(h):
+        if h.dtype.scalar != bf16:
+            return h
+        data = interpreter._convert_float(h.data, bf16, triton.language.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, triton.language.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
