@@ -331,13 +331,14 @@ def run(args) -> int:
     if copy:
         print(f"\nceiling: copy {copy['TBps_read_plus_write']:.2f} TB/s (read + write)")
     print("\nsuggested CONFIG_OVERRIDES (m_bucket, N, K, element bytes) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages):")
+    suggested = sorted(_suggested(rows, args.override_gain).items())
     print("CONFIG_OVERRIDES = {")
-    for key, cfg in sorted(suggest_overrides(rows, args.override_gain).items()):
+    for key, (cfg, _, _) in suggested:
         print(f"    {key}: {cfg},")
     print("}")
     print("and their times (decode_gemm='auto' takes an entry only with its times, where skinny is faster):")
     print("MEASURED_US = {")
-    for key, (_, us, f_us) in sorted(_suggested(rows, args.override_gain).items()):
+    for key, (_, us, f_us) in suggested:
         print(f"    {key}: ({us}, {f_us}),")
     print("}")
     print(f"({time.time() - t0:.0f} s)")

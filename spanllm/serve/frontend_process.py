@@ -202,9 +202,9 @@ class ProcessServer:
             raise RuntimeError(f"the HTTP front-end process exited with code {code} (its output above says why)")
 
     def stop(self) -> None:
-        """From any thread: abort everything and end the front end (run() returns)."""
+        """From any thread: abort everything and end the front end (run()'s loop acts on it within ~0.1 s and
+        returns)."""
         self._stop_requested.set()
-        self._shutdown()
 
     def _shutdown(self) -> None:
         self.engine.abort_all()
