@@ -22,7 +22,7 @@
 # HF_DEADLINE (hfpeer: seconds before the peer's partial result, default 200; it finished 934 of 1000 in 200 s),
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
 # micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
-# BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
+# PROFILE_OPTS (profile: extra flags of scripts/gpu_profile_steps.py, e.g. --trace-variants); BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
 # TUNING (default: this run's tables, else results/h200x2/tuning_*.json). Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
@@ -220,7 +220,7 @@ for stage in "${STAGES[@]}"; do
     profile)
       log "where a serving step's time goes: kernel tables of decode and prefill steps, the ShareGPT step trace ${SERVE_OPTS:-}"
       timeout "${PROFILE_TIMEOUT:-300}" python3 scripts/gpu_profile_steps.py --model llama3.1-8b ${SAMPLES:+--samples-file "$SAMPLES"} \
-        ${SERVE_OPTS:-} --out "$OUTDIR/profile${TP_SUFFIX:-}" || rc=1
+        ${SERVE_OPTS:-} ${PROFILE_OPTS:-} --out "$OUTDIR/profile${TP_SUFFIX:-}" || rc=1
       ;;
     hfpeer)
       log "peer: transformers continuous batching on the same ShareGPT requests"

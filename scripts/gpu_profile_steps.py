@@ -10,8 +10,10 @@ Writes DIR/profile_steps.json:
   into "GPU forward" and "host".
 - `kernels`: torch.profiler tables (CUDA time per kernel name, summed over replays) of decode steps at batch
   1 and 256 replayed from their CUDA graphs, the same steps eager (graphs off: launch gaps show as the
-  difference), and one mixed step of max_num_batched_tokens prefill tokens. Each with the measured step
-  time (CUDA events, median of the replays).
+  difference), one step of max_num_batched_tokens prefill tokens, and mixed steps as a ShareGPT run has
+  them (255 decodes and one prompt chunk) with the decodes in the decode kernel or in the prefill kernel
+  (PagedModelRunner.mixed_decode_kernel). Each with the measured step time (CUDA events, median of the
+  replays). `--trace-variants decode_kernel,prefill_kernel` traces the workload once each way.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--profile-batches", default="1,256", help="decode batch sizes profiled kernel by kernel")
     p.add_argument("--profile-context", type=int, default=256, help="context of the profiled decode steps")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--mixed-decodes", type=int, default=255, help="decodes of the profiled mixed steps")
+    p.add_argument("--mixed-context", type=int, default=384, help="their context")
+    p.add_argument("--mixed-chunks", default="64,512,1024", help="prefill tokens of the profiled mixed steps")
+    p.add_argument("--trace-variants", default="decode_kernel",
+                   help="comma list of decode_kernel (mixed-step graphs run their decodes in the decode kernel: the "
+                        "default) and prefill_kernel (as one-query prefill chunks): one step trace each")
     return p.parse_args()
 
 
@@ -87,17 +95,19 @@ def trace_workload(llm, samples, n: int) -> dict:
             if "events" not in timing:
                 continue
             x = timing["x"]
-            pending.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, timing["events"], wall))
+            pending.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, timing["events"], wall,
+                            x.num_decode, int(x.context_lens[: x.num_decode].sum())))
     finally:
         runner.execute = execute
     torch.cuda.synchronize()
     total = time.perf_counter() - t_start
-    for kind, seqs, tokens, (a, b), wall in pending:
-        steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall))
+    for kind, seqs, tokens, (a, b), wall, nd, dctx in pending:
+        steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall, nd, dctx))
     arr = np.asarray(steps, dtype=np.float64)
     out = {"requests": n, "wall_s": total, "steps": len(steps),
-           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s"],
-           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6)] for s in steps]}
+           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s", "decodes", "decode_context_sum"],
+           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6), int(s[5]), int(s[6])]
+                    for s in steps]}
     for kind, mask in (("decode_only", arr[:, 0] == 1), ("mixed", arr[:, 0] == 0)):
         sub = arr[mask]
         out[kind] = {"steps": int(mask.sum()), "gpu_forward_s": float(sub[:, 3].sum()),
@@ -136,6 +146,30 @@ def profile_prefill(llm, tokens: int, chunk: int, replays: int) -> dict:
     slots = (tables[:, np.arange(chunk) // bs].astype(np.int64) * bs + np.arange(chunk) % bs).reshape(-1)
     x = StepInputs(np.ones(n * chunk, np.int64), pos, slots, 0, np.full(n, chunk, np.int32),
                    np.full(n, chunk, np.int32), tables, np.arange(chunk - 1, n * chunk, chunk, dtype=np.int64))
+    return _profile(runner, x, replays, True)
+
+
+def profile_mixed(llm, decodes: int, context: int, chunk: int, replays: int) -> dict:
+    """A mixed step as a ShareGPT run has them: `decodes` sequences at `context` tokens, then the first chunk
+    of `chunk` tokens of a new prompt (it samples: it is the whole prompt)."""
+    from spanllm.engine.paged_runner import StepInputs
+
+    runner = llm.engine_core.runner
+    bs = runner.block_size
+    nblk = -(-context // bs)
+    cblk = -(-chunk // bs)
+    w = max(nblk, cblk)
+    tables = np.zeros((decodes + 1, w), dtype=np.int32)
+    tables[:decodes, :nblk] = (1 + np.arange(decodes * nblk, dtype=np.int32)).reshape(decodes, nblk)
+    tables[decodes, :cblk] = 1 + decodes * nblk + np.arange(cblk, dtype=np.int32)
+    dpos = np.full(decodes, context - 1, dtype=np.int64)
+    dslots = tables[:decodes, (context - 1) // bs].astype(np.int64) * bs + (context - 1) % bs
+    cpos = np.arange(chunk, dtype=np.int64)
+    cslots = tables[decodes, cpos // bs].astype(np.int64) * bs + cpos % bs
+    x = StepInputs(np.ones(decodes + chunk, np.int64), np.concatenate([dpos, cpos]), np.concatenate([dslots, cslots]),
+                   decodes, np.array([context] * decodes + [chunk], np.int32),
+                   np.array([1] * decodes + [chunk], np.int32), tables,
+                   np.concatenate([np.arange(decodes), [decodes + chunk - 1]]).astype(np.int64))
     return _profile(runner, x, replays, True)
 
 
@@ -246,16 +280,35 @@ def main() -> int:
     result["kernels"][key] = profile_prefill(llm, t, 512, max(3, args.replays // 4))
     print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
     save()
+    runner = llm.engine_core.runner
+    for chunk in [int(v) for v in args.mixed_chunks.split(",") if v]:
+        for decode_kernel in (True, False):
+            runner.mixed_decode_kernel = decode_kernel
+            key = (f"mixed_d{args.mixed_decodes}_ctx{args.mixed_context}_p{chunk}_"
+                   f"{'decode_kernel' if decode_kernel else 'prefill_kernel'}")
+            result["kernels"][key] = profile_mixed(llm, args.mixed_decodes, args.mixed_context, chunk,
+                                                   max(5, args.replays // 2))
+            print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
+            save()
+    runner.mixed_decode_kernel = True
     if args.samples_file:
         samples = load_samples(args.samples_file)
-        tr = trace_workload(llm, samples, min(args.trace_prompts, len(samples)))
-        out_tokens = sum(r.output_len for r in list(samples)[: tr["requests"]])
-        tr["output_tokens"] = out_tokens
-        tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
-        result["trace"] = tr
-        print(f"trace: {tr['steps']} steps in {tr['wall_s']:.2f} s = {tr['output_tokens_per_second']:.0f} output tok/s; "
-              f"decode-only {tr['decode_only']}; mixed {tr['mixed']}", flush=True)
-        save()
+        for variant in [v for v in args.trace_variants.split(",") if v]:
+            if variant not in ("decode_kernel", "prefill_kernel"):
+                raise SystemExit(f"--trace-variants: {variant!r} is not decode_kernel or prefill_kernel")
+            runner.mixed_decode_kernel = variant == "decode_kernel"
+            runner.capture_all()  # the graphs of this variant now, not inside the traced run
+            tr = trace_workload(llm, samples, min(args.trace_prompts, len(samples)))
+            out_tokens = sum(r.output_len for r in list(samples)[: tr["requests"]])
+            tr["output_tokens"] = out_tokens
+            tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
+            tr["mixed_decode_kernel"] = runner.mixed_decode_kernel
+            result["trace" if variant == "decode_kernel" else f"trace_{variant}"] = tr
+            print(f"trace ({variant}): {tr['steps']} steps in {tr['wall_s']:.2f} s = "
+                  f"{tr['output_tokens_per_second']:.0f} output tok/s; decode-only {tr['decode_only']}; "
+                  f"mixed {tr['mixed']}", flush=True)
+            save()
+        runner.mixed_decode_kernel = True
     llm.close()
     return 0
 

@@ -10,7 +10,7 @@ A step's tokens are packed, decode tokens first (one per sequence), then prefill
 consecutive positions of one sequence, attending causally to everything before them in its cache:
 its earlier chunks, or what a preempted sequence had generated). Two kernels therefore:
 - decode: one query per sequence against its `context_len` cached keys (split over the context when
-  the batch alone cannot fill the GPU; partial results merged by a second pass);
+  the batch alone cannot fill the GPU; the last split to finish merges the partial results);
 - prefill: a chunk of `q_len` queries at positions [context_len - q_len, context_len).
 
 Backends: "torch" is the reference (gather the sequence's keys, then SDPA, one sequence at a time): it
@@ -54,6 +54,10 @@ class PagedMetadata:
     logits_indices: torch.Tensor | None = None  # [S] rows of the packed tokens whose logits are wanted
     backend: str = "torch"
     num_splits: int = 1  # decode: context splits per (sequence, KV head); fixed per captured bucket
+    # Mixed-step graphs (triton): the decode kernel runs over rows [0, decode_rows), whose decode_context_lens
+    # are a decode's context or 0 (not a decode: the kernel skips the row), and the prefill kernel over the
+    # tiles of the other chunks; 0: not such a graph.
+    decode_rows: int = 0
     logits_out: torch.Tensor | None = None  # [S, vocab] float32 the LM head writes into (graphs share one)
     paged: bool = True  # (AttentionMetadata, the static path's, has paged=False)
 
@@ -133,7 +137,14 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         if nd == q.shape[0]:
             return kernels.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                   meta.num_splits)
-        if nd == 0:  # prefill chunks only (the mixed-step graphs run decodes as one-query chunks too)
+        if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
+            out = torch.empty_like(q)
+            r = meta.decode_rows
+            kernels.decode(q[:r], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                           meta.num_splits, out=out[:r])
+            return kernels.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
+                                   meta.prefill_context_lens, meta.prefill_tiles, out=out)
+        if nd == 0:  # prefill chunks only (or a mixed-step graph that runs decodes as one-query chunks)
             return kernels.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_q,
                                    meta.prefill_context_lens, meta.prefill_tiles)
         out = torch.empty_like(q)

@@ -172,14 +172,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            context_lens: torch.Tensor, num_splits: int, min_tiles: int | None = None, *,
-           prefetch: bool | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32 (>= 1), block_tables [B, W] int32. The keyword
-    arguments replace the module's measured defaults (benchmarks: scripts/gpu_decode_attention_variants.py)."""
+           prefetch: bool | None = None, num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
+    a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
+    kernel over rows that are decodes in one step and prefill tokens in the next). out: where to write (a
+    [B, hq, d] view; default a new tensor). The other keyword arguments replace the module's measured defaults
+    (benchmarks: scripts/gpu_decode_attention_variants.py)."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
     if num_splits > 1:
         m = torch.empty(b, hkv, num_splits, g_pad, device=q.device, dtype=torch.float32)
@@ -253,15 +256,20 @@ def prefill_block_q(group: int) -> int:
     return max(1, 64 // group) if group <= 8 else 1
 
 
-def prefill_tiles(q_lens: list[int], group: int) -> list[tuple[int, int]]:
-    """(chunk, first query) of every prefill tile, for the host to send with the step."""
+def prefill_tiles(q_lens: list[int], group: int, first_chunk: int = 0) -> list[tuple[int, int]]:
+    """(chunk, first query) of every prefill tile, for the host to send with the step; chunk indices start at
+    first_chunk (a mixed-step graph numbers its decodes' one-query chunks first and leaves them to the decode
+    kernel)."""
     bq = prefill_block_q(group)
-    return [(j, s) for j, t in enumerate(q_lens) for s in range(0, t, bq)]
+    return [(first_chunk + j, s) for j, t in enumerate(q_lens) for s in range(0, t, bq)]
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            cu_q: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """q [T, hq, d] packed chunks -> [T, hq, d]. tiles [n_tiles, 2] int32 from prefill_tiles()."""
+            cu_q: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, hq, d] packed chunks -> [T, hq, d]. tiles [n_tiles, 2] int32 from prefill_tiles(): only the
+    chunks some tile names are computed (rows of other chunks are left as they were in `out`, default a
+    new tensor)."""
     t, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -269,7 +277,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     if rows & (rows - 1):
         raise ValueError(f"prefill tiles of {rows} rows (queries x {g} heads per KV head) are not a power of two; "
                          "the Triton prefill kernel needs query heads per KV head in 1, 2, 4, 8, 16, ...")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
     _prefill_kernel[(tiles.shape[0], hkv)](
         q, k_cache, v_cache, block_tables, cu_q, context_lens, tiles, out,

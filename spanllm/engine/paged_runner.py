@@ -15,12 +15,15 @@ slot 0 (reserved block 0), context 1: they compute garbage nobody reads. The dec
 context split is fixed per bucket. The all-reduces of the row-parallel layers are captured inside.
 Mixed steps (any prefill chunk) replay a second kind of graph, keyed by the step's token count padded
 to a token ladder (16, 32, 64, steps of 64 to 1024, of 128 to 2048, of 512 up to max_num_batched_tokens).
-There every scheduled sequence is a chunk of the prefill kernel (a decode is a chunk of one query), so the kernel's
-grid is fixed by the bucket: its tile list is padded with tiles of an empty chunk (index max_num_seqs,
-no queries: the program does nothing), padded tokens write slot 0 and belong to no chunk (their rows
-hold garbage that no other row reads: every op outside attention is row-wise), and the LM head runs
-on max_num_seqs gathered rows, of which the step uses the first R. Every step on CPU, and any step
-with graphs off, runs eagerly.
+Every scheduled sequence is a chunk there (a decode: a chunk of one query, numbered first), and both
+attention kernels run on fixed grids: the decode kernel over the first min(max_num_seqs, bucket) rows,
+with context 0 on every row that is not one of this step's decodes (the kernel skips it), and the prefill
+kernel over the prefill chunks' tiles, padded with tiles of an empty chunk (index max_num_seqs, no
+queries: the program does nothing). Padded tokens write slot 0 and belong to no chunk (their rows hold
+garbage that no other row reads: every op outside attention is row-wise), and the LM head runs on
+max_num_seqs gathered rows, of which the step uses the first R. (`mixed_decode_kernel = False` puts the
+decodes in the prefill kernel too, as one-query chunks: the first design, kept to measure against:
+scripts/gpu_profile_steps.py.) Every step on CPU, and any step with graphs off, runs eagerly.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ class PagedModelRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._mixed_graphs: dict[int, _DecodeGraph] = {}
         self._mixed: dict[str, torch.Tensor] | None = None
+        self._mixed_decode_kernel = True
         self._pool = None
         self._static: dict[str, torch.Tensor] | None = None
         # Every graph's LM head writes into this one [max_num_seqs, vocab] float32 buffer (allocated at the
@@ -332,15 +336,34 @@ class PagedModelRunner:
                 "tables": torch.zeros(n + 1, self.max_blocks, dtype=torch.int32, device=dev),
                 "tiles": torch.zeros(self._max_tiles(t), 2, dtype=torch.int32, device=dev),
                 "rows": torch.zeros(n, dtype=torch.int64, device=dev),
+                "decode_ctx": torch.zeros(n, dtype=torch.int32, device=dev),  # 0: not a decode (kernel skips)
             }
         return self._mixed
+
+    @property
+    def mixed_decode_kernel(self) -> bool:
+        """Whether mixed-step graphs run their decodes in the decode kernel (True, the default) or as one-query
+        chunks of the prefill kernel. Setting it drops the captured mixed-step graphs."""
+        return self._mixed_decode_kernel
+
+    @mixed_decode_kernel.setter
+    def mixed_decode_kernel(self, on: bool) -> None:
+        if bool(on) != self._mixed_decode_kernel:
+            self._mixed_decode_kernel = bool(on)
+            self._mixed_graphs.clear()
+
+    def _mixed_decode_rows(self, bucket: int) -> int:
+        return min(self.max_num_seqs, bucket) if self._mixed_decode_kernel else 0
 
     def _mixed_forward(self, bucket: int) -> torch.Tensor:
         st = self._mixed_buffers()
         positions = st["positions"][:bucket]
-        meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], 0, None, None, prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
+        r = self._mixed_decode_rows(bucket)
+        meta = PagedMetadata(*self.rope.lookup(positions), st["slots"][:bucket], 0, st["tables"][:r], st["decode_ctx"][:r],
+                             prefill_cu_q=st["cu_q"], prefill_context_lens=st["ctx"],
                              prefill_block_tables=st["tables"], prefill_tiles=st["tiles"][: self._max_tiles(bucket)],
-                             logits_indices=st["rows"], backend=self.backend,
+                             logits_indices=st["rows"], backend=self.backend, decode_rows=r,
+                             num_splits=self._num_splits(r) if r else 1,
                              logits_out=self._logits_buffer(self.max_num_seqs))
         return self.model(st["ids"][:bucket], meta, self.cache)
 
@@ -359,7 +382,9 @@ class PagedModelRunner:
         cu = np.zeros(s + 1, dtype=np.int32)
         np.cumsum(x.q_lens, out=cu[1:])
         tiles = np.empty((self._max_tiles(bucket), 2), dtype=np.int32)
-        real = np.asarray(prefill_tiles(x.q_lens.tolist(), self.group), dtype=np.int32).reshape(-1, 2)
+        r = self._mixed_decode_rows(bucket)
+        nd = x.num_decode if r else 0  # chunks [0, nd) are the decodes, left to the decode kernel
+        real = np.asarray(prefill_tiles(x.q_lens[nd:].tolist(), self.group, nd), dtype=np.int32).reshape(-1, 2)
         tiles[: len(real)] = real
         tiles[len(real):, 0], tiles[len(real):, 1] = self.max_num_seqs, 0
         rows = np.zeros(self.max_num_seqs, dtype=np.int64)
@@ -375,6 +400,10 @@ class PagedModelRunner:
         put(st["tables"][:s, :w], x.block_tables)
         put(st["tiles"][: len(tiles)], tiles)
         put(st["rows"], rows)
+        if r:
+            dctx = np.zeros(r, dtype=np.int32)
+            dctx[:nd] = x.context_lens[:nd]
+            put(st["decode_ctx"][:r], dctx)
         self._fill_prev(st["ids"], x, prev_tokens)
         g = self._mixed_graphs.get(bucket)
         if g is None:

@@ -137,15 +137,18 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
     prompts = [list(range(1000, 1000 + n)) for n in (3, 70, 200, 17)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = []
-    for graphs in (True, False):
+    # graphs with the decodes of mixed steps in the decode kernel (the default), then as one-query prefill
+    # chunks, then eager
+    for graphs, decode_kernel in ((True, True), (True, False), (False, True)):
         cfg = EngineConfig(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=200,
                            cuda_graphs=graphs, max_model_len=1024)
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
+        llm.engine_core.runner.mixed_decode_kernel = decode_kernel
         outs.append([o.output_ids for o in llm.generate(prompts, params)])
         if graphs:
             assert llm.engine_core.runner.captured_token_buckets
         llm.close()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[2] and outs[1] == outs[2]
 
 
 def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():

@@ -1,0 +1,54 @@
+"""scripts/throughput_bound.py: the scheduler's step plan replayed without a model, and the roofline cost of a
+step, on requests small enough to plan by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from spanllm.engine.config import resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("throughput_bound", ROOT / "scripts/throughput_bound.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_replay_follows_the_scheduler_step_by_step():
+    # (prompt 20, output 3) and (prompt 5, output 1); 16 tokens a step, 2 sequences, blocks of 4:
+    # 1: the first 16 prompt tokens of request 0 (no sample); 2: its last 4 + request 1's 5 (both sample;
+    # request 1 is done); 3, 4: request 0 decodes at contexts 21 and 22 and ends with its third token.
+    steps = _script().replay([(20, 3), (5, 1)], max_num_seqs=2, max_tokens=16, num_blocks=64, block_size=4)
+    assert [(s["decodes"], s["decode_ctx"], s["chunks"], s["sampling"]) for s in steps] == [
+        (0, 0, [(0, 16)], 0),
+        (0, 0, [(16, 4), (0, 5)], 2),
+        (1, 21, [], 1),
+        (1, 22, [], 1),
+    ]
+
+
+def test_step_cost_is_the_roofline_of_its_work():
+    mod = _script()
+    cfg = resolve_model("llama3.1-8b")
+    layer = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                              + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    head = cfg.hidden_size * cfg.vocab_size
+    weights = 2 * (layer + head)
+    assert weights == 15_009_316_864  # the 8B's layers and LM head in bf16 (the embedding is read one row a token)
+    bw, fl = 4e12, 800e12
+    # one decode at context 1000: weight-bound, plus its K/V read
+    c = mod.step_costs([{"decodes": 1, "decode_ctx": 1000, "chunks": [], "sampling": 1, "preempted": 0}], cfg, bw, fl)
+    kv = 1000 * 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
+    assert c["sequential_s"] == weights / bw + kv / bw
+    assert c["overlapped_s"] == (weights + kv) / bw
+    # a 4096-token prompt from scratch: compute-bound GEMMs plus causal attention FLOPs
+    c = mod.step_costs([{"decodes": 0, "decode_ctx": 0, "chunks": [(0, 4096)], "sampling": 1, "preempted": 0}], cfg, bw, fl)
+    gemm = 2 * layer * 4096 + 2 * head
+    attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * (4096 * 4097 // 2)
+    assert gemm / fl > weights / bw
+    assert c["sequential_s"] == gemm / fl + attn / fl
+    assert c["overlapped_s"] == (gemm + attn) / fl
