@@ -216,39 +216,41 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cuq_ptr, cl_ptr, tiles_ptr, out
     q_len = tl.load(cuq_ptr + j + 1) - q0
     n = tl.load(cl_ptr + j)
     first_pos = n - q_len  # position of the chunk's first query
-
-    r = tl.arange(0, BLOCK_Q * G)  # row = (query, head in group)
-    tok = qs + r // G
-    head = h * G + r % G
-    row_ok = tok < q_len
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    pos = first_pos + tok
-    m_i = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * G], tl.float32)
-    acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
-    kv_end = tl.minimum(n, first_pos + qs + BLOCK_Q)  # the tile's last query sees keys < this
-    for start in range(0, kv_end, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < kv_end
-        blk = tl.load(bt_ptr + j * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
-        kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        causal = (offs[None, :] <= pos[:, None]) & ok[None, :]
-        scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of padding queries see no key
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    # A padding tile (the empty chunk of a mixed-step graph) does nothing at all: a graph of a few prompt
+    # tokens has mostly those, and they must cost no more than their launch.
+    if qs < q_len:
+        r = tl.arange(0, BLOCK_Q * G)  # row = (query, head in group)
+        tok = qs + r // G
+        head = h * G + r % G
+        row_ok = tok < q_len
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        pos = first_pos + tok
+        m_i = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G], tl.float32)
+        acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
+        kv_end = tl.minimum(n, first_pos + qs + BLOCK_Q)  # the tile's last query sees keys < this
+        for start in range(0, kv_end, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < kv_end
+            blk = tl.load(bt_ptr + j * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+            kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            causal = (offs[None, :] <= pos[:, None]) & ok[None, :]
+            scores = tl.where(causal, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of padding queries see no key
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def prefill_block_q(group: int) -> int:

@@ -81,7 +81,8 @@ def test_prefill_over_a_paged_prefix_matches_reference(kernels):
 @pytest.mark.parametrize("splits", [1, 4])
 def test_mixed_step_layout_each_kernel_writes_only_its_rows(kernels, splits):
     """A mixed-step graph's attention: the decode kernel over the first rows (context 0: not a decode, the row
-    is left alone) and the prefill kernel over the other chunks' tiles only, both into one output."""
+    is left alone) and the prefill kernel over the other chunks' tiles only (plus padding tiles of an empty
+    chunk, which write nothing), both into one output."""
     from spanllm.engine import paged_attention as pa
 
     # chunks: two decodes (one query each), then two prefill chunks; decode rows cover 4 rows: 2 decodes + 2
@@ -95,11 +96,13 @@ def test_mixed_step_layout_each_kernel_writes_only_its_rows(kernels, splits):
     kernels.decode(q[:rows], kc, vc, tables[:rows], dctx, splits, out=out[:rows])
     assert (out[2:] == 7.0).all()  # rows of context 0 and everything past the decode rows untouched
     torch.testing.assert_close(out[:2], pa.reference_decode(q[:2], kc, vc, tables[:2], ctx[:2]), rtol=1e-5, atol=1e-5)
-    cu_q = torch.tensor([0, 1, 2, 5, 75], dtype=torch.int32)
-    tiles = torch.tensor(kernels.prefill_tiles(q_lens[2:], 4, first_chunk=2), dtype=torch.int32)
+    # chunk 4 is the graph's empty chunk (no queries, context 0): the padding tiles point at it
+    cu_q = torch.tensor([0, 1, 2, 5, 75, 75], dtype=torch.int32)
+    tiles = torch.tensor(kernels.prefill_tiles(q_lens[2:], 4, first_chunk=2) + [(4, 0)] * 3, dtype=torch.int32)
     assert tiles[:, 0].min().item() == 2
     decoded = out[:2].clone()
-    kernels.prefill(q, kc, vc, tables, cu_q, torch.tensor(ctx, dtype=torch.int32), tiles, out=out)
+    tables = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    kernels.prefill(q, kc, vc, tables, cu_q, torch.tensor(ctx + [0], dtype=torch.int32), tiles, out=out)
     assert torch.equal(out[:2], decoded)  # the decode chunks have no tile: the prefill kernel left them
     ref = pa.reference_prefill(q[2:], kc, vc, tables[2:], q_lens[2:], ctx[2:])
     torch.testing.assert_close(out[2:], ref, rtol=1e-5, atol=1e-5)
