@@ -101,13 +101,18 @@ def trace_workload(llm, samples, n: int) -> dict:
         runner.execute = execute
     torch.cuda.synchronize()
     total = time.perf_counter() - t_start
-    for kind, seqs, tokens, (a, b), wall, nd, dctx in pending:
-        steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall, nd, dctx))
+    for i, (kind, seqs, tokens, (a, b), wall, nd, dctx) in enumerate(pending):
+        # from this forward's end to the next one's start: the sampler's kernels plus any time the GPU waited
+        # for the host (0 after the last step)
+        gap = b.elapsed_time(pending[i + 1][3][0]) / 1e3 if i + 1 < len(pending) else 0.0
+        steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall, nd, dctx, gap))
     arr = np.asarray(steps, dtype=np.float64)
     out = {"requests": n, "wall_s": total, "steps": len(steps),
-           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s", "decodes", "decode_context_sum"],
-           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6), int(s[5]), int(s[6])]
-                    for s in steps]}
+           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s", "decodes", "decode_context_sum",
+                       "gap_to_next_forward_s"],
+           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6), int(s[5]), int(s[6]), round(s[7], 6)]
+                    for s in steps],
+           "between_forwards_s": float(arr[:, 7].sum()) if len(arr) else 0.0}
     for kind, mask in (("decode_only", arr[:, 0] == 1), ("mixed", arr[:, 0] == 0)):
         sub = arr[mask]
         out[kind] = {"steps": int(mask.sum()), "gpu_forward_s": float(sub[:, 3].sum()),
@@ -171,6 +176,32 @@ def profile_mixed(llm, decodes: int, context: int, chunk: int, replays: int) -> 
                    np.array([1] * decodes + [chunk], np.int32), tables,
                    np.concatenate([np.arange(decodes), [decodes + chunk - 1]]).astype(np.int64))
     return _profile(runner, x, replays, True)
+
+
+def profile_sampler(llm, batch: int, replays: int) -> dict:
+    """The engine's sampler alone on [batch, vocab] float32 logits, as the ShareGPT run samples (temperature 1,
+    ignore_eos: no masks), and greedy: milliseconds per call (CUDA events around each call)."""
+    from spanllm.engine.sampler import SamplingParams
+
+    core = llm.engine_core
+    vocab = llm.config.vocab_size
+    logits = torch.randn(batch, vocab, device=core.runner.device, dtype=torch.float32)
+    out = {"batch": batch}
+    for name, params in (("temperature_1", SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)),
+                         ("greedy", SamplingParams(max_tokens=16, ignore_eos=True))):
+        rows = [params] * batch
+        for _ in range(3):
+            core.sampler.sample(logits, rows, [()] * batch, [None] * batch)
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            core.sampler.sample(logits, rows, [()] * batch, [None] * batch)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        out[f"{name}_ms_median"] = float(np.median(times))
+    return out
 
 
 def _profile(runner, x, replays: int, graphs: bool) -> dict:
@@ -291,6 +322,9 @@ def main() -> int:
             print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
             save()
     runner.mixed_decode_kernel = True
+    result["sampler"] = [profile_sampler(llm, b, args.replays) for b in (1, 16, 64, 256)]
+    print("sampler", result["sampler"], flush=True)
+    save()
     if args.samples_file:
         samples = load_samples(args.samples_file)
         for variant in [v for v in args.trace_variants.split(",") if v]:
@@ -306,7 +340,7 @@ def main() -> int:
             result["trace" if variant == "decode_kernel" else f"trace_{variant}"] = tr
             print(f"trace ({variant}): {tr['steps']} steps in {tr['wall_s']:.2f} s = "
                   f"{tr['output_tokens_per_second']:.0f} output tok/s; decode-only {tr['decode_only']}; "
-                  f"mixed {tr['mixed']}", flush=True)
+                  f"mixed {tr['mixed']}; between forwards (sampler + GPU idle) {tr['between_forwards_s']:.2f} s", flush=True)
             save()
         runner.mixed_decode_kernel = True
     llm.close()
