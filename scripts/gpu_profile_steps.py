@@ -37,6 +37,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--profile-batches", default="1,256", help="decode batch sizes profiled kernel by kernel")
     p.add_argument("--profile-context", type=int, default=256, help="context of the profiled decode steps")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--sampler-only", action="store_true",
+                   help="only the sampler table (no model, no trace), into profile_sampler.json")
     p.add_argument("--mixed-decodes", type=int, default=255, help="decodes of the profiled mixed steps")
     p.add_argument("--mixed-context", type=int, default=384, help="their context")
     p.add_argument("--mixed-chunks", default="64,512,1024", help="prefill tokens of the profiled mixed steps")
@@ -178,28 +180,34 @@ def profile_mixed(llm, decodes: int, context: int, chunk: int, replays: int) -> 
     return _profile(runner, x, replays, True)
 
 
-def profile_sampler(llm, batch: int, replays: int) -> dict:
-    """The engine's sampler alone on [batch, vocab] float32 logits, as the ShareGPT run samples (temperature 1,
-    ignore_eos: no masks), and greedy: milliseconds per call (CUDA events around each call)."""
+def profile_sampler(sampler, vocab: int, device: torch.device, batch: int, replays: int) -> dict:
+    """The serving engine's sampler alone on [batch, vocab] float32 logits, as the ShareGPT run samples
+    (temperature 1, ignore_eos: no masks), and greedy: milliseconds per call (CUDA events around each call,
+    eager launches). temperature_1_unfused: the same rows through the unfused ops (the one-pass race off)."""
+    from spanllm.engine import sampler as sampler_mod
     from spanllm.engine.sampler import SamplingParams
 
-    core = llm.engine_core
-    vocab = llm.config.vocab_size
-    logits = torch.randn(batch, vocab, device=core.runner.device, dtype=torch.float32)
+    logits = torch.randn(batch, vocab, device=device, dtype=torch.float32)
     out = {"batch": batch}
-    for name, params in (("temperature_1", SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)),
-                         ("greedy", SamplingParams(max_tokens=16, ignore_eos=True))):
+    fused = sampler_mod.race_argmax
+    t1 = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    for name, params, race in (("temperature_1", t1, fused), ("temperature_1_unfused", t1, None),
+                               ("greedy", SamplingParams(max_tokens=16, ignore_eos=True), fused)):
         rows = [params] * batch
-        for _ in range(3):
-            core.sampler.sample(logits, rows, [()] * batch, [None] * batch)
-        times = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            core.sampler.sample(logits, rows, [()] * batch, [None] * batch)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        sampler_mod.race_argmax = race
+        try:
+            for _ in range(3):
+                sampler.sample(logits, rows, [()] * batch, [None] * batch)
+            times = []
+            for _ in range(replays):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                sampler.sample(logits, rows, [()] * batch, [None] * batch)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+        finally:
+            sampler_mod.race_argmax = fused
         out[f"{name}_ms_median"] = float(np.median(times))
     return out
 
@@ -270,6 +278,10 @@ def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
     return rows
 
 
+def sampler_table(sampler, vocab: int, device: torch.device, replays: int) -> list[dict]:
+    return [profile_sampler(sampler, vocab, device, b, replays) for b in (1, 16, 64, 256)]
+
+
 def main() -> int:
     from spanllm.bench.sample_file import load_samples
     from spanllm.bench.throughput import engine_config_from_args, machine_info, warm_up
@@ -283,6 +295,16 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    if args.sampler_only:  # no model: the sampler on random logits of the model's vocabulary
+        from spanllm.engine.sampler import BatchSampler
+
+        result = {"machine": machine_info(device), "settings": {k: v for k, v in vars(args).items() if not callable(v)},
+                  "sampler": sampler_table(BatchSampler(device, 0), resolve_model(args.model).vocab_size, device,
+                                           args.replays)}
+        print("sampler", result["sampler"], flush=True)
+        with open(os.path.join(args.out, "profile_sampler.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
     llm = LLM(resolve_model(args.model), engine_config_from_args(args, device), device=device)
     llm.get_tokenizer()
     result: dict = {"describe": llm.describe_serving(), "machine": machine_info(device),
@@ -322,7 +344,7 @@ def main() -> int:
             print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
             save()
     runner.mixed_decode_kernel = True
-    result["sampler"] = [profile_sampler(llm, b, args.replays) for b in (1, 16, 64, 256)]
+    result["sampler"] = sampler_table(llm.engine_core.sampler, llm.config.vocab_size, device, args.replays)
     print("sampler", result["sampler"], flush=True)
     save()
     if args.samples_file:

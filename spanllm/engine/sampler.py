@@ -19,6 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+try:  # the one-pass race on the GPU (Triton); the CPU wheel has none and takes the unfused ops
+    from spanllm.engine.sampler_triton import race_argmax
+except ImportError:
+    race_argmax = None
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter outside its range (the server answers 400 with this message)."""
@@ -96,7 +101,10 @@ class BatchSampler:
 
     Greedy rows take the argmax. The others: logits / temperature, then top-k and top-p masks (only
     when some row asks: the sort is the costly part), then the exponential race, with the engine's
-    generator for unseeded rows and each seeded row's own generator (created at its first token)."""
+    generator for unseeded rows and each seeded row's own generator (created at its first token). On CUDA,
+    when no row asks for top-k or top-p, the race runs as one Triton kernel over the logits and the draws
+    (spanllm.engine.sampler_triton: the same draws and the same order of tokens, in 3 passes over the
+    logits' size instead of 10)."""
 
     def __init__(self, device: torch.device, seed: int, to_device=None) -> None:
         self.generator = torch.Generator(device=device)
@@ -120,7 +128,12 @@ class BatchSampler:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         h2d = self.to_device
-        temps = h2d(np.asarray([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32))
+        temps_host = np.asarray([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32)
+        if race_argmax is not None and logits.is_cuda and not any(p.top_k_active or p.top_p < 1.0 for p in params):
+            # the race in one pass (spanllm.engine.sampler_triton): the same draws, no probabilities formed
+            sampled = race_argmax(logits, self._race(logits, generators), h2d(1.0 / temps_host))
+            return self._greedy_rows(sampled, logits, params)
+        temps = h2d(temps_host)
         probs_logits = logits / temps[:, None]
         if any(p.top_k_active for p in params):
             k = h2d(np.asarray([p.top_k if p.top_k_active else logits.shape[1] for p in params], dtype=np.int64))
@@ -132,14 +145,22 @@ class BatchSampler:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]  # mass above already >= top_p
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-        race = torch.empty_like(probs)
-        seeded = [i for i, g in enumerate(generators) if g is not None]
+        sampled = (probs / self._race(probs, generators)).argmax(dim=-1)
+        return self._greedy_rows(sampled, logits, params)
+
+    def _race(self, like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) draws shaped like the logits: the engine's generator, then each seeded row from its own
+        (own stream: the same draws whatever shares the batch)."""
+        race = torch.empty_like(like)
         race.exponential_(1.0, generator=self.generator)
-        for i in seeded:  # own stream: the same draws whatever shares the batch
-            race[i].exponential_(1.0, generator=generators[i])
-        sampled = (probs / race).argmax(dim=-1)
+        for i, g in enumerate(generators):
+            if g is not None:
+                race[i].exponential_(1.0, generator=g)
+        return race
+
+    def _greedy_rows(self, sampled: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if greedy_rows:
-            rows = h2d(np.asarray(greedy_rows, dtype=np.int64))
+            rows = self.to_device(np.asarray(greedy_rows, dtype=np.int64))
             sampled[rows] = logits[rows].argmax(dim=-1)
         return sampled

@@ -174,6 +174,41 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
     assert [o[0] for o in runs["auto"][0]] == [o[0] for o in runs["torch"][0]]
 
 
+def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
+    """On CUDA the serving sampler's temperature rows take the one-pass race (sampler_triton): on the same draws
+    (the engine's generator, a seeded row's own) it picks what argmax(softmax(logits / T) / E) picks; greedy
+    rows take the argmax; a top-p row sends the batch through the unfused ops, which still give the same draws'
+    tokens for the other rows."""
+    from spanllm.engine import sampler as sampler_mod
+
+    assert sampler_mod.race_argmax is not None
+    b, v = 64, 128256
+    logits = torch.randn(b, v, device=DEV) * 4
+    params = [SamplingParams(temperature=t, max_tokens=4) for t in (0.7, 1.0, 1.3, 0.0)] * (b // 4)
+    gens = [None] * b
+    gens[5] = torch.Generator(device=DEV)
+    gens[5].manual_seed(9)
+    fused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params, [()] * b, gens)
+    g = torch.Generator(device=DEV)
+    g.manual_seed(5)
+    race = torch.empty_like(logits).exponential_(1.0, generator=g)
+    own = torch.Generator(device=DEV)
+    own.manual_seed(9)
+    race[5].exponential_(1.0, generator=own)
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=DEV)
+    ref = (torch.softmax(logits / temps[:, None], dim=-1) / race).argmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in params], device=DEV)
+    ref = torch.where(greedy, logits.argmax(dim=-1), ref)
+    assert fused.tolist() == ref.tolist()
+    # with one top-p row the batch takes the unfused ops: the other rows' tokens are the same
+    params_p = list(params)
+    params_p[1] = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=4)
+    gens[5].manual_seed(9)
+    unfused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params_p, [()] * b, gens)
+    keep = [i for i in range(b) if i != 1]
+    assert unfused[keep].tolist() == ref[keep].tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops_match_their_references(dtype):
     from spanllm.engine import fused_ops as fo

@@ -11,13 +11,10 @@ with TRITON_INTERPRET=1 set from the start (`test_interpreter_suite`); in the pa
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from triton_interpreter import patch_scalar_index
+from triton_interpreter import patch_scalar_index, run_child_suite
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -116,12 +113,4 @@ def test_interpreter_suite():
     if INTERPRETED:
         pytest.skip("this is the child")
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("PYTEST_ADDOPTS", None)
-    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-                          "-k", "not interpreter_suite", "-W", "ignore::RuntimeWarning"],
-                         capture_output=True, text=True, timeout=600, env=env)
-    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
-    assert passed == INTERPRETER_TESTS and "skipped" not in summary, summary
+    run_child_suite(__file__, INTERPRETER_TESTS, "not interpreter_suite")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from spanllm.engine import arrival_counters
 from spanllm.engine import skinny_gemm as gemm  # imports without Triton (the CPU torch wheel): config tests run there too
-from triton_interpreter import patch_scalar_index, widen_bf16_dot
+from triton_interpreter import patch_scalar_index, run_child_suite, widen_bf16_dot
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -164,15 +163,7 @@ def test_interpreter_suite():
     if INTERPRETED:
         pytest.skip("this is the child")
     _triton()
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("PYTEST_ADDOPTS", None)  # e.g. a --junitxml of the parent's: the child must not overwrite it
-    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-                          "-k", INTERPRETER_SELECTION],
-                         capture_output=True, text=True, timeout=600, env=env)
-    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
-    assert passed == INTERPRETER_TESTS and "skipped" not in summary, summary
+    run_child_suite(__file__, INTERPRETER_TESTS, INTERPRETER_SELECTION)
 
 
 def test_input_errors():

@@ -45,3 +45,22 @@ def widen_bf16_dot(monkeypatch) -> None:
         return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def run_child_suite(path: str, expected_passed: int, selection: str) -> None:
+    """The interpreter tests of test file `path` (pytest -k `selection`) in a child pytest with
+    TRITON_INTERPRET=1 set from the start (Triton decides at import whether it interprets): all of them must
+    pass, none skip, exactly `expected_passed` of them."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("PYTEST_ADDOPTS", None)  # e.g. a --junitxml of the parent's: the child must not overwrite it
+    out = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-k", selection,
+                          "-W", "ignore::RuntimeWarning"], capture_output=True, text=True, timeout=600, env=env)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
+    assert passed == expected_passed and "skipped" not in summary, summary
