@@ -14,19 +14,14 @@ import os
 
 import pytest
 import torch
-from triton_interpreter import patch_scalar_index, run_child_suite
+from triton_interpreter import interpreted_module, run_child_suite
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
-    pytest.importorskip("triton")
-    patch_scalar_index(monkeypatch)  # numpy >= 2.4 (triton_interpreter.py)
-    from spanllm.engine import paged_attention_triton as kt
-    return kt
+    return interpreted_module(monkeypatch, "spanllm.engine.paged_attention_triton")
 
 
 def _pool(ctx: list[int], block: int, hkv: int, d: int, seed: int):

@@ -10,19 +10,14 @@ import os
 
 import pytest
 import torch
-from triton_interpreter import patch_scalar_index, run_child_suite
+from triton_interpreter import interpreted_module, run_child_suite
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture
 def kernel(monkeypatch):
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
-    pytest.importorskip("triton")
-    patch_scalar_index(monkeypatch)
-    from spanllm.engine import sampler_triton
-    return sampler_triton
+    return interpreted_module(monkeypatch, "spanllm.engine.sampler_triton")
 
 
 def test_race_argmax_equals_the_unfused_race(kernel):

@@ -64,3 +64,18 @@ def run_child_suite(path: str, expected_passed: int, selection: str) -> None:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0
     assert passed == expected_passed and "skipped" not in summary, summary
+
+
+def interpreted_module(monkeypatch, name: str):
+    """The module `name` for an interpreter test: skips unless this is the TRITON_INTERPRET=1 child (see
+    run_child_suite) with Triton installed, and applies patch_scalar_index first."""
+    import importlib
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
+    pytest.importorskip("triton")
+    patch_scalar_index(monkeypatch)  # numpy >= 2.4
+    return importlib.import_module(name)
