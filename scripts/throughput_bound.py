@@ -6,7 +6,8 @@
 The step plan of an offline run depends on the request lengths and the scheduler only (ignore_eos: every
 request runs to its output length; no kernel speed enters it), so this script replays spanllm's Scheduler and
 BlockManager on the saved requests with no model: each step's decodes, their context lengths, and the prefill
-chunks. Each step then gets a cost that no implementation running it can beat on a GPU with the given
+chunks. The replay is synchronous; the engine's default async scheduling holds a finishing sequence's slot one
+step longer, so the GPU run takes a step or so more (1,722 against the replay's 1,721 at 256 sequences). Each step then gets a cost that no implementation running it can beat on a GPU with the given
 copy bandwidth and matmul rate (both measured on the H200: results/h200/engine_speed/README.md):
 - weights: every step reads the layers and the LM head once (bf16);
 - GEMM FLOPs: 2 x parameters per token through the layers, plus the LM head for the rows that sample;

@@ -42,8 +42,8 @@ class PagedMetadata:
     sin: torch.Tensor  # [N, 1, d]
     slot_mapping: torch.Tensor  # [N] int64: where each token's K/V go
     num_decode: int  # tokens [0, num_decode) are decodes, one per sequence
-    decode_block_tables: torch.Tensor | None  # [num_decode, W] int32
-    decode_context_lens: torch.Tensor | None  # [num_decode] int32: cached tokens incl. this one
+    decode_block_tables: torch.Tensor | None  # [num_decode (or decode_rows), W] int32
+    decode_context_lens: torch.Tensor | None  # [num_decode (or decode_rows)] int32: cached tokens incl. this one
     prefill_cu_q: torch.Tensor | None = None  # [P+1] int32: chunk starts within the prefill tokens
     prefill_context_lens: torch.Tensor | None = None  # [P] int32: tokens in cache after this chunk
     prefill_block_tables: torch.Tensor | None = None  # [P, W] int32

@@ -81,7 +81,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, m_ptr, l_ptr, a
     n = tl.load(cl_ptr + b)
     n_tiles = tl.cdiv(n, BLOCK)
     per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), MIN_TILES)  # short contexts: fewer splits, maybe no merge
-    n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (>= 1: n >= 1)
+    n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (0 when n = 0: not a decode)
     if s < n_active:
         t0 = s * per_split
         t1 = tl.minimum(t0 + per_split, n_tiles)

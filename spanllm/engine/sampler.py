@@ -8,8 +8,10 @@ which needs no host sync.
 
 `BatchSampler` (the serving engine): every row has its own parameters (temperature, top-k, top-p,
 min_tokens, seed). Only rank 0 samples there; its tokens travel to the other ranks in the next step's
-plan. Rows with a seed draw from their own generator, so a seeded request samples the same tokens
-whatever else shares its batch.
+plan. Rows with a seed draw from their own generator, so a seeded request draws the same numbers
+whatever else shares its batch (and samples the same tokens, up to float32 rounding at a near-tie: on CUDA a
+batch in which no row asks for top-k / top-p takes the one-pass race of spanllm.engine.sampler_triton, which
+ranks tokens in log space; other batches take the unfused ops).
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class BatchSampler:
     when some row asks: the sort is the costly part), then the exponential race, with the engine's
     generator for unseeded rows and each seeded row's own generator (created at its first token). On CUDA,
     when no row asks for top-k or top-p, the race runs as one Triton kernel over the logits and the draws
-    (spanllm.engine.sampler_triton: the same draws and the same order of tokens, in 3 passes over the
-    logits' size instead of 10)."""
+    (spanllm.engine.sampler_triton: the same draws and, up to float32 rounding at near-ties, the same token,
+    in 3 passes over the logits' size instead of 10)."""
 
     def __init__(self, device: torch.device, seed: int, to_device=None) -> None:
         self.generator = torch.Generator(device=device)

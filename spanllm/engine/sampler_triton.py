@@ -1,12 +1,13 @@
 """The exponential race in one pass (GPU, Triton): token = argmax_i p_i / E_i for each row.
 
 With p = softmax(logits / T), p_i / E_i orders the vocabulary as logits_i / T - log E_i does (the softmax's
-normalizer is the same for every i of a row, and log is monotonic), so the kernel reads each row's logits
-and its draws E once and never forms the probabilities: three passes over [rows, vocab] float32 (the draws
+normalizer is the same for every i of a row, and log is monotonic; in float32 the two orders can differ only
+where two tokens' scores agree to ~1e-5, a near-tie), so the kernel reads each row's logits and its draws E
+once and never forms the probabilities: three passes over [rows, vocab] float32 (the draws
 written by torch's exponential_, then read here with the logits) instead of the ten of the unfused ops
 (divide, softmax, divide, argmax). The draws still come from torch generators, so a seeded request keeps its
 own stream. Ties: the lowest index wins, as torch.argmax. Rows whose scores are all -inf (every token masked)
-give token 0.
+give token 0. NaN logits never win here (torch.argmax would return a NaN's index); the engine's are finite.
 
 Used by spanllm.engine.sampler.BatchSampler on CUDA for the rows that sample with a temperature and neither
 top-k nor top-p (those need a sort and take the unfused path).

@@ -199,7 +199,12 @@ def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
     ref = (torch.softmax(logits / temps[:, None], dim=-1) / race).argmax(dim=-1)
     greedy = torch.tensor([p.greedy for p in params], device=DEV)
     ref = torch.where(greedy, logits.argmax(dim=-1), ref)
-    assert fused.tolist() == ref.tolist()
+    # equal tokens, except where float32 rounding meets a near-tie: there the two tokens' log-space scores
+    # (logits / T - log E) must agree to 1e-4 (Gumbel-max top-2 gaps are O(1): this almost never happens)
+    score = logits / temps[:, None] - race.log()
+    for i in (fused != ref).nonzero().flatten().tolist():
+        assert not params[i].greedy, i
+        assert abs(score[i, fused[i]].item() - score[i, ref[i]].item()) < 1e-4, i
     # with one top-p row the batch takes the unfused ops: the other rows' tokens are the same
     params_p = list(params)
     params_p[1] = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=4)
