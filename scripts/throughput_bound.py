@@ -111,16 +111,27 @@ def main() -> int:
                         "the spec sheet's dense bf16 peak and HBM bandwidth")
     p.add_argument("--json")
     a = p.parse_args()
-    cfg = resolve_model(a.model)
-    samples = load_samples(a.samples_file)
-    lengths = [(r.prompt_len, r.output_len) for r in samples]
-    out_tokens = sum(o for _, o in lengths)
     try:
         rates = [(float(t), float(b)) for t, b in (v.split(":") for v in a.rates.split(",") if v)]
     except ValueError:
-        raise SystemExit(f"--rates {a.rates!r}: expected TFLOPS:TB/s pairs, e.g. 750:4.28,989:4.8") from None
+        rates = []
+    if not rates or any(t <= 0 or b <= 0 for t, b in rates):
+        raise SystemExit(f"--rates {a.rates!r}: expected positive TFLOPS:TB/s pairs, e.g. 750:4.28,989:4.8")
+    try:
+        seq_counts = [int(v) for v in a.max_num_seqs.split(",") if v]
+    except ValueError:
+        seq_counts = []
+    if not seq_counts or min(seq_counts) < 1:
+        raise SystemExit(f"--max-num-seqs {a.max_num_seqs!r}: expected positive integers, e.g. 192,256")
+    cfg = resolve_model(a.model)
+    try:
+        samples = load_samples(a.samples_file)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    lengths = [(r.prompt_len, r.output_len) for r in samples]
+    out_tokens = sum(o for _, o in lengths)
     rows = []
-    for n in [int(v) for v in a.max_num_seqs.split(",") if v]:
+    for n in seq_counts:
         steps = replay(lengths, n, a.max_num_batched_tokens, a.num_blocks, a.block_size)
         for tflops, tbs in rates:
             rows.append(bound_row(steps, cfg, n, tflops, tbs, out_tokens))
