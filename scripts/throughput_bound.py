@@ -1,7 +1,8 @@
 """How fast can the offline ShareGPT run be on one GPU, at best? A roofline of the engine's own schedule.
 
     python3 scripts/throughput_bound.py --samples-file results/h200/inputs/sharegpt_llama3_seed0_n1000.json \
-        [--max-num-seqs 192,256,512 --max-num-batched-tokens 8192 --rates 750:4.28,989:4.8] [--json OUT]
+        [--max-num-seqs 192,256,512 --max-num-batched-tokens 8192 --rates 750:4.28,989:4.8]
+        [--orders fcfs,longest-first] [--json OUT]
 
 The step plan of an offline run depends on the request lengths and the scheduler only (ignore_eos: every
 request runs to its output length; no kernel speed enters it), so this script replays spanllm's Scheduler and
@@ -18,12 +19,16 @@ Two totals: `sequential` = sum over steps of max(weight read, GEMM FLOPs) + atte
 another, as spanllm and vLLM run a step), and `overlapped` = sum over steps of max(all bytes / bandwidth,
 all FLOPs / rate): even a step that overlapped attention with the GEMMs perfectly is no faster. The
 sweep over max_num_seqs shows what the schedule itself costs: the run cannot take fewer steps than its
-longest request's output length, and each step reads the weights.
+longest request's output length, and each step reads the weights. `longest-first` replays the requests sorted
+by output length (longest first; not FCFS: it needs every output length in advance). `schedule_free` is the
+bound of no plan at all: max(longest output x weight read, all GEMM FLOPs / rate) + all attention (the work
+spread perfectly over the fewest possible steps), and its overlapped form.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -62,29 +67,54 @@ def replay(lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, n
     return steps
 
 
-def step_costs(steps: list[dict], cfg, bw: float, flops: float) -> dict:
+def model_costs(cfg) -> dict:
+    """Per-model constants of the roofline: parameters of the layers and the LM head, bytes read per step,
+    K/V bytes per cached token, attention FLOPs per (query, key) pair."""
     layer_params = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                      + cfg.num_heads * cfg.head_dim * cfg.hidden_size
                                      + 3 * cfg.hidden_size * cfg.intermediate_size)
     head_params = cfg.hidden_size * cfg.vocab_size
-    weight_bytes = 2 * (layer_params + head_params)
-    kv_bytes_per_token = 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers  # K and V, bf16, every layer
-    attn_flops_per_key = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers  # QK^T and PV
+    return {"layer_params": layer_params, "head_params": head_params,
+            "weight_bytes": 2 * (layer_params + head_params),  # bf16; the embedding is read one row a token
+            "kv_bytes_per_token": 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers,  # K and V, bf16
+            "attn_flops_per_key": 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers}  # QK^T and PV
+
+
+def step_costs(steps: list[dict], cfg, bw: float, flops: float) -> dict:
+    m = model_costs(cfg)
     seq_total = ovl_total = 0.0
     parts = {"weights_or_gemm_s": 0.0, "decode_attention_s": 0.0, "prefill_attention_s": 0.0}
     for s in steps:
         tokens = s["decodes"] + sum(n for _, n in s["chunks"])
-        gemm = 2 * layer_params * tokens + 2 * head_params * s["sampling"]
-        kv = kv_bytes_per_token * s["decode_ctx"]
+        gemm = 2 * m["layer_params"] * tokens + 2 * m["head_params"] * s["sampling"]
+        kv = m["kv_bytes_per_token"] * s["decode_ctx"]
         # causal prefill: query at position p sees p + 1 keys
-        pf = attn_flops_per_key * sum(n * c0 + n * (n + 1) // 2 for c0, n in s["chunks"])
-        w = max(weight_bytes / bw, gemm / flops)
+        pf = m["attn_flops_per_key"] * sum(n * c0 + n * (n + 1) // 2 for c0, n in s["chunks"])
+        w = max(m["weight_bytes"] / bw, gemm / flops)
         seq_total += w + kv / bw + pf / flops
-        ovl_total += max((weight_bytes + kv) / bw, (gemm + pf) / flops)
+        ovl_total += max((m["weight_bytes"] + kv) / bw, (gemm + pf) / flops)
         parts["weights_or_gemm_s"] += w
         parts["decode_attention_s"] += kv / bw
         parts["prefill_attention_s"] += pf / flops
-    return {"sequential_s": seq_total, "overlapped_s": ovl_total, "weight_bytes": weight_bytes, **parts}
+    return {"sequential_s": seq_total, "overlapped_s": ovl_total, "weight_bytes": m["weight_bytes"], **parts}
+
+
+def schedule_free(lengths: list[tuple[int, int]], cfg, tflops: float, tbs: float) -> dict:
+    """The bound of no particular plan: at least max(output lengths) steps, each reading the weights, plus all
+    the requests' GEMM FLOPs and attention, which no plan changes (without preemption)."""
+    m = model_costs(cfg)
+    bw, fl = tbs * 1e12, tflops * 1e12
+    tokens = sum(p + o - 1 for p, o in lengths)  # the prompt, then every output token but the last, run once each
+    sampled = sum(o for _, o in lengths)
+    gemm = 2 * m["layer_params"] * tokens + 2 * m["head_params"] * sampled
+    # decode j = 1 .. o-1 of a request attends to p + j keys; its prompt's queries causally to p(p+1)/2 pairs
+    kv = m["kv_bytes_per_token"] * sum((o - 1) * p + (o - 1) * o // 2 for p, o in lengths)
+    pf = m["attn_flops_per_key"] * sum(p * (p + 1) // 2 for p, _ in lengths)
+    steps = max(o for _, o in lengths)
+    seq = max(steps * m["weight_bytes"] / bw, gemm / fl) + kv / bw + pf / fl
+    ovl = max((steps * m["weight_bytes"] + kv) / bw, (gemm + pf) / fl)
+    return {"tflops": tflops, "bandwidth_tbs": tbs, "min_steps": steps, "sequential_s": round(seq, 3),
+            "overlapped_s": round(ovl, 3), "sequential_tok_s": round(sampled / seq), "overlapped_tok_s": round(sampled / ovl)}
 
 
 def bound_row(steps: list[dict], cfg, max_num_seqs: int, tflops: float, tbs: float, out_tokens: int) -> dict:
@@ -109,8 +139,13 @@ def main() -> int:
                    help="comma list of TFLOPS:TB/s pairs, one bound each: bf16 GEMM rate and copy bandwidth. H200 "
                         "measured: ~750 TFLOPS (the 8192-token prefill's GEMMs) and 4.26-4.28 TB/s (copy); 989:4.8 is "
                         "the spec sheet's dense bf16 peak and HBM bandwidth")
+    p.add_argument("--orders", default="fcfs,longest-first",
+                   help="comma list: fcfs (the samples' order: the engine's) and/or longest-first (sorted by output length)")
     p.add_argument("--json")
     a = p.parse_args()
+    orders = [v for v in a.orders.split(",") if v]
+    if not orders or any(o not in ("fcfs", "longest-first") for o in orders):
+        raise SystemExit(f"--orders {a.orders!r}: expected fcfs and/or longest-first")
     try:
         rates = [(float(t), float(b)) for t, b in (v.split(":") for v in a.rates.split(",") if v)]
     except ValueError:
@@ -131,12 +166,13 @@ def main() -> int:
     lengths = [(r.prompt_len, r.output_len) for r in samples]
     out_tokens = sum(o for _, o in lengths)
     rows = []
-    for n in seq_counts:
-        steps = replay(lengths, n, a.max_num_batched_tokens, a.num_blocks, a.block_size)
+    for order, n in itertools.product(orders, seq_counts):
+        reqs = lengths if order == "fcfs" else sorted(lengths, key=lambda r: -r[1])
+        steps = replay(reqs, n, a.max_num_batched_tokens, a.num_blocks, a.block_size)
         for tflops, tbs in rates:
-            rows.append(bound_row(steps, cfg, n, tflops, tbs, out_tokens))
+            rows.append({"order": order, **bound_row(steps, cfg, n, tflops, tbs, out_tokens)})
             r = rows[-1]
-            print(f"{tflops:g} TFLOPS, {tbs:g} TB/s, max_num_seqs {n:5d}: {r['steps']} steps "
+            print(f"{order}, {tflops:g} TFLOPS, {tbs:g} TB/s, max_num_seqs {n:5d}: {r['steps']} steps "
                   f"({r['steps_with_64_or_fewer_seqs']} with <= 64 sequences); bound {r['sequential_s']:.2f} s "
                   f"sequential = {r['sequential_tok_s']} output tok/s, {r['overlapped_s']:.2f} s overlapped = "
                   f"{r['overlapped_tok_s']} tok/s (weights/GEMM {r['weights_or_gemm_s']:.2f} s, decode attention "
@@ -146,7 +182,12 @@ def main() -> int:
               "longest_output": max(o for _, o in lengths),
               "settings": {"max_num_batched_tokens": a.max_num_batched_tokens, "num_blocks": a.num_blocks,
                            "block_size": a.block_size, "rates": a.rates},
-              "weight_bytes": step_costs([], cfg, 1, 1)["weight_bytes"], "rows": rows}
+              "weight_bytes": model_costs(cfg)["weight_bytes"], "rows": rows,
+              "schedule_free": [schedule_free(lengths, cfg, t, b) for t, b in rates]}
+    for f in result["schedule_free"]:
+        print(f"schedule-free, {f['tflops']:g} TFLOPS, {f['bandwidth_tbs']:g} TB/s: >= {f['min_steps']} steps; bound "
+              f"{f['sequential_s']:.2f} s sequential = {f['sequential_tok_s']} output tok/s, {f['overlapped_s']:.2f} s "
+              f"overlapped = {f['overlapped_tok_s']} tok/s", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -52,3 +52,21 @@ def test_step_cost_is_the_roofline_of_its_work():
     assert gemm / fl > weights / bw
     assert c["sequential_s"] == gemm / fl + attn / fl
     assert c["overlapped_s"] == (gemm + attn) / fl
+
+
+def test_schedule_free_bound_is_below_every_replayed_schedule():
+    mod = _script()
+    cfg = resolve_model("llama3.1-8b")
+    lengths = [(300, 2), (50, 40), (900, 7), (20, 120)]
+    free = mod.schedule_free(lengths, cfg, 750.0, 4.28)
+    assert free["min_steps"] == 120
+    for order in (lengths, sorted(lengths, key=lambda r: -r[1])):
+        for n, budget in ((1, 64), (2, 256), (4, 8192)):
+            steps = mod.replay(order, max_num_seqs=n, max_tokens=budget, num_blocks=4096, block_size=16)
+            c = mod.step_costs(steps, cfg, 4.28e12, 750e12)
+            assert len(steps) >= free["min_steps"]
+            assert free["sequential_s"] <= c["sequential_s"] + 1e-3 and free["overlapped_s"] <= c["overlapped_s"] + 1e-3
+            # the attention work is the same whatever the plan (no preemption here): the replay's sums agree
+            m = mod.model_costs(cfg)
+            kv = m["kv_bytes_per_token"] * sum((o - 1) * p + (o - 1) * o // 2 for p, o in lengths)
+            assert sum(s["decode_ctx"] for s in steps) * m["kv_bytes_per_token"] == kv
