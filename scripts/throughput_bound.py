@@ -96,7 +96,7 @@ def step_costs(steps: list[dict], cfg, bw: float, flops: float) -> dict:
         parts["weights_or_gemm_s"] += w
         parts["decode_attention_s"] += kv / bw
         parts["prefill_attention_s"] += pf / flops
-    return {"sequential_s": seq_total, "overlapped_s": ovl_total, "weight_bytes": m["weight_bytes"], **parts}
+    return {"sequential_s": seq_total, "overlapped_s": ovl_total, **parts}
 
 
 def schedule_free(lengths: list[tuple[int, int]], cfg, tflops: float, tbs: float) -> dict:
@@ -122,7 +122,7 @@ def bound_row(steps: list[dict], cfg, max_num_seqs: int, tflops: float, tbs: flo
     return {"max_num_seqs": max_num_seqs, "tflops": tflops, "bandwidth_tbs": tbs, "steps": len(steps),
             "steps_with_64_or_fewer_seqs": sum(1 for s in steps if s["decodes"] + len(s["chunks"]) <= 64),
             "preemptions": sum(s["preempted"] for s in steps),
-            **{k: round(v, 3) for k, v in c.items() if k != "weight_bytes"},
+            **{k: round(v, 3) for k, v in c.items()},
             "sequential_tok_s": round(out_tokens / c["sequential_s"]),
             "overlapped_tok_s": round(out_tokens / c["overlapped_s"])}
 
