@@ -1,6 +1,6 @@
 """The paged decode attention kernel's variants on one GPU, Llama 3.1 8B heads (32 query, 8 KV heads of 128,
 bf16, blocks of 16 tokens): microseconds per call for each (batch, context) and each variant of
-spanllm.engine.paged_attention_triton.decode's keyword knobs (block ids one tile ahead or not, Triton's
+spanllm.kernels.paged_attention.decode's keyword knobs (block ids one tile ahead or not, Triton's
 num_stages for the key loop) and minimum key tiles per split. (Its first run, 2026-12-02, also compared a
 two-pass merge, since removed: results/h200/engine_speed/call8_attention/.) Every variant's output is checked
 against the gather + SDPA reference before it is timed.
@@ -41,18 +41,20 @@ def main() -> int:
     args = parse()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode_attention_variants.py times CUDA kernels: run it on the GPU machine")
-    from spanllm.bench.attention import random_decode_inputs
-    from spanllm.bench.throughput import machine_info
+    from spanllm.attention import paged as pa
+    from spanllm.commands.bench_attention import random_decode_inputs
+    from spanllm.commands.bench_throughput import machine_info
     from spanllm.cuda_graph import capture_graph
-    from spanllm.engine import arrival_counters
-    from spanllm.engine import paged_attention as pa
-    from spanllm.engine import paged_attention_triton as kt
+    from spanllm.kernels import arrival_counters
+    from spanllm.kernels import paged_attention as kt
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
-    variants = [dict(prefetch=p, num_stages=s) for p, s in
-                itertools.product((False, True), [int(v) for v in args.stages.split(",")])]
+    variants = [
+        dict(prefetch=p, num_stages=s)
+        for p, s in itertools.product((False, True), [int(v) for v in args.stages.split(",")])
+    ]
     defaults = dict(num_stages=kt.DECODE_NUM_STAGES, min_tiles=kt.MIN_TILES_PER_SPLIT)
     rows = []
     for b in [int(v) for v in args.batch_sizes.split(",")]:
@@ -65,7 +67,9 @@ def main() -> int:
                 call = lambda: kt.decode(q, kc, vc, tables, cl, splits, mt, **v)  # noqa: E731
                 err = float((call().float() - ref).abs().max())
                 if err > 2e-2:
-                    raise SystemExit(f"variant {v} min_tiles={mt} at batch {b}, context {n}: max|diff| {err} vs the reference")
+                    raise SystemExit(
+                        f"variant {v} min_tiles={mt} at batch {b}, context {n}: max|diff| {err} vs the reference"
+                    )
                 graph = capture_graph(lambda: [call() for _ in range(args.calls)], dev, warmup=1)
                 times = []
                 for _ in range(args.replays):
@@ -76,8 +80,16 @@ def main() -> int:
                     e.synchronize()
                     times.append(1e3 * a.elapsed_time(e) / args.calls)
                 del graph
-                row = {"batch": b, "context": n, "splits": splits, "min_tiles": mt, **v,
-                       "us_per_call": statistics.median(times), "us_per_call_replays": times, "max_abs_diff": err}
+                row = {
+                    "batch": b,
+                    "context": n,
+                    "splits": splits,
+                    "min_tiles": mt,
+                    **v,
+                    "us_per_call": statistics.median(times),
+                    "us_per_call_replays": times,
+                    "max_abs_diff": err,
+                }
                 rows.append(row)
                 cell.append(row)
             if not arrival_counters.all_zero(dev):
@@ -85,15 +97,28 @@ def main() -> int:
             best = min(cell, key=lambda r: r["us_per_call"])
             prefetch = kt.prefetch_block_ids(b * hkv * splits, dev)  # what decode() picks by itself
             dflt = next(r for r in cell if r["prefetch"] == prefetch and all(r[k] == defaults[k] for k in defaults))
-            print(f"B={b:4d} ctx={n:5d} splits={splits:2d}  defaults (prefetch={prefetch}) {dflt['us_per_call']:6.2f} us  "
-                  f"best {best['us_per_call']:6.2f} us (prefetch={best['prefetch']} stages={best['num_stages']} "
-                  f"min_tiles={best['min_tiles']})", flush=True)
+            print(
+                f"B={b:4d} ctx={n:5d} splits={splits:2d}  defaults (prefetch={prefetch}) {dflt['us_per_call']:6.2f} us  "
+                f"best {best['us_per_call']:6.2f} us (prefetch={best['prefetch']} stages={best['num_stages']} "
+                f"min_tiles={best['min_tiles']})",
+                flush=True,
+            )
             del kc, vc
             torch.cuda.empty_cache()
-    out = {"machine": machine_info(dev), "settings": {**vars(args), "heads": hq, "kv_heads": hkv, "head_dim": d,
-                                                      "block_size": bs, "dtype": str(dtype), "defaults": defaults,
-                                                      "prefetch_max_programs": kt.PREFETCH_WAVES * kt.num_sms_of(dev)},
-           "rows": rows}
+    out = {
+        "machine": machine_info(dev),
+        "settings": {
+            **vars(args),
+            "heads": hq,
+            "kv_heads": hkv,
+            "head_dim": d,
+            "block_size": bs,
+            "dtype": str(dtype),
+            "defaults": defaults,
+            "prefetch_max_programs": kt.PREFETCH_WAVES * kt.num_sms_of(dev),
+        },
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 scripts/gpu_nvrar_phases.py --ranks-per-node 1 --tuning t.json --out phases.json
 
 For each size: warm-up calls, then `--calls` eager calls each read back (one synchronize per call, so
-calls do not overlap); every program's record of every call goes into `spanllm.comm.nvrar_trace.summarize`.
+calls do not overlap); every program's record of every call goes into `spanllm.comm.nvrar.trace.summarize`.
 Per rank and size the JSON holds the launch that ran, the median program time, the kernel span, and the
 median time per phase (intra-node push / wait, inter-node send / wait, all-gather push / wait). A
 traced kernel is its own specialisation; its times are a few clock reads slower than the untraced one,
@@ -20,12 +20,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from spanllm.measure.report import versions
 from spanllm.comm import Topology, registry
-from spanllm.comm.nvrar_compile import precompile_sizes
-from spanllm.comm.nvrar_trace import summarize
+from spanllm.comm.nvrar.compile import precompile_sizes
+from spanllm.comm.nvrar.trace import summarize
 from spanllm.comm.tuning import TuningTable
 from spanllm.launch import init_from_launcher
+from spanllm.measure.report import versions
 
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
@@ -64,13 +64,26 @@ def main() -> int:
         if ctx.rank == 0:
             for r in gathered:
                 ph = " ".join(f"{k} {v:.2f}" for k, v in r["phases_us"].items())
-                print(f"{nbytes:>9} B rank {r['rank']} {r['ran']}: span {r['kernel_span_us']:.2f} us, program "
-                      f"{r['program_us']:.2f} us | {ph} | {r['clock_ghz']:.2f} GHz, wrong {r['wrong']}", flush=True)
+                print(
+                    f"{nbytes:>9} B rank {r['rank']} {r['ran']}: span {r['kernel_span_us']:.2f} us, program "
+                    f"{r['program_us']:.2f} us | {ph} | {r['clock_ghz']:.2f} GHz, wrong {r['wrong']}",
+                    flush=True,
+                )
     if ctx.rank == 0:
-        doc = {"kind": "nvrar_phases", "topology": str(topo), "world_size": ctx.world_size, "versions": versions(),
-               "machine": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-               "settings": {"calls": args.calls, "tuning": args.tuning, "dtype": "bfloat16", "mode": "eager, one call at a time"},
-               "rows": rows}
+        doc = {
+            "kind": "nvrar_phases",
+            "topology": str(topo),
+            "world_size": ctx.world_size,
+            "versions": versions(),
+            "machine": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "settings": {
+                "calls": args.calls,
+                "tuning": args.tuning,
+                "dtype": "bfloat16",
+                "mode": "eager, one call at a time",
+            },
+            "rows": rows,
+        }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.out}", flush=True)

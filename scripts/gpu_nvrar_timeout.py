@@ -1,6 +1,6 @@
 """One rank skips an nvrar call: the other must raise an error naming rank, step and peer, not hang.
 
-    torchrun --nproc-per-node 2 scripts/gpu_nvrar_timeout.py --ranks-per-node 1 --out t.json
+torchrun --nproc-per-node 2 scripts/gpu_nvrar_timeout.py --ranks-per-node 1 --out t.json
 """
 
 from __future__ import annotations

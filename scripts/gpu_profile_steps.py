@@ -28,7 +28,7 @@ import torch
 
 
 def parse() -> argparse.Namespace:
-    from spanllm.bench import throughput
+    from spanllm.commands import bench_throughput as throughput
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     throughput.add_arguments(p)
@@ -37,14 +37,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--profile-batches", default="1,256", help="decode batch sizes profiled kernel by kernel")
     p.add_argument("--profile-context", type=int, default=256, help="context of the profiled decode steps")
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--sampler-only", action="store_true",
-                   help="only the sampler table (no model, no trace), into profile_sampler.json")
+    p.add_argument(
+        "--sampler-only",
+        action="store_true",
+        help="only the sampler table (no model, no trace), into profile_sampler.json",
+    )
     p.add_argument("--mixed-decodes", type=int, default=255, help="decodes of the profiled mixed steps")
     p.add_argument("--mixed-context", type=int, default=384, help="their context")
     p.add_argument("--mixed-chunks", default="64,512,1024", help="prefill tokens of the profiled mixed steps")
-    p.add_argument("--trace-variants", default="decode_kernel",
-                   help="comma list of decode_kernel (mixed-step graphs run their decodes in the decode kernel: the "
-                        "default) and prefill_kernel (as one-query prefill chunks): one step trace each")
+    p.add_argument(
+        "--trace-variants",
+        default="decode_kernel",
+        help="comma list of decode_kernel (mixed-step graphs run their decodes in the decode kernel: the "
+        "default) and prefill_kernel (as one-query prefill chunks): one step trace each",
+    )
     return p.parse_args()
 
 
@@ -62,7 +68,6 @@ def kernel_table(prof, limit: int = 40) -> list[dict]:
 
 
 def trace_workload(llm, samples, n: int) -> dict:
-    from spanllm.engine.paged_runner import plan_step
     from spanllm.engine.sampler import SamplingParams
 
     core = llm.engine_core
@@ -71,7 +76,9 @@ def trace_workload(llm, samples, n: int) -> dict:
     steps = []
     for r in list(samples)[:n]:
         ids = list(r.prompt_token_ids) if r.prompt_token_ids else tok.encode(r.prompt)
-        core.add_request(ids, SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=r.output_len), with_text=False)
+        core.add_request(
+            ids, SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=r.output_len), with_text=False
+        )
     execute = runner.execute
     timing: dict = {}
 
@@ -97,8 +104,17 @@ def trace_workload(llm, samples, n: int) -> dict:
             if "events" not in timing:
                 continue
             x = timing["x"]
-            pending.append((int(x.num_decode == x.num_tokens), len(x.q_lens), x.num_tokens, timing["events"], wall,
-                            x.num_decode, int(x.context_lens[: x.num_decode].sum())))
+            pending.append(
+                (
+                    int(x.num_decode == x.num_tokens),
+                    len(x.q_lens),
+                    x.num_tokens,
+                    timing["events"],
+                    wall,
+                    x.num_decode,
+                    int(x.context_lens[: x.num_decode].sum()),
+                )
+            )
     finally:
         runner.execute = execute
     torch.cuda.synchronize()
@@ -109,23 +125,42 @@ def trace_workload(llm, samples, n: int) -> dict:
         gap = b.elapsed_time(pending[i + 1][3][0]) / 1e3 if i + 1 < len(pending) else 0.0
         steps.append((kind, seqs, tokens, a.elapsed_time(b) / 1e3, wall, nd, dctx, gap))
     arr = np.asarray(steps, dtype=np.float64)
-    out = {"requests": n, "wall_s": total, "steps": len(steps),
-           "columns": ["decode_only", "seqs", "tokens", "gpu_forward_s", "step_wall_s", "decodes", "decode_context_sum",
-                       "gap_to_next_forward_s"],
-           "rows": [[int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6), int(s[5]), int(s[6]), round(s[7], 6)]
-                    for s in steps],
-           "between_forwards_s": float(arr[:, 7].sum()) if len(arr) else 0.0}
+    out = {
+        "requests": n,
+        "wall_s": total,
+        "steps": len(steps),
+        "columns": [
+            "decode_only",
+            "seqs",
+            "tokens",
+            "gpu_forward_s",
+            "step_wall_s",
+            "decodes",
+            "decode_context_sum",
+            "gap_to_next_forward_s",
+        ],
+        "rows": [
+            [int(s[0]), int(s[1]), int(s[2]), round(s[3], 6), round(s[4], 6), int(s[5]), int(s[6]), round(s[7], 6)]
+            for s in steps
+        ],
+        "between_forwards_s": float(arr[:, 7].sum()) if len(arr) else 0.0,
+    }
     for kind, mask in (("decode_only", arr[:, 0] == 1), ("mixed", arr[:, 0] == 0)):
         sub = arr[mask]
-        out[kind] = {"steps": int(mask.sum()), "gpu_forward_s": float(sub[:, 3].sum()),
-                     "wall_s": float(sub[:, 4].sum()), "host_s": float((sub[:, 4] - sub[:, 3]).clip(min=0).sum()),
-                     "tokens": int(sub[:, 2].sum()), "mean_seqs": float(sub[:, 1].mean()) if len(sub) else 0.0}
+        out[kind] = {
+            "steps": int(mask.sum()),
+            "gpu_forward_s": float(sub[:, 3].sum()),
+            "wall_s": float(sub[:, 4].sum()),
+            "host_s": float((sub[:, 4] - sub[:, 3]).clip(min=0).sum()),
+            "tokens": int(sub[:, 2].sum()),
+            "mean_seqs": float(sub[:, 1].mean()) if len(sub) else 0.0,
+        }
     return out
 
 
 def profile_decode(llm, batch: int, context: int, replays: int, graphs: bool) -> dict:
     """`replays` decode steps of `batch` sequences at `context` tokens (block tables of real blocks)."""
-    from spanllm.engine.paged_runner import StepInputs
+    from spanllm.engine.worker.model_runner import StepInputs
 
     core = llm.engine_core
     runner = core.runner
@@ -135,13 +170,21 @@ def profile_decode(llm, batch: int, context: int, replays: int, graphs: bool) ->
     tables = (1 + np.arange(batch * nblk, dtype=np.int32)).reshape(batch, nblk)
     pos = np.full(batch, context - 1, dtype=np.int64)
     slots = tables[:, (context - 1) // bs].astype(np.int64) * bs + (context - 1) % bs
-    x = StepInputs(np.ones(batch, np.int64), pos, slots, batch, np.full(batch, context, np.int32),
-                   np.ones(batch, np.int32), tables, np.arange(batch, dtype=np.int64))
+    x = StepInputs(
+        np.ones(batch, np.int64),
+        pos,
+        slots,
+        batch,
+        np.full(batch, context, np.int32),
+        np.ones(batch, np.int32),
+        tables,
+        np.arange(batch, dtype=np.int64),
+    )
     return _profile(runner, x, replays, graphs)
 
 
 def profile_prefill(llm, tokens: int, chunk: int, replays: int) -> dict:
-    from spanllm.engine.paged_runner import StepInputs
+    from spanllm.engine.worker.model_runner import StepInputs
 
     core = llm.engine_core
     runner = core.runner
@@ -151,15 +194,23 @@ def profile_prefill(llm, tokens: int, chunk: int, replays: int) -> dict:
     tables = (1 + np.arange(n * nblk, dtype=np.int32)).reshape(n, nblk)
     pos = np.tile(np.arange(chunk, dtype=np.int64), n)
     slots = (tables[:, np.arange(chunk) // bs].astype(np.int64) * bs + np.arange(chunk) % bs).reshape(-1)
-    x = StepInputs(np.ones(n * chunk, np.int64), pos, slots, 0, np.full(n, chunk, np.int32),
-                   np.full(n, chunk, np.int32), tables, np.arange(chunk - 1, n * chunk, chunk, dtype=np.int64))
+    x = StepInputs(
+        np.ones(n * chunk, np.int64),
+        pos,
+        slots,
+        0,
+        np.full(n, chunk, np.int32),
+        np.full(n, chunk, np.int32),
+        tables,
+        np.arange(chunk - 1, n * chunk, chunk, dtype=np.int64),
+    )
     return _profile(runner, x, replays, True)
 
 
 def profile_mixed(llm, decodes: int, context: int, chunk: int, replays: int) -> dict:
     """A mixed step as a ShareGPT run has them: `decodes` sequences at `context` tokens, then the first chunk
     of `chunk` tokens of a new prompt (it samples: it is the whole prompt)."""
-    from spanllm.engine.paged_runner import StepInputs
+    from spanllm.engine.worker.model_runner import StepInputs
 
     runner = llm.engine_core.runner
     bs = runner.block_size
@@ -173,10 +224,16 @@ def profile_mixed(llm, decodes: int, context: int, chunk: int, replays: int) -> 
     dslots = tables[:decodes, (context - 1) // bs].astype(np.int64) * bs + (context - 1) % bs
     cpos = np.arange(chunk, dtype=np.int64)
     cslots = tables[decodes, cpos // bs].astype(np.int64) * bs + cpos % bs
-    x = StepInputs(np.ones(decodes + chunk, np.int64), np.concatenate([dpos, cpos]), np.concatenate([dslots, cslots]),
-                   decodes, np.array([context] * decodes + [chunk], np.int32),
-                   np.array([1] * decodes + [chunk], np.int32), tables,
-                   np.concatenate([np.arange(decodes), [decodes + chunk - 1]]).astype(np.int64))
+    x = StepInputs(
+        np.ones(decodes + chunk, np.int64),
+        np.concatenate([dpos, cpos]),
+        np.concatenate([dslots, cslots]),
+        decodes,
+        np.array([context] * decodes + [chunk], np.int32),
+        np.array([1] * decodes + [chunk], np.int32),
+        tables,
+        np.concatenate([np.arange(decodes), [decodes + chunk - 1]]).astype(np.int64),
+    )
     return _profile(runner, x, replays, True)
 
 
@@ -191,8 +248,11 @@ def profile_sampler(sampler, vocab: int, device: torch.device, batch: int, repla
     out = {"batch": batch}
     fused = sampler_mod.race_argmax
     t1 = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    for name, params, race in (("temperature_1", t1, fused), ("temperature_1_unfused", t1, None),
-                               ("greedy", SamplingParams(max_tokens=16, ignore_eos=True), fused)):
+    for name, params, race in (
+        ("temperature_1", t1, fused),
+        ("temperature_1_unfused", t1, None),
+        ("greedy", SamplingParams(max_tokens=16, ignore_eos=True), fused),
+    ):
         rows = [params] * batch
         sampler_mod.race_argmax = race
         try:
@@ -236,19 +296,23 @@ def _profile(runner, x, replays: int, graphs: bool) -> dict:
         table = kernel_table(prof)
     finally:
         runner.use_cuda_graphs = keep
-    return {"graphs": bool(graphs and keep), "tokens": x.num_tokens, "seqs": len(x.q_lens),
-            "step_ms_median": float(np.median(times)), "step_ms": [round(t, 4) for t in times],
-            "replays_profiled": replays,
-            "kernel_us_per_step": [{**r, "us_per_step": r["cuda_us_total"] / replays} for r in table],
-            "kernel_us_per_step_sum": sum(r["cuda_us_total"] for r in table) / replays}
+    return {
+        "graphs": bool(graphs and keep),
+        "tokens": x.num_tokens,
+        "seqs": len(x.q_lens),
+        "step_ms_median": float(np.median(times)),
+        "step_ms": [round(t, 4) for t in times],
+        "replays_profiled": replays,
+        "kernel_us_per_step": [{**r, "us_per_step": r["cuda_us_total"] / replays} for r in table],
+        "kernel_us_per_step_sum": sum(r["cuda_us_total"] for r in table) / replays,
+    }
 
 
 def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
     """The split decode kernel alone (8B heads) at small batches: microseconds per call for each minimum of
     key tiles per split (paged_attention_triton.MIN_TILES_PER_SPLIT picks one)."""
-    from spanllm.engine import paged_attention_triton as kt
-
     from spanllm.cuda_graph import capture_graph
+    from spanllm.kernels import paged_attention as kt
 
     cache = llm.engine_core.runner.cache
     layer = next(iter(cache.k))
@@ -265,16 +329,24 @@ def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
             q = torch.randn(b, hq, d, device=kc.device, dtype=kc.dtype)
             for mt in (1, 2, 4, 8):
                 # `calls` back-to-back kernels in one graph (as a step's layers run): no host launch cost inside
-                graph = capture_graph(lambda: [kt.decode(q, kc, vc, tables, cl, splits, mt) for _ in range(calls)],
-                                      kc.device, warmup=1)
+                graph = capture_graph(
+                    lambda: [kt.decode(q, kc, vc, tables, cl, splits, mt) for _ in range(calls)], kc.device, warmup=1
+                )
                 graph.replay()
                 a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 graph.replay()
                 e.record()
                 e.synchronize()
-                rows.append({"batch": b, "context": ctx, "splits": splits, "min_tiles": mt,
-                             "us_per_call": 1e3 * a.elapsed_time(e) / calls})
+                rows.append(
+                    {
+                        "batch": b,
+                        "context": ctx,
+                        "splits": splits,
+                        "min_tiles": mt,
+                        "us_per_call": 1e3 * a.elapsed_time(e) / calls,
+                    }
+                )
     return rows
 
 
@@ -284,31 +356,40 @@ def sampler_table(sampler, vocab: int, device: torch.device, replays: int) -> li
 
 def main() -> int:
     from spanllm.bench.sample_file import load_samples
-    from spanllm.bench.throughput import engine_config_from_args, machine_info, warm_up
-    from spanllm.engine.config import resolve_model
+    from spanllm.commands.bench_throughput import engine_config_from_args, machine_info, warm_up
     from spanllm.engine.llm import LLM
+    from spanllm.model.config import resolve_model
 
     args = parse()
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_profile_steps.py profiles CUDA kernels and graphs: this machine has no CUDA GPU "
-                         f"(torch {torch.__version__}); run it on the GPU machine (scripts/gpu_check.sh profile)")
+        raise SystemExit(
+            "gpu_profile_steps.py profiles CUDA kernels and graphs: this machine has no CUDA GPU "
+            f"(torch {torch.__version__}); run it on the GPU machine (scripts/gpu_check.sh profile)"
+        )
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     if args.sampler_only:  # no model: the sampler on random logits of the model's vocabulary
         from spanllm.engine.sampler import BatchSampler
 
-        result = {"machine": machine_info(device), "settings": {k: v for k, v in vars(args).items() if not callable(v)},
-                  "sampler": sampler_table(BatchSampler(device, 0), resolve_model(args.model).vocab_size, device,
-                                           args.replays)}
+        result = {
+            "machine": machine_info(device),
+            "settings": {k: v for k, v in vars(args).items() if not callable(v)},
+            "sampler": sampler_table(
+                BatchSampler(device, 0), resolve_model(args.model).vocab_size, device, args.replays
+            ),
+        }
         print("sampler", result["sampler"], flush=True)
         with open(os.path.join(args.out, "profile_sampler.json"), "w") as f:
             json.dump(result, f, indent=1)
         return 0
     llm = LLM(resolve_model(args.model), engine_config_from_args(args, device), device=device)
     llm.get_tokenizer()
-    result: dict = {"describe": llm.describe_serving(), "machine": machine_info(device),
-                    "settings": {k: v for k, v in vars(args).items() if not callable(v)}}
+    result: dict = {
+        "describe": llm.describe_serving(),
+        "machine": machine_info(device),
+        "settings": {k: v for k, v in vars(args).items() if not callable(v)},
+    }
     print(result["describe"], flush=True)
     result["warmup"] = warm_up(llm)
     path = os.path.join(args.out, "profile_steps.json")
@@ -337,10 +418,13 @@ def main() -> int:
     for chunk in [int(v) for v in args.mixed_chunks.split(",") if v]:
         for decode_kernel in (True, False):
             runner.mixed_decode_kernel = decode_kernel
-            key = (f"mixed_d{args.mixed_decodes}_ctx{args.mixed_context}_p{chunk}_"
-                   f"{'decode_kernel' if decode_kernel else 'prefill_kernel'}")
-            result["kernels"][key] = profile_mixed(llm, args.mixed_decodes, args.mixed_context, chunk,
-                                                   max(5, args.replays // 2))
+            key = (
+                f"mixed_d{args.mixed_decodes}_ctx{args.mixed_context}_p{chunk}_"
+                f"{'decode_kernel' if decode_kernel else 'prefill_kernel'}"
+            )
+            result["kernels"][key] = profile_mixed(
+                llm, args.mixed_decodes, args.mixed_context, chunk, max(5, args.replays // 2)
+            )
             print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
             save()
     runner.mixed_decode_kernel = True
@@ -360,9 +444,12 @@ def main() -> int:
             tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
             tr["mixed_decode_kernel"] = runner.mixed_decode_kernel
             result["trace" if variant == "decode_kernel" else f"trace_{variant}"] = tr
-            print(f"trace ({variant}): {tr['steps']} steps in {tr['wall_s']:.2f} s = "
-                  f"{tr['output_tokens_per_second']:.0f} output tok/s; decode-only {tr['decode_only']}; "
-                  f"mixed {tr['mixed']}; between forwards (sampler + GPU idle) {tr['between_forwards_s']:.2f} s", flush=True)
+            print(
+                f"trace ({variant}): {tr['steps']} steps in {tr['wall_s']:.2f} s = "
+                f"{tr['output_tokens_per_second']:.0f} output tok/s; decode-only {tr['decode_only']}; "
+                f"mixed {tr['mixed']}; between forwards (sampler + GPU idle) {tr['between_forwards_s']:.2f} s",
+                flush=True,
+            )
             save()
         runner.mixed_decode_kernel = True
     llm.close()

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from spanllm.bench.datasets import add_dataset_arguments, get_samples  # noqa: E402
-from spanllm.bench.throughput import machine_info  # noqa: E402
+from spanllm.commands.bench_throughput import machine_info  # noqa: E402
 from spanllm.engine.tokenizer import get_tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +63,7 @@ def main() -> int:
     tok = get_tokenizer(args.model)
     if args.samples_file:
         from spanllm.bench.sample_file import load_samples
+
         samples = load_samples(args.samples_file)
     else:
         samples = get_samples(args, tok)
@@ -78,8 +79,15 @@ def main() -> int:
     if model is None:
         print(f"no attention implementation loaded: {errors}", file=sys.stderr)
         return 1
-    gc = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max(r.output_len for r in samples),
-                          eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max(r.output_len for r in samples),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     kwargs = {}
     if args.max_batch_tokens:
         gc.max_batch_tokens = args.max_batch_tokens
@@ -108,18 +116,37 @@ def main() -> int:
         manager.stop(block=False)
     prompt_tokens = sum(len(i) for i in inputs)
     complete = done == len(inputs)
-    result = {"peer": "transformers continuous batching (init_continuous_batching)", "attn_implementation": attn,
-              "complete": complete, "deadline_s": args.deadline_s, "progress": progress,
-              "note": None if complete else (f"cut at the {args.deadline_s} s deadline: output_tokens_per_second counts "
-                                             "the tokens of completed requests only (a lower bound)"),
-              "attn_errors": errors, "transformers": transformers.__version__, "completed": done,
-              "num_requests": len(inputs), "elapsed_time": elapsed, "total_input_tokens": prompt_tokens,
-              "total_output_tokens": out_tokens, "requested_output_tokens": sum(r.output_len for r in samples),
-              "output_tokens_per_second": out_tokens / elapsed, "requests_per_second": done / elapsed,
-              "tokens_per_second": (prompt_tokens + out_tokens) / elapsed, "dataset": samples.info,
-              "machine": machine_info(device), "settings": vars(args)}
-    print(f"transformers CB ({attn}): {done}/{len(inputs)} requests, {out_tokens} output tokens in {elapsed:.1f} s: "
-          f"{out_tokens / elapsed:.0f} output tok/s")
+    result = {
+        "peer": "transformers continuous batching (init_continuous_batching)",
+        "attn_implementation": attn,
+        "complete": complete,
+        "deadline_s": args.deadline_s,
+        "progress": progress,
+        "note": None
+        if complete
+        else (
+            f"cut at the {args.deadline_s} s deadline: output_tokens_per_second counts "
+            "the tokens of completed requests only (a lower bound)"
+        ),
+        "attn_errors": errors,
+        "transformers": transformers.__version__,
+        "completed": done,
+        "num_requests": len(inputs),
+        "elapsed_time": elapsed,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": out_tokens,
+        "requested_output_tokens": sum(r.output_len for r in samples),
+        "output_tokens_per_second": out_tokens / elapsed,
+        "requests_per_second": done / elapsed,
+        "tokens_per_second": (prompt_tokens + out_tokens) / elapsed,
+        "dataset": samples.info,
+        "machine": machine_info(device),
+        "settings": vars(args),
+    }
+    print(
+        f"transformers CB ({attn}): {done}/{len(inputs)} requests, {out_tokens} output tokens in {elapsed:.1f} s: "
+        f"{out_tokens / elapsed:.0f} output tok/s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -36,31 +36,49 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # Llama 3's pre-tokenizer split (Meta's tokenizer.json and tiktoken's llama3 pattern; quicktok's LLAMA3_PAT).
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 # Llama 3 Instruct's format without the tool and date preamble (spanllm's Llama3Tokenizer.apply_chat_template).
-CHAT_TEMPLATE = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
-                 "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
-                 "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-                 "{%- endif %}")
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
-          "float32": "float32"}
+CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3.1-8b", help="a spanllm Llama 3 preset (spanllm.engine.config)")
+    ap.add_argument("--model", default="llama3.1-8b", help="a spanllm Llama 3 preset (spanllm.model.config)")
     ap.add_argument("--out", required=True, help="the folder to write (created; files in it are overwritten)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda", help="where the weights are made (cuda: fast; cpu for small ones)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--hidden", type=int, default=None,
-                    help="override the hidden size (heads of 64 dims, FFN 3.5x, KV heads gcd(heads, preset's))")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="override the hidden size (heads of 64 dims, FFN 3.5x, KV heads gcd(heads, preset's))",
+    )
     ap.add_argument("--tokenizer-only", action="store_true", help="no weights: configs and tokenizer only")
-    ap.add_argument("--check-samples", default=None, metavar="FILE",
-                    help="a saved sample (bench throughput --save-samples): ids must equal spanllm's")
+    ap.add_argument(
+        "--check-samples",
+        default=None,
+        metavar="FILE",
+        help="a saved sample (bench throughput --save-samples): ids must equal spanllm's",
+    )
     return ap.parse_args()
 
 
@@ -70,19 +88,23 @@ def llama_config(model: str, layers: int | None = None, hidden: int | None = Non
     `layers` / `hidden` shrink it (--layers / --hidden)."""
     from transformers import LlamaConfig
 
-    from spanllm.engine.config import ModelConfigError, preset
+    from spanllm.model.config import ModelConfigError, preset
 
     if model.split(":", 1)[0] == "tiny":
-        sys.exit("--model tiny: spanllm's tiny preset tokenizes with its byte tokenizer (vocabulary 512), which has "
-                 "no Hugging Face tokenizer here; for a CPU-sized checkpoint with the Llama 3 tokenizer use "
-                 "--model llama3.1-8b --layers 2 --hidden 256 --dtype fp32 --device cpu")
+        sys.exit(
+            "--model tiny: spanllm's tiny preset tokenizes with its byte tokenizer (vocabulary 512), which has "
+            "no Hugging Face tokenizer here; for a CPU-sized checkpoint with the Llama 3 tokenizer use "
+            "--model llama3.1-8b --layers 2 --hidden 256 --dtype fp32 --device cpu"
+        )
     try:
         c = preset(model)
     except ModelConfigError as e:
         sys.exit(f"--model: {e}")
     if c.vocab_size != 128256 or c.rope_scaling is None:
-        sys.exit(f"--model {model}: vocabulary {c.vocab_size}; only the Llama 3.1 presets (vocabulary 128256, "
-                 "llama3 rope scaling) have the quicktok Llama 3 tokenizer")
+        sys.exit(
+            f"--model {model}: vocabulary {c.vocab_size}; only the Llama 3.1 presets (vocabulary 128256, "
+            "llama3 rope scaling) have the quicktok Llama 3 tokenizer"
+        )
     size, heads, kv, head_dim, ffn = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     if hidden is not None:
         if hidden < 64 or hidden % 64:
@@ -94,22 +116,45 @@ def llama_config(model: str, layers: int | None = None, hidden: int | None = Non
     if layers < 1:
         sys.exit(f"--layers {layers}: must be >= 1")
     r = c.rope_scaling
-    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=size, intermediate_size=ffn, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                       rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
-                       rope_theta=c.rope_theta, tie_word_embeddings=False,
-                       rope_scaling={"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-                                     "high_freq_factor": r.high_freq_factor,
-                                     "original_max_position_embeddings": r.original_max_position_embeddings},
-                       bos_token_id=c.bos_token_id, eos_token_id=None, pad_token_id=0,
-                       architectures=["LlamaForCausalLM"], **extra)
+    return LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=size,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        },
+        bos_token_id=c.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=0,
+        architectures=["LlamaForCausalLM"],
+        **extra,
+    )
 
 
 def generation_config(cfg):
     from transformers import GenerationConfig
 
-    return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, bos_token_id=cfg.bos_token_id,
-                            eos_token_id=None, pad_token_id=cfg.pad_token_id)
+    return GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=cfg.pad_token_id,
+    )
 
 
 def _converter(ranks: dict[bytes, int], specials: list[str]):
@@ -132,19 +177,32 @@ def build_tokenizer(model_max_length: int):
     n_regular = enc.n_vocab - len(specials)
     special_ids = [enc.encode_single_token(s) for s in specials]
     if special_ids != list(range(n_regular, enc.n_vocab)):
-        sys.exit(f"quicktok's special tokens are not ids {n_regular}..{enc.n_vocab - 1} (got {special_ids[:3]}...): "
-                 "this script assumes Llama 3's layout; check the quicktok-v1 version")
+        sys.exit(
+            f"quicktok's special tokens are not ids {n_regular}..{enc.n_vocab - 1} (got {special_ids[:3]}...): "
+            "this script assumes Llama 3's layout; check the quicktok-v1 version"
+        )
     ranks = {enc.decode_single_token_bytes(i): i for i in range(n_regular)}
     if len(ranks) != n_regular:
         sys.exit(f"quicktok's {n_regular} regular tokens hold {n_regular - len(ranks)} duplicate byte strings")
     tk = _converter(ranks, specials).converted()
     bos_id = enc.encode_single_token(BOS)
-    tk.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=BOS, eos_token=EOS, chat_template=CHAT_TEMPLATE,
-                                  model_input_names=["input_ids", "attention_mask"], model_max_length=model_max_length,
-                                  clean_up_tokenization_spaces=False)  # decode must give quicktok's bytes back
+    tk.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=BOS,
+        eos_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        model_input_names=["input_ids", "attention_mask"],
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )  # decode must give quicktok's bytes back
     wrong = [s for s, i in zip(specials, special_ids) if tok.convert_tokens_to_ids(s) != i]
     if wrong or len(tok) != enc.n_vocab:
         sys.exit(f"built tokenizer: {len(tok)} ids (quicktok {enc.n_vocab}); special tokens at other ids: {wrong[:5]}")
@@ -185,8 +243,11 @@ def write_weights(cfg, out: str, dtype_name: str, device: str, seed: int) -> dic
     size = sum(os.path.getsize(os.path.join(out, f)) for f in files)
     n_params = sum(p.numel() for p in model.parameters())
     elapsed = time.perf_counter() - t0
-    print(f"weights: {n_params / 1e9:.3f} B params {dtype_name} on {device} (seed {seed}) in {t_init:.1f} s, saved "
-          f"{len(files)} safetensors file(s), {size / 2**30:.2f} GiB, in {elapsed:.1f} s total", flush=True)
+    print(
+        f"weights: {n_params / 1e9:.3f} B params {dtype_name} on {device} (seed {seed}) in {t_init:.1f} s, saved "
+        f"{len(files)} safetensors file(s), {size / 2**30:.2f} GiB, in {elapsed:.1f} s total",
+        flush=True,
+    )
     return {"params": n_params, "safetensors_bytes": size, "safetensors_files": len(files), "seconds": elapsed}
 
 
@@ -212,23 +273,39 @@ def check_samples(out: str, path: str, model: str) -> dict:
         ref = sp.encode(text)
         if list(ids) != ref:
             k = next((j for j, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
-            print(f"tokenizer MISMATCH at prompt {i} of {path} ({len(ids)} HF ids vs {len(ref)} spanllm ids; first "
-                  f"difference at position {k}: HF {list(ids[k:k + 5])} vs spanllm {ref[k:k + 5]}); prompt "
-                  f"{text[:300]!r}", file=sys.stderr)
+            print(
+                f"tokenizer MISMATCH at prompt {i} of {path} ({len(ids)} HF ids vs {len(ref)} spanllm ids; first "
+                f"difference at position {k}: HF {list(ids[k : k + 5])} vs spanllm {ref[k : k + 5]}); prompt "
+                f"{text[:300]!r}",
+                file=sys.stderr,
+            )
             sys.exit(1)
         hf_text = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if hf_text != sp.decode(ref):
-            print(f"tokenizer DECODE MISMATCH at prompt {i} of {path}: HF {hf_text[:200]!r} vs spanllm "
-                  f"{sp.decode(ref)[:200]!r}", file=sys.stderr)
+            print(
+                f"tokenizer DECODE MISMATCH at prompt {i} of {path}: HF {hf_text[:200]!r} vs spanllm "
+                f"{sp.decode(ref)[:200]!r}",
+                file=sys.stderr,
+            )
             sys.exit(1)
         tokens += len(ref)
         len_mismatch += len(ref) != req.prompt_len
     dt = time.perf_counter() - t0
     other = f"; {len_mismatch} prompt_len values in the file differ (counted with another tokenizer)"
-    print(f"tokenizer: {len(prompts)} prompts, byte-exact ids ({tokens} tokens, BOS included; decode equal) vs "
-          f"spanllm's {sp.name} in {dt:.1f} s" + (other if len_mismatch else ""), flush=True)
-    return {"samples_file": path, "prompts": len(prompts), "tokens": tokens, "ids_equal": True, "decode_equal": True,
-            "prompt_len_mismatches": len_mismatch, "reference": sp.name}
+    print(
+        f"tokenizer: {len(prompts)} prompts, byte-exact ids ({tokens} tokens, BOS included; decode equal) vs "
+        f"spanllm's {sp.name} in {dt:.1f} s" + (other if len_mismatch else ""),
+        flush=True,
+    )
+    return {
+        "samples_file": path,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "ids_equal": True,
+        "decode_equal": True,
+        "prompt_len_mismatches": len_mismatch,
+        "reference": sp.name,
+    }
 
 
 def main() -> int:
@@ -239,20 +316,37 @@ def main() -> int:
     cfg = llama_config(args.model, args.layers, args.hidden)
     if not args.tokenizer_only and args.device.startswith("cuda"):
         import torch
+
         if not torch.cuda.is_available():
-            sys.exit(f"--device {args.device}: no CUDA GPU here; pass --device cpu (slow for the 8B: use --layers and "
-                     "--hidden) or --tokenizer-only")
+            sys.exit(
+                f"--device {args.device}: no CUDA GPU here; pass --device cpu (slow for the 8B: use --layers and "
+                "--hidden) or --tokenizer-only"
+            )
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     tok = build_tokenizer(cfg.max_position_embeddings)
     tok.save_pretrained(args.out)
-    print(f"tokenizer: {len(tok)} ids (quicktok-v1 Llama 3 BPE via TikTokenConverter) written in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"tokenizer: {len(tok)} ids (quicktok-v1 Llama 3 BPE via TikTokenConverter) written in "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     check = check_samples(args.out, args.check_samples, args.model) if args.check_samples else None  # before weights
-    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                           "num_attention_heads", "num_key_value_heads", "head_dim")}
+    shape = {
+        k: getattr(cfg, k)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    }
     if args.tokenizer_only:
         import torch
+
         cfg.dtype = getattr(torch, DTYPES[args.dtype])
         cfg.save_pretrained(args.out)
         generation_config(cfg).save_pretrained(args.out)
@@ -260,12 +354,20 @@ def main() -> int:
         print("weights: skipped (--tokenizer-only)")
     else:
         weights = write_weights(cfg, args.out, args.dtype, args.device, args.seed)
-    note = {"preset": args.model, "shape": shape, "layers_override": args.layers, "hidden_override": args.hidden,
-            "weights": None if weights is None else {**weights, "init": "normal(0, 0.02), norms 1.0", "seed": args.seed,
-                                                     "dtype": DTYPES[args.dtype]},
-            "note": "random weights; tokenizer built from quicktok-v1's Llama 3 BPE (TikTokenConverter), BOS "
-                    "prepended; no eos in config/generation_config (generation runs to max_tokens)",
-            "tokenizer_check": check, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    note = {
+        "preset": args.model,
+        "shape": shape,
+        "layers_override": args.layers,
+        "hidden_override": args.hidden,
+        "weights": None
+        if weights is None
+        else {**weights, "init": "normal(0, 0.02), norms 1.0", "seed": args.seed, "dtype": DTYPES[args.dtype]},
+        "note": "random weights; tokenizer built from quicktok-v1's Llama 3 BPE (TikTokenConverter), BOS "
+        "prepended; no eos in config/generation_config (generation runs to max_tokens)",
+        "tokenizer_check": check,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
     with open(os.path.join(args.out, "spanllm_checkpoint.json"), "w") as f:
         json.dump(note, f, indent=1)
     print(f"wrote {args.out} ({', '.join(sorted(os.listdir(args.out)))})")

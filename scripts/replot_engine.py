@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from spanllm.bench.batch import plot_breakdown
+from spanllm.commands.bench_batch import plot_breakdown
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +21,9 @@ def main(argv: list[str]) -> int:
     rows, s = doc["rows"], doc["settings"]
     if not rows:
         raise SystemExit(f"{src} holds no rows")
-    title = f"{doc['kind']}: {rows[0].get('model_label', s['model'])}, world {s.get('world_size', '?')}, {s['workload']}"
+    title = (
+        f"{doc['kind']}: {rows[0].get('model_label', s['model'])}, world {s.get('world_size', '?')}, {s['workload']}"
+    )
     if doc.get("complete") is False:
         title += f" (partial run: {len(rows)} rows)"
     plot_breakdown(rows, dst, title)

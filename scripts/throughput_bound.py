@@ -33,15 +33,16 @@ import json
 import sys
 
 from spanllm.bench.sample_file import load_samples
-from spanllm.engine.block_manager import BlockManager
-from spanllm.engine.config import resolve_model
+from spanllm.engine.core.block_manager import BlockManager
+from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.core.sequence import Sequence, SequenceStatus
 from spanllm.engine.sampler import SamplingParams
-from spanllm.engine.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.sequence import Sequence, SequenceStatus
+from spanllm.model.config import resolve_model
 
 
-def replay(lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, num_blocks: int,
-           block_size: int) -> list[dict]:
+def replay(
+    lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, num_blocks: int, block_size: int
+) -> list[dict]:
     """The scheduler's step plan for requests (prompt_len, output_len), all arriving at once, synchronous."""
     sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1 << 20), BlockManager(num_blocks, block_size))
     for i, (p, o) in enumerate(lengths):
@@ -52,7 +53,7 @@ def replay(lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, n
         if not batch:
             raise RuntimeError("the scheduler planned an empty step with work left (pool too small?)")
         dec_ctx = [s.num_computed + 1 for s, _ in batch.entries[: batch.num_decode]]
-        chunks = [(s.num_computed, n) for s, n in batch.entries[batch.num_decode:]]
+        chunks = [(s.num_computed, n) for s, n in batch.entries[batch.num_decode :]]
         sampling = 0
         for s, n in batch.entries:
             s.num_computed += n
@@ -62,22 +63,34 @@ def replay(lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, n
                 if s.num_output >= s.params.max_tokens:
                     sched.finish(s)
                     s.status = SequenceStatus.FINISHED
-        steps.append({"decodes": len(dec_ctx), "decode_ctx": sum(dec_ctx), "chunks": chunks, "sampling": sampling,
-                      "preempted": len(batch.preempted)})
+        steps.append(
+            {
+                "decodes": len(dec_ctx),
+                "decode_ctx": sum(dec_ctx),
+                "chunks": chunks,
+                "sampling": sampling,
+                "preempted": len(batch.preempted),
+            }
+        )
     return steps
 
 
 def model_costs(cfg) -> dict:
     """Per-model constants of the roofline: parameters of the layers and the LM head, bytes read per step,
     K/V bytes per cached token, attention FLOPs per (query, key) pair."""
-    layer_params = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-                                     + 3 * cfg.hidden_size * cfg.intermediate_size)
+    layer_params = cfg.num_layers * (
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     head_params = cfg.hidden_size * cfg.vocab_size
-    return {"layer_params": layer_params, "head_params": head_params,
-            "weight_bytes": 2 * (layer_params + head_params),  # bf16; the embedding is read one row a token
-            "kv_bytes_per_token": 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers,  # K and V, bf16
-            "attn_flops_per_key": 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers}  # QK^T and PV
+    return {
+        "layer_params": layer_params,
+        "head_params": head_params,
+        "weight_bytes": 2 * (layer_params + head_params),  # bf16; the embedding is read one row a token
+        "kv_bytes_per_token": 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers,  # K and V, bf16
+        "attn_flops_per_key": 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
+    }  # QK^T and PV
 
 
 def step_costs(steps: list[dict], cfg, bw: float, flops: float) -> dict:
@@ -113,18 +126,30 @@ def schedule_free(lengths: list[tuple[int, int]], cfg, tflops: float, tbs: float
     steps = max(o for _, o in lengths)
     seq = max(steps * m["weight_bytes"] / bw, gemm / fl) + kv / bw + pf / fl
     ovl = max((steps * m["weight_bytes"] + kv) / bw, (gemm + pf) / fl)
-    return {"tflops": tflops, "bandwidth_tbs": tbs, "min_steps": steps, "sequential_s": round(seq, 3),
-            "overlapped_s": round(ovl, 3), "sequential_tok_s": round(sampled / seq), "overlapped_tok_s": round(sampled / ovl)}
+    return {
+        "tflops": tflops,
+        "bandwidth_tbs": tbs,
+        "min_steps": steps,
+        "sequential_s": round(seq, 3),
+        "overlapped_s": round(ovl, 3),
+        "sequential_tok_s": round(sampled / seq),
+        "overlapped_tok_s": round(sampled / ovl),
+    }
 
 
 def bound_row(steps: list[dict], cfg, max_num_seqs: int, tflops: float, tbs: float, out_tokens: int) -> dict:
     c = step_costs(steps, cfg, tbs * 1e12, tflops * 1e12)
-    return {"max_num_seqs": max_num_seqs, "tflops": tflops, "bandwidth_tbs": tbs, "steps": len(steps),
-            "steps_with_64_or_fewer_seqs": sum(1 for s in steps if s["decodes"] + len(s["chunks"]) <= 64),
-            "preemptions": sum(s["preempted"] for s in steps),
-            **{k: round(v, 3) for k, v in c.items()},
-            "sequential_tok_s": round(out_tokens / c["sequential_s"]),
-            "overlapped_tok_s": round(out_tokens / c["overlapped_s"])}
+    return {
+        "max_num_seqs": max_num_seqs,
+        "tflops": tflops,
+        "bandwidth_tbs": tbs,
+        "steps": len(steps),
+        "steps_with_64_or_fewer_seqs": sum(1 for s in steps if s["decodes"] + len(s["chunks"]) <= 64),
+        "preemptions": sum(s["preempted"] for s in steps),
+        **{k: round(v, 3) for k, v in c.items()},
+        "sequential_tok_s": round(out_tokens / c["sequential_s"]),
+        "overlapped_tok_s": round(out_tokens / c["overlapped_s"]),
+    }
 
 
 def main() -> int:
@@ -135,12 +160,18 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=55326, help="KV pool (the H200 run's: 55326 x 16 tokens)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--rates", default="750:4.28,850:4.28,989:4.8",
-                   help="comma list of TFLOPS:TB/s pairs, one bound each: bf16 GEMM rate and copy bandwidth. H200 "
-                        "measured: ~750 TFLOPS (the 8192-token prefill's GEMMs) and 4.26-4.28 TB/s (copy); 989:4.8 is "
-                        "the spec sheet's dense bf16 peak and HBM bandwidth")
-    p.add_argument("--orders", default="fcfs,longest-first",
-                   help="comma list: fcfs (the samples' order: the engine's) and/or longest-first (sorted by output length)")
+    p.add_argument(
+        "--rates",
+        default="750:4.28,850:4.28,989:4.8",
+        help="comma list of TFLOPS:TB/s pairs, one bound each: bf16 GEMM rate and copy bandwidth. H200 "
+        "measured: ~750 TFLOPS (the 8192-token prefill's GEMMs) and 4.26-4.28 TB/s (copy); 989:4.8 is "
+        "the spec sheet's dense bf16 peak and HBM bandwidth",
+    )
+    p.add_argument(
+        "--orders",
+        default="fcfs,longest-first",
+        help="comma list: fcfs (the samples' order: the engine's) and/or longest-first (sorted by output length)",
+    )
     p.add_argument("--json")
     a = p.parse_args()
     orders = [v for v in a.orders.split(",") if v]
@@ -172,22 +203,39 @@ def main() -> int:
         for tflops, tbs in rates:
             rows.append({"order": order, **bound_row(steps, cfg, n, tflops, tbs, out_tokens)})
             r = rows[-1]
-            print(f"{order}, {tflops:g} TFLOPS, {tbs:g} TB/s, max_num_seqs {n:5d}: {r['steps']} steps "
-                  f"({r['steps_with_64_or_fewer_seqs']} with <= 64 sequences); bound {r['sequential_s']:.2f} s "
-                  f"sequential = {r['sequential_tok_s']} output tok/s, {r['overlapped_s']:.2f} s overlapped = "
-                  f"{r['overlapped_tok_s']} tok/s (weights/GEMM {r['weights_or_gemm_s']:.2f} s, decode attention "
-                  f"{r['decode_attention_s']:.2f} s, prefill attention {r['prefill_attention_s']:.2f} s)", flush=True)
-    result = {"describe": __doc__.strip().splitlines()[0], "samples_file": a.samples_file, "model": a.model,
-              "requests": len(lengths), "prompt_tokens": sum(pl for pl, _ in lengths), "output_tokens": out_tokens,
-              "longest_output": max(o for _, o in lengths),
-              "settings": {"max_num_batched_tokens": a.max_num_batched_tokens, "num_blocks": a.num_blocks,
-                           "block_size": a.block_size, "rates": a.rates},
-              "weight_bytes": model_costs(cfg)["weight_bytes"], "rows": rows,
-              "schedule_free": [schedule_free(lengths, cfg, t, b) for t, b in rates]}
+            print(
+                f"{order}, {tflops:g} TFLOPS, {tbs:g} TB/s, max_num_seqs {n:5d}: {r['steps']} steps "
+                f"({r['steps_with_64_or_fewer_seqs']} with <= 64 sequences); bound {r['sequential_s']:.2f} s "
+                f"sequential = {r['sequential_tok_s']} output tok/s, {r['overlapped_s']:.2f} s overlapped = "
+                f"{r['overlapped_tok_s']} tok/s (weights/GEMM {r['weights_or_gemm_s']:.2f} s, decode attention "
+                f"{r['decode_attention_s']:.2f} s, prefill attention {r['prefill_attention_s']:.2f} s)",
+                flush=True,
+            )
+    result = {
+        "describe": __doc__.strip().splitlines()[0],
+        "samples_file": a.samples_file,
+        "model": a.model,
+        "requests": len(lengths),
+        "prompt_tokens": sum(pl for pl, _ in lengths),
+        "output_tokens": out_tokens,
+        "longest_output": max(o for _, o in lengths),
+        "settings": {
+            "max_num_batched_tokens": a.max_num_batched_tokens,
+            "num_blocks": a.num_blocks,
+            "block_size": a.block_size,
+            "rates": a.rates,
+        },
+        "weight_bytes": model_costs(cfg)["weight_bytes"],
+        "rows": rows,
+        "schedule_free": [schedule_free(lengths, cfg, t, b) for t, b in rates],
+    }
     for f in result["schedule_free"]:
-        print(f"schedule-free, {f['tflops']:g} TFLOPS, {f['bandwidth_tbs']:g} TB/s: >= {f['min_steps']} steps; bound "
-              f"{f['sequential_s']:.2f} s sequential = {f['sequential_tok_s']} output tok/s, {f['overlapped_s']:.2f} s "
-              f"overlapped = {f['overlapped_tok_s']} tok/s", flush=True)
+        print(
+            f"schedule-free, {f['tflops']:g} TFLOPS, {f['bandwidth_tbs']:g} TB/s: >= {f['min_steps']} steps; bound "
+            f"{f['sequential_s']:.2f} s sequential = {f['sequential_tok_s']} output tok/s, {f['overlapped_s']:.2f} s "
+            f"overlapped = {f['overlapped_tok_s']} tok/s",
+            flush=True,
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

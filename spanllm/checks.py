@@ -66,18 +66,27 @@ def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
 
     for name in names:
         if name not in registry.ALGORITHMS:
-            raise UsageError(f"{flag} {name!r}: no such all-reduce algorithm; registered: "
-                             f"{', '.join(registry.ALGORITHMS)}")
+            raise UsageError(
+                f"{flag} {name!r}: no such all-reduce algorithm; registered: {', '.join(registry.ALGORITHMS)}"
+            )
         runs_on = registry.algorithm_class(name).capability.device_types
         if device not in runs_on:
-            here = ("these ranks run on CUDA GPUs" if device == "cuda" else
-                    "local ranks run on CPU over gloo (start GPU jobs with torchrun)" if torch.cuda.is_available()
-                    else "this machine has no GPU")
-            raise UsageError(f"{flag} {name}: runs on {'/'.join(sorted(runs_on))} only, and {here}; choose one of "
-                             f"{', '.join(registry.algorithms_for_device(device))}")
+            here = (
+                "these ranks run on CUDA GPUs"
+                if device == "cuda"
+                else "local ranks run on CPU over gloo (start GPU jobs with torchrun)"
+                if torch.cuda.is_available()
+                else "this machine has no GPU"
+            )
+            raise UsageError(
+                f"{flag} {name}: runs on {'/'.join(sorted(runs_on))} only, and {here}; choose one of "
+                f"{', '.join(registry.algorithms_for_device(device))}"
+            )
         if name == "nvrar" and _triton_missing():
-            raise UsageError(f"{flag} nvrar: its kernel is Triton, and Triton is not installed here; "
-                             "`pip install triton`, or choose nccl")
+            raise UsageError(
+                f"{flag} nvrar: its kernel is Triton, and Triton is not installed here; "
+                "`pip install triton`, or choose nccl"
+            )
 
 
 def decode_gemm(name: str, device: str) -> None:
@@ -85,8 +94,9 @@ def decode_gemm(name: str, device: str) -> None:
         return
     if device != "cuda" or _triton_missing():
         have = "no GPU" if device != "cuda" else "no Triton"
-        raise UsageError(f"--decode-gemm skinny: a Triton kernel for CUDA GPUs, and these ranks have {have}; "
-                         "use --decode-gemm torch")
+        raise UsageError(
+            f"--decode-gemm skinny: a Triton kernel for CUDA GPUs, and these ranks have {have}; use --decode-gemm torch"
+        )
 
 
 def compile_backend(enabled: bool, name: str) -> None:
@@ -96,20 +106,21 @@ def compile_backend(enabled: bool, name: str) -> None:
 
     known = torch._dynamo.list_backends(exclude_tags=())
     if name not in known:
-        raise UsageError(f"--compile-backend {name!r}: not a torch.compile backend; use inductor, or aot_eager "
-                         "(tracing only)")
+        raise UsageError(
+            f"--compile-backend {name!r}: not a torch.compile backend; use inductor, or aot_eager (tracing only)"
+        )
 
 
 def model(spec: str):
     """The ModelConfig of a preset or checkpoint folder, the checkpoint's files checked (headers only)."""
-    from spanllm.engine.config import ModelConfigError, resolve_model
+    from spanllm.model.config import ModelConfigError, resolve_model
 
     try:
         cfg = resolve_model(spec)
     except (ModelConfigError, OSError) as e:
         raise UsageError(f"--model: {e}") from e
     if cfg.checkpoint_dir is not None:
-        from spanllm.engine.loader import check_checkpoint
+        from spanllm.model.loader import check_checkpoint
 
         check_checkpoint(cfg)
     return cfg
@@ -117,13 +128,12 @@ def model(spec: str):
 
 def layout(tp: int | None, pp: int, world: int, cfg, topo):
     """ParallelDims of --tp / --pp on `world` ranks, checked against the model and the node layout."""
-    from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
+    from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError
 
     at_least("--tp", tp, 1, " (tensor-parallel degree; leave it out for world size / --pp)")
     at_least("--pp", pp, 1, " (pipeline stages)")
     if world % pp:
-        raise UsageError(f"--pp {pp} does not divide the {world} ranks; choose a pipeline degree that divides "
-                         f"{world}")
+        raise UsageError(f"--pp {pp} does not divide the {world} ranks; choose a pipeline degree that divides {world}")
     try:
         dims = ParallelDims(tp or world // pp, pp, world)
         dims.validate_for(cfg)
@@ -141,8 +151,10 @@ def context_limit(cfg, max_model_len: int | None) -> int:
         return trained
     at_least("--max-model-len", max_model_len, 2)
     if max_model_len > trained and os.environ.get(ALLOW_LONG_CONTEXT_ENV, "") in ("", "0"):
-        raise UsageError(f"--max-model-len {max_model_len} exceeds the {trained} positions {cfg.label} was trained for "
-                         f"(max_position_embeddings); set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway")
+        raise UsageError(
+            f"--max-model-len {max_model_len} exceeds the {trained} positions {cfg.label} was trained for "
+            f"(max_position_embeddings); set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway"
+        )
     return max_model_len
 
 
@@ -150,9 +162,11 @@ def sequence_fits(prompt_len: int, new_tokens: int, cfg, max_model_len: int | No
     limit = context_limit(cfg, max_model_len)
     if prompt_len + new_tokens > limit:
         src = "--max-model-len" if max_model_len is not None else f"max_position_embeddings of {cfg.label}"
-        raise UsageError(f"{what}: {prompt_len} + {new_tokens} = {prompt_len + new_tokens} tokens exceed the context "
-                         f"of {limit} ({src}); shorten them, or raise the limit with --max-model-len N "
-                         f"(past {cfg.max_position_embeddings} also {ALLOW_LONG_CONTEXT_ENV}=1)")
+        raise UsageError(
+            f"{what}: {prompt_len} + {new_tokens} = {prompt_len + new_tokens} tokens exceed the context "
+            f"of {limit} ({src}); shorten them, or raise the limit with --max-model-len N "
+            f"(past {cfg.max_position_embeddings} also {ALLOW_LONG_CONTEXT_ENV}=1)"
+        )
 
 
 def token_ids(prompts: list[list[int]], names: list[str], vocab_size: int, model_label: str) -> None:
@@ -162,8 +176,10 @@ def token_ids(prompts: list[list[int]], names: list[str], vocab_size: int, model
             raise UsageError(f"{name}: no token ids; give at least one id")
         for pos, t in enumerate(ids):
             if not 0 <= t < vocab_size:
-                raise UsageError(f"{name}: token id {t} at position {pos} is outside the vocabulary [0, {vocab_size}) "
-                                 f"of {model_label}; use ids from 0 to {vocab_size - 1}")
+                raise UsageError(
+                    f"{name}: token id {t} at position {pos} is outside the vocabulary [0, {vocab_size}) "
+                    f"of {model_label}; use ids from 0 to {vocab_size - 1}"
+                )
 
 
 def tuning(path: str | None) -> None:
@@ -198,5 +214,7 @@ def host_memory(bytes_per_rank: int, ranks_here: int, what: str, fix: str) -> No
     avail = available_host_bytes()
     need = bytes_per_rank * ranks_here
     if avail is not None and need > avail:
-        raise UsageError(f"{what} needs about {_gib(need)} of host memory ({ranks_here} ranks x "
-                         f"{_gib(bytes_per_rank)}) but {_gib(avail)} is available; {fix}")
+        raise UsageError(
+            f"{what} needs about {_gib(need)} of host memory ({ranks_here} ranks x "
+            f"{_gib(bytes_per_rank)}) but {_gib(avail)} is available; {fix}"
+        )

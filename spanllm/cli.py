@@ -17,18 +17,54 @@ import traceback
 
 # (words, module, one-line help). Longest match of the leading words wins.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("demo", "spanllm.demo", "CPU main job: 4 local gloo ranks as 2 virtual nodes x 2, every algorithm, the benchmark table"),
-    ("bench allreduce", "spanllm.bench.allreduce", "nccl-tests-style all-reduce benchmark over every registered algorithm"),
-    ("bench gemm", "spanllm.bench.gemm", "decode weight GEMMs on one GPU: F.linear (cuBLAS) vs the skinny Triton kernel"),
-    ("bench batch", "spanllm.bench.batch", "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown"),
-    ("bench study", "spanllm.bench.study", "TP vs TP x PP study: every layout x every all-reduce backend in one run"),
-    ("bench throughput", "spanllm.bench.throughput", "offline throughput of the serving engine (vLLM's bench throughput): ShareGPT or random"),
-    ("bench host", "spanllm.bench.host", "the serving engine's host time per step (scheduler, planning, sampling calls), no model"),
-    ("bench attention", "spanllm.bench.attention", "paged decode attention (Triton) vs its reference and the contiguous-cache SDPA"),
-    ("bench serve", "spanllm.bench.serve", "load test of any OpenAI-compatible server (vLLM's bench serve): TTFT/TPOT/ITL vs request rate"),
-    ("serve", "spanllm.serve.server", "OpenAI-compatible HTTP server on the serving engine"),
-    ("tune", "spanllm.bench.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
-    ("generate", "spanllm.engine.generate", "generate tokens with the engine (preset or HF checkpoint)"),
+    (
+        "demo",
+        "spanllm.commands.demo",
+        "CPU main job: 4 local gloo ranks as 2 virtual nodes x 2, every algorithm, the benchmark table",
+    ),
+    (
+        "bench allreduce",
+        "spanllm.commands.bench_allreduce",
+        "nccl-tests-style all-reduce benchmark over every registered algorithm",
+    ),
+    (
+        "bench gemm",
+        "spanllm.commands.bench_gemm",
+        "decode weight GEMMs on one GPU: F.linear (cuBLAS) vs the skinny Triton kernel",
+    ),
+    (
+        "bench batch",
+        "spanllm.commands.bench_batch",
+        "offline batch benchmark: TTFT, time per output token, batch latency, decode breakdown",
+    ),
+    (
+        "bench study",
+        "spanllm.commands.bench_study",
+        "TP vs TP x PP study: every layout x every all-reduce backend in one run",
+    ),
+    (
+        "bench throughput",
+        "spanllm.commands.bench_throughput",
+        "offline throughput of the serving engine (vLLM's bench throughput): ShareGPT or random",
+    ),
+    (
+        "bench host",
+        "spanllm.commands.bench_host",
+        "the serving engine's host time per step (scheduler, planning, sampling calls), no model",
+    ),
+    (
+        "bench attention",
+        "spanllm.commands.bench_attention",
+        "paged decode attention (Triton) vs its reference and the contiguous-cache SDPA",
+    ),
+    (
+        "bench serve",
+        "spanllm.commands.bench_serve",
+        "load test of any OpenAI-compatible server (vLLM's bench serve): TTFT/TPOT/ITL vs request rate",
+    ),
+    ("serve", "spanllm.commands.serve", "OpenAI-compatible HTTP server on the serving engine"),
+    ("tune", "spanllm.commands.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
+    ("generate", "spanllm.commands.generate", "generate tokens with the engine (preset or HF checkpoint)"),
     ("plan", "spanllm.perf.plan", "rank parallel layouts x all-reduce algorithms for a model on a cluster"),
     ("perf calibrate", "spanllm.perf.calibrate", "fit a cluster preset's all-reduce constants from benchmark JSON"),
     ("perf validate", "spanllm.perf.validate", "predicted vs measured for every measurement under results/"),
@@ -43,8 +79,11 @@ GLOBAL_OPTIONS = """global options (before or after COMMAND):
 
 def _usage() -> str:
     width = max(len(w) for w, _, _ in COMMANDS)
-    lines = ["usage: spanllm [--debug] [--pg-timeout S] COMMAND [options]   (spanllm COMMAND --help for its options)",
-             "", "commands:"]
+    lines = [
+        "usage: spanllm [--debug] [--pg-timeout S] COMMAND [options]   (spanllm COMMAND --help for its options)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {w.ljust(width)}  {h}" for w, _, h in COMMANDS]
     return "\n".join(lines + ["", GLOBAL_OPTIONS])
 
@@ -56,9 +95,14 @@ def add_global_arguments(parser: argparse.ArgumentParser) -> None:
     if "--debug" not in taken:
         g.add_argument("--debug", action="store_true", help="show the traceback of an error (also SPANLLM_DEBUG=1)")
     if "--pg-timeout" not in taken:
-        g.add_argument("--pg-timeout", type=float, default=None, metavar="S",
-                       help="collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a "
-                            "rank that stops answering fails the job after S seconds, and the error names it")
+        g.add_argument(
+            "--pg-timeout",
+            type=float,
+            default=None,
+            metavar="S",
+            help="collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a "
+            "rank that stops answering fails the job after S seconds, and the error names it",
+        )
 
 
 def _apply_global(debug: bool, pg_timeout: float | None) -> None:
@@ -102,15 +146,21 @@ def report_error(exc: BaseException, code: int) -> None:
         traceback.print_exception(exc, file=sys.stderr)
     message = exc.code if isinstance(exc, SystemExit) else str(exc)
     prefix = f"rank {rank}: " if rank not in (None, "0") and "WORLD_SIZE" in os.environ else ""
-    hint = "" if debug_enabled() else " (--debug shows the traceback)" if code == 1 and not isinstance(
-        exc, RankError) else ""
+    hint = (
+        ""
+        if debug_enabled()
+        else " (--debug shows the traceback)"
+        if code == 1 and not isinstance(exc, RankError)
+        else ""
+    )
     print(f"spanllm: error: {prefix}{' '.join(str(message).split())}{hint}", file=sys.stderr)
 
 
 def _run(words: str, module: str, help_: str, argv: list[str]) -> int:
     mod = importlib.import_module(module)
-    parser = argparse.ArgumentParser(prog=f"spanllm {words}", description=help_,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"spanllm {words}", description=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     mod.add_arguments(parser)
     add_global_arguments(parser)
     args = parser.parse_args(argv)
@@ -144,6 +194,7 @@ def _main(argv: list[str]) -> int:
             return 0
         if argv[0] == "--version":
             from spanllm import __version__
+
             print(__version__)
             return 0
         for words, module, help_ in sorted(COMMANDS, key=lambda c: -len(c[0].split())):

@@ -9,15 +9,14 @@ Nothing here runs at import time, and it imports nothing of spanllm (any package
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
-
-def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every capture. It matters for memory: the caching allocator reuses a
     freed block only on the stream that allocated it, so graphs sharing a pool but captured on fresh streams
     could not reuse each other's freed intermediates (each kept its own peak: 15.7 GiB for the serving
@@ -29,9 +28,15 @@ def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     return _streams[device]
 
 
-def capture_graph(fn: Callable[[], object], device: torch.device | str | None = None, *,
-                  warmup: int = 0, pool=None, after_warmup: Callable[[], object] | None = None,
-                  before_capture: Callable[["torch.cuda.CUDAGraph"], object] | None = None) -> "torch.cuda.CUDAGraph":
+def capture_graph(
+    fn: Callable[[], object],
+    device: torch.device | str | None = None,
+    *,
+    warmup: int = 0,
+    pool=None,
+    after_warmup: Callable[[], object] | None = None,
+    before_capture: Callable[[torch.cuda.CUDAGraph], object] | None = None,
+) -> torch.cuda.CUDAGraph:
     """Record `fn()` (any number of kernels) into a new CUDA graph and return it.
 
     The graph reads and writes the tensors `fn` touched at capture, at the same addresses: change inputs

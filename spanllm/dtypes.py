@@ -18,13 +18,26 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.int64: "int64",
 }
 
-ALIASES: dict[str, str] = {"float32": "float", "fp32": "float", "bf16": "bfloat16", "fp16": "half",
-                           "float16": "half", "float64": "double", "fp64": "double", "int": "int32"}
+ALIASES: dict[str, str] = {
+    "float32": "float",
+    "fp32": "float",
+    "bf16": "bfloat16",
+    "fp16": "half",
+    "float16": "half",
+    "float64": "double",
+    "fp64": "double",
+    "int": "int32",
+}
 """Other spellings -> the nccl-tests name."""
 
-MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float32,
-                                        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                                        "float16": torch.float16, "fp16": torch.float16}
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -36,11 +36,24 @@ class RankError(SpanllmError):
     the CLI prints the rank's traceback too).
     """
 
-    def __init__(self, message: str, *, rank: int | None, type_name: str, traceback: str = "",
-                 exit_code: int = 1, known: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None,
+        type_name: str,
+        traceback: str = "",
+        exit_code: int = 1,
+        known: bool = False,
+    ) -> None:
         super().__init__(message)
         self.rank, self.type_name, self.traceback, self.exit_code, self.known = (
-            rank, type_name, traceback, exit_code, known)
+            rank,
+            type_name,
+            traceback,
+            exit_code,
+            known,
+        )
 
 
 class Interrupted(SpanllmError):
@@ -58,15 +71,20 @@ def _input_error_types() -> tuple[type, ...]:
     """The modules' own input errors (imported lazily: this module must import anywhere, fast)."""
     from spanllm.comm.base import AllReduceInputError
     from spanllm.comm.topology import TopologyError
-    from spanllm.engine.config import ModelConfigError
-    from spanllm.engine.parallel_dims import ParallelLayoutError
-
     from spanllm.engine.sampler import SamplingParamsError
     from spanllm.engine.tokenizer import TokenizerError
+    from spanllm.model.config import ModelConfigError
+    from spanllm.model.parallel_dims import ParallelLayoutError
 
     # CheckpointError and the serving engine's RequestError are UsageErrors already.
-    return (ModelConfigError, ParallelLayoutError, TopologyError, AllReduceInputError, SamplingParamsError,
-            TokenizerError)
+    return (
+        ModelConfigError,
+        ParallelLayoutError,
+        TopologyError,
+        AllReduceInputError,
+        SamplingParamsError,
+        TokenizerError,
+    )
 
 
 def _runtime_error_types() -> tuple[type, ...]:

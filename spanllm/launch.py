@@ -44,8 +44,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,10 @@ def pg_timeout_s() -> float:
     except ValueError:
         value = float("nan")
     if not value > 0:
-        raise UsageError(f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a number of seconds > 0; "
-                         f"set e.g. {TIMEOUT_ENV}=300 or pass --pg-timeout 300")
+        raise UsageError(
+            f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a number of seconds > 0; "
+            f"set e.g. {TIMEOUT_ENV}=300 or pass --pg-timeout 300"
+        )
     return value
 
 
@@ -112,8 +115,7 @@ def init_from_launcher(backend: str | None = None, timeout_s: float | None = Non
     rank = _env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", default=0)
     world = _env_int(*_WORLD_ENV, default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                           default=world)
+    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
     if backend is None:
         backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "nccl":
@@ -125,8 +127,9 @@ def init_from_launcher(backend: str | None = None, timeout_s: float | None = Non
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        )
     return DistContext(rank, world, local_rank, local_world, backend, device)
 
 
@@ -153,8 +156,11 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watchdog, name="spanllm-parent-watchdog", daemon=True).start()
 
 
-_PEER_RE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
-                      r"Connection refused|remote worker crashing", re.IGNORECASE)
+_PEER_RE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+    r"Connection refused|remote worker crashing",
+    re.IGNORECASE,
+)
 _TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
@@ -190,8 +196,16 @@ def _record_error(workdir: str, rank: int, exc: BaseException) -> None:
         code = exit_code(exc)
     except Exception:  # noqa: BLE001 - recording must not fail
         code = None
-    doc = {"rank": rank, "time": time.time(), "type": t.__name__, "module": t.__module__, "message": message,
-           "traceback": traceback.format_exc(), "kind": error_kind(exc), "exit_code": code}
+    doc = {
+        "rank": rank,
+        "time": time.time(),
+        "type": t.__name__,
+        "module": t.__module__,
+        "message": message,
+        "traceback": traceback.format_exc(),
+        "kind": error_kind(exc),
+        "exit_code": code,
+    }
     try:
         _write_atomic(os.path.join(workdir, f"error{rank}.json"), json.dumps(doc).encode())
     except OSError:
@@ -204,8 +218,16 @@ def _wait_for_all(store: dist.Store, rank: int, world: int, timeout_s: float) ->
     store.wait([f"spanllm/started/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
 
 
-def _spawned_main(local_rank: int, fn: Callable, args: tuple, nprocs: int, workdir: str,
-                  timeout_s: float, threads: int, parent_pid: int) -> None:
+def _spawned_main(
+    local_rank: int,
+    fn: Callable,
+    args: tuple,
+    nprocs: int,
+    workdir: str,
+    timeout_s: float,
+    threads: int,
+    parent_pid: int,
+) -> None:
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     code = 0
@@ -213,8 +235,9 @@ def _spawned_main(local_rank: int, fn: Callable, args: tuple, nprocs: int, workd
         store = dist.FileStore(os.path.join(workdir, "store"), nprocs)
         _wait_for_all(store, local_rank, nprocs, max(timeout_s, STARTUP_TIMEOUT_S))
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=local_rank, world_size=nprocs,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=local_rank, world_size=nprocs, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         ctx = DistContext(local_rank, nprocs, local_rank, nprocs, "gloo", torch.device("cpu"))
         result = fn(ctx, *args)
         _write_atomic(os.path.join(workdir, f"result{local_rank}.pkl"), pickle.dumps(result))
@@ -238,8 +261,14 @@ def _process_state(pid: int) -> str:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "running"
-    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "stopped",
-            "Z": "exiting"}.get(state, f"state {state}")
+    return {
+        "R": "running",
+        "S": "sleeping",
+        "D": "in uninterruptible wait",
+        "T": "stopped",
+        "t": "stopped",
+        "Z": "exiting",
+    }.get(state, f"state {state}")
 
 
 def _signal_name(code: int) -> str:
@@ -249,8 +278,9 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _first_error(workdir: str, nprocs: int, exits: dict[int, tuple[int, float]], still_running: dict[int, str],
-                 timeout_s: float) -> RankError:
+def _first_error(
+    workdir: str, nprocs: int, exits: dict[int, tuple[int, float]], still_running: dict[int, str], timeout_s: float
+) -> RankError:
     """The error to report: see the module docstring for the order."""
     recorded = {}
     for r in range(nprocs):
@@ -266,10 +296,17 @@ def _first_error(workdir: str, nprocs: int, exits: dict[int, tuple[int, float]],
         code = e["exit_code"]
         known = code is not None
         if message is None:
-            message = f"rank {e['rank']}: {e['message']}" if known else \
-                f"rank {e['rank']} raised {e['type']}: {e['message']}"
-        return RankError(message, rank=e["rank"], type_name=e["type"], traceback=e["traceback"],
-                         exit_code=code if known else 1, known=known)
+            message = (
+                f"rank {e['rank']}: {e['message']}" if known else f"rank {e['rank']} raised {e['type']}: {e['message']}"
+            )
+        return RankError(
+            message,
+            rank=e["rank"],
+            type_name=e["type"],
+            traceback=e["traceback"],
+            exit_code=code if known else 1,
+            known=known,
+        )
 
     def earliest(kind: str) -> dict | None:
         found = [e for e in recorded.values() if e["kind"] == kind]
@@ -281,22 +318,28 @@ def _first_error(workdir: str, nprocs: int, exits: dict[int, tuple[int, float]],
     died = sorted((t, r, code) for r, (code, t) in exits.items() if code != 0 and r not in recorded)
     if died:
         _, r, code = died[0]
-        how = f"was killed by {_signal_name(code)}" if code < 0 else \
-            f"exited with code {code} before it could report an error (see its output above)"
+        how = (
+            f"was killed by {_signal_name(code)}"
+            if code < 0
+            else f"exited with code {code} before it could report an error (see its output above)"
+        )
         return RankError(f"rank {r} {how}", rank=r, type_name="exit", exit_code=1)
     timed_out = earliest("timeout")
     if timed_out is not None:
         waiting = sorted(r for r, e in recorded.items() if e["kind"] == "timeout")
-        fix = (f"if it is only slow, raise the timeout with --pg-timeout or {TIMEOUT_ENV} "
-               f"(now {timeout_s:g} s)")
+        fix = f"if it is only slow, raise the timeout with --pg-timeout or {TIMEOUT_ENV} (now {timeout_s:g} s)"
         if still_running:
             stuck = ", ".join(f"rank {r} ({state})" for r, state in sorted(still_running.items()))
-            message = (f"{stuck} stopped answering: rank{'s' if len(waiting) > 1 else ''} "
-                       f"{', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting in a collective "
-                       f"and the rank{'s' if len(still_running) > 1 else ''} named had not failed; {fix}")
+            message = (
+                f"{stuck} stopped answering: rank{'s' if len(waiting) > 1 else ''} "
+                f"{', '.join(map(str, waiting))} timed out after {timeout_s:g} s waiting in a collective "
+                f"and the rank{'s' if len(still_running) > 1 else ''} named had not failed; {fix}"
+            )
         else:
-            message = (f"ranks {', '.join(map(str, waiting))} timed out after {timeout_s:g} s in a collective "
-                       f"({timed_out['message'][:200]}); a rank did not make the same collective call, or {fix}")
+            message = (
+                f"ranks {', '.join(map(str, waiting))} timed out after {timeout_s:g} s in a collective "
+                f"({timed_out['message'][:200]}); a rank did not make the same collective call, or {fix}"
+            )
         return from_record(timed_out, message)
     other = earliest("interrupt") or earliest("peer")
     if other is not None:
@@ -315,7 +358,7 @@ class _Signals:
         if not self.cleaning:
             raise Interrupted(signum)
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
                 old = signal.getsignal(s)
@@ -346,8 +389,9 @@ def _stop(procs: list) -> None:
 
 
 def _launch_local(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> list[Any]:
-    import torch.multiprocessing as mp
     from multiprocessing.connection import wait
+
+    import torch.multiprocessing as mp
 
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     procs: list = []
@@ -357,8 +401,11 @@ def _launch_local(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> l
             workdir = tempfile.mkdtemp(prefix="spanllm-launch-")
             spawn = mp.get_context("spawn")
             for r in range(nprocs):
-                p = spawn.Process(target=_spawned_main, name=f"spanllm-rank{r}",
-                                  args=(r, fn, args, nprocs, workdir, timeout_s, threads, os.getpid()))
+                p = spawn.Process(
+                    target=_spawned_main,
+                    name=f"spanllm-rank{r}",
+                    args=(r, fn, args, nprocs, workdir, timeout_s, threads, os.getpid()),
+                )
                 procs.append(p)  # before start: a signal during start() still finds it in _stop
                 p.start()
             exits: dict[int, tuple[int, float]] = {}  # rank -> (exit code, when the parent saw it)
@@ -390,8 +437,9 @@ def _launch_local(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> l
                 shutil.rmtree(workdir, ignore_errors=True)
 
 
-def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 1, backend: str | None = None,
-           timeout_s: float | None = None) -> list[Any]:
+def launch(
+    fn: Callable[..., Any], *args: Any, nprocs: int = 1, backend: str | None = None, timeout_s: float | None = None
+) -> list[Any]:
     """Run `fn(ctx, *args)` on every rank; return the per-rank results (only this rank's under a launcher).
 
     Spawned ranks are CPU processes over gloo. If one of them raises, the others are stopped and

@@ -11,22 +11,29 @@ import sys
 import pytest
 import torch
 
-import spanllm.bench.allreduce
-import spanllm.bench.batch
-import spanllm.bench.study
-import spanllm.bench.tune
-import spanllm.demo
-import spanllm.engine.generate
+import spanllm.commands.bench_allreduce
+import spanllm.commands.bench_batch
+import spanllm.commands.bench_study
+import spanllm.commands.demo
+import spanllm.commands.generate
+import spanllm.commands.tune
 from spanllm.cli import main
 from spanllm.errors import RankError
 
-COMMAND_MODULES = (spanllm.bench.allreduce, spanllm.bench.batch, spanllm.bench.study, spanllm.bench.tune,
-                   spanllm.demo, spanllm.engine.generate)
+COMMAND_MODULES = (
+    spanllm.commands.bench_allreduce,
+    spanllm.commands.bench_batch,
+    spanllm.commands.bench_study,
+    spanllm.commands.tune,
+    spanllm.commands.demo,
+    spanllm.commands.generate,
+)
 
 
 @pytest.fixture
 def no_ranks(monkeypatch):
     """Every check runs in the launching process: starting a rank is a failure of the test."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("ranks started for bad input")
 
@@ -50,17 +57,26 @@ TUNE = ["tune", "--out", os.path.join(os.path.dirname(__file__), "never-written.
 
 CASES = [
     # generate: token ids, lengths, sampling
-    (["generate", "--model", "tiny", "--prompt-ids", "1,2,600"],
-     "--prompt-ids #0 ('1,2,600'): token id 600 at position 2 is outside the vocabulary [0, 512) of tiny"),
-    (["generate", "--model", "tiny", "--prompt-ids", "1", "--prompt-ids=-1,4"],
-     "--prompt-ids #1 ('-1,4'): token id -1 at position 0 is outside the vocabulary [0, 512)"),
+    (
+        ["generate", "--model", "tiny", "--prompt-ids", "1,2,600"],
+        "--prompt-ids #0 ('1,2,600'): token id 600 at position 2 is outside the vocabulary [0, 512) of tiny",
+    ),
+    (
+        ["generate", "--model", "tiny", "--prompt-ids", "1", "--prompt-ids=-1,4"],
+        "--prompt-ids #1 ('-1,4'): token id -1 at position 0 is outside the vocabulary [0, 512)",
+    ),
     (["generate", "--model", "tiny", "--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers"),
     (["generate", "--model", "tiny", "--prompt-ids", ""], "--prompt-ids #0 (''): no token ids"),
     (["generate", "--model", "tiny"], "give at least one --prompt-ids or --prompt"),
     (["generate", "--model", "tiny", "--prompt", "hello"], "--prompt needs a checkpoint directory with a tokenizer"),
-    (GEN + ["--max-new-tokens", "5000"],
-     "prompt + --max-new-tokens: 3 + 5000 = 5003 tokens exceed the context of 4096 (max_position_embeddings of tiny)"),
-    (GEN + ["--max-new-tokens", "10", "--max-model-len", "12"], "3 + 10 = 13 tokens exceed the context of 12 (--max-model-len)"),
+    (
+        GEN + ["--max-new-tokens", "5000"],
+        "prompt + --max-new-tokens: 3 + 5000 = 5003 tokens exceed the context of 4096 (max_position_embeddings of tiny)",
+    ),
+    (
+        GEN + ["--max-new-tokens", "10", "--max-model-len", "12"],
+        "3 + 10 = 13 tokens exceed the context of 12 (--max-model-len)",
+    ),
     (GEN + ["--max-model-len", "8192"], "--max-model-len 8192 exceeds the 4096 positions tiny was trained for"),
     (GEN + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (GEN + ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
@@ -73,25 +89,42 @@ CASES = [
     (GEN + ["--tp", "1", "--nprocs", "2"], "--tp/--pp: tp=1 x pp=1 = 1 ranks, but the world has 2"),
     (GEN + ["--pp", "8", "--nprocs", "8"], "pp=8 exceeds the 4 layers of tiny"),
     (GEN + ["--nprocs", "0"], "--nprocs 0: must be >= 1 (local gloo ranks)"),
-    (GEN + ["--nprocs", "4", "--ranks-per-node", "3"],
-     "--ranks-per-node 3: world_size=4 is not divisible by ranks_per_node=3"),
-    (GEN + ["--nprocs", "2", "--ranks-per-node", "0"], "--ranks-per-node 0: ranks_per_node=0 must be a positive integer"),
+    (
+        GEN + ["--nprocs", "4", "--ranks-per-node", "3"],
+        "--ranks-per-node 3: world_size=4 is not divisible by ranks_per_node=3",
+    ),
+    (
+        GEN + ["--nprocs", "2", "--ranks-per-node", "0"],
+        "--ranks-per-node 0: ranks_per_node=0 must be a positive integer",
+    ),
     (GEN + ["--micro-batches", "0"], "--micro-batches 0: must be >= 1"),
     # names: dtype, all-reduce, GEMM, compile backend, model
     (GEN + ["--dtype", "fp8"], "--dtype 'fp8' is not supported; choose one of auto, float32"),
-    (GEN + ["--nprocs", "2", "--allreduce", "ring"], "--allreduce 'ring': no such all-reduce algorithm; registered: ref_ring"),
+    (
+        GEN + ["--nprocs", "2", "--allreduce", "ring"],
+        "--allreduce 'ring': no such all-reduce algorithm; registered: ref_ring",
+    ),
     (GEN + ["--nprocs", "2", "--allreduce", "nvrar"], "--allreduce nvrar: runs on cuda only"),
     (GEN + ["--decode-gemm", "skinny"], "--decode-gemm skinny: a Triton kernel for CUDA GPUs"),
     (GEN + ["--compile-decode", "--compile-backend", "nope"], "--compile-backend 'nope': not a torch.compile backend"),
-    (["generate", "--model", "/no/such/folder", "--prompt-ids", "1"], "--model: no such checkpoint folder '/no/such/folder'"),
+    (
+        ["generate", "--model", "/no/such/folder", "--prompt-ids", "1"],
+        "--model: no such checkpoint folder '/no/such/folder'",
+    ),
     (["generate", "--model", "./llama-8b", "--prompt-ids", "1"], "no such checkpoint folder './llama-8b'"),
     (["generate", "--model", "llama9", "--prompt-ids", "1"], "--model: unknown preset 'llama9'; choose one of"),
     (["generate", "--model", "tiny:layers=x", "--prompt-ids", "1"], "write ':layers=N' with N a whole number"),
-    (["generate", "--model", "tiny:layers=8", "--prompt-ids", "1"], "'tiny:layers=8': layers=8 must be between 1 and 4"),
+    (
+        ["generate", "--model", "tiny:layers=8", "--prompt-ids", "1"],
+        "'tiny:layers=8': layers=8 must be between 1 and 4",
+    ),
     # bench batch
     (BATCH + ["--iters", "0"], "--iters 0: must be >= 1"),
     (BATCH + ["--warmup", "-3"], "--warmup -3: must be >= 0"),
-    (BATCH + ["--prompt-len", "5000"], "--prompt-len + --decode-len: 5000 + 512 = 5512 tokens exceed the context of 4096"),
+    (
+        BATCH + ["--prompt-len", "5000"],
+        "--prompt-len + --decode-len: 5000 + 512 = 5512 tokens exceed the context of 4096",
+    ),
     (BATCH + ["--prompt-len", "0"], "prompt_len=0 and decode_len=512 must be >= 1"),
     (BATCH + ["--breakdown-steps", "0"], "--breakdown-steps 0: must be >= 1"),
     (BATCH + ["--batch-sizes", "1,x"], "--batch-sizes '1,x': expected a comma-separated list"),
@@ -104,7 +137,10 @@ CASES = [
     # bench study: the micro-batch list and --pp before the first layout
     (STUDY + ["--micro-batches", "1,x"], "--micro-batches '1,x': 'x' is not a count"),
     (STUDY + ["--micro-batches", "0"], "--micro-batches '0': '0' is not a count"),
-    (STUDY + ["--pp", "4"], "--pp 4: no valid layout of 2 ranks has that pipeline degree; valid: TP=2 x PP=1, TP=1 x PP=2"),
+    (
+        STUDY + ["--pp", "4"],
+        "--pp 4: no valid layout of 2 ranks has that pipeline degree; valid: TP=2 x PP=1, TP=1 x PP=2",
+    ),
     (STUDY + ["--pp", "two"], "--pp 'two': pipeline degrees are integers"),
     (STUDY + ["--iters", "0"], "--iters 0: must be >= 1"),
     # bench allreduce
@@ -179,8 +215,10 @@ def test_debug_shows_the_traceback(no_ranks, monkeypatch, capsys, where):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "UsageError" in err
-    assert err.strip().splitlines()[-1] == "spanllm: error: --tp 0: must be >= 1 (tensor-parallel degree; leave it " \
-                                           "out for world size / --pp)"
+    assert (
+        err.strip().splitlines()[-1] == "spanllm: error: --tp 0: must be >= 1 (tensor-parallel degree; leave it "
+        "out for world size / --pp)"
+    )
     if where != "env":
         assert "SPANLLM_DEBUG" not in os.environ  # main restores the environment it changed
 
@@ -188,13 +226,18 @@ def test_debug_shows_the_traceback(no_ranks, monkeypatch, capsys, where):
 @pytest.mark.parametrize("known,code", [(True, 2), (False, 1)])
 def test_rank_errors(monkeypatch, capsys, known, code):
     """A rank's project error is its one line; anything else (a bug) shows the rank's traceback first."""
-    def fail(*args, **kwargs):
-        raise RankError("rank 1: token id 7 is bad" if known else "rank 1 raised IndexError: index 7 is out of bounds",
-                        rank=1, type_name="UsageError" if known else "IndexError",
-                        traceback="Traceback (most recent call last):\n  ...\nIndexError: index 7", exit_code=code,
-                        known=known)
 
-    monkeypatch.setattr(spanllm.engine.generate, "launch", fail)
+    def fail(*args, **kwargs):
+        raise RankError(
+            "rank 1: token id 7 is bad" if known else "rank 1 raised IndexError: index 7 is out of bounds",
+            rank=1,
+            type_name="UsageError" if known else "IndexError",
+            traceback="Traceback (most recent call last):\n  ...\nIndexError: index 7",
+            exit_code=code,
+            known=known,
+        )
+
+    monkeypatch.setattr(spanllm.commands.generate, "launch", fail)
     assert main(GEN) == code
     err = capsys.readouterr().err
     if known:
@@ -213,7 +256,7 @@ def test_pg_timeout_reaches_the_ranks(monkeypatch):
         seen["timeout"] = pg_timeout_s()
         raise RankError("rank 0: stop here", rank=0, type_name="UsageError", exit_code=2, known=True)
 
-    monkeypatch.setattr(spanllm.engine.generate, "launch", fake_launch)
+    monkeypatch.setattr(spanllm.commands.generate, "launch", fake_launch)
     assert main(["--pg-timeout", "7.5"] + GEN) == 2
     assert seen["timeout"] == 7.5 and "SPANLLM_PG_TIMEOUT_S" not in os.environ
 
@@ -222,31 +265,47 @@ def test_bad_pg_timeout_env(monkeypatch, capsys):
     from spanllm.launch import launch
 
     monkeypatch.setenv("SPANLLM_PG_TIMEOUT_S", "abc")
-    monkeypatch.setattr(spanllm.engine.generate, "launch", launch)
+    monkeypatch.setattr(spanllm.commands.generate, "launch", launch)
     assert main(GEN) == 2
     assert "SPANLLM_PG_TIMEOUT_S='abc': the collective timeout must be a number of seconds > 0" in _error_line(capsys)
 
 
 def test_one_line_from_the_console_entry_point():
-    out = subprocess.run([sys.executable, "-m", "spanllm.cli", "generate", "--model", "tiny", "--prompt-ids", "5,512"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "spanllm.cli", "generate", "--model", "tiny", "--prompt-ids", "5,512"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("spanllm: error: --prompt-ids #0 ('5,512'): token id 512 at position 1 is outside the "
-                          "vocabulary [0, 512) of tiny; use ids from 0 to 511\n")
+    assert out.stderr == (
+        "spanllm: error: --prompt-ids #0 ('5,512'): token id 512 at position 1 is outside the "
+        "vocabulary [0, 512) of tiny; use ids from 0 to 511\n"
+    )
 
 
 # --- checkpoints: every file checked in the launching process, the file named ------------------------------
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
 def checkpoint(tmp_path):
     """A tiny checkpoint folder (config.json + model.safetensors of zeros), valid as written."""
     safetensors = pytest.importorskip("safetensors.torch")
-    from spanllm.engine.config import ModelConfig
-    from spanllm.engine.loader import expected_tensors
+    from spanllm.model.config import ModelConfig
+    from spanllm.model.loader import expected_tensors
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -262,10 +321,18 @@ def _gen(d) -> list[str]:
 
 def test_valid_checkpoint_passes_the_checks(checkpoint, monkeypatch):
     started = []
-    result = {"describe": "ckpt", "allreduce_ran": "none", "prompts": [[1, 2]], "tokens": [[3]], "texts": None,
-              "ttft_ms": 1.0, "e2e_ms": 2.0}
-    monkeypatch.setattr(spanllm.engine.generate, "launch", lambda fn, args, prompts, **k: started.append(prompts)
-                        or [result])
+    result = {
+        "describe": "ckpt",
+        "allreduce_ran": "none",
+        "prompts": [[1, 2]],
+        "tokens": [[3]],
+        "texts": None,
+        "ttft_ms": 1.0,
+        "e2e_ms": 2.0,
+    }
+    monkeypatch.setattr(
+        spanllm.commands.generate, "launch", lambda fn, args, prompts, **k: started.append(prompts) or [result]
+    )
     assert main(_gen(checkpoint)) == 0
     assert started == [[[1, 2]]]
 
@@ -326,11 +393,17 @@ CHECKPOINT_CASES = [
     (_bad_value, "config.json: a value has the wrong type"),
     (_truncate, "model.safetensors: truncated: the file has"),
     (_garble, "model.safetensors: the safetensors header is damaged"),
-    (_shape, "model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape (32, 16) but config.json "
-             "implies (48, 16)"),
+    (
+        _shape,
+        "model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape (32, 16) but config.json "
+        "implies (48, 16)",
+    ),
     (_layers, "tensor 'model.layers.2.input_layernorm.weight' is missing from the checkpoint"),
     (_no_weights, "has neither model.safetensors nor model.safetensors.index.json"),
-    (_index_names_missing_file, "model.safetensors.index.json: lists model-00002-of-00002.safetensors, which is missing"),
+    (
+        _index_names_missing_file,
+        "model.safetensors.index.json: lists model-00002-of-00002.safetensors, which is missing",
+    ),
     (_bad_index, "model.safetensors.index.json: not a safetensors index"),
 ]
 
@@ -358,13 +431,23 @@ class _Launched(Exception):
     pass
 
 
-@pytest.mark.parametrize("argv", [
-    ["demo"], ["demo", "--nprocs", "2", "--no-engine"], ["bench", "allreduce"], AR + ["--algos", "gloo, ref_ring"],
-    ["tune", "--out", "t.json"], GEN, GEN + ["--nprocs", "2", "--pp", "2", "--max-new-tokens", "4093"],
-    BATCH + ["--nprocs", "2", "--allreduce", "gloo,ref_ring", "--warmup", "0"], STUDY, STUDY + ["--pp", "2"],
-    ["bench", "batch", "--model", "llama3.1-405b:layers=2", "--workload", "prefill-heavy", "--nprocs", "2"],
-    GEN + ["--max-model-len", "19"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo"],
+        ["demo", "--nprocs", "2", "--no-engine"],
+        ["bench", "allreduce"],
+        AR + ["--algos", "gloo, ref_ring"],
+        ["tune", "--out", "t.json"],
+        GEN,
+        GEN + ["--nprocs", "2", "--pp", "2", "--max-new-tokens", "4093"],
+        BATCH + ["--nprocs", "2", "--allreduce", "gloo,ref_ring", "--warmup", "0"],
+        STUDY,
+        STUDY + ["--pp", "2"],
+        ["bench", "batch", "--model", "llama3.1-405b:layers=2", "--workload", "prefill-heavy", "--nprocs", "2"],
+        GEN + ["--max-model-len", "19"],
+    ],
+)
 def test_good_input_reaches_the_launch(monkeypatch, argv):
     def launched(*args, **kwargs):
         raise _Launched

@@ -64,16 +64,28 @@ def conformance_problems(doc: dict, ranks_per_node: int, calls: int = CALLS, max
     nvrar = sorted({r["comm"] for r in results if r["comm"].startswith("nvrar")})
     if doc.get("complete") is False:
         problems.append("the run stopped before every backend finished (complete=False)")
-    want_variants = {"nvrar:default", "nvrar:rs_b4x256", "nvrar:rs_b64x1024", "nvrar:simple_rs_b16x512",
-                     "nvrar:pipe_rs_b2x256", "nvrar:pipe_simple_rs_b4x512"} | (
-        {"nvrar:os_b8x512", "nvrar:simple_os_b8x256", "nvrar:pipe_os_b2x256"} if ranks_per_node > 1 else set())
+    want_variants = {
+        "nvrar:default",
+        "nvrar:rs_b4x256",
+        "nvrar:rs_b64x1024",
+        "nvrar:simple_rs_b16x512",
+        "nvrar:pipe_rs_b2x256",
+        "nvrar:pipe_simple_rs_b4x512",
+    } | ({"nvrar:os_b8x512", "nvrar:simple_os_b8x256", "nvrar:pipe_os_b2x256"} if ranks_per_node > 1 else set())
     if set(nvrar) != want_variants:
         problems.append(f"nvrar variants {nvrar}, expected {sorted(want_variants)}")
     for comm in nvrar:
         mine = [r for r in results if r["comm"] == comm]
         cases = {r["case"] for r in mine}
-        for case in ("length", "bitwise_identical", "straggler", "cuda_graph", "back_to_back", "non_contiguous",
-                     "bad_dtype"):
+        for case in (
+            "length",
+            "bitwise_identical",
+            "straggler",
+            "cuda_graph",
+            "back_to_back",
+            "non_contiguous",
+            "bad_dtype",
+        ):
             if case not in cases:
                 problems.append(f"{comm}: no {case} case")
         for dtype in sorted(NVRAR_DTYPES):
@@ -133,12 +145,30 @@ def out_dir(tmp_path: Path) -> Path:
 
 def torchrun(script: str, nproc: int, *args: str, timeout_s: float) -> None:
     """One torchrun job on this host; fails the test with the output's tail when it does not exit 0."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}  # no NVLink multicast on shared hosts
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }  # no NVLink multicast on shared hosts
     env.setdefault("NVSHMEM_SYMMETRIC_SIZE", "8G")  # the conformance run holds several nvrar workspaces
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "scripts" / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "scripts" / script),
+        *args,
+    ]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -159,8 +189,17 @@ def conformance_cases() -> list:
 def test_conformance(world, rpn, tmp_path):
     needs_gpus(world)
     out = out_dir(tmp_path) / f"conformance_{world // rpn}x{rpn}.json"
-    torchrun("gpu_allreduce_conformance.py", world, "--ranks-per-node", str(rpn), "--calls", str(TEST_CALLS),
-             "--out", str(out), timeout_s=600)
+    torchrun(
+        "gpu_allreduce_conformance.py",
+        world,
+        "--ranks-per-node",
+        str(rpn),
+        "--calls",
+        str(TEST_CALLS),
+        "--out",
+        str(out),
+        timeout_s=600,
+    )
     doc = json.loads(out.read_text())
     assert conformance_problems(doc, rpn, calls=TEST_CALLS) == []
 

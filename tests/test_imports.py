@@ -21,15 +21,17 @@ LIBRARIES = ("comm", "engine", "perf")
 # Command-line modules still inside a library package (the argparse check exempts them):
 ARGPARSE_EXEMPT = {
     # the serving-engine work moves the engine's command (generate) out of the library
-    "spanllm/engine/generate.py",
+    "spanllm/commands/generate.py",
     # `spanllm plan`, `spanllm perf calibrate`, `spanllm perf validate`: the perf model's commands, not yet
     # split from the model they drive
-    "spanllm/perf/calibrate.py", "spanllm/perf/plan.py", "spanllm/perf/validate.py",
+    "spanllm/perf/calibrate.py",
+    "spanllm/perf/plan.py",
+    "spanllm/perf/validate.py",
 }
 
 
 def unit(module: str) -> str | None:
-    """spanllm.comm.nvrar -> 'comm'; spanllm.launch -> 'launch'; other projects -> None."""
+    """spanllm.comm.nvrar.allreduce -> 'comm'; spanllm.launch -> 'launch'; other projects -> None."""
     parts = module.split(".")
     return parts[1] if parts[0] == "spanllm" and len(parts) > 1 else None
 
@@ -43,8 +45,11 @@ def imports(path: pathlib.Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append((node.module, node.lineno))
             if node.module == "spanllm":  # from spanllm import checks (not: from spanllm import __version__)
-                out += [(f"spanllm.{a.name}", node.lineno) for a in node.names
-                        if (ROOT / a.name).is_dir() or (ROOT / f"{a.name}.py").exists()]
+                out += [
+                    (f"spanllm.{a.name}", node.lineno)
+                    for a in node.names
+                    if (ROOT / a.name).is_dir() or (ROOT / f"{a.name}.py").exists()
+                ]
     return out
 
 
@@ -115,13 +120,21 @@ def test_neutral_modules_import_only_each_other():
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_libraries_do_not_import_commands(library):
     graph = edges()
-    bad = {f"{library} -> {b} ({where})" for b, where in graph.get(library, {}).items() if b in ("bench", "serve", "cli")}
+    bad = {
+        f"{library} -> {b} ({where})" for b, where in graph.get(library, {}).items() if b in ("bench", "serve", "cli")
+    }
     assert not bad, f"a library imports a command-line package: {sorted(bad)}"
-    argparse_users = [f"{p.relative_to(ROOT.parent)}:{line}" for p in sorted((ROOT / library).rglob("*.py"))
-                      if str(p.relative_to(ROOT.parent)) not in ARGPARSE_EXEMPT
-                      for module, line in imports(p) if module == "argparse"]
-    assert not argparse_users, (f"command-line code in the library package {library}: {argparse_users}; "
-                                "command modules live in spanllm/bench (or next to spanllm/cli.py)")
+    argparse_users = [
+        f"{p.relative_to(ROOT.parent)}:{line}"
+        for p in sorted((ROOT / library).rglob("*.py"))
+        if str(p.relative_to(ROOT.parent)) not in ARGPARSE_EXEMPT
+        for module, line in imports(p)
+        if module == "argparse"
+    ]
+    assert not argparse_users, (
+        f"command-line code in the library package {library}: {argparse_users}; "
+        "command modules live in spanllm/bench (or next to spanllm/cli.py)"
+    )
 
 
 def test_the_checker_sees_a_cycle():

@@ -54,8 +54,10 @@ def test_first_real_error_wins(bad_rank):
         launch(raise_on, bad_rank, nprocs=2, timeout_s=30)
     err = e.value
     assert err.rank == bad_rank and err.type_name == "ValueError"
-    assert str(err) == f"rank {bad_rank} raised ValueError: token id 9999 at position 3 is outside the vocabulary " \
-                       f"(rank {bad_rank})"
+    assert (
+        str(err) == f"rank {bad_rank} raised ValueError: token id 9999 at position 3 is outside the vocabulary "
+        f"(rank {bad_rank})"
+    )
     assert "Connection closed" not in str(err) and "raise ValueError" in err.traceback
     assert err.exit_code == 1 and not err.known  # not a project error: the CLI shows its traceback
 
@@ -72,8 +74,16 @@ def test_stopped_rank_is_named():
 
 # --- which error is reported: a pure function of the records ----------------------------------------------
 def _rec(rank, t, kind, type_="RuntimeError", message="m", code=None):
-    return {"rank": rank, "time": t, "type": type_, "module": "builtins", "message": message, "traceback": "tb",
-            "kind": kind, "exit_code": code}
+    return {
+        "rank": rank,
+        "time": t,
+        "type": type_,
+        "module": "builtins",
+        "message": message,
+        "traceback": "tb",
+        "kind": kind,
+        "exit_code": code,
+    }
 
 
 def _first(tmp_path, records, exits=None, running=None):
@@ -93,9 +103,14 @@ def test_error_kinds():
 
 
 def test_own_error_beats_an_earlier_connection_error(tmp_path):
-    err = _first(tmp_path, [_rec(0, 1.0, "peer", message="Connection closed by peer"),
-                            _rec(2, 2.0, "error", "ModelConfigError", "bad config", 2),
-                            _rec(3, 1.5, "error", "IndexError", "late")])
+    err = _first(
+        tmp_path,
+        [
+            _rec(0, 1.0, "peer", message="Connection closed by peer"),
+            _rec(2, 2.0, "error", "ModelConfigError", "bad config", 2),
+            _rec(3, 1.5, "error", "IndexError", "late"),
+        ],
+    )
     assert (err.rank, err.exit_code, err.known) == (3, 1, False)
     err = _first(tmp_path, [_rec(3, 9.0, "error", "IndexError", "late")])
     assert (err.rank, str(err), err.exit_code, err.known) == (2, "rank 2: bad config", 2, True)
@@ -107,10 +122,15 @@ def test_a_signal_death_beats_its_peers_connection_errors(tmp_path):
 
 
 def test_timeout_names_the_ranks_still_running(tmp_path):
-    err = _first(tmp_path, [_rec(0, 1.0, "timeout"), _rec(2, 1.1, "timeout")], exits={0: (1, 1), 2: (1, 1)},
-                 running={1: "sleeping", 3: "stopped"})
-    assert str(err).startswith("rank 1 (sleeping), rank 3 (stopped) stopped answering: ranks 0, 2 timed out "
-                               "after 5 s waiting in a collective")
+    err = _first(
+        tmp_path,
+        [_rec(0, 1.0, "timeout"), _rec(2, 1.1, "timeout")],
+        exits={0: (1, 1), 2: (1, 1)},
+        running={1: "sleeping", 3: "stopped"},
+    )
+    assert str(err).startswith(
+        "rank 1 (sleeping), rank 3 (stopped) stopped answering: ranks 0, 2 timed out after 5 s waiting in a collective"
+    )
 
 
 # --- workers die with the parent; the folder goes ----------------------------------------------------------
@@ -144,8 +164,11 @@ def _start_parent(tmp_path):
     while len(complete_pids()) < 2:
         if parent.poll() is not None or time.monotonic() >= deadline:
             parent.kill()
-            raise AssertionError("the launching process ended early" if parent.poll() is not None
-                                 else "the ranks did not start within 60 s")
+            raise AssertionError(
+                "the launching process ended early"
+                if parent.poll() is not None
+                else "the ranks did not start within 60 s"
+            )
         time.sleep(0.1)
     return parent, complete_pids(), tmpdir
 

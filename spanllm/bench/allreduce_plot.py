@@ -1,6 +1,6 @@
 """Latency vs message size, one line per algorithm and one panel per topology, from bench JSON files.
 
-    python -m spanllm.bench.allreduce_plot results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
+python -m spanllm.bench.allreduce_plot results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
 """
 
 from __future__ import annotations
@@ -21,15 +21,23 @@ def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> Non
         rows = doc["rows"]
         for algo in dict.fromkeys(r["algo"] for r in rows):
             mine = sorted((r for r in rows if r["algo"] == algo), key=lambda r: r["size"])
-            ax.plot([r["size"] for r in mine], [r["time_us"] for r in mine], marker="o", ms=3,
-                    ls="--" if algo == "auto" else "-", label=algo)
+            ax.plot(
+                [r["size"] for r in mine],
+                [r["time_us"] for r in mine],
+                marker="o",
+                ms=3,
+                ls="--" if algo == "auto" else "-",
+                label=algo,
+            )
         s = doc.get("settings", {})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("time per call (us), median, max over ranks")
-        ax.set_title(f"{s.get('topology', '?')} (nodes x ranks per node), {s.get('dtype', '')}, "
-                     f"{'CUDA graph' if s.get('graph') else 'eager'}")
+        ax.set_title(
+            f"{s.get('topology', '?')} (nodes x ranks per node), {s.get('dtype', '')}, "
+            f"{'CUDA graph' if s.get('graph') else 'eager'}"
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     gpus = (docs[0].get("machine") or {}).get("gpus") or []

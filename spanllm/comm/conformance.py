@@ -72,9 +72,16 @@ def _sync(x: torch.Tensor, comm: AllReduce | None = None) -> None:
 
 def _takes(comm: AllReduce, n: int, dtype: torch.dtype, device) -> bool:
     """Whether the backend's declared capability takes n elements of dtype (cases skip sizes it declines)."""
-    return comm.capability.unsupported_reason(nbytes=n * dtype.itemsize, dtype=dtype,
-                                              topology=comm.topology, device_type=torch.device(device).type,
-                                              max_bytes=comm.max_bytes) is None
+    return (
+        comm.capability.unsupported_reason(
+            nbytes=n * dtype.itemsize,
+            dtype=dtype,
+            topology=comm.topology,
+            device_type=torch.device(device).type,
+            max_bytes=comm.max_bytes,
+        )
+        is None
+    )
 
 
 def identical_across_ranks(x: torch.Tensor, group) -> bool:

@@ -31,8 +31,10 @@ class SizeFallback:
         # engine accepts such objects); what it lacks of an AllReduce is taken from the fallback.
         pw, fw = getattr(primary, "world_size", fallback.world_size), fallback.world_size
         if pw != fw:
-            raise ValueError(f"SizeFallback: primary {primary.name} spans {pw} ranks but fallback "
-                             f"{fallback.name} spans {fw}; build both on the same process group")
+            raise ValueError(
+                f"SizeFallback: primary {primary.name} spans {pw} ranks but fallback "
+                f"{fallback.name} spans {fw}; build both on the same process group"
+            )
         self.primary, self.fallback = primary, fallback
         self.name = getattr(primary, "name", type(primary).__name__)  # what was asked for; algorithm_for(x): what runs
         self.group, self.rank, self.world_size = fallback.group, fallback.rank, fw
@@ -64,7 +66,7 @@ class SizeFallback:
         self.primary.close()
         self.fallback.close()
 
-    def __enter__(self) -> "SizeFallback":
+    def __enter__(self) -> SizeFallback:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -80,6 +82,7 @@ def with_group_fallback(comm: AllReduce, **options) -> AllReduce | SizeFallback:
     `options` go to registry.create (e.g. check_sizes)."""
     if comm.max_bytes is None:
         return comm
-    fallback = registry.create(default_backend(device_type_of(comm.group)), group=comm.group,
-                               topology=comm.topology, **options)
+    fallback = registry.create(
+        default_backend(device_type_of(comm.group)), group=comm.group, topology=comm.topology, **options
+    )
     return SizeFallback(comm, fallback)

@@ -34,8 +34,10 @@ def communicator(handle: str) -> AllReduce:
     try:
         return _LIVE[handle]
     except KeyError:
-        raise KeyError(f"no live communicator registered as {handle!r} (registered: {sorted(_LIVE)}); "
-                       "call spanllm.comm.op.register(comm) first, and keep it registered while code uses it") from None
+        raise KeyError(
+            f"no live communicator registered as {handle!r} (registered: {sorted(_LIVE)}); "
+            "call spanllm.comm.op.register(comm) first, and keep it registered while code uses it"
+        ) from None
 
 
 @torch.library.custom_op("spanllm::all_reduce_", mutates_args=("x",))

@@ -42,7 +42,7 @@ class RefAllReduce(AllReduce):
         for rnd in self.schedule(flat.numel()).rounds:
             works, incoming = [], []
             for s in rnd.sends:
-                works.append(dist.isend(flat[s.start:s.stop], self._global[s.peer], group=self.group))
+                works.append(dist.isend(flat[s.start : s.stop], self._global[s.peer], group=self.group))
             for r in rnd.recvs:
                 buf = torch.empty(r.stop - r.start, dtype=x.dtype, device=x.device)
                 works.append(dist.irecv(buf, self._global[r.peer], group=self.group))
@@ -51,9 +51,9 @@ class RefAllReduce(AllReduce):
                 w.wait()
             for r, buf in incoming:
                 if r.op == "reduce":
-                    flat[r.start:r.stop] += buf
+                    flat[r.start : r.stop] += buf
                 else:
-                    flat[r.start:r.stop] = buf
+                    flat[r.start : r.stop] = buf
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)

@@ -26,7 +26,7 @@ ALGORITHMS: dict[str, str] = {
     "torch_one_shot": "spanllm.comm.torch_symm:TorchOneShotAllReduce",
     "torch_two_shot": "spanllm.comm.torch_symm:TorchTwoShotAllReduce",
     # NVRAR: hierarchical all-reduce with Triton + NVSHMEM (GPU).
-    "nvrar": "spanllm.comm.nvrar:NvrarAllReduce",
+    "nvrar": "spanllm.comm.nvrar.allreduce:NvrarAllReduce",
     # Size-based selection over the others, from a tuning table.
     "auto": "spanllm.comm.auto:AutoAllReduce",
 }
@@ -49,8 +49,7 @@ def algorithms_for_device(device_type: str) -> list[str]:
     return out
 
 
-def create(name: str, group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-           **options) -> AllReduce:
+def create(name: str, group: dist.ProcessGroup | None = None, topology: Topology | None = None, **options) -> AllReduce:
     """Build the named backend for a process group. Collective: call in the same order on every rank.
 
     `options` is one pool for all backends (max_bytes, timeout_s, tuning, device, ...): each backend

@@ -21,8 +21,9 @@ Algorithms:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -224,14 +225,16 @@ def simulate(schedules: list[Schedule]) -> np.ndarray:
             for rcv in s.rounds[k].recvs:
                 key = (rcv.peer, r, rcv.start, rcv.stop)
                 if pending.get(key, 0) == 0:
-                    raise ScheduleError(f"round {k}: rank {r} expects [{rcv.start}, {rcv.stop}) from "
-                                        f"{rcv.peer}, which sends no such range")
+                    raise ScheduleError(
+                        f"round {k}: rank {r} expects [{rcv.start}, {rcv.stop}) from "
+                        f"{rcv.peer}, which sends no such range"
+                    )
                 pending[key] -= 1
-                data = before[rcv.peer, rcv.start:rcv.stop]
+                data = before[rcv.peer, rcv.start : rcv.stop]
                 if rcv.op == "reduce":
-                    state[r, rcv.start:rcv.stop] += data
+                    state[r, rcv.start : rcv.stop] += data
                 else:
-                    state[r, rcv.start:rcv.stop] = data
+                    state[r, rcv.start : rcv.stop] = data
         leftover = [k_ for k_, v in pending.items() if v]
         if leftover:
             raise ScheduleError(f"round {k}: sends nobody receives: {leftover[:4]}")

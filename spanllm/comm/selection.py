@@ -25,8 +25,9 @@ class Candidate:
     max_bytes: int | None = None
 
     def reason_against(self, nbytes: int, dtype: torch.dtype, topology: Topology, device_type: str) -> str | None:
-        return self.capability.unsupported_reason(nbytes=nbytes, dtype=dtype, topology=topology,
-                                                  device_type=device_type, max_bytes=self.max_bytes)
+        return self.capability.unsupported_reason(
+            nbytes=nbytes, dtype=dtype, topology=topology, device_type=device_type, max_bytes=self.max_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,25 @@ class Choice:
 DEFAULT_ORDER = {"cuda": ("nvrar", default_backend("cuda")), "cpu": (default_backend("cpu"), "ref_hier")}
 
 
-def select(nbytes: int, dtype: torch.dtype, topology: Topology, device_type: str,
-           candidates: list[Candidate], table: TuningTable | None = None) -> Choice:
+def select(
+    nbytes: int,
+    dtype: torch.dtype,
+    topology: Topology,
+    device_type: str,
+    candidates: list[Candidate],
+    table: TuningTable | None = None,
+) -> Choice:
     by_name = {c.name: c for c in candidates}
     notes = []
     if table is not None:
         entry = table.lookup(nbytes, dtype, topology)
         if entry is not None:
             c = by_name.get(entry.best)
-            why = "not available in this communicator" if c is None else c.reason_against(nbytes, dtype, topology, device_type)
+            why = (
+                "not available in this communicator"
+                if c is None
+                else c.reason_against(nbytes, dtype, topology, device_type)
+            )
             if why is None:
                 return Choice(entry.best, f"tuning table: best at {entry.size} bytes")
             notes.append(f"table's {entry.best} unusable ({why})")
@@ -64,5 +75,6 @@ def select(nbytes: int, dtype: torch.dtype, topology: Topology, device_type: str
     for c in candidates:
         if c.reason_against(nbytes, dtype, topology, device_type) is None:
             return Choice(c.name, "; ".join(notes + [f"first candidate that runs: {c.name}"]))
-    raise ValueError(f"no all-reduce candidate can run {nbytes} bytes of {dtype} on {topology} ({device_type}): "
-                     + "; ".join(notes))
+    raise ValueError(
+        f"no all-reduce candidate can run {nbytes} bytes of {dtype} on {topology} ({device_type}): " + "; ".join(notes)
+    )

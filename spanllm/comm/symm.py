@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 def symm_mem():
     import torch.distributed._symmetric_memory as sm
+
     return sm
 
 
@@ -25,7 +26,8 @@ def ensure_nvshmem_backend(device: torch.device) -> None:
         raise RuntimeError(
             "NVSHMEM is not available to torch on this machine (torch.distributed._symmetric_memory."
             "is_nvshmem_available() is False): install the nvidia-nvshmem wheel that matches your torch build, "
-            "or choose an algorithm that does not need it ('nccl')")
+            "or choose an algorithm that does not need it ('nccl')"
+        )
     current = sm.get_backend(device)
     if current != "NVSHMEM":
         try:
@@ -33,7 +35,8 @@ def ensure_nvshmem_backend(device: torch.device) -> None:
         except Exception as e:  # torch refuses once something was allocated with another backend
             raise RuntimeError(
                 f"cannot switch symmetric memory to NVSHMEM (current backend {current!r}): create spanllm's GPU "
-                "communicators before anything else allocates symmetric memory in this process") from e
+                "communicators before anything else allocates symmetric memory in this process"
+            ) from e
 
 
 def allocate(numel: int, dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup):
@@ -47,7 +50,8 @@ def allocate(numel: int, dtype: torch.dtype, device: torch.device, group: dist.P
         raise RuntimeError(
             f"symmetric allocation of {nbytes / 2**20:.1f} MiB failed ({e}). NVSHMEM's symmetric heap is "
             "NVSHMEM_SYMMETRIC_SIZE per GPU (default 1 GiB) and holds every communicator's buffers: raise it "
-            "(e.g. NVSHMEM_SYMMETRIC_SIZE=8G) or create communicators with a smaller max_bytes") from e
+            "(e.g. NVSHMEM_SYMMETRIC_SIZE=8G) or create communicators with a smaller max_bytes"
+        ) from e
     t.zero_()
     hdl = sm.rendezvous(t, group)
     torch.cuda.synchronize(device)

@@ -37,15 +37,17 @@ class Topology:
             )
 
     @classmethod
-    def from_env(cls, world_size: int, ranks_per_node: int | None = None) -> "Topology":
+    def from_env(cls, world_size: int, ranks_per_node: int | None = None) -> Topology:
         """Topology of a launched job: ranks_per_node from the argument, else LOCAL_WORLD_SIZE, else world_size."""
         if ranks_per_node is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             try:
                 ranks_per_node = int(env) if env else world_size
             except ValueError:
-                raise TopologyError(f"LOCAL_WORLD_SIZE={env!r} is not an integer; set it to the ranks per node "
-                                    "(the launcher does) or pass ranks_per_node explicitly") from None
+                raise TopologyError(
+                    f"LOCAL_WORLD_SIZE={env!r} is not an integer; set it to the ranks per node "
+                    "(the launcher does) or pass ranks_per_node explicitly"
+                ) from None
             ranks_per_node = min(ranks_per_node, world_size)
         return cls(world_size, ranks_per_node)
 

@@ -22,8 +22,9 @@ def default_backend(device_type: str) -> str:
     try:
         return GROUP_COLLECTIVE[device_type]
     except KeyError:
-        raise ValueError(f"device type {device_type!r} has no default backend; choose one of "
-                         f"{', '.join(GROUP_COLLECTIVE)}") from None
+        raise ValueError(
+            f"device type {device_type!r} has no default backend; choose one of {', '.join(GROUP_COLLECTIVE)}"
+        ) from None
 
 
 def device_type_of(group: dist.ProcessGroup | None = None) -> str:
@@ -48,7 +49,8 @@ class TorchDistAllReduce(AllReduce):
         if self.backend not in actual.split(":")[-1] and self.backend not in actual:
             raise AllReduceInputError(
                 f"{self.name}: the process group's backend is {actual!r}, not {self.backend!r}; "
-                f"use the algorithm named after the group's backend")
+                f"use the algorithm named after the group's backend"
+            )
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)

@@ -18,17 +18,24 @@ DEFAULT_MAX_BYTES = 8 << 20
 
 def _single_node(t: Topology) -> str | None:
     if t.num_nodes != 1:
-        return (f"torch symmetric-memory ops need every rank P2P-reachable (one node); topology {t} has "
-                f"{t.num_nodes} nodes: use nvrar or nccl across nodes")
+        return (
+            f"torch symmetric-memory ops need every rank P2P-reachable (one node); topology {t} has "
+            f"{t.num_nodes} nodes: use nvrar or nccl across nodes"
+        )
     return None
 
 
 class TorchSymmAllReduce(AllReduce):
-    capability = Capability(dtypes=frozenset({torch.bfloat16, torch.float32}), device_types=frozenset({"cuda"}),
-                            size_multiple_bytes=4, topology_rule=_single_node)
+    capability = Capability(
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        device_types=frozenset({"cuda"}),
+        size_multiple_bytes=4,
+        topology_rule=_single_node,
+    )
 
-    def __init__(self, group=None, topology=None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, group=None, topology=None, *, max_bytes: int = DEFAULT_MAX_BYTES, device: torch.device | None = None
+    ) -> None:
         super().__init__(group, topology)
         from spanllm.comm import symm
 
@@ -65,8 +72,12 @@ def _single_node_of_2_4_8(t: Topology) -> str | None:
 
 class TorchTwoShotAllReduce(TorchSymmAllReduce):
     name = "torch_two_shot"
-    capability = Capability(dtypes=frozenset({torch.bfloat16, torch.float32}), device_types=frozenset({"cuda"}),
-                            size_multiple_bytes=4, topology_rule=_single_node_of_2_4_8)
+    capability = Capability(
+        dtypes=frozenset({torch.bfloat16, torch.float32}),
+        device_types=frozenset({"cuda"}),
+        size_multiple_bytes=4,
+        topology_rule=_single_node_of_2_4_8,
+    )
 
     def _all_reduce_(self, x: torch.Tensor) -> None:
         buf = self._symm_view(x)

@@ -17,11 +17,11 @@ from spanllm.dtypes import DTYPE_NAMES
 
 @dataclass(frozen=True)
 class TuningEntry:
-    topology: str            # "NODESxRANKS_PER_NODE"
-    dtype: str               # nccl-tests dtype name
-    size: int                # bytes
-    best: str                # registered algorithm name
-    nvrar_launch: dict | None = None   # best nvrar LaunchParams at this size, as a dict
+    topology: str  # "NODESxRANKS_PER_NODE"
+    dtype: str  # nccl-tests dtype name
+    size: int  # bytes
+    best: str  # registered algorithm name
+    nvrar_launch: dict | None = None  # best nvrar LaunchParams at this size, as a dict
     times_us: dict[str, float] = field(default_factory=dict)  # every candidate measured
 
 
@@ -31,8 +31,10 @@ class TuningTable:
     meta: dict = field(default_factory=dict)
 
     def lookup(self, nbytes: int, dtype: torch.dtype, topology: Topology) -> TuningEntry | None:
-        mine = sorted((e for e in self.entries if e.topology == str(topology) and e.dtype == DTYPE_NAMES.get(dtype)),
-                      key=lambda e: e.size)
+        mine = sorted(
+            (e for e in self.entries if e.topology == str(topology) and e.dtype == DTYPE_NAMES.get(dtype)),
+            key=lambda e: e.size,
+        )
         if not mine:
             return None
         for e in mine:
@@ -44,7 +46,8 @@ class TuningTable:
         e = self.lookup(nbytes, dtype, topology)
         if e is None or e.nvrar_launch is None:
             return None
-        from spanllm.comm.nvrar import LaunchParams
+        from spanllm.comm.nvrar.allreduce import LaunchParams
+
         return LaunchParams(**e.nvrar_launch)
 
     def save(self, path: str) -> None:
@@ -52,7 +55,7 @@ class TuningTable:
             json.dump({"kind": "tuning", **self.meta, "entries": [asdict(e) for e in self.entries]}, f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "TuningTable":
+    def load(cls, path: str) -> TuningTable:
         """One table, or several comma-separated ones (e.g. one per topology) merged."""
         if "," in path:
             tables = [cls.load(p) for p in path.split(",") if p]
@@ -61,7 +64,9 @@ class TuningTable:
             with open(path) as f:
                 doc = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read tuning table {path!r}: {e}; write one with `spanllm tune --out {path}`") from e
+            raise ValueError(
+                f"cannot read tuning table {path!r}: {e}; write one with `spanllm tune --out {path}`"
+            ) from e
         if not isinstance(doc, dict) or doc.get("kind") != "tuning" or "entries" not in doc:
             kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
             raise ValueError(f"{path!r} is not a tuning table (kind={kind!r}); write one with `spanllm tune`")
@@ -71,6 +76,8 @@ class TuningTable:
             try:
                 entries.append(TuningEntry(**e))
             except TypeError as err:
-                raise ValueError(f"{path!r}: entry {i} ({e!r}) is not a tuning entry ({err}); "
-                                 "regenerate the table with `spanllm tune`") from None
+                raise ValueError(
+                    f"{path!r}: entry {i} ({e!r}) is not a tuning entry ({err}); "
+                    "regenerate the table with `spanllm tune`"
+                ) from None
         return cls(entries, meta)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from spanllm.engine.block_manager import BlockManager
-from spanllm.errors import UsageError
-from spanllm.engine.paged_runner import PagedModelRunner, StepInputs, plan_step
+from spanllm.engine.core.block_manager import BlockManager
+from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.core.sequence import FinishReason, Sequence
 from spanllm.engine.sampler import BatchSampler, SamplingParams
-from spanllm.engine.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.sequence import FinishReason, Sequence
+from spanllm.engine.worker.model_runner import PagedModelRunner, StepInputs, plan_step
+from spanllm.errors import UsageError
 
 
 class RequestError(UsageError):
@@ -77,10 +77,21 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, runner: PagedModelRunner, blocks: BlockManager, config: SchedulerConfig, *, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], tokenizer=None, seed: int = 0,
-                 control_group: dist.ProcessGroup | None = None, rank: int = 0, tp_size: int = 1,
-                 async_scheduling: bool | None = None) -> None:
+    def __init__(
+        self,
+        runner: PagedModelRunner,
+        blocks: BlockManager,
+        config: SchedulerConfig,
+        *,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        tokenizer=None,
+        seed: int = 0,
+        control_group: dist.ProcessGroup | None = None,
+        rank: int = 0,
+        tp_size: int = 1,
+        async_scheduling: bool | None = None,
+    ) -> None:
         self.runner = runner
         self.blocks = blocks
         self.config = config
@@ -91,8 +102,10 @@ class EngineCore:
         if async_scheduling is None:  # default: on a GPU at TP = 1 (TP ranks take token ids from the plan)
             async_scheduling = runner.device.type == "cuda" and tp_size == 1
         if async_scheduling and tp_size > 1:
-            raise ValueError(f"async_scheduling needs tp=1 (the other TP ranks read token ids from the host plan); "
-                             f"this engine has tp={tp_size}")
+            raise ValueError(
+                f"async_scheduling needs tp=1 (the other TP ranks read token ids from the host plan); "
+                f"this engine has tp={tp_size}"
+            )
         self.async_scheduling = async_scheduling
         self.sampler = BatchSampler(runner.device, seed, to_device=runner.staging.tensor)
         self.control_group = control_group
@@ -110,11 +123,22 @@ class EngineCore:
     # --- admission ------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError naming the value, the limit and the fix."""
-        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
-                         capacity_tokens=self.blocks.capacity_tokens)
+        validate_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.config.max_model_len,
+            capacity_tokens=self.blocks.capacity_tokens,
+        )
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival: float | None = None, with_text: bool = False) -> Sequence:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival: float | None = None,
+        with_text: bool = False,
+    ) -> Sequence:
         if self.rank != 0:
             raise RuntimeError("only TP rank 0 schedules; other ranks run worker_loop()")
         if params.stop and (self.tokenizer is None or not with_text):
@@ -177,7 +201,7 @@ class EngineCore:
         self._inflight = new  # read at the next step, after that one is queued
         return self._land_or_abort(prev) if prev is not None else []
 
-    def _land_or_abort(self, f: "_InFlight") -> list[RequestOutput]:
+    def _land_or_abort(self, f: _InFlight) -> list[RequestOutput]:
         """_land; if that fails part-way (a detokenizer error, say), its tokens cannot be landed again: the
         requests it carried end as aborted, so none is left waiting for a token that never comes."""
         try:
@@ -269,7 +293,7 @@ class EngineCore:
         if detok is not None:
             hold = 0 if finish is not None or not p.stop else max(len(x) for x in p.stop) - 1
             upto = max(seq.text_emitted, len(seq.text) - hold)
-            new_text = seq.text[seq.text_emitted: upto]
+            new_text = seq.text[seq.text_emitted : upto]
             seq.text_emitted = upto
         if finish is None:
             return self._output(seq, [tok], new_text)
@@ -280,9 +304,18 @@ class EngineCore:
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
         text = seq.text if seq.request_id in self._detok else None
         # output_ids is the sequence's own list (no copy per step): read it, do not change it.
-        return RequestOutput(seq.request_id, seq.prompt_ids, seq.output_ids, new_ids, text, new_text,
-                             seq.is_finished, seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
-                             _metrics(seq) if seq.is_finished else {})
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt_ids,
+            seq.output_ids,
+            new_ids,
+            text,
+            new_text,
+            seq.is_finished,
+            seq.finish_reason.value if seq.finish_reason else None,
+            seq.stop_reason,
+            _metrics(seq) if seq.is_finished else {},
+        )
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
         out = self._output(seq, new_ids, new_text)
@@ -297,8 +330,11 @@ class EngineCore:
         if self.tp_size == 1:
             return x
         box = [x if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.control_group, 0)
-                                   if self.control_group is not None else 0, group=self.control_group)
+        dist.broadcast_object_list(
+            box,
+            src=dist.get_global_rank(self.control_group, 0) if self.control_group is not None else 0,
+            group=self.control_group,
+        )
         return box[0]
 
     def worker_loop(self) -> int:
@@ -325,8 +361,9 @@ class EngineCore:
             self._broadcast(StepInputs.shutdown())
 
 
-def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                     capacity_tokens: int) -> None:
+def validate_request(
+    prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int, capacity_tokens: int
+) -> None:
     """The admission checks, on the engine's fixed limits only (a front end in another process runs them too).
     Raises RequestError naming the value, the limit and the fix."""
     if not prompt_ids:
@@ -336,13 +373,17 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
             raise RequestError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")
     total = len(prompt_ids) + params.max_tokens
     if total > max_model_len:
-        raise RequestError(f"this model's maximum context length is {max_model_len} tokens. However, you requested "
-                           f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "
-                           "completion). Reduce the prompt or max_tokens")
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "
+            "completion). Reduce the prompt or max_tokens"
+        )
     if total > capacity_tokens:
-        raise RequestError(f"the request needs up to {total} tokens of KV cache but the whole pool holds "
-                           f"{capacity_tokens}; it could never run. Reduce the prompt or max_tokens, or give the cache "
-                           "more memory")
+        raise RequestError(
+            f"the request needs up to {total} tokens of KV cache but the whole pool holds "
+            f"{capacity_tokens}; it could never run. Reduce the prompt or max_tokens, or give the cache "
+            "more memory"
+        )
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
@@ -360,6 +401,11 @@ def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, st
 
 
 def _metrics(seq: Sequence) -> dict:
-    return {"arrival": seq.arrival, "first_scheduled": seq.first_scheduled, "first_token": seq.first_token,
-            "token_times": list(seq.token_times), "finished_at": seq.finished_at,
-            "num_preemptions": seq.num_preemptions}
+    return {
+        "arrival": seq.arrival,
+        "first_scheduled": seq.first_scheduled,
+        "first_token": seq.first_token,
+        "token_times": list(seq.token_times),
+        "finished_at": seq.finished_at,
+        "num_preemptions": seq.num_preemptions,
+    }

@@ -25,20 +25,20 @@ import torch
 import torch.distributed as dist
 
 from spanllm.checks import ALLOW_LONG_CONTEXT_ENV
-from spanllm.errors import UsageError
-
 from spanllm.comm.topology import Topology
-from spanllm.engine.config import EngineConfig, ModelConfig, resolve_model
-from spanllm.engine.skinny_gemm import MAX_M as SKINNY_MAX_M
-from spanllm.engine.skinny_gemm import describe_auto
-from spanllm.engine.layers import Communicator, TPContext
-from spanllm.engine.loader import load_checkpoint, random_init
-from spanllm.engine.model import LlamaForCausalLM
-from spanllm.engine.model_runner import ModelRunner
-from spanllm.engine.parallel_dims import ParallelDims, build_groups, stage_layers
-from spanllm.engine.pipeline import GenerationOutput, PipelineExecutor, build_token_groups
+from spanllm.engine.config import EngineConfig
 from spanllm.engine.sampler import Sampler, SamplingParams
+from spanllm.engine.static.model_runner import ModelRunner
+from spanllm.engine.static.pipeline import GenerationOutput, PipelineExecutor, build_token_groups
 from spanllm.engine.timers import Timers
+from spanllm.errors import UsageError
+from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
+from spanllm.kernels.skinny_gemm import describe_auto
+from spanllm.layers.tp import Communicator, TPContext
+from spanllm.model.config import ModelConfig, resolve_model
+from spanllm.model.llama import LlamaForCausalLM
+from spanllm.model.loader import load_checkpoint, random_init
+from spanllm.model.parallel_dims import ParallelDims, build_groups, stage_layers
 
 
 def default_device() -> torch.device:
@@ -56,9 +56,18 @@ def default_allreduce(device: torch.device) -> str:
 
 
 class LLM:
-    def __init__(self, model: str | ModelConfig, engine: EngineConfig | None = None, *,
-                 dims: ParallelDims | None = None, allreduce: str | None = None, comm: Communicator | None = None,
-                 device: torch.device | None = None, ranks_per_node: int | None = None, tuning=None) -> None:
+    def __init__(
+        self,
+        model: str | ModelConfig,
+        engine: EngineConfig | None = None,
+        *,
+        dims: ParallelDims | None = None,
+        allreduce: str | None = None,
+        comm: Communicator | None = None,
+        device: torch.device | None = None,
+        ranks_per_node: int | None = None,
+        tuning=None,
+    ) -> None:
         self.config = resolve_model(model) if isinstance(model, str) else model
         self.engine = engine or EngineConfig()
         self.tuning = tuning  # spanllm.comm.tuning.TuningTable for nvrar / auto, or None
@@ -75,7 +84,8 @@ class LLM:
             self.groups = build_groups(self.dims, self.rank)
             token_group = build_token_groups(self.groups)
         else:
-            from spanllm.engine.parallel_dims import ParallelGroups
+            from spanllm.model.parallel_dims import ParallelGroups
+
             self.groups, token_group = ParallelGroups(self.dims, 0, None), None
 
         self._owns_comm = False
@@ -89,9 +99,16 @@ class LLM:
 
         self.timers = Timers(self.device, enabled=self.engine.breakdown, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
-        tp = TPContext(rank=self.groups.tp_rank, size=self.dims.tp, group=self.groups.tp_group, comm=self.comm,
-                       decode_gemm=self.engine.decode_gemm,
-                       timers=self.timers, device=self.device, dtype=self.engine.dtype)
+        tp = TPContext(
+            rank=self.groups.tp_rank,
+            size=self.dims.tp,
+            group=self.groups.tp_group,
+            comm=self.comm,
+            decode_gemm=self.engine.decode_gemm,
+            timers=self.timers,
+            device=self.device,
+            dtype=self.engine.dtype,
+        )
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
         self.model = LlamaForCausalLM(self.config, tp, layers, g.is_first_stage, g.is_last_stage)
@@ -126,11 +143,14 @@ class LLM:
         """decode_gemm="skinny" runs a Triton kernel: refuse a machine without a GPU or Triton, no fallback."""
         if self.engine.decode_gemm != "skinny":
             return
-        from spanllm.engine import skinny_gemm
+        from spanllm.kernels import skinny_gemm
+
         if self.device.type != "cuda" or skinny_gemm.triton is None:
-            raise ValueError(f"decode_gemm='skinny' needs a CUDA device and Triton; this rank has device "
-                             f"{self.device} and Triton {'installed' if skinny_gemm.triton else 'missing'}. "
-                             "Use decode_gemm='torch' (F.linear) here")
+            raise ValueError(
+                f"decode_gemm='skinny' needs a CUDA device and Triton; this rank has device "
+                f"{self.device} and Triton {'installed' if skinny_gemm.triton else 'missing'}. "
+                "Use decode_gemm='torch' (F.linear) here"
+            )
         if self.engine.dtype not in skinny_gemm.SUPPORTED_DTYPES:
             raise ValueError(f"decode_gemm='skinny' supports {skinny_gemm.SUPPORTED_DTYPES}, not {self.engine.dtype}")
 
@@ -163,13 +183,20 @@ class LLM:
         """A registered all-reduce on this rank's TP group (collective over the group)."""
         from spanllm.comm import create
 
-        comm = create(name, group=self.groups.tp_group, topology=self.dims.tp_topology(self.topology),
-                      device=self.device, tuning=self.tuning, max_bytes=self.engine.allreduce_max_bytes)
+        comm = create(
+            name,
+            group=self.groups.tp_group,
+            topology=self.dims.tp_topology(self.topology),
+            device=self.device,
+            tuning=self.tuning,
+            max_bytes=self.engine.allreduce_max_bytes,
+        )
         if self.device.type == "cuda":  # nvrar's kernels for every size it may see, compiled in parallel now
-            from spanllm.comm.nvrar_compile import precompile_sizes, size_ladder
+            from spanllm.comm.nvrar.compile import precompile_sizes, size_ladder
 
-            precompile_sizes([comm], size_ladder(self.engine.allreduce_max_bytes // self.engine.dtype.itemsize),
-                             [self.engine.dtype])
+            precompile_sizes(
+                [comm], size_ladder(self.engine.allreduce_max_bytes // self.engine.dtype.itemsize), [self.engine.dtype]
+            )
         return comm
 
     def _with_fallback(self, comm: Communicator | None) -> Communicator | None:
@@ -243,14 +270,22 @@ class LLM:
 
     def describe(self) -> str:
         """The static path's setup (bench batch / study rows record it); describe_serving() for the other."""
-        graphs = "on" if self.cuda_graphs else (
-            "off (breakdown timers need eager decode)" if self.runner.graphs_allowed else "off")
-        return (f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
-                f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
-                f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
-                + (f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
-                   if self.engine.compile_decode else "")
-                + f" | {self.describe_decode_gemm()}")
+        graphs = (
+            "on"
+            if self.cuda_graphs
+            else ("off (breakdown timers need eager decode)" if self.runner.graphs_allowed else "off")
+        )
+        return (
+            f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
+            f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
+            f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
+            + (
+                f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
+                if self.engine.compile_decode
+                else ""
+            )
+            + f" | {self.describe_decode_gemm()}"
+        )
 
     def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
@@ -264,28 +299,49 @@ class LLM:
         gemms = []
         if layer is not None:
             a, mlp = layer.self_attn, layer.mlp
-            gemms += [("qkv", a.qkv_proj.weight), ("o", a.o_proj.weight), ("gate_up", mlp.gate_up_proj.weight),
-                      ("down", mlp.down_proj.weight)]
+            gemms += [
+                ("qkv", a.qkv_proj.weight),
+                ("o", a.o_proj.weight),
+                ("gate_up", mlp.gate_up_proj.weight),
+                ("down", mlp.down_proj.weight),
+            ]
         if self.model.lm_head is not None:
             gemms.append(("lm_head", self.model.lm_head.weight))
         if mode == "skinny":
-            return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(g[0] for g in gemms)
+            return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(
+                g[0] for g in gemms
+            )
         shapes = [(name, *w.shape, w.element_size()) for name, w in gemms]
         return f"decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at {describe_auto(shapes)}"
 
     # --- generation -----------------------------------------------------------------------------------
-    def generate_static(self, prompts: list[list[int]], params: SamplingParams | None = None,
-                        micro_batches: int | None = None, keep_logits: bool = False) -> GenerationOutput:
+    def generate_static(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | None = None,
+        micro_batches: int | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationOutput:
         """The static-batch fast path (`bench batch`, `bench study`): prefill and decode for `prompts`
         (lists of token ids) as one fixed batch on every rank, any pipeline depth; every rank returns the
         same tokens. micro_batches overrides EngineConfig.micro_batches (pipeline schedule)."""
         params = params or SamplingParams()
-        unsupported = [n for n, v in (("top_k", params.top_k > 0), ("seed", params.seed is not None),
-                                      ("min_tokens", params.min_tokens > 0), ("stop", bool(params.stop)),
-                                      ("stop_token_ids", bool(params.stop_token_ids))) if v]
+        unsupported = [
+            n
+            for n, v in (
+                ("top_k", params.top_k > 0),
+                ("seed", params.seed is not None),
+                ("min_tokens", params.min_tokens > 0),
+                ("stop", bool(params.stop)),
+                ("stop_token_ids", bool(params.stop_token_ids)),
+            )
+            if v
+        ]
         if unsupported:
-            raise ValueError(f"generate_static takes temperature, top_p, max_tokens and ignore_eos only; "
-                             f"{', '.join(unsupported)} need the serving engine (LLM.generate)")
+            raise ValueError(
+                f"generate_static takes temperature, top_p, max_tokens and ignore_eos only; "
+                f"{', '.join(unsupported)} need the serving engine (LLM.generate)"
+            )
         self._check_prompt_ids(prompts, params.max_tokens)
         m = self.engine.micro_batches if micro_batches is None else micro_batches
         return self.executor.generate(prompts, params, m, self.config.eos_token_ids, keep_logits)
@@ -298,11 +354,14 @@ class LLM:
         for r, p in enumerate(prompts):
             for i, t in enumerate(p):
                 if not isinstance(t, int) or not 0 <= t < vocab:
-                    raise RequestError(f"prompt {r} token {i} is {t!r}, outside the vocabulary [0, {vocab}) of "
-                                       f"{self.config.label}")
+                    raise RequestError(
+                        f"prompt {r} token {i} is {t!r}, outside the vocabulary [0, {vocab}) of {self.config.label}"
+                    )
             if len(p) + max_tokens > limit:
-                raise RequestError(f"prompt {r}: {len(p)} tokens + max_tokens {max_tokens} = {len(p) + max_tokens} "
-                                   f"exceeds the model's context of {limit} (max_position_embeddings)")
+                raise RequestError(
+                    f"prompt {r}: {len(p)} tokens + max_tokens {max_tokens} = {len(p) + max_tokens} "
+                    f"exceeds the model's context of {limit} (max_position_embeddings)"
+                )
 
     # --- the serving engine --------------------------------------------------------------------------
     @property
@@ -313,56 +372,103 @@ class LLM:
         return self._engine_core
 
     def _build_engine_core(self):
-        from spanllm.engine.block_manager import BlockManager
+        from spanllm.attention.paged import resolve_backend
+        from spanllm.engine.core.block_manager import BlockManager
+        from spanllm.engine.core.scheduler import SchedulerConfig
         from spanllm.engine.engine_core import EngineCore
-        from spanllm.engine.paged_attention import resolve_backend
-        from spanllm.engine.paged_cache import (PagedKVCache, activation_reserve_bytes, bytes_per_block,
-                                                size_pool)
-        from spanllm.engine.paged_runner import PagedModelRunner
-        from spanllm.engine.scheduler import SchedulerConfig
+        from spanllm.engine.worker.kv_cache import PagedKVCache, activation_reserve_bytes, bytes_per_block, size_pool
+        from spanllm.engine.worker.model_runner import PagedModelRunner
 
         if self.dims.pp != 1:
-            raise ValueError(f"the serving engine runs pp=1 (tensor parallelism only); this LLM has {self.dims}. "
-                             "Use generate_static for pipelined static batches")
+            raise ValueError(
+                f"the serving engine runs pp=1 (tensor parallelism only); this LLM has {self.dims}. "
+                "Use generate_static for pipelined static batches"
+            )
         e, cfg = self.engine, self.config
         max_model_len = e.max_model_len or cfg.max_position_embeddings
         if max_model_len > cfg.max_position_embeddings and os.environ.get(ALLOW_LONG_CONTEXT_ENV, "") in ("", "0"):
-            raise UsageError(f"max_model_len={max_model_len} exceeds the {cfg.max_position_embeddings} positions "
-                             f"{cfg.label} was trained for (max_position_embeddings); lower it, or set "
-                             f"{ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway")
+            raise UsageError(
+                f"max_model_len={max_model_len} exceeds the {cfg.max_position_embeddings} positions "
+                f"{cfg.label} was trained for (max_position_embeddings); lower it, or set "
+                f"{ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway"
+            )
         backend = resolve_backend(e.attention_backend, self.device)
         qkv = next(iter(self.model.model.layers.values())).self_attn.qkv_proj
-        per_block = bytes_per_block(len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim,
-                                    e.dtype)
+        per_block = bytes_per_block(
+            len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype
+        )
         ffn_local = cfg.intermediate_size // self.dims.tp
-        reserve = activation_reserve_bytes(e.max_num_batched_tokens, e.max_num_seqs, cfg.hidden_size,
-                                           qkv.weight.shape[0], ffn_local, cfg.vocab_size, e.dtype)
+        reserve = activation_reserve_bytes(
+            e.max_num_batched_tokens,
+            e.max_num_seqs,
+            cfg.hidden_size,
+            qkv.weight.shape[0],
+            ffn_local,
+            cfg.vocab_size,
+            e.dtype,
+        )
         if e.cuda_graphs and self.device.type == "cuda":  # the graphs' shared float32 logits buffer
             reserve += e.max_num_seqs * cfg.vocab_size * 4
-        sizing = size_pool(device=self.device, per_block=per_block, block_size=e.block_size,
-                           gpu_memory_utilization=e.gpu_memory_utilization, cpu_kv_cache_bytes=e.cpu_kv_cache_bytes,
-                           reserve_bytes=reserve, num_kv_blocks=e.num_kv_blocks)
+        sizing = size_pool(
+            device=self.device,
+            per_block=per_block,
+            block_size=e.block_size,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            cpu_kv_cache_bytes=e.cpu_kv_cache_bytes,
+            reserve_bytes=reserve,
+            num_kv_blocks=e.num_kv_blocks,
+        )
         if self.dims.tp > 1:  # every rank must use rank 0's pool size (memory can differ per GPU)
             n = torch.tensor([sizing.num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.groups.tp_group)
             if int(n) != sizing.num_blocks:
-                from spanllm.engine.paged_cache import CacheSizing
-                sizing = CacheSizing(int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over TP ranks")
-            self._control_group = (self.groups.tp_group if dist.get_backend(self.groups.tp_group) == "gloo"
-                                   else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group),
-                                                       backend="gloo"))
+                from spanllm.engine.worker.kv_cache import CacheSizing
+
+                sizing = CacheSizing(
+                    int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over TP ranks"
+                )
+            self._control_group = (
+                self.groups.tp_group
+                if dist.get_backend(self.groups.tp_group) == "gloo"
+                else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group), backend="gloo")
+            )
         self.kv_sizing = sizing
-        cache = PagedKVCache(list(self.model.layer_ids), sizing.num_blocks, e.block_size, qkv.num_kv_heads_local,
-                             cfg.head_dim, self.device, e.dtype)
-        runner = PagedModelRunner(self.model, cache, max_num_seqs=e.max_num_seqs, max_model_len=max_model_len,
-                                  backend=backend, cuda_graphs=e.cuda_graphs, device=self.device, dtype=e.dtype,
-                                  max_num_batched_tokens=e.max_num_batched_tokens)
+        cache = PagedKVCache(
+            list(self.model.layer_ids),
+            sizing.num_blocks,
+            e.block_size,
+            qkv.num_kv_heads_local,
+            cfg.head_dim,
+            self.device,
+            e.dtype,
+        )
+        runner = PagedModelRunner(
+            self.model,
+            cache,
+            max_num_seqs=e.max_num_seqs,
+            max_model_len=max_model_len,
+            backend=backend,
+            cuda_graphs=e.cuda_graphs,
+            device=self.device,
+            dtype=e.dtype,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+        )
         blocks = BlockManager(sizing.num_blocks, e.block_size)
         sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_model_len, min_admit=e.min_admit)
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
-        return EngineCore(runner, blocks, sched, vocab_size=cfg.vocab_size, eos_token_ids=eos,
-                          tokenizer=self.tokenizer, seed=e.seed, control_group=self._control_group,
-                          rank=self.groups.tp_rank, tp_size=self.dims.tp, async_scheduling=e.async_scheduling)
+        return EngineCore(
+            runner,
+            blocks,
+            sched,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=eos,
+            tokenizer=self.tokenizer,
+            seed=e.seed,
+            control_group=self._control_group,
+            rank=self.groups.tp_rank,
+            tp_size=self.dims.tp,
+            async_scheduling=e.async_scheduling,
+        )
 
     def get_tokenizer(self):
         """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once."""
@@ -379,15 +485,20 @@ class LLM:
     def describe_serving(self) -> str:
         core = self.engine_core
         r = core.runner
-        graphs = (f"on (buckets up to {self.engine.max_num_seqs})" if r.use_cuda_graphs
-                  else "off" + (" (needs the triton attention backend)" if self.device.type == "cuda" else ""))
-        return (f"{self.config.label} | {self.dims} | {self.engine.dtype} on {self.device} | all-reduce "
-                f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
-                f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
-                f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
-                f"{'on' if core.async_scheduling else 'off'}"
-                + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else "")
-                + f" | {self.describe_decode_gemm()}")
+        graphs = (
+            f"on (buckets up to {self.engine.max_num_seqs})"
+            if r.use_cuda_graphs
+            else "off" + (" (needs the triton attention backend)" if self.device.type == "cuda" else "")
+        )
+        return (
+            f"{self.config.label} | {self.dims} | {self.engine.dtype} on {self.device} | all-reduce "
+            f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
+            f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
+            f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
+            f"{'on' if core.async_scheduling else 'off'}"
+            + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else "")
+            + f" | {self.describe_decode_gemm()}"
+        )
 
     def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:
         """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one
@@ -414,8 +525,10 @@ class LLM:
             for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
                 core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
                 if sp.stop and not t:
-                    raise RequestError(f"prompt {i}: stop strings need text output; give a text prompt or load the "
-                                       "tokenizer first (get_tokenizer), or use stop_token_ids")
+                    raise RequestError(
+                        f"prompt {i}: stop strings need text output; give a text prompt or load the "
+                        "tokenizer first (get_tokenizer), or use stop_token_ids"
+                    )
             ids_of: dict[str, int] = {}
             results: list = [None] * len(prompts)
             try:

@@ -10,7 +10,7 @@ which needs no host sync.
 min_tokens, seed). Only rank 0 samples there; its tokens travel to the other ranks in the next step's
 plan. Rows with a seed draw from their own generator, so a seeded request draws the same numbers
 whatever else shares its batch (and samples the same tokens, up to float32 rounding at a near-tie: on CUDA a
-batch in which no row asks for top-k / top-p takes the one-pass race of spanllm.engine.sampler_triton, which
+batch in which no row asks for top-k / top-p takes the one-pass race of spanllm.kernels.sampler, which
 ranks tokens in log space; other batches take the unfused ops).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 try:  # the one-pass race on the GPU (Triton); the CPU wheel has none and takes the unfused ops
-    from spanllm.engine.sampler_triton import race_argmax
+    from spanllm.kernels.sampler import race_argmax
 except ImportError:
     race_argmax = None
 
@@ -57,7 +57,9 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise SamplingParamsError(f"top_k={self.top_k} must be -1 or 0 (off) or a positive integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingParamsError(f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_tokens}")
+            raise SamplingParamsError(
+                f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_tokens}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise SamplingParamsError(f"seed={self.seed!r} must be an integer")
         if isinstance(self.stop, str):
@@ -105,7 +107,7 @@ class BatchSampler:
     when some row asks: the sort is the costly part), then the exponential race, with the engine's
     generator for unseeded rows and each seeded row's own generator (created at its first token). On CUDA,
     when no row asks for top-k or top-p, the race runs as one Triton kernel over the logits and the draws
-    (spanllm.engine.sampler_triton: the same draws and, up to float32 rounding at near-ties, the same token,
+    (spanllm.kernels.sampler: the same draws and, up to float32 rounding at near-ties, the same token,
     in 3 passes over the logits' size instead of 10)."""
 
     def __init__(self, device: torch.device, seed: int, to_device=None) -> None:
@@ -115,13 +117,23 @@ class BatchSampler:
         # so that sampling never makes the host wait for the GPU
         self.to_device = to_device or (lambda a: torch.as_tensor(a, device=device))
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
-                 generators: list[torch.Generator | None]) -> list[int]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        stop_masks: list[tuple[int, ...]],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
         """stop_masks[i]: ids to forbid in row i (EOS / stop ids before min_tokens). Returns B token ids."""
         return self.sample(logits, params, stop_masks, generators).tolist()
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], stop_masks: list[tuple[int, ...]],
-               generators: list[torch.Generator | None]) -> torch.Tensor:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        stop_masks: list[tuple[int, ...]],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([B] int64): nothing here waits for the GPU."""
         masked = [(i, t) for i, ids in enumerate(stop_masks) for t in ids]
         if masked:
@@ -132,14 +144,16 @@ class BatchSampler:
         h2d = self.to_device
         temps_host = np.asarray([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32)
         if race_argmax is not None and logits.is_cuda and not any(p.top_k_active or p.top_p < 1.0 for p in params):
-            # the race in one pass (spanllm.engine.sampler_triton): the same draws, no probabilities formed
+            # the race in one pass (spanllm.kernels.sampler): the same draws, no probabilities formed
             sampled = race_argmax(logits, self._race(logits, generators), h2d(1.0 / temps_host))
             return self._greedy_rows(sampled, logits, params)
         temps = h2d(temps_host)
         probs_logits = logits / temps[:, None]
         if any(p.top_k_active for p in params):
             k = h2d(np.asarray([p.top_k if p.top_k_active else logits.shape[1] for p in params], dtype=np.int64))
-            kth = probs_logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            kth = probs_logits.sort(dim=-1, descending=True).values.gather(
+                1, (k - 1).clamp(max=logits.shape[1] - 1)[:, None]
+            )
             probs_logits = probs_logits.masked_fill(probs_logits < kth, float("-inf"))
         probs = torch.softmax(probs_logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):

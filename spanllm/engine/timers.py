@@ -42,7 +42,7 @@ _NULL = contextlib.nullcontext()
 class _CpuRegion:
     __slots__ = ("timers", "name", "t0")
 
-    def __init__(self, timers: "Timers", name: str) -> None:
+    def __init__(self, timers: Timers, name: str) -> None:
         self.timers, self.name = timers, name
 
     def __enter__(self) -> None:
@@ -55,7 +55,7 @@ class _CpuRegion:
 class _CudaRegion:
     __slots__ = ("timers", "name", "start")
 
-    def __init__(self, timers: "Timers", name: str) -> None:
+    def __init__(self, timers: Timers, name: str) -> None:
         self.timers, self.name = timers, name
 
     def __enter__(self) -> None:

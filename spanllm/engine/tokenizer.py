@@ -40,7 +40,7 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
-    def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer": ...
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer: ...
 
 
 class IncrementalDetokenizer(Protocol):
@@ -55,8 +55,10 @@ class Llama3Tokenizer:
         try:
             import quicktok
         except ImportError:
-            raise TokenizerError("the Llama 3 presets tokenize with quicktok-v1, which is not installed: "
-                                 "pip install quicktok-v1 (or serve a checkpoint folder with its tokenizer.json)") from None
+            raise TokenizerError(
+                "the Llama 3 presets tokenize with quicktok-v1, which is not installed: "
+                "pip install quicktok-v1 (or serve a checkpoint folder with its tokenizer.json)"
+            ) from None
         self._enc = quicktok.encoding_for_model("meta-llama/Llama-3.1-8B")
         self.name = "llama3 (quicktok-v1)"
         self.vocab_size = self._enc.n_vocab
@@ -80,7 +82,7 @@ class Llama3Tokenizer:
         text += _LLAMA3_HEADER.format(role="assistant")
         return list(self._enc.encode_with_special(text))
 
-    def detokenizer(self, prompt_ids: list[int]) -> "ByteDetokenizer":
+    def detokenizer(self, prompt_ids: list[int]) -> ByteDetokenizer:
         """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
         enc = self._enc
         return ByteDetokenizer(lambda i: b"" if i >= LLAMA3_BOS else enc.decode_single_token_bytes(i))
@@ -93,12 +95,16 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise TokenizerError("text prompts for a checkpoint folder need transformers: pip install transformers") from None
+            raise TokenizerError(
+                "text prompts for a checkpoint folder need transformers: pip install transformers"
+            ) from None
         try:
             self._tok = AutoTokenizer.from_pretrained(directory)
         except Exception as e:  # noqa: BLE001 - any load failure is reported with the folder
-            raise TokenizerError(f"could not load the tokenizer in {directory!r} ({type(e).__name__}: {e}); the folder "
-                                 "needs tokenizer.json (and tokenizer_config.json)") from None
+            raise TokenizerError(
+                f"could not load the tokenizer in {directory!r} ({type(e).__name__}: {e}); the folder "
+                "needs tokenizer.json (and tokenizer_config.json)"
+            ) from None
         self.name = os.path.basename(os.path.abspath(directory))
         self.vocab_size = len(self._tok)
         self.bos_token_id = self._tok.bos_token_id
@@ -113,14 +119,16 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
-            raise TokenizerError(f"the tokenizer of {self.name!r} has no chat template; use /v1/completions with a "
-                                 "prompt instead of /v1/chat/completions")
+            raise TokenizerError(
+                f"the tokenizer of {self.name!r} has no chat template; use /v1/completions with a "
+                "prompt instead of /v1/chat/completions"
+            )
         ids = self._tok.apply_chat_template(_check_messages(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
-    def detokenizer(self, prompt_ids: list[int]) -> "OffsetDetokenizer":
+    def detokenizer(self, prompt_ids: list[int]) -> OffsetDetokenizer:
         """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
         return OffsetDetokenizer(lambda ids: self._tok.decode(list(ids), skip_special_tokens=True), prompt_ids)
 
@@ -132,7 +140,9 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int = 512, bos: int = 1, eos: int = 2) -> None:
         if vocab_size < 256 + self.OFFSET:
-            raise TokenizerError(f"a byte tokenizer needs a vocabulary of at least {256 + self.OFFSET}; got {vocab_size}")
+            raise TokenizerError(
+                f"a byte tokenizer needs a vocabulary of at least {256 + self.OFFSET}; got {vocab_size}"
+            )
         self.name = "bytes"
         self.vocab_size = vocab_size
         self.bos_token_id = bos
@@ -188,17 +198,17 @@ class OffsetDetokenizer:
 
     def __init__(self, decode, prompt_ids: list[int]) -> None:
         self._decode = decode
-        self._ids = list(prompt_ids[-self.WINDOW:])
+        self._ids = list(prompt_ids[-self.WINDOW :])
         self._prefix = len(self._ids)  # ids before `_read` already emitted; [_prefix_start, _read) is context
         self._prefix_start = 0
         self._read = len(self._ids)
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix_start: self._read])
-        after = self._decode(self._ids[self._prefix_start:])
+        before = self._decode(self._ids[self._prefix_start : self._read])
+        after = self._decode(self._ids[self._prefix_start :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            delta = after[len(before):]
+            delta = after[len(before) :]
             self._prefix_start, self._read = self._read, len(self._ids)
             return delta
         return ""
@@ -213,5 +223,7 @@ def get_tokenizer(model: str, checkpoint_dir: str | None = None) -> Tokenizer:
         return Llama3Tokenizer()
     if model == "tiny":
         return ByteTokenizer()
-    raise TokenizerError(f"no tokenizer for {model!r}: presets other than the Llama 3 family have none; serve a "
-                         "checkpoint folder that holds tokenizer.json, or send token ids")
+    raise TokenizerError(
+        f"no tokenizer for {model!r}: presets other than the Llama 3 family have none; serve a "
+        "checkpoint folder that holds tokenizer.json, or send token ids"
+    )

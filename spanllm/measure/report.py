@@ -32,13 +32,21 @@ def machine_info() -> dict[str, Any]:
 
 @functools.cache
 def _machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
-                            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired, IndexError):
             info["driver"] = None
@@ -55,34 +63,58 @@ def _machine_info() -> dict[str, Any]:
 def versions() -> dict[str, Any]:
     from spanllm import __version__
 
-    v: dict[str, Any] = {"spanllm": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                         "cuda": torch.version.cuda}
+    v: dict[str, Any] = {
+        "spanllm": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     try:
         v["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception:  # torch built without NCCL
         v["nccl"] = None
     try:
         import triton
+
         v["triton"] = triton.__version__
     except ImportError:
         v["triton"] = None
     try:
         from importlib.metadata import version
+
         v["nvshmem"] = version("nvidia-nvshmem-cu13")
     except Exception:
         try:
             from importlib.metadata import version
+
             v["nvshmem"] = version("nvidia-nvshmem-cu12")
         except Exception:
             v["nvshmem"] = None
-    v["env"] = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                                            "NCCL_ALGO", "NCCL_PROTO", "CUDA_DEVICE_MAX_CONNECTIONS") if k in os.environ}
+    v["env"] = {
+        k: os.environ[k]
+        for k in (
+            "NCCL_NVLS_ENABLE",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+            "NVSHMEM_DISABLE_NVLS",
+            "NCCL_ALGO",
+            "NCCL_PROTO",
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+        )
+        if k in os.environ
+    }
     return v
 
 
 def write_json(path: str, kind: str, settings: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> None:
-    doc = {"kind": kind, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-           "versions": versions(), "settings": settings, "rows": rows, **extra}
+    doc = {
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "versions": versions(),
+        "settings": settings,
+        "rows": rows,
+        **extra,
+    }
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = path + ".tmp"

@@ -11,15 +11,14 @@ its inputs), so K calls in a graph divided by K is an honest per-call latency.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from spanllm.cuda_graph import capture_graph
-
 
 SPIN_CYCLES = 100_000  # about 50 us at H200 clocks: longer than the host needs to enqueue a graph replay
 
@@ -31,7 +30,7 @@ class Timing:
     samples_us: list[float]
 
     @classmethod
-    def from_samples(cls, samples_us: list[float]) -> "Timing":
+    def from_samples(cls, samples_us: list[float]) -> Timing:
         a = np.asarray(samples_us, dtype=np.float64)
         return cls(float(np.median(a)), float(np.percentile(a, 99)), [float(v) for v in a])
 
@@ -42,9 +41,17 @@ def _max_over_ranks(values: list[float], group, device: torch.device) -> list[fl
     return t.cpu().tolist()
 
 
-def time_calls(fn: Callable[[], None], *, reset: Callable[[], None] | None = None, samples: int = 20,
-               warmup: int = 5, calls_per_sample: int = 20, graph: bool = False, group=None,
-               device: torch.device | None = None) -> Timing:
+def time_calls(
+    fn: Callable[[], None],
+    *,
+    reset: Callable[[], None] | None = None,
+    samples: int = 20,
+    warmup: int = 5,
+    calls_per_sample: int = 20,
+    graph: bool = False,
+    group=None,
+    device: torch.device | None = None,
+) -> Timing:
     """Per-call time of `fn` (one collective call), max over the ranks of `group`."""
     device = device or torch.device("cpu")
     reset = reset or (lambda: None)

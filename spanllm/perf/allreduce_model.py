@@ -23,7 +23,7 @@ Schedules (bytes on the critical path of one GPU):
   torch two-shot  two kernels (`buf.copy_(x)`, then `two_shot_all_reduce_out`): 2M local bytes,
                   3 barrier steps, 2(P-1)/P * M over NVLink (reduce-scatter + all-gather)
   recursive doubling (flat)  log2 P steps of w M (the first log2 g inside a node), LL8 cells
-  nvrar           ONE kernel (spanllm.comm.nvrar_kernel), no barriers, LL8 cells (w = 2) unless the
+  nvrar           ONE kernel (spanllm.comm.nvrar.kernel), no barriers, LL8 cells (w = 2) unless the
                   launch says SIMPLE (w = 1):
                     one-shot (g > 1, launch 'os'): 1 NVLink exchange phase, (g-1) w M pushed
                     reduce-scatter (launch 'rs'):  2 NVLink exchange phases (push reduce-scatter,
@@ -53,15 +53,18 @@ NCCL_VARIANTS = {
 }
 NCCL_VARIANTS["nccl"] = NCCL_VARIANTS["nccl_ring"] + NCCL_VARIANTS["nccl_tree"]
 
-MODELLED = ("nccl", "nccl_ring", "nccl_tree", "torch_one_shot", "torch_two_shot", "recursive_doubling",
-            "nvrar", "auto")
+MODELLED = ("nccl", "nccl_ring", "nccl_tree", "torch_one_shot", "torch_two_shot", "recursive_doubling", "nvrar", "auto")
 """Algorithm names the model answers for. Bench names map onto these (see `model_name`)."""
 
 AUTO_CANDIDATES = ("nccl", "torch_one_shot", "torch_two_shot", "nvrar")
 """What spanllm's size-based `auto` chooses among; the model's `auto` is the fastest supported one."""
 
-NOT_MODELLED = {"gloo": "CPU collective", "ref_ring": "CPU reference executor",
-                "ref_rd": "CPU reference executor", "ref_hier": "CPU reference executor"}
+NOT_MODELLED = {
+    "gloo": "CPU collective",
+    "ref_ring": "CPU reference executor",
+    "ref_rd": "CPU reference executor",
+    "ref_hier": "CPU reference executor",
+}
 
 
 class AllReduceModelError(ValueError):
@@ -73,8 +76,9 @@ def model_name(bench_algo: str) -> str:
     if bench_algo in MODELLED:
         return bench_algo
     if bench_algo in NOT_MODELLED:
-        raise AllReduceModelError(f"algorithm {bench_algo!r} is a {NOT_MODELLED[bench_algo]}; the GPU "
-                                  "performance model does not cover it")
+        raise AllReduceModelError(
+            f"algorithm {bench_algo!r} is a {NOT_MODELLED[bench_algo]}; the GPU performance model does not cover it"
+        )
     raise AllReduceModelError(f"unknown all-reduce algorithm {bench_algo!r}; modelled: {', '.join(MODELLED)}")
 
 
@@ -105,19 +109,23 @@ def place(cluster: ClusterSpec, nodes: int, ranks_per_node: int | None = None) -
         raise AllReduceModelError(f"nodes={nodes!r} must be an integer >= 1")
     g = cluster.gpus_per_node if ranks_per_node is None else ranks_per_node
     if not isinstance(g, int) or not 1 <= g <= cluster.gpus_per_node:
-        raise AllReduceModelError(f"ranks_per_node={g!r} must lie in [1, {cluster.gpus_per_node}] "
-                                  f"(cluster {cluster.name!r} has {cluster.gpus_per_node} GPUs per node)")
+        raise AllReduceModelError(
+            f"ranks_per_node={g!r} must lie in [1, {cluster.gpus_per_node}] "
+            f"(cluster {cluster.name!r} has {cluster.gpus_per_node} GPUs per node)"
+        )
     world = nodes * g
     if world <= cluster.gpus_per_node:
         return Placement(nodes, g, 1)  # one host; nodes > 1 are virtual
     if g != cluster.gpus_per_node:
         raise AllReduceModelError(
             f"{nodes} nodes x {g} ranks per node spans several hosts of {cluster.gpus_per_node} GPUs; the model "
-            f"places multi-host groups on whole hosts only: use ranks_per_node={cluster.gpus_per_node}")
+            f"places multi-host groups on whole hosts only: use ranks_per_node={cluster.gpus_per_node}"
+        )
     if not cluster.has_network:
         raise AllReduceModelError(
             f"cluster {cluster.name!r} has no network (nic_GBps_per_gpu=0) and {cluster.gpus_per_node} GPUs: "
-            f"{world} ranks do not fit; use at most {cluster.gpus_per_node} ranks (virtual nodes allowed)")
+            f"{world} ranks do not fit; use at most {cluster.gpus_per_node} ranks (virtual nodes allowed)"
+        )
     return Placement(nodes, g, nodes)
 
 
@@ -131,10 +139,14 @@ class CostTerms:
     net_wire_bytes: float = 0.0
     local_bytes: float = 0.0  # HBM traffic on the critical path that no transfer hides (copies, staging)
 
-    def __add__(self, other: "CostTerms") -> "CostTerms":
-        return CostTerms(self.nvlink_steps + other.nvlink_steps, self.net_steps + other.net_steps,
-                         self.nvlink_wire_bytes + other.nvlink_wire_bytes, self.net_wire_bytes + other.net_wire_bytes,
-                         self.local_bytes + other.local_bytes)
+    def __add__(self, other: CostTerms) -> CostTerms:
+        return CostTerms(
+            self.nvlink_steps + other.nvlink_steps,
+            self.net_steps + other.net_steps,
+            self.nvlink_wire_bytes + other.nvlink_wire_bytes,
+            self.net_wire_bytes + other.net_wire_bytes,
+            self.local_bytes + other.local_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -179,8 +191,9 @@ def ring_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | 
     p, n = pl.world, pl.physical_nodes
     inter = 2 * (n - 1)
     nics = pl.physical_ranks_per_node if pl.over_network else 1  # rings share the data, one NIC each
-    return (CostTerms(nvlink_steps=2 * (p - 1) - inter, net_steps=inter)
-            + _bytes(2 * (p - 1) / p * nbytes * wire / nics, pl.over_network))
+    return CostTerms(nvlink_steps=2 * (p - 1) - inter, net_steps=inter) + _bytes(
+        2 * (p - 1) / p * nbytes * wire / nics, pl.over_network
+    )
 
 
 def tree_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
@@ -188,8 +201,9 @@ def tree_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | 
         return CostTerms()
     g, n = pl.physical_ranks_per_node, pl.physical_nodes
     nics = g if pl.over_network else 1  # trees share the data, one NIC each
-    return (CostTerms(nvlink_steps=2 * (g - 1), net_steps=2 * math.ceil(math.log2(n)))
-            + _bytes(2 * nbytes * wire / nics, pl.over_network))
+    return CostTerms(nvlink_steps=2 * (g - 1), net_steps=2 * math.ceil(math.log2(n))) + _bytes(
+        2 * nbytes * wire / nics, pl.over_network
+    )
 
 
 def one_shot_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
@@ -209,8 +223,12 @@ def flat_rd_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch
     # node-major numbering: partners at distance 2^s < g share a node (g a power of two)
     intra = min(total, (g.bit_length() - 1) if g & (g - 1) == 0 else 0) if pl.over_network else total
     inter = total - intra
-    return CostTerms(nvlink_steps=intra, net_steps=inter, nvlink_wire_bytes=intra * nbytes * wire,
-                     net_wire_bytes=inter * nbytes * wire)
+    return CostTerms(
+        nvlink_steps=intra,
+        net_steps=inter,
+        nvlink_wire_bytes=intra * nbytes * wire,
+        net_wire_bytes=inter * nbytes * wire,
+    )
 
 
 def nvrar_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
@@ -237,8 +255,12 @@ def nvrar_launches(pl: Placement) -> tuple[NvrarLaunch, ...]:
 
 
 SCHEDULES = {
-    "nccl_ring": ring_terms, "nccl_tree": tree_terms, "torch_one_shot": one_shot_terms,
-    "torch_two_shot": two_shot_terms, "recursive_doubling": flat_rd_terms, "nvrar": nvrar_terms,
+    "nccl_ring": ring_terms,
+    "nccl_tree": tree_terms,
+    "torch_one_shot": one_shot_terms,
+    "torch_two_shot": two_shot_terms,
+    "recursive_doubling": flat_rd_terms,
+    "nvrar": nvrar_terms,
 }
 ONE_HOST_ONLY = ("torch_one_shot", "torch_two_shot")
 
@@ -248,8 +270,9 @@ def schedule_of(key: str) -> str:
     return key.split("/")[0]
 
 
-def cost_terms(key: str, nbytes: float, cluster: ClusterSpec, pl: Placement,
-               launch: NvrarLaunch | None = None) -> CostTerms:
+def cost_terms(
+    key: str, nbytes: float, cluster: ClusterSpec, pl: Placement, launch: NvrarLaunch | None = None
+) -> CostTerms:
     return SCHEDULES[schedule_of(key)](nbytes, pl, cluster.algo(key).wire_factor, launch)
 
 
@@ -277,8 +300,9 @@ def time_from_terms_us(terms: CostTerms, cost: AlgoCost, cluster: ClusterSpec, g
 def transfer_us(nbytes: float, GBps: float) -> float:
     """Bytes over a link of GBps (1 GB/s = 1e3 bytes per microsecond)."""
     if GBps <= 0:
-        raise AllReduceModelError(f"transfer of {nbytes:.0f} bytes over a link of {GBps} GB/s; "
-                                  "the cluster preset lacks this link's bandwidth")
+        raise AllReduceModelError(
+            f"transfer of {nbytes:.0f} bytes over a link of {GBps} GB/s; the cluster preset lacks this link's bandwidth"
+        )
     return nbytes / (GBps * 1e3)
 
 
@@ -291,8 +315,15 @@ def supports(algo: str, cluster: ClusterSpec, pl: Placement) -> str | None:
     return None
 
 
-def allreduce_cost(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, ranks_per_node: int | None = None,
-                   graph: bool = True, launch: str | NvrarLaunch | None = None) -> tuple[float, str]:
+def allreduce_cost(
+    algo: str,
+    nbytes: float,
+    cluster: ClusterSpec,
+    nodes: int,
+    ranks_per_node: int | None = None,
+    graph: bool = True,
+    launch: str | NvrarLaunch | None = None,
+) -> tuple[float, str]:
     """(time in us, the variant that gives it: e.g. 'nccl_tree/LL', 'nvrar[os]', or what `auto` chose).
 
     `launch`: for nvrar, the launch the tuned table chose ('os/b8x256w4', a bench row's `ran` bracket);
@@ -306,24 +337,45 @@ def allreduce_cost(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, r
     if pl.world == 1:
         return 0.0, algo
     if algo == "auto":
-        options = [(allreduce_cost(a, nbytes, cluster, nodes, ranks_per_node, graph)[0], a)
-                   for a in AUTO_CANDIDATES if supports(a, cluster, pl) is None]
+        options = [
+            (allreduce_cost(a, nbytes, cluster, nodes, ranks_per_node, graph)[0], a)
+            for a in AUTO_CANDIDATES
+            if supports(a, cluster, pl) is None
+        ]
         return min(options)
     if algo == "nvrar":
         given = parse_launch(launch) if isinstance(launch, str) or launch is None else launch
         cost = cluster.algo("nvrar")
-        return min((time_from_terms_us(nvrar_terms(nbytes, pl, cost.wire_factor, lc), cost, cluster, graph),
-                    f"nvrar[{lc.tag}]") for lc in ((given,) if given else nvrar_launches(pl)))
-    keys = [k for k in NCCL_VARIANTS.get(algo, (algo,)) if nbytes > cluster.algo(k).picked_above_bytes
-            or cluster.algo(k).picked_above_bytes == 0]
+        return min(
+            (
+                time_from_terms_us(nvrar_terms(nbytes, pl, cost.wire_factor, lc), cost, cluster, graph),
+                f"nvrar[{lc.tag}]",
+            )
+            for lc in ((given,) if given else nvrar_launches(pl))
+        )
+    keys = [
+        k
+        for k in NCCL_VARIANTS.get(algo, (algo,))
+        if nbytes > cluster.algo(k).picked_above_bytes or cluster.algo(k).picked_above_bytes == 0
+    ]
     if not keys:
-        raise AllReduceModelError(f"cluster {cluster.name!r}: no variant of {algo} is picked at {nbytes} bytes; "
-                                  "fix the picked_above_bytes entries of its preset")
-    return min((time_from_terms_us(cost_terms(k, nbytes, cluster, pl), cluster.algo(k), cluster, graph), k)
-               for k in keys)
+        raise AllReduceModelError(
+            f"cluster {cluster.name!r}: no variant of {algo} is picked at {nbytes} bytes; "
+            "fix the picked_above_bytes entries of its preset"
+        )
+    return min(
+        (time_from_terms_us(cost_terms(k, nbytes, cluster, pl), cluster.algo(k), cluster, graph), k) for k in keys
+    )
 
 
-def allreduce_time_us(algo: str, nbytes: float, cluster: ClusterSpec, nodes: int, ranks_per_node: int | None = None,
-                      graph: bool = True, launch: str | NvrarLaunch | None = None) -> float:
+def allreduce_time_us(
+    algo: str,
+    nbytes: float,
+    cluster: ClusterSpec,
+    nodes: int,
+    ranks_per_node: int | None = None,
+    graph: bool = True,
+    launch: str | NvrarLaunch | None = None,
+) -> float:
     """Modelled time of one all-reduce call of `nbytes` over nodes x ranks_per_node GPUs of `cluster`."""
     return allreduce_cost(algo, nbytes, cluster, nodes, ranks_per_node, graph, launch)[0]

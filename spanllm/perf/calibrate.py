@@ -32,8 +32,18 @@ from pathlib import Path
 import numpy as np
 
 from spanllm.perf.allreduce_model import (
-    MODELLED, NCCL_VARIANTS, NOT_MODELLED, NvrarLaunch, allreduce_cost, cost_terms, fixed_us, local_us, model_name,
-    parse_launch, place, time_from_terms_us,
+    MODELLED,
+    NCCL_VARIANTS,
+    NOT_MODELLED,
+    NvrarLaunch,
+    allreduce_cost,
+    cost_terms,
+    fixed_us,
+    local_us,
+    model_name,
+    parse_launch,
+    place,
+    time_from_terms_us,
 )
 from spanllm.perf.hardware import AlgoCost, ClusterSpec, load_cluster, save_cluster
 from spanllm.perf.measurements import AllReduceMeasurement, load_results, ran_launch, result_files
@@ -98,8 +108,10 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
     if algo in NOT_MODELLED or algo not in MODELLED or algo == "auto":
         raise CalibrationError(f"cannot fit {algo!r}: not a GPU algorithm the model prices")
     if len({m.nbytes for m in ms}) < 2:
-        raise CalibrationError(f"{algo}: {len(ms)} rows with {len({m.nbytes for m in ms})} distinct size(s); "
-                               "a fit needs at least 2 sizes (sweep with -b/-e covering small and large)")
+        raise CalibrationError(
+            f"{algo}: {len(ms)} rows with {len({m.nbytes for m in ms})} distinct size(s); "
+            "a fit needs at least 2 sizes (sweep with -b/-e covering small and large)"
+        )
     key = fit_key(algo, ms, cluster, large)
     base = cluster.algo(key)
     X, y, w, terms = [], [], [], []
@@ -130,15 +142,19 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
         if j in cols and coef[j] < 0:
             if j:
                 held[j] = 0.0  # a step cost; a negative base is held at the preset's (already in held)
-            notes.append(f"fitted {name} {coef[j]:.2f} < 0: held at {held[j]:.2f} and refitted "
-                         "(launch/base costs in the preset too high?)")
+            notes.append(
+                f"fitted {name} {coef[j]:.2f} < 0: held at {held[j]:.2f} and refitted "
+                "(launch/base costs in the preset too high?)"
+            )
             if j == 0:
                 b = b - base.base_us * W
             cols.remove(j)
             coef = _lstsq(A, b, cols)
     if coef[3] <= 0:
-        raise CalibrationError(f"{algo}: time does not grow with size in these rows (slope {coef[3]:.3g}); "
-                               "include larger sizes so the bandwidth term is visible")
+        raise CalibrationError(
+            f"{algo}: time does not grow with size in these rows (slope {coef[3]:.3g}); "
+            "include larger sizes so the bandwidth term is visible"
+        )
     eff = 1.0 / coef[3]
     if eff > 1.0:
         notes.append(f"fitted efficiency {eff:.2f} > 1 capped at 1 (link bandwidth in the preset too low?)")
@@ -152,8 +168,9 @@ def fit_algo_cost(algo: str, ms: list[AllReduceMeasurement], cluster: ClusterSpe
     return Fit(algo, keys, cost, len(ms), rms, tuple(notes), fitted_base=0 in cols)
 
 
-def calibrate(ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: int | None = None,
-              name: str | None = None) -> tuple[ClusterSpec, list[Fit], list[str]]:
+def calibrate(
+    ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: int | None = None, name: str | None = None
+) -> tuple[ClusterSpec, list[Fit], list[str]]:
     """A new ClusterSpec with every measured algorithm's constants fitted; plus the fits and what was skipped."""
     by_algo: dict[str, list[AllReduceMeasurement]] = {}
     skipped = []
@@ -172,8 +189,10 @@ def calibrate(ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: i
         large = [m for m in rows if limit and m.nbytes > limit]
         regimes = [(False, small)] + ([(True, large)] if len({m.nbytes for m in large}) >= 2 else [])
         if large and len(regimes) == 1:
-            skipped.append(f"{algo}: {len(large)} row(s) above {limit} bytes (NCCL's large-message protocols) "
-                           "left out: at least 2 sizes are needed to fit them")
+            skipped.append(
+                f"{algo}: {len(large)} row(s) above {limit} bytes (NCCL's large-message protocols) "
+                "left out: at least 2 sizes are needed to fit them"
+            )
         for is_large, part in regimes:
             try:
                 f = fit_algo_cost(algo, part, cluster, large=is_large)
@@ -183,9 +202,13 @@ def calibrate(ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: i
             fits.append(f)
             for key in f.keys:
                 own = cluster.algo(key)  # an entry keeps its own base_us unless the rows determined one
-                algos[key] = replace(own, base_us=f.cost.base_us if f.fitted_base else own.base_us,
-                                     nvlink_step_us=f.cost.nvlink_step_us, net_step_us=f.cost.net_step_us,
-                                     bw_efficiency=f.cost.bw_efficiency)
+                algos[key] = replace(
+                    own,
+                    base_us=f.cost.base_us if f.fitted_base else own.base_us,
+                    nvlink_step_us=f.cost.nvlink_step_us,
+                    net_step_us=f.cost.net_step_us,
+                    bw_efficiency=f.cost.bw_efficiency,
+                )
         if algo in FIT_TARGETS and not large:  # the library stayed on the fitted protocol over the measured range
             top = max(m.nbytes for m in rows)
             for key in NCCL_VARIANTS[algo]:
@@ -196,8 +219,12 @@ def calibrate(ms: list[AllReduceMeasurement], cluster: ClusterSpec, max_bytes: i
                 if key not in FIT_TARGETS[algo] + LARGE_FIT_TARGETS[algo]:
                     top = max(m.nbytes for m in rows)
                     algos[key] = replace(algos[key], picked_above_bytes=max(cluster.algo(key).picked_above_bytes, top))
-    spec = replace(cluster, name=name or f"{cluster.name}-calibrated",
-                   description=f"{cluster.description}; all-reduce constants fitted to measurements", algos=algos)
+    spec = replace(
+        cluster,
+        name=name or f"{cluster.name}-calibrated",
+        description=f"{cluster.description}; all-reduce constants fitted to measurements",
+        algos=algos,
+    )
     return spec, fits, sorted(set(skipped))
 
 
@@ -209,16 +236,23 @@ def parse_bytes(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="*", type=Path,
-                        help="`spanllm bench allreduce --json` files (default: every results/*.json of kind allreduce)")
+    parser.add_argument(
+        "files",
+        nargs="*",
+        type=Path,
+        help="`spanllm bench allreduce --json` files (default: every results/*.json of kind allreduce)",
+    )
     parser.add_argument("--cluster", default="h200x2", help="preset name or .json/.toml file to start from")
     parser.add_argument("--max-bytes", default="4MiB", help="fit only rows up to this size (the low-latency regime)")
     parser.add_argument("--name", default=None, help="name of the written preset")
     parser.add_argument("--out", type=Path, default=Path("calibrated_cluster.json"), help="preset file to write")
     parser.add_argument("--results", type=Path, default=Path("results"), help="folder searched when no files are given")
-    parser.add_argument("--engine", action="store_true",
-                        help="fit the engine constants (EngineCost) to the engine rows the preset's engine fit names "
-                             "(hardware.ENGINE_FITS), all-reduce constants first calibrated on the sweeps")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="fit the engine constants (EngineCost) to the engine rows the preset's engine fit names "
+        "(hardware.ENGINE_FITS), all-reduce constants first calibrated on the sweeps",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,14 +270,31 @@ def run(args: argparse.Namespace) -> int:
         return 1
     spec, fits, skipped = calibrate(ms, cluster, parse_bytes(args.max_bytes), args.name)
     table = Table(title=f"all-reduce constants fitted on {cluster.name} ({len(ms)} rows, <= {args.max_bytes})")
-    for col in ("algorithm", "entries", "rows", "base us", "nvlink step us", "net step us", "bw efficiency",
-                "rms rel err", "notes"):
+    for col in (
+        "algorithm",
+        "entries",
+        "rows",
+        "base us",
+        "nvlink step us",
+        "net step us",
+        "bw efficiency",
+        "rms rel err",
+        "notes",
+    ):
         table.add_column(col)
     for f in fits:
         base = f"{f.cost.base_us:.2f}{'' if f.fitted_base else ' (preset)'}"
-        table.add_row(f.algo, ", ".join(f.keys), str(f.rows), base,
-                      f"{f.cost.nvlink_step_us:.2f}", f"{f.cost.net_step_us:.2f}",
-                      f"{f.cost.bw_efficiency:.3f}", f"{f.rms_rel_error:.1%}", "; ".join(f.notes))
+        table.add_row(
+            f.algo,
+            ", ".join(f.keys),
+            str(f.rows),
+            base,
+            f"{f.cost.nvlink_step_us:.2f}",
+            f"{f.cost.net_step_us:.2f}",
+            f"{f.cost.bw_efficiency:.3f}",
+            f"{f.rms_rel_error:.1%}",
+            "; ".join(f.notes),
+        )
     console.print(table)
     for line in skipped_files + skipped:
         console.print(f"skipped: {line}")
@@ -262,8 +313,9 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
 
     spec = ENGINE_FITS.get(cluster.name)
     if spec is None:
-        console.print(f"cluster {cluster.name!r} names no engine rows to fit (hardware.ENGINE_FITS: "
-                      f"{', '.join(ENGINE_FITS)})")
+        console.print(
+            f"cluster {cluster.name!r} names no engine rows to fit (hardware.ENGINE_FITS: {', '.join(ENGINE_FITS)})"
+        )
         return 1
     ar, eng, _ = load_results(args.files or result_files(args.results))
     if ar:
@@ -279,8 +331,9 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
     for name, v in asdict(fit.cost).items():
         t.add_row(name, format_constant(v), format_constant(getattr(cluster.engine, name)))
     console.print(t)
-    console.print("rms relative error over the rows fitted: "
-                  + ", ".join(f"{m} {v:.1%}" for m, v in fit.rms_rel_error.items()))
+    console.print(
+        "rms relative error over the rows fitted: " + ", ".join(f"{m} {v:.1%}" for m, v in fit.rms_rel_error.items())
+    )
     for label in fit.rows:
         console.print(f"  fitted: {escape(label)}")
     spec_out = replace(cluster, name=args.name or f"{cluster.name}-engine-fit", engine=fit.cost)

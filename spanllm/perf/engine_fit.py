@@ -16,8 +16,9 @@ cluster's, from separate measurements, and `attends_max_seq_len` is a fact of th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from spanllm.perf.allreduce_model import model_name
 from spanllm.perf.hardware import ClusterSpec, EngineCost
@@ -30,8 +31,12 @@ ENGINE_ALLREDUCE_MAX_BYTES = BUFFERED_ALLREDUCE_MAX_BYTES  # the engine's own de
 """spanllm.engine.config.EngineConfig.allreduce_max_bytes: larger all-reduces go to NCCL (prefill's)."""
 
 FITTED = ("decode_layer_us", "attn_position_ns", "eager_layer_host_us", "prefill_efficiency")
-BOUNDS = {"decode_layer_us": (0.0, 1000.0), "attn_position_ns": (0.0, 1000.0),
-          "eager_layer_host_us": (0.0, 10000.0), "prefill_efficiency": (0.05, 1.0)}
+BOUNDS = {
+    "decode_layer_us": (0.0, 1000.0),
+    "attn_position_ns": (0.0, 1000.0),
+    "eager_layer_host_us": (0.0, 10000.0),
+    "prefill_efficiency": (0.05, 1.0),
+}
 START = {"decode_layer_us": 0.0, "attn_position_ns": 0.0, "eager_layer_host_us": 0.0, "prefill_efficiency": 0.5}
 STEP = {"decode_layer_us": 64.0, "attn_position_ns": 16.0, "eager_layer_host_us": 512.0, "prefill_efficiency": 0.25}
 METRICS = ("ttft", "tpot")
@@ -53,8 +58,10 @@ class EngineCase:
     @property
     def label(self) -> str:
         pre = f" (prefill {self.prefill_algo})" if self.prefill_algo != self.algo and self.layout.tp > 1 else ""
-        return (f"{self.model.name} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
-                f"b{self.workload.batch} p{self.workload.prompt_len} d{self.workload.decode_len}")
+        return (
+            f"{self.model.name} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
+            f"b{self.workload.batch} p{self.workload.prompt_len} d{self.workload.decode_len}"
+        )
 
 
 def format_constant(v) -> str:
@@ -72,8 +79,12 @@ def row_case(row: Mapping[str, Any]) -> EngineCase:
     if row.get("truncated_layers"):
         model = model.truncated(int(row["truncated_layers"]))
     tp, rpn = int(row["tp"]), row.get("ranks_per_node")
-    layout = Layout(tp, int(row.get("pp", 1)), int(row.get("micro_batches", 1)),
-                    tp_ranks_per_node=min(int(rpn), tp) if rpn else None)
+    layout = Layout(
+        tp,
+        int(row.get("pp", 1)),
+        int(row.get("micro_batches", 1)),
+        tp_ranks_per_node=min(int(rpn), tp) if rpn else None,
+    )
     w = Workload(int(row["batch"]), int(row["prompt_len"]), int(row["decode_len"]))
     ran = str(row.get("allreduce_ran") or row.get("allreduce") or "nccl")
     algo = "nccl" if tp == 1 or ran == "none" else _algo(ran)  # no all-reduce at tp 1
@@ -103,8 +114,14 @@ class EngineFit:
     rms_rel_error: dict[str, float]  # per metric, over the rows fitted
 
 
-def compass_search(loss: Callable[[dict[str, float]], float], start: dict[str, float], step: dict[str, float],
-                   bounds: dict[str, tuple[float, float]], rel_tol: float = 1e-5, max_evals: int = 20000):
+def compass_search(
+    loss: Callable[[dict[str, float]], float],
+    start: dict[str, float],
+    step: dict[str, float],
+    bounds: dict[str, tuple[float, float]],
+    rel_tol: float = 1e-5,
+    max_evals: int = 20000,
+):
     """Minimise `loss` over a box: try +-step on each coordinate in turn, keep any improvement, halve every
     step when a sweep improves nothing; stop when each step is below rel_tol x its initial value."""
     x, best = dict(start), loss(start)
@@ -152,5 +169,4 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
 
     x, _ = compass_search(loss, START, STEP, BOUNDS)
     rms = {m: (sum(r * r for r in v) / len(v)) ** 0.5 for m, v in errors(x).items() if v}
-    return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases),
-                     rms)
+    return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases), rms)

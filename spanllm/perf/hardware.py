@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+import tomllib
 
 from spanllm.perf.transport import TRANSPORTS, Transport, TransportError, get_transport
 
@@ -64,11 +66,14 @@ class AlgoCost:
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ClusterSpecError(f"AlgoCost.{name}={v!r} must be a finite number >= 0 (microseconds)")
         if not 1.0 <= self.wire_factor <= 8.0:
-            raise ClusterSpecError(f"AlgoCost.wire_factor={self.wire_factor!r} must lie in [1, 8] "
-                                   "(wire bytes per payload byte; LL protocols use 2)")
+            raise ClusterSpecError(
+                f"AlgoCost.wire_factor={self.wire_factor!r} must lie in [1, 8] "
+                "(wire bytes per payload byte; LL protocols use 2)"
+            )
         if not 0.0 < self.bw_efficiency <= 1.0:
-            raise ClusterSpecError(f"AlgoCost.bw_efficiency={self.bw_efficiency!r} must lie in (0, 1] "
-                                   "(fraction of link bandwidth reached)")
+            raise ClusterSpecError(
+                f"AlgoCost.bw_efficiency={self.bw_efficiency!r} must lie in (0, 1] (fraction of link bandwidth reached)"
+            )
         if not isinstance(self.picked_above_bytes, int) or self.picked_above_bytes < 0:
             raise ClusterSpecError(f"AlgoCost.picked_above_bytes={self.picked_above_bytes!r} must be an integer >= 0")
         if not isinstance(self.kernels, int) or self.kernels < 1:
@@ -89,7 +94,9 @@ class EngineCost:
     attn_position_ns: float = 0.0  # decode attention: time per cache position scanned, per layer (serial key scan)
     attends_max_seq_len: bool = False  # decode attention scans every position up to prompt + decode (masked)
     eager_layer_host_us: float = 0.0  # eager prefill: host time to issue one layer (0: kernels x kernel_launch_us)
-    prefill_efficiency: float = 0.0  # eager prefill: achieved / peak bf16 over GEMM + attention FLOPs (0: gemm_efficiency)
+    prefill_efficiency: float = (
+        0.0  # eager prefill: achieved / peak bf16 over GEMM + attention FLOPs (0: gemm_efficiency)
+    )
 
     def __post_init__(self) -> None:
         for name in ("decode_layer_us", "attn_position_ns", "eager_layer_host_us"):
@@ -97,13 +104,14 @@ class EngineCost:
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ClusterSpecError(f"EngineCost.{name}={v!r} must be a finite number >= 0")
         if not (isinstance(self.prefill_efficiency, (int, float)) and 0 <= self.prefill_efficiency <= 1):
-            raise ClusterSpecError(f"EngineCost.prefill_efficiency={self.prefill_efficiency!r} must lie in [0, 1] "
-                                   "(0: use gemm_efficiency)")
+            raise ClusterSpecError(
+                f"EngineCost.prefill_efficiency={self.prefill_efficiency!r} must lie in [0, 1] (0: use gemm_efficiency)"
+            )
 
 
 @dataclass(frozen=True)
 class KernelCost:
-    """spanllm's NVSHMEM all-reduce kernel (spanllm.comm.nvrar_kernel, LL8 cells) on the GPU itself, apart from
+    """spanllm's NVSHMEM all-reduce kernel (spanllm.comm.nvrar.kernel, LL8 cells) on the GPU itself, apart from
     any link: measured on the 2 x H200 host (`_HOST_NVRAR_FIT` below) and carried to every preset, where the
     same kernel runs (other GPUs: ranges in ClusterSpec.ranges)."""
 
@@ -152,8 +160,15 @@ class ClusterSpec:
             raise ClusterSpecError(f"{self.name}: engine is {type(self.engine).__name__}, expected EngineCost")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ClusterSpecError(f"{self.name}: gpus_per_node={self.gpus_per_node!r} must be an integer >= 1")
-        positive = ("gpu_memory_GB", "hbm_GBps", "bf16_TFLOPs", "graph_node_us", "kernel_launch_us",
-                    "nvlink_latency_us", "nic_latency_us")
+        positive = (
+            "gpu_memory_GB",
+            "hbm_GBps",
+            "bf16_TFLOPs",
+            "graph_node_us",
+            "kernel_launch_us",
+            "nvlink_latency_us",
+            "nic_latency_us",
+        )
         for name in positive:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
@@ -163,11 +178,15 @@ class ClusterSpec:
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ClusterSpecError(f"{self.name}: {name}={v!r} must lie in (0, 1] (achieved / peak)")
         if self.nvlink_GBps < 0 or self.nic_GBps_per_gpu < 0:
-            raise ClusterSpecError(f"{self.name}: link bandwidths must be >= 0 "
-                                   f"(nvlink_GBps={self.nvlink_GBps}, nic_GBps_per_gpu={self.nic_GBps_per_gpu})")
+            raise ClusterSpecError(
+                f"{self.name}: link bandwidths must be >= 0 "
+                f"(nvlink_GBps={self.nvlink_GBps}, nic_GBps_per_gpu={self.nic_GBps_per_gpu})"
+            )
         if self.gpus_per_node > 1 and self.nvlink_GBps <= 0:
-            raise ClusterSpecError(f"{self.name}: nvlink_GBps={self.nvlink_GBps} but gpus_per_node="
-                                   f"{self.gpus_per_node}; give the intra-node link bandwidth per GPU per direction")
+            raise ClusterSpecError(
+                f"{self.name}: nvlink_GBps={self.nvlink_GBps} but gpus_per_node="
+                f"{self.gpus_per_node}; give the intra-node link bandwidth per GPU per direction"
+            )
         for key, cost in self.algos.items():
             if not isinstance(cost, AlgoCost):
                 raise ClusterSpecError(f"{self.name}: algos[{key!r}] is {type(cost).__name__}, expected AlgoCost")
@@ -175,8 +194,10 @@ class ClusterSpec:
             value = constant_value(self, path)  # raises on a path that names no constant
             lo, hi = bounds
             if not lo <= value <= hi:
-                raise ClusterSpecError(f"{self.name}: ranges[{path!r}] = ({lo}, {hi}) does not hold the value {value}; "
-                                       "a range must contain the constant it bounds")
+                raise ClusterSpecError(
+                    f"{self.name}: ranges[{path!r}] = ({lo}, {hi}) does not hold the value {value}; "
+                    "a range must contain the constant it bounds"
+                )
 
     @property
     def has_network(self) -> bool:
@@ -184,8 +205,9 @@ class ClusterSpec:
 
     def algo(self, key: str) -> AlgoCost:
         if key not in self.algos:
-            raise ClusterSpecError(f"cluster {self.name!r} has no constants for {key!r}; "
-                                   f"known: {', '.join(sorted(self.algos))}")
+            raise ClusterSpecError(
+                f"cluster {self.name!r} has no constants for {key!r}; known: {', '.join(sorted(self.algos))}"
+            )
         return self.algos[key]
 
 
@@ -229,10 +251,10 @@ NCCL_PROTOCOLS: dict[str, AlgoCost] = {
 # fits agree on the barrier cost (3.36 vs 3.36 us), which the old single-kernel two-shot model missed
 # (it predicted ~6.4 us at small sizes vs 10.9-12 us measured). Used on every NVLink cluster: same
 # kernels, same flag protocol.
-TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.355, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.336)
-TORCH_TWO_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.363, net_step_us=0.0, wire_factor=1.0,
-                          bw_efficiency=0.647, kernels=2)
+TORCH_ONE_SHOT = AlgoCost(base_us=0.0, nvlink_step_us=3.355, net_step_us=0.0, wire_factor=1.0, bw_efficiency=0.336)
+TORCH_TWO_SHOT = AlgoCost(
+    base_us=0.0, nvlink_step_us=3.363, net_step_us=0.0, wire_factor=1.0, bw_efficiency=0.647, kernels=2
+)
 
 
 def ll8_cost(nvlink_latency_us: float, nic_latency_us: float, kernel: KernelCost, transport: Transport) -> AlgoCost:
@@ -242,20 +264,33 @@ def ll8_cost(nvlink_latency_us: float, nic_latency_us: float, kernel: KernelCost
     per call, inside call_us: the H200 fit, and peers push before they poll, so later phases overlap it);
     a network round costs kernel.phase_us + transport.round_us(nic_latency_us) (a put and its signal,
     spanllm.perf.transport), since a round's put waits for the previous round's data."""
-    return AlgoCost(base_us=kernel.call_us, nvlink_step_us=kernel.phase_us,
-                    net_step_us=kernel.phase_us + transport.round_us(nic_latency_us), wire_factor=2.0,
-                    bw_efficiency=kernel.bw_efficiency)
+    return AlgoCost(
+        base_us=kernel.call_us,
+        nvlink_step_us=kernel.phase_us,
+        net_step_us=kernel.phase_us + transport.round_us(nic_latency_us),
+        wire_factor=2.0,
+        bw_efficiency=kernel.bw_efficiency,
+    )
 
 
-def default_algo_costs(nvlink_latency_us: float, nic_latency_us: float, kernel: KernelCost | None = None,
-                       transport: Transport | None = None) -> dict[str, AlgoCost]:
+def default_algo_costs(
+    nvlink_latency_us: float,
+    nic_latency_us: float,
+    kernel: KernelCost | None = None,
+    transport: Transport | None = None,
+) -> dict[str, AlgoCost]:
     """The per-algorithm table for a cluster with these links, kernel and transport (NCCL's own constants are fixed)."""
     ll8 = ll8_cost(nvlink_latency_us, nic_latency_us, kernel or KernelCost(), transport or TRANSPORTS["ibgda"])
-    return {**NCCL_PROTOCOLS, "torch_one_shot": TORCH_ONE_SHOT, "torch_two_shot": TORCH_TWO_SHOT,
-            "nvrar": ll8, "recursive_doubling": ll8}
+    return {
+        **NCCL_PROTOCOLS,
+        "torch_one_shot": TORCH_ONE_SHOT,
+        "torch_two_shot": TORCH_TWO_SHOT,
+        "nvrar": ll8,
+        "recursive_doubling": ll8,
+    }
 
 
-def spec_defaults(spec: "ClusterSpec") -> dict[str, AlgoCost]:
+def spec_defaults(spec: ClusterSpec) -> dict[str, AlgoCost]:
     return default_algo_costs(spec.nvlink_latency_us, spec.nic_latency_us, spec.kernel, spec.transport)
 
 
@@ -265,7 +300,7 @@ def spec_defaults(spec: "ClusterSpec") -> dict[str, AlgoCost]:
 _SUB = {"transport": Transport, "kernel": KernelCost, "engine": EngineCost}
 
 
-def constant_value(spec: "ClusterSpec", path: str) -> float:
+def constant_value(spec: ClusterSpec, path: str) -> float:
     """The number a path names: 'nic_latency_us', 'transport.proxy_us', 'kernel.call_us', 'algos.nvrar.base_us'."""
     parts = path.split(".")
     try:
@@ -278,14 +313,16 @@ def constant_value(spec: "ClusterSpec", path: str) -> float:
         else:
             raise AttributeError(path)
     except (AttributeError, KeyError):
-        raise ClusterSpecError(f"{spec.name}: {path!r} names no constant; use a ClusterSpec field ('nic_latency_us'), "
-                               "'transport.FIELD', 'kernel.FIELD', 'engine.FIELD' or 'algos.KEY.FIELD'") from None
+        raise ClusterSpecError(
+            f"{spec.name}: {path!r} names no constant; use a ClusterSpec field ('nic_latency_us'), "
+            "'transport.FIELD', 'kernel.FIELD', 'engine.FIELD' or 'algos.KEY.FIELD'"
+        ) from None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ClusterSpecError(f"{spec.name}: {path!r} is {v!r}, not a number a range can bound")
     return float(v)
 
 
-def with_constant(spec: "ClusterSpec", path: str, value: float) -> "ClusterSpec":
+def with_constant(spec: ClusterSpec, path: str, value: float) -> ClusterSpec:
     """`spec` with one constant replaced. Entries of `algos` built from the links, kernel and transport
     (equal to their defaults) are rebuilt from the new values; fitted entries stay as they are."""
     constant_value(spec, path)
@@ -307,7 +344,9 @@ def with_constant(spec: "ClusterSpec", path: str, value: float) -> "ClusterSpec"
 # The presets.
 
 # This lab host: 2 x H200 joined by NVLink (NV18), no network card.
-_H200_NVLINK_LATENCY_US = 1.3  # [measured] flag ping-pong over NVLink, one way (results/h200x2/NOTES_nvrar.md, "The two numbers")
+_H200_NVLINK_LATENCY_US = (
+    1.3  # [measured] flag ping-pong over NVLink, one way (results/h200x2/NOTES_nvrar.md, "The two numbers")
+)
 
 
 @dataclass(frozen=True)
@@ -321,16 +360,29 @@ class PresetFit:
     constants: tuple[str, ...]  # the AlgoCost entries fitted to them
 
     def describe(self) -> str:
-        return (f"{', '.join(self.constants)} fitted to {self.file} ({self.topology}; {', '.join(self.algos)}; "
-                f"sizes {', '.join(str(s) for s in self.sizes)} B)")
+        return (
+            f"{', '.join(self.constants)} fitted to {self.file} ({self.topology}; {', '.join(self.algos)}; "
+            f"sizes {', '.join(str(s) for s in self.sizes)} B)"
+        )
 
 
 H200X2_FIT_SIZES = tuple(1 << k for k in range(10, 25, 2))  # 1 KiB, 4 KiB, ..., 16 MiB: every other sweep size
 H200X2_FIT = PresetFit(
-    file="results/h200x2/allreduce_1x2_bf16.json", topology="1x2", sizes=H200X2_FIT_SIZES,
+    file="results/h200x2/allreduce_1x2_bf16.json",
+    topology="1x2",
+    sizes=H200X2_FIT_SIZES,
     algos=("nccl", "torch_one_shot", "torch_two_shot", "nvrar"),
-    constants=("nccl_ring/LL", "nccl_tree/LL", "nccl_ring/Simple", "nccl_tree/Simple", "torch_one_shot",
-               "torch_two_shot", "nvrar"))
+    constants=(
+        "nccl_ring/LL",
+        "nccl_tree/LL",
+        "nccl_ring/Simple",
+        "nccl_tree/Simple",
+        "torch_one_shot",
+        "torch_two_shot",
+        "nvrar",
+    ),
+)
+
 
 @dataclass(frozen=True)
 class EngineFitRows:
@@ -344,12 +396,16 @@ class EngineFitRows:
 
     def selects(self, source: str, row: Mapping[str, Any]) -> bool:
         path = Path(source).as_posix()
-        return (any(path.endswith(f) for f in self.files) and row.get("model") == self.model
-                and int(row.get("tp", 0)) == self.tp and int(row.get("pp", 0)) == self.pp
-                and row.get("allreduce_ran") == self.allreduce_ran)
+        return (
+            any(path.endswith(f) for f in self.files)
+            and row.get("model") == self.model
+            and int(row.get("tp", 0)) == self.tp
+            and int(row.get("pp", 0)) == self.pp
+            and row.get("allreduce_ran") == self.allreduce_ran
+        )
 
     def describe(self) -> str:
-        return (f"{self.model} TP={self.tp} PP={self.pp} {self.allreduce_ran} rows of {', '.join(self.files)}")
+        return f"{self.model} TP={self.tp} PP={self.pp} {self.allreduce_ran} rows of {', '.join(self.files)}"
 
 
 # [fit] The engine's own costs on this host (EngineCost), fitted by `spanllm perf calibrate --engine`
@@ -359,7 +415,11 @@ class EngineFitRows:
 # separately measured copy figure; all-reduce constants come from the all-reduce sweeps.
 H200X2_ENGINE_FIT = EngineFitRows(
     files=("results/h200x2/study_llama3.1-8b_decode-heavy.json", "results/h200x2/study_llama3.1-8b_prefill-heavy.json"),
-    model="llama3.1-8b", tp=2, pp=1, allreduce_ran="nccl")
+    model="llama3.1-8b",
+    tp=2,
+    pp=1,
+    allreduce_ran="nccl",
+)
 
 # [fit] NCCL 2.28.9 on 2 ranks, results/h200x2/allreduce_1x2_bf16.json, nccl rows of H200X2_FIT_SIZES:
 # LL (ring and tree) on the 6 rows <= 2 MiB (1 KiB .. 1 MiB), Simple (ring and tree) on the 2 rows above
@@ -368,14 +428,20 @@ H200X2_ENGINE_FIT = EngineFitRows(
 # LL128 keeps NCCL's nominal constants but, as `calibrate` does, is considered only above the measured range
 # (16 MiB): every row above 2 MiB lies on the one fitted line, and nominal LL128 would undercut it by ~20%.
 _HOST_NCCL_FIT = {
-    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.579, bw_efficiency=0.629)
-       for k in ("nccl_ring/LL", "nccl_tree/LL")},
-    **{k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=5.996, bw_efficiency=0.662, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
-       for k in ("nccl_ring/Simple", "nccl_tree/Simple")},
-    **{k: replace(NCCL_PROTOCOLS[k], picked_above_bytes=16 * 1024 * 1024)
-       for k in ("nccl_ring/LL128", "nccl_tree/LL128")},
+    **{
+        k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=1.579, bw_efficiency=0.629)
+        for k in ("nccl_ring/LL", "nccl_tree/LL")
+    },
+    **{
+        k: replace(NCCL_PROTOCOLS[k], nvlink_step_us=5.996, bw_efficiency=0.662, picked_above_bytes=NCCL_LL_UP_TO_BYTES)
+        for k in ("nccl_ring/Simple", "nccl_tree/Simple")
+    },
+    **{
+        k: replace(NCCL_PROTOCOLS[k], picked_above_bytes=16 * 1024 * 1024)
+        for k in ("nccl_ring/LL128", "nccl_tree/LL128")
+    },
 }
-# [fit] NVRAR (spanllm.comm.nvrar_kernel, LL8 cells) on 1 node x 2 GPUs, results/h200x2/allreduce_1x2_bf16.json
+# [fit] NVRAR (spanllm.comm.nvrar.kernel, LL8 cells) on 1 node x 2 GPUs, results/h200x2/allreduce_1x2_bf16.json
 # (2026-11-30: up to 256 programs, phase-major launches in the grid), the 15 nvrar rows (8 `nvrar`, 7
 # `auto->nvrar`) of H200X2_FIT_SIZES, each priced with the launch its `ran` column names: one-shot (1 NVLink
 # exchange phase) up to 512 KiB, reduce-scatter (2 phases) above. rms error 3.3% over those rows.
@@ -404,16 +470,30 @@ _HOST_NVRAR_FIT = ll8_cost(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H20
 #                   Slingshot-11 2.0-4.5 (LCI #190: 6.44 us per put to completion, i.e. ~3.2 one way)
 #   transport.*     post_us 0.5-2.5 (IBGDA) / 0.1-1.0 (proxied); proxy_us 1.5-8.0 (pplx-kernels: IBRC 2.8-4.2x
 #                   IBGDA for 1-token dispatch; per-operation figure not published)
-_KERNEL_RANGES_HOPPER = {"kernel.call_us": (2.5, 4.5), "kernel.phase_us": (0.5, 1.5), "kernel.bw_efficiency": (0.6, 0.9)}
+_KERNEL_RANGES_HOPPER = {
+    "kernel.call_us": (2.5, 4.5),
+    "kernel.phase_us": (0.5, 1.5),
+    "kernel.bw_efficiency": (0.6, 0.9),
+}
 _KERNEL_RANGES_A100 = {"kernel.call_us": (2.5, 6.0), "kernel.phase_us": (0.5, 1.5), "kernel.bw_efficiency": (0.6, 0.9)}
 _LAUNCH_RANGES = {"graph_node_us": (0.4, 1.0), "kernel_launch_us": (3.0, 10.0)}
 # NCCL's latency constants are NCCL's tuner model, not measurements: on the H200 host the fitted NCCL step cost came
 # out 2.6x the tuner's NVLink figure (0.6 -> 1.579 us, `_HOST_NCCL_FIT`). [assumed] the same factor bounds them
 # elsewhere: each LL step between the tuner's figure and 2.6x it (network hops rounded up).
-_NCCL_RANGES = {"algos.nccl_ring/LL.nvlink_step_us": (0.6, 1.6), "algos.nccl_tree/LL.nvlink_step_us": (0.6, 1.6),
-                "algos.nccl_ring/LL.net_step_us": (2.7, 7.0), "algos.nccl_tree/LL.net_step_us": (5.0, 13.0)}
-_DGX_RANGES = {**_KERNEL_RANGES_HOPPER, **_LAUNCH_RANGES, **_NCCL_RANGES, "nvlink_latency_us": (1.0, 2.0),
-               "nic_latency_us": (1.5, 4.0), "transport.post_us": (0.5, 2.5)}
+_NCCL_RANGES = {
+    "algos.nccl_ring/LL.nvlink_step_us": (0.6, 1.6),
+    "algos.nccl_tree/LL.nvlink_step_us": (0.6, 1.6),
+    "algos.nccl_ring/LL.net_step_us": (2.7, 7.0),
+    "algos.nccl_tree/LL.net_step_us": (5.0, 13.0),
+}
+_DGX_RANGES = {
+    **_KERNEL_RANGES_HOPPER,
+    **_LAUNCH_RANGES,
+    **_NCCL_RANGES,
+    "nvlink_latency_us": (1.0, 2.0),
+    "nic_latency_us": (1.5, 4.0),
+    "transport.post_us": (0.5, 2.5),
+}
 _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over NDR, one switch tier, transport apart
 
 # [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
@@ -433,15 +513,22 @@ _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over N
 #   prefill_efficiency  0.432  eager prefill, achieved / peak over GEMM + attention FLOPs (428 TFLOP/s; the
 #                              GEMM microbenchmark's 790 is not reached by the engine's TP-split shapes)
 # [code] attends_max_seq_len: inside a CUDA graph decode attends over max_seq_len = prompt + decode under a
-# mask (spanllm/engine/model_runner.py; spanllm/bench/batch.py sets max_seq_len = prompt + decode).
+# mask (spanllm/engine/static/model_runner.py; spanllm/commands/bench_batch.py sets max_seq_len = prompt + decode).
 # HBM efficiency stays the measured copy figure (4.3 TB/s); the fit does not touch it.
-_HOST_ENGINE_FIT = EngineCost(decode_layer_us=69.85, attn_position_ns=20.47, attends_max_seq_len=True,
-                              eager_layer_host_us=1213.3, prefill_efficiency=0.4323)
+_HOST_ENGINE_FIT = EngineCost(
+    decode_layer_us=69.85,
+    attn_position_ns=20.47,
+    attends_max_seq_len=True,
+    eager_layer_host_us=1213.3,
+    prefill_efficiency=0.4323,
+)
 
 PRESETS: dict[str, ClusterSpec] = {
     "h200x2": ClusterSpec(
-        name="h200x2", description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
-        gpu="H200 141GB", gpus_per_node=2,
+        name="h200x2",
+        description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
+        gpu="H200 141GB",
+        gpus_per_node=2,
         gpu_memory_GB=141.0,  # [datasheet] H200 SXM
         hbm_GBps=4800.0,  # [datasheet] H200 HBM3e 4.8 TB/s
         hbm_efficiency=4300.0 / 4800.0,  # [measured] ~4.3 TB/s device-to-device copy
@@ -453,15 +540,20 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
         graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
-        algos={**default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL),
-               **_HOST_NCCL_FIT, "nvrar": _HOST_NVRAR_FIT},
+        algos={
+            **default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL),
+            **_HOST_NCCL_FIT,
+            "nvrar": _HOST_NVRAR_FIT,
+        },
         engine=_HOST_ENGINE_FIT,
         kernel=H200_KERNEL,  # [fit] this host's sweep (above)
         ranges={"kernel_launch_us": (3.0, 10.0)},
     ),
     "dgx-h100": ClusterSpec(
-        name="dgx-h100", description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
-        gpu="H100 80GB", gpus_per_node=8,
+        name="dgx-h100",
+        description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
+        gpu="H100 80GB",
+        gpus_per_node=8,
         gpu_memory_GB=80.0,  # [datasheet]
         hbm_GBps=3350.0,  # [datasheet] H100 SXM HBM3 3.35 TB/s
         hbm_efficiency=0.9,  # [assumed] same copy efficiency as measured on H200 (4.3 / 4.8)
@@ -479,8 +571,10 @@ PRESETS: dict[str, ClusterSpec] = {
         ranges={**_DGX_RANGES, "hbm_efficiency": (0.8, 0.92), "gemm_efficiency": (0.65, 0.85)},
     ),
     "dgx-h200": ClusterSpec(
-        name="dgx-h200", description="DGX H200: 8 x H200 141GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
-        gpu="H200 141GB", gpus_per_node=8,
+        name="dgx-h200",
+        description="DGX H200: 8 x H200 141GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
+        gpu="H200 141GB",
+        gpus_per_node=8,
         gpu_memory_GB=141.0,  # [datasheet]
         hbm_GBps=4800.0,  # [datasheet]
         hbm_efficiency=4300.0 / 4800.0,  # [measured] on the H200 host
@@ -498,8 +592,10 @@ PRESETS: dict[str, ClusterSpec] = {
         ranges={k: v for k, v in _DGX_RANGES.items() if k not in ("graph_node_us", "nvlink_latency_us")},
     ),
     "perlmutter": ClusterSpec(
-        name="perlmutter", description="NERSC Perlmutter GPU node: 4 x A100 40GB over NVLink 3, 4 x Slingshot-11",
-        gpu="A100 40GB", gpus_per_node=4,
+        name="perlmutter",
+        description="NERSC Perlmutter GPU node: 4 x A100 40GB over NVLink 3, 4 x Slingshot-11",
+        gpu="A100 40GB",
+        gpus_per_node=4,
         gpu_memory_GB=40.0,  # [datasheet] A100 SXM4 40GB (the NVRAR tuning artifact names this part)
         hbm_GBps=1555.0,  # [datasheet] A100 40GB HBM2
         hbm_efficiency=0.85,  # [assumed] typical achieved copy bandwidth on A100
@@ -513,19 +609,33 @@ PRESETS: dict[str, ClusterSpec] = {
         graph_node_us=0.6,  # [assumed] slightly above the H200 measurement
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.5, 3.2, H200_KERNEL, TRANSPORTS["libfabric"]),
-        transport=TRANSPORTS["libfabric"],  # [source] NVSHMEM on Slingshot: libfabric cxi through the CPU proxy, no IBGDA
+        transport=TRANSPORTS[
+            "libfabric"
+        ],  # [source] NVSHMEM on Slingshot: libfabric cxi through the CPU proxy, no IBGDA
         kernel=H200_KERNEL,  # [measured on H200] carried; A100 ranges below
-        ranges={**_KERNEL_RANGES_A100, **_LAUNCH_RANGES, **_NCCL_RANGES, "graph_node_us": (0.4, 1.2), "hbm_efficiency": (0.75, 0.92),
-                "gemm_efficiency": (0.6, 0.85), "nvlink_latency_us": (1.2, 2.5), "nic_latency_us": (2.0, 4.5),
-                "transport.post_us": (0.1, 1.0), "transport.proxy_us": (1.5, 8.0),
-                # [assumed] NCCL's network hwLat is its InfiniBand figure; on Slingshot through aws-ofi-nccl
-                # (libfabric cxi, NCCL's own CPU proxy) a hop may pay a proxy hand-off and the cxi latency more
-                "algos.nccl_ring/LL.net_step_us": (2.7, 10.0), "algos.nccl_tree/LL.net_step_us": (5.0, 15.0),
-                "algos.nccl_tree/LL128.net_step_us": (8.5, 20.0)},
+        ranges={
+            **_KERNEL_RANGES_A100,
+            **_LAUNCH_RANGES,
+            **_NCCL_RANGES,
+            "graph_node_us": (0.4, 1.2),
+            "hbm_efficiency": (0.75, 0.92),
+            "gemm_efficiency": (0.6, 0.85),
+            "nvlink_latency_us": (1.2, 2.5),
+            "nic_latency_us": (2.0, 4.5),
+            "transport.post_us": (0.1, 1.0),
+            "transport.proxy_us": (1.5, 8.0),
+            # [assumed] NCCL's network hwLat is its InfiniBand figure; on Slingshot through aws-ofi-nccl
+            # (libfabric cxi, NCCL's own CPU proxy) a hop may pay a proxy hand-off and the cxi latency more
+            "algos.nccl_ring/LL.net_step_us": (2.7, 10.0),
+            "algos.nccl_tree/LL.net_step_us": (5.0, 15.0),
+            "algos.nccl_tree/LL128.net_step_us": (8.5, 20.0),
+        },
     ),
     "vista": ClusterSpec(
-        name="vista", description="TACC Vista GH200 node: 1 x GH200 96GB per node, InfiniBand NDR 400 Gb/s",
-        gpu="GH200 96GB", gpus_per_node=1,
+        name="vista",
+        description="TACC Vista GH200 node: 1 x GH200 96GB per node, InfiniBand NDR 400 Gb/s",
+        gpu="GH200 96GB",
+        gpus_per_node=1,
         gpu_memory_GB=96.0,  # [datasheet] GH200 HBM3 96 GB
         hbm_GBps=4000.0,  # [datasheet] GH200 96GB HBM3 4 TB/s
         hbm_efficiency=0.9,  # [assumed] as measured on H200
@@ -540,9 +650,16 @@ PRESETS: dict[str, ClusterSpec] = {
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibrc"]),
         transport=TRANSPORTS["ibrc"],  # [source] NVSHMEM_REMOTE_TRANSPORT's default; which one the paper ran: unknown
         kernel=H200_KERNEL,  # [measured on H200] carried: same kernel on GH200
-        ranges={**_KERNEL_RANGES_HOPPER, **_LAUNCH_RANGES, **_NCCL_RANGES, "hbm_efficiency": (0.8, 0.92),
-                "gemm_efficiency": (0.65, 0.85), "nic_latency_us": (1.5, 4.0), "transport.post_us": (0.1, 1.0),
-                "transport.proxy_us": (1.5, 8.0)},
+        ranges={
+            **_KERNEL_RANGES_HOPPER,
+            **_LAUNCH_RANGES,
+            **_NCCL_RANGES,
+            "hbm_efficiency": (0.8, 0.92),
+            "gemm_efficiency": (0.65, 0.85),
+            "nic_latency_us": (1.5, 4.0),
+            "transport.post_us": (0.1, 1.0),
+            "transport.proxy_us": (1.5, 8.0),
+        },
     ),
 }
 
@@ -554,6 +671,7 @@ ENGINE_FITS: dict[str, EngineFitRows] = {"h200x2": H200X2_ENGINE_FIT}
 
 # ---------------------------------------------------------------------------------------------------
 # Files.
+
 
 def cluster_to_dict(spec: ClusterSpec) -> dict[str, Any]:
     d = asdict(spec)
@@ -603,8 +721,9 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
         merged["engine"] = EngineCost(**{**base.get("engine", {}), **d.get("engine", {})})
     except TypeError as e:
         raise ClusterSpecError(f"{source}: kernel / engine: {e}") from None
-    defaults = default_algo_costs(float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]),
-                                  merged["kernel"], merged["transport"])
+    defaults = default_algo_costs(
+        float(merged["nvlink_latency_us"]), float(merged["nic_latency_us"]), merged["kernel"], merged["transport"]
+    )
     # from the base preset keep only entries that are not its defaults (fitted ones), so that a file
     # changing a latency, the kernel or the transport also moves the defaults built from them
     algos_in = {}
@@ -624,6 +743,7 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
         else:
             algos[key] = defaults[key]
     merged["algos"] = algos
+
     # a constant the file sets is no longer the preset's guess: the base's range for it goes (unless the file
     # gives one); a null range removes the base's
     def set_by_file(path: str) -> bool:
@@ -651,8 +771,10 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
         return PRESETS[s]
     path = Path(s)
     if not path.suffix:
-        raise ClusterSpecError(f"unknown cluster {s!r}: presets are {', '.join(PRESETS)}; "
-                               "or pass a .json / .toml file with ClusterSpec's fields")
+        raise ClusterSpecError(
+            f"unknown cluster {s!r}: presets are {', '.join(PRESETS)}; "
+            "or pass a .json / .toml file with ClusterSpec's fields"
+        )
     if not path.is_file():
         raise ClusterSpecError(f"cluster file {s!r} does not exist")
     text = path.read_text()

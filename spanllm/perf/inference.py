@@ -106,11 +106,14 @@ class Estimate:
 
 # --- small pure pieces --------------------------------------------------------------------------------
 
+
 def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec, efficiency: float | None = None) -> float:
     """Roofline: compute-bound or HBM-bound, whichever is slower (1 TFLOP/s = 1e6 FLOP per us).
     `efficiency`: achieved / peak FLOP/s (default: the cluster's gemm_efficiency)."""
-    return max(flops / (cluster.bf16_TFLOPs * 1e6 * (efficiency or cluster.gemm_efficiency)),
-               nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency))
+    return max(
+        flops / (cluster.bf16_TFLOPs * 1e6 * (efficiency or cluster.gemm_efficiency)),
+        nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency),
+    )
 
 
 def prefill_efficiency(cluster: ClusterSpec) -> float:
@@ -123,7 +126,7 @@ def eager_layer_host_us(cluster: ClusterSpec) -> float:
     return cluster.engine.eager_layer_host_us or KERNELS_PER_LAYER * cluster.kernel_launch_us
 
 
-def decode_positions(workload: "Workload", cluster: ClusterSpec) -> float:
+def decode_positions(workload: Workload, cluster: ClusterSpec) -> float:
     """Cache positions a decode step's attention reads, averaged over the decode: the mean context, or
     max_seq_len = prompt + decode where the engine scans the whole cache under a mask (CUDA graphs)."""
     if cluster.engine.attends_max_seq_len:
@@ -140,8 +143,9 @@ def kv_heads_per_gpu(model: ModelShape, tp: int) -> int:
     return max(1, model.kv_heads // tp)
 
 
-def layer_gemm_us(model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec,
-                  efficiency: float | None = None) -> float:
+def layer_gemm_us(
+    model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+) -> float:
     h, f, d = model.hidden, model.ffn, model.dtype_bytes
     kvd = kv_heads_per_gpu(model, tp) * model.head_dim
     weights = model.layer_params / tp * d
@@ -157,8 +161,9 @@ def decode_attention_us(model: ModelShape, batch: int, positions: float, tp: int
     return kv + positions * cluster.engine.attn_position_ns / 1e3
 
 
-def prefill_attention_us(model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec,
-                         efficiency: float | None = None) -> float:
+def prefill_attention_us(
+    model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+) -> float:
     flops = 2 * batch * prompt * prompt * model.hidden / tp
     kv_write = batch * prompt * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp))
     return gemm_time_us(flops, kv_write, cluster, efficiency)
@@ -208,14 +213,19 @@ def memory_per_gpu(model: ModelShape, layout: Layout, workload: Workload, cluste
     layers = math.ceil(model.layers / layout.pp)
     emb = model.embedding_params / layout.tp * (2 if layout.pp == 1 else 1)
     weights = (layers * model.layer_params / layout.tp + emb) * model.dtype_bytes
-    kv = (workload.batch * (workload.prompt_len + workload.decode_len) * layers
-          * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, layout.tp)))
+    kv = (
+        workload.batch
+        * (workload.prompt_len + workload.decode_len)
+        * layers
+        * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, layout.tp))
+    )
     rows = workload.batch // layout.micro_batches * workload.prompt_len
     acts = rows * model.dtype_bytes * (4 * model.hidden + 3 * model.ffn / layout.tp)
     return Memory(weights / 1e9, kv / 1e9, acts / 1e9, cluster.gpu_memory_GB * MEMORY_USABLE_FRACTION)
 
 
 # --- the estimate -------------------------------------------------------------------------------------
+
 
 def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode, efficiency=None) -> dict[str, float]:
     """One layer's GPU time by component (decode in a graph: + its fixed kernel time; eager decode: + the
@@ -279,8 +289,15 @@ def _decode_ms(stage: dict[str, float], last_extra: float, xfer_ms: float, layou
     return total, parts, (1.0 - m * slowest / total) if total else 0.0
 
 
-def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: Workload, algo: str = "nccl",
-             cuda_graphs: bool = True, prefill_algo: str | None = None) -> Estimate:
+def estimate(
+    model: ModelShape,
+    cluster: ClusterSpec,
+    layout: Layout,
+    workload: Workload,
+    algo: str = "nccl",
+    cuda_graphs: bool = True,
+    prefill_algo: str | None = None,
+) -> Estimate:
     """TTFT, time per output token and batch latency of `workload` on `layout` with all-reduce `algo`.
 
     `prefill_algo` (default: the same as `algo`) prices prefill's all-reduces separately, e.g. NCCL
@@ -292,8 +309,10 @@ def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: 
     if layout.pp > model.layers:
         raise InferenceModelError(f"pp={layout.pp} exceeds the model's {model.layers} layers")
     if layout.gpus > cluster.gpus_per_node and not cluster.has_network:
-        raise InferenceModelError(f"{layout} needs {layout.gpus} GPUs; cluster {cluster.name!r} is one host of "
-                                  f"{cluster.gpus_per_node} without a network")
+        raise InferenceModelError(
+            f"{layout} needs {layout.gpus} GPUs; cluster {cluster.name!r} is one host of "
+            f"{cluster.gpus_per_node} without a network"
+        )
     mb = b // m
     layers = math.ceil(model.layers / layout.pp)
     g = cluster.gpus_per_node
@@ -301,21 +320,45 @@ def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: 
     def hops_ms(rows: int) -> list[float]:
         """Each stage boundary's transfer of `rows` hidden states (a boundary at a host edge crosses the network)."""
         nbytes = rows * model.hidden * model.dtype_bytes
-        return [pp_transfer_us(nbytes, stage_boundary_over_network(s, layout, cluster), cluster) / 1e3
-                for s in range(layout.pp - 1)]
+        return [
+            pp_transfer_us(nbytes, stage_boundary_over_network(s, layout, cluster), cluster) / 1e3
+            for s in range(layout.pp - 1)
+        ]
 
     # prefill: eager
     rows = mb * workload.prompt_len
     eff = prefill_efficiency(cluster)
-    layer = _layer_ms(model, cluster, layout, rows, prefill_attention_us(model, mb, workload.prompt_len, layout.tp,
-                      cluster, eff), prefill_algo or algo, False, False, eff)
+    layer = _layer_ms(
+        model,
+        cluster,
+        layout,
+        rows,
+        prefill_attention_us(model, mb, workload.prompt_len, layout.tp, cluster, eff),
+        prefill_algo or algo,
+        False,
+        False,
+        eff,
+    )
     stage = {k: v * layers for k, v in layer.items()}
-    ttft, prefill_parts = _prefill_ms(stage, lm_head_us(model, mb, layout.tp, cluster) / 1e3,
-                                      layers * eager_layer_host_us(cluster) / 1e3, hops_ms(rows), m)
+    ttft, prefill_parts = _prefill_ms(
+        stage,
+        lm_head_us(model, mb, layout.tp, cluster) / 1e3,
+        layers * eager_layer_host_us(cluster) / 1e3,
+        hops_ms(rows),
+        m,
+    )
     # decode
     positions = decode_positions(workload, cluster)
-    layer = _layer_ms(model, cluster, layout, mb, decode_attention_us(model, mb, positions, layout.tp, cluster), algo,
-                      cuda_graphs, True)
+    layer = _layer_ms(
+        model,
+        cluster,
+        layout,
+        mb,
+        decode_attention_us(model, mb, positions, layout.tp, cluster),
+        algo,
+        cuda_graphs,
+        True,
+    )
     stage = {k: v * layers for k, v in layer.items()}
     xfer = sum(hops_ms(mb))
     if layout.pp > 1:  # the last stage sends the sampled token ids (int64) back to the first
@@ -326,6 +369,14 @@ def estimate(model: ModelShape, cluster: ClusterSpec, layout: Layout, workload: 
     if layout.tp > 1:
         nodes, rpn = tp_group_shape(layout, cluster)
         variant = allreduce_cost(algo, mb * model.hidden * model.dtype_bytes, cluster, nodes, rpn, cuda_graphs)[1]
-    return Estimate(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=e2e, throughput_tok_s=b * workload.decode_len / (e2e / 1e3),
-                    prefill_ms=prefill_parts, decode_ms=decode_parts, decode_idle_fraction=idle,
-                    allreduce_variant=variant, memory=memory_per_gpu(model, layout, workload, cluster))
+    return Estimate(
+        ttft_ms=ttft,
+        tpot_ms=tpot,
+        e2e_ms=e2e,
+        throughput_tok_s=b * workload.decode_len / (e2e / 1e3),
+        prefill_ms=prefill_parts,
+        decode_ms=decode_parts,
+        decode_idle_fraction=idle,
+        allreduce_variant=variant,
+        memory=memory_per_gpu(model, layout, workload, cluster),
+    )

@@ -16,8 +16,17 @@ from typing import Any
 
 from spanllm.workloads import WORKLOADS
 
-DTYPE_BYTES = {"bfloat16": 2, "half": 2, "float16": 2, "float": 4, "float32": 4, "int32": 4, "double": 8,
-               "float64": 8, "int64": 8}
+DTYPE_BYTES = {
+    "bfloat16": 2,
+    "half": 2,
+    "float16": 2,
+    "float": 4,
+    "float32": 4,
+    "int32": 4,
+    "double": 8,
+    "float64": 8,
+    "int64": 8,
+}
 
 
 class MeasurementError(ValueError):
@@ -82,19 +91,30 @@ def allreduce_rows(doc: dict[str, Any], source: str) -> list[AllReduceMeasuremen
                 rpn = int(row.get("ranks_per_node", settings["ranks_per_node"]))
                 nodes = int(row.get("world_size", settings["world_size"])) // rpn
             ran = str(row.get("ran") or row["algo"])
-            out.append(AllReduceMeasurement(
-                source=source, algo=ran_algorithm(ran), requested=str(row["algo"]), launch=ran_launch(ran),
-                nbytes=int(row["size"]), dtype=str(row.get("type", settings.get("dtype", "bfloat16"))),
-                nodes=nodes, ranks_per_node=rpn, graph=bool(row.get("graph", settings.get("graph", True))),
-                time_us=float(row["time_us"])))
+            out.append(
+                AllReduceMeasurement(
+                    source=source,
+                    algo=ran_algorithm(ran),
+                    requested=str(row["algo"]),
+                    launch=ran_launch(ran),
+                    nbytes=int(row["size"]),
+                    dtype=str(row.get("type", settings.get("dtype", "bfloat16"))),
+                    nodes=nodes,
+                    ranks_per_node=rpn,
+                    graph=bool(row.get("graph", settings.get("graph", True))),
+                    time_us=float(row["time_us"]),
+                )
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise MeasurementError(f"{source}: row {i} does not follow the all-reduce schema ({e!r})") from None
     return out
 
 
 _LOG_HEADER = re.compile(r"^=== \S+ bench (?:study|batch) (\S+) (\S+)")
-_LOG_ROW = re.compile(r"^\s*TP=(\d+) PP=(\d+) mb=(\d+) batch=(\d+) (\S+)->(\S+): TTFT ([\d.]+) ms, "
-                      r"TPOT ([\d.]+) ms, E2E ([\d.]+) ms")
+_LOG_ROW = re.compile(
+    r"^\s*TP=(\d+) PP=(\d+) mb=(\d+) batch=(\d+) (\S+)->(\S+): TTFT ([\d.]+) ms, "
+    r"TPOT ([\d.]+) ms, E2E ([\d.]+) ms"
+)
 
 
 def study_log_rows(text: str, source: str) -> list[dict[str, Any]]:
@@ -109,15 +129,32 @@ def study_log_rows(text: str, source: str) -> list[dict[str, Any]]:
         if not r:
             continue
         if model is None or workload not in WORKLOADS:
-            raise MeasurementError(f"{source}:{i}: a study row before a header naming the model and a known "
-                                   f"workload ({', '.join(WORKLOADS)})")
+            raise MeasurementError(
+                f"{source}:{i}: a study row before a header naming the model and a known "
+                f"workload ({', '.join(WORKLOADS)})"
+            )
         tp, pp, mb, batch = (int(r.group(k)) for k in (1, 2, 3, 4))
         prompt, decode = WORKLOADS[workload]
-        rows.append({"model": model, "truncated_layers": None, "tp": tp, "pp": pp, "micro_batches": mb,
-                     "batch": batch, "prompt_len": prompt, "decode_len": decode, "workload": workload,
-                     "allreduce": r.group(5), "allreduce_ran": r.group(6), "ttft_ms": float(r.group(7)),
-                     "tpot_ms": float(r.group(8)), "e2e_ms": float(r.group(9)), "cuda_graphs": True,
-                     "log_line": i})
+        rows.append(
+            {
+                "model": model,
+                "truncated_layers": None,
+                "tp": tp,
+                "pp": pp,
+                "micro_batches": mb,
+                "batch": batch,
+                "prompt_len": prompt,
+                "decode_len": decode,
+                "workload": workload,
+                "allreduce": r.group(5),
+                "allreduce_ran": r.group(6),
+                "ttft_ms": float(r.group(7)),
+                "tpot_ms": float(r.group(8)),
+                "e2e_ms": float(r.group(9)),
+                "cuda_graphs": True,
+                "log_line": i,
+            }
+        )
     return rows
 
 
@@ -148,14 +185,18 @@ def load_results(paths: list[Path]) -> tuple[list[AllReduceMeasurement], list[En
             rpn = (doc.get("settings") or {}).get("ranks_per_node")
             extra = {"ranks_per_node": rpn} if rpn else {}
             rows = doc.get("rows", [])
+
             # The engine constants are per-layer costs of the eager forward replayed in CUDA graphs with
             # F.linear; a torch.compile'd step or the skinny GEMM is another kernel mix, not predicted.
             def modelled(r: dict) -> bool:
                 return not r.get("compile_decode") and r.get("decode_gemm", "torch") == "torch"
+
             other = [r for r in rows if not modelled(r)]
             if other:
-                skipped.append(f"{path}: {len(other)} rows with a compiled decode step or decode_gemm other than 'torch': "
-                               "the engine model's constants describe the eager forward with F.linear")
+                skipped.append(
+                    f"{path}: {len(other)} rows with a compiled decode step or decode_gemm other than 'torch': "
+                    "the engine model's constants describe the eager forward with F.linear"
+                )
             eng += [EngineMeasurement(str(path), kind, {**extra, **row}) for row in rows if modelled(row)]
         else:
             skipped.append(f"{path}: kind={kind!r} is not a measurement the model predicts")
@@ -166,6 +207,9 @@ def result_files(results_dir: Path) -> list[Path]:
     """Every JSON under results/ (machine sub-folders included), without the validation report itself, and
     every study_*.log whose JSON (final, or the partial one of a run cut short) is missing."""
     root = Path(results_dir)
-    logs = [p for p in root.rglob("study_*.log")
-            if not p.with_suffix(".json").exists() and not p.with_suffix(".partial.json").exists()]
+    logs = [
+        p
+        for p in root.rglob("study_*.log")
+        if not p.with_suffix(".json").exists() and not p.with_suffix(".partial.json").exists()
+    ]
     return sorted([p for p in root.rglob("*.json") if p.name != "perf_validation.json"] + logs)

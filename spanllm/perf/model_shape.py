@@ -68,12 +68,13 @@ class ModelShape:
         """K and V of one token in one layer on one GPU."""
         return 2 * kv_heads_per_gpu * self.head_dim * self.dtype_bytes
 
-    def truncated(self, layers: int) -> "ModelShape":
+    def truncated(self, layers: int) -> ModelShape:
         """The same shapes with only `layers` layers, labelled as such."""
         if not 1 <= layers <= self.layers:
             raise ModelShapeError(f"{self.name}: truncated_layers={layers} must lie in [1, {self.layers}]")
-        return replace(self, name=f"{self.name} ({layers} of {self.layers} layers)", layers=layers,
-                       truncated_from=self.layers)
+        return replace(
+            self, name=f"{self.name} ({layers} of {self.layers} layers)", layers=layers, truncated_from=self.layers
+        )
 
 
 MODELS: dict[str, ModelShape] = {
@@ -86,7 +87,14 @@ def get_model(name: str) -> ModelShape:
     """A shape by name; accepts 'llama3.1-70b', 'Llama-3.1-70B', 'meta-llama/Llama-3.1-70B-Instruct', '70b'.
 
     An engine suffix such as ':layers=8' is ignored here; truncation comes from `truncated_layers`."""
-    key = name.lower().split(":")[0].split("/")[-1].replace("meta-", "").replace("llama-3.1", "llama3.1").replace("-instruct", "")
+    key = (
+        name.lower()
+        .split(":")[0]
+        .split("/")[-1]
+        .replace("meta-", "")
+        .replace("llama-3.1", "llama3.1")
+        .replace("-instruct", "")
+    )
     if key in MODELS:
         return MODELS[key]
     for k in MODELS:

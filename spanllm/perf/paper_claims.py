@@ -46,16 +46,22 @@ def allreduce_ratio_check(cluster: ClusterSpec, node_counts=NODE_COUNTS, sizes=W
     ratios = {}
     for n in node_counts:
         for s in sizes:
-            ratios[(n, s)] = (allreduce_time_us("nccl", s, cluster, n) / allreduce_time_us("nvrar", s, cluster, n))
+            ratios[(n, s)] = allreduce_time_us("nccl", s, cluster, n) / allreduce_time_us("nvrar", s, cluster, n)
     vals = list(ratios.values())
     lo, hi = RATIO_BAND
     (n_max, s_max), top = max(ratios.items(), key=lambda kv: kv[1])
     inside = sum(lo <= v <= hi for v in vals)
     return ClaimCheck(
-        claim="NVRAR all-reduce 1.9-3.6x lower latency than NCCL, 128 KB - 2 MB", cluster=cluster.name,
-        predicted_min=min(vals), predicted_median=statistics.median(vals), predicted_max=top, band=RATIO_BAND,
-        consistent=lo <= statistics.median(vals) <= hi, where_max=f"{n_max} nodes, {s_max // 1024} KiB",
-        detail=f"{inside} of {len(vals)} (nodes, size) points inside the band; nodes {list(node_counts)}")
+        claim="NVRAR all-reduce 1.9-3.6x lower latency than NCCL, 128 KB - 2 MB",
+        cluster=cluster.name,
+        predicted_min=min(vals),
+        predicted_median=statistics.median(vals),
+        predicted_max=top,
+        band=RATIO_BAND,
+        consistent=lo <= statistics.median(vals) <= hi,
+        where_max=f"{n_max} nodes, {s_max // 1024} KiB",
+        detail=f"{inside} of {len(vals)} (nodes, size) points inside the band; nodes {list(node_counts)}",
+    )
 
 
 def e2e_gain_check(cluster: ClusterSpec, node_counts=NODE_COUNTS, batches=BATCHES) -> ClaimCheck:
@@ -73,16 +79,30 @@ def e2e_gain_check(cluster: ClusterSpec, node_counts=NODE_COUNTS, batches=BATCHE
             new = estimate(model, cluster, layout, w, "nvrar", prefill_algo="nccl")
             gains[(n, b)] = ref.e2e_ms / new.e2e_ms
     if not gains:
-        return ClaimCheck("up to 1.72x end-to-end, Llama 3.1 405B decode-heavy TP", cluster.name, 0, 0, 0,
-                          (E2E_GAIN / E2E_TOLERANCE, E2E_GAIN * E2E_TOLERANCE), False, "-",
-                          f"405B fits on none of {list(node_counts)} nodes")
+        return ClaimCheck(
+            "up to 1.72x end-to-end, Llama 3.1 405B decode-heavy TP",
+            cluster.name,
+            0,
+            0,
+            0,
+            (E2E_GAIN / E2E_TOLERANCE, E2E_GAIN * E2E_TOLERANCE),
+            False,
+            "-",
+            f"405B fits on none of {list(node_counts)} nodes",
+        )
     vals = list(gains.values())
     (n_max, b_max), top = max(gains.items(), key=lambda kv: kv[1])
     band = (E2E_GAIN / E2E_TOLERANCE, E2E_GAIN * E2E_TOLERANCE)
     return ClaimCheck(
-        claim="up to 1.72x end-to-end, Llama 3.1 405B decode-heavy TP (NVRAR vs NCCL in decode)", cluster=cluster.name,
-        predicted_min=min(vals), predicted_median=statistics.median(vals), predicted_max=top, band=band,
-        consistent=band[0] <= top <= band[1], where_max=f"{n_max} nodes (TP{n_max * cluster.gpus_per_node}), batch {b_max}",
+        claim="up to 1.72x end-to-end, Llama 3.1 405B decode-heavy TP (NVRAR vs NCCL in decode)",
+        cluster=cluster.name,
+        predicted_min=min(vals),
+        predicted_median=statistics.median(vals),
+        predicted_max=top,
+        band=band,
+        consistent=band[0] <= top <= band[1],
+        where_max=f"{n_max} nodes (TP{n_max * cluster.gpus_per_node}), batch {b_max}",
         detail=f"'up to' compared with the largest predicted gain; prompt {DECODE_HEAVY['prompt_len']}, decode "
-               f"{DECODE_HEAVY['decode_len']}, batches {list(batches)}, nodes where 405B fits: "
-               f"{sorted({n for n, _ in gains})}")
+        f"{DECODE_HEAVY['decode_len']}, batches {list(batches)}, nodes where 405B fits: "
+        f"{sorted({n for n, _ in gains})}",
+    )

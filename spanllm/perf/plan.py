@@ -72,22 +72,33 @@ def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
     return [a for a in PLAN_ALGOS if supports(a, cluster, pl) is None]
 
 
-def plan(model: ModelShape, cluster: ClusterSpec, nodes: int, workload: Workload,
-         cuda_graphs: bool = True, ranges: bool = True) -> list[PlanRow]:
+def plan(
+    model: ModelShape,
+    cluster: ClusterSpec,
+    nodes: int,
+    workload: Workload,
+    cuda_graphs: bool = True,
+    ranges: bool = True,
+) -> list[PlanRow]:
     """Every layout x algorithm, fitting rows first; each group by the high end of its E2E range (module
     docstring), then by nominal E2E. `ranges=False` (or a cluster without guessed constants): nominal only."""
-    cases = [(layout, algo) for layout in candidate_layouts(model, cluster, nodes, workload.batch)
-             for algo in tp_algos(layout, cluster)]
+    cases = [
+        (layout, algo)
+        for layout in candidate_layouts(model, cluster, nodes, workload.batch)
+        for algo in tp_algos(layout, cluster)
+    ]
 
     def price(c: ClusterSpec, layout: Layout, algo: str) -> Estimate:
-        return estimate(model, c, layout, workload, "nccl" if algo == "none" else algo, cuda_graphs,
-                        prefill_algo=PREFILL_ALGO)
+        return estimate(
+            model, c, layout, workload, "nccl" if algo == "none" else algo, cuda_graphs, prefill_algo=PREFILL_ALGO
+        )
 
     rows = [PlanRow(layout, algo, price(cluster, layout, algo)) for layout, algo in cases]
     if ranges and cluster.ranges:
         rows = _with_ranges(rows, cluster, price)
-    return sorted(rows, key=lambda r: (not r.fits, r.e2e_range.high if r.e2e_range else r.estimate.e2e_ms,
-                                       r.estimate.e2e_ms))
+    return sorted(
+        rows, key=lambda r: (not r.fits, r.e2e_range.high if r.e2e_range else r.estimate.e2e_ms, r.estimate.e2e_ms)
+    )
 
 
 def _with_ranges(rows: list[PlanRow], cluster: ClusterSpec, price) -> list[PlanRow]:
@@ -101,10 +112,12 @@ def _with_ranges(rows: list[PlanRow], cluster: ClusterSpec, price) -> list[PlanR
             wins[min(fitting, key=lambda i: per_row[i][label].e2e_ms)] += 1
     out = []
     for r, ests, w in zip(rows, per_row, wins):
-        e2e = predict_range(lambda c, r=r: price(c, r.layout, r.algo).e2e_ms, cluster,
-                            {k: e.e2e_ms for k, e in ests.items()})
-        tpot = predict_range(lambda c, r=r: price(c, r.layout, r.algo).tpot_ms, cluster,
-                             {k: e.tpot_ms for k, e in ests.items()})
+        e2e = predict_range(
+            lambda c, r=r: price(c, r.layout, r.algo).e2e_ms, cluster, {k: e.e2e_ms for k, e in ests.items()}
+        )
+        tpot = predict_range(
+            lambda c, r=r: price(c, r.layout, r.algo).tpot_ms, cluster, {k: e.tpot_ms for k, e in ests.items()}
+        )
         out.append(PlanRow(r.layout, r.algo, r.estimate, e2e, tpot, w, len(scen)))
     return out
 
@@ -122,41 +135,73 @@ def robustness(rows: list[PlanRow]) -> str:
         return "the only layout that fits"
     second = fitting[1]
     if b.wins == b.scenarios:
-        return (f"holds across the range: fastest in all {b.scenarios} scenarios (nominal, each guess at each end); "
-                f"the E2E ranges overlap the runner-up's ({second.layout} {second.algo}) only because the same "
-                "guesses move both")
+        return (
+            f"holds across the range: fastest in all {b.scenarios} scenarios (nominal, each guess at each end); "
+            f"the E2E ranges overlap the runner-up's ({second.layout} {second.algo}) only because the same "
+            "guesses move both"
+        )
     if b.e2e_range.high < second.e2e_range.low:
-        return (f"holds across the range: its worst E2E ({b.e2e_range.high:.0f} ms) beats the runner-up's best "
-                f"({second.layout} {second.algo}: {second.e2e_range.low:.0f} ms)")
-    return (f"not settled by the guesses: fastest in {b.wins} of {b.scenarios} scenarios; the runner-up "
-            f"({second.layout} {second.algo}, E2E {second.e2e_range.low:.0f}-{second.e2e_range.high:.0f} ms) overlaps; "
-            f"measure {b.e2e_range.top(1).split(' ')[0] or 'the network'} first")
+        return (
+            f"holds across the range: its worst E2E ({b.e2e_range.high:.0f} ms) beats the runner-up's best "
+            f"({second.layout} {second.algo}: {second.e2e_range.low:.0f} ms)"
+        )
+    return (
+        f"not settled by the guesses: fastest in {b.wins} of {b.scenarios} scenarios; the runner-up "
+        f"({second.layout} {second.algo}, E2E {second.e2e_range.low:.0f}-{second.e2e_range.high:.0f} ms) overlaps; "
+        f"measure {b.e2e_range.top(1).split(' ')[0] or 'the network'} first"
+    )
 
 
 def row_to_dict(r: PlanRow, cluster: ClusterSpec) -> dict:
     e = r.estimate
     nodes, rpn = tp_group_shape(r.layout, cluster)
-    return {"layout": str(r.layout), "tp": r.layout.tp, "pp": r.layout.pp, "micro_batches": r.layout.micro_batches,
-            "tp_group": f"{nodes}x{rpn}", "allreduce": r.algo, "allreduce_variant": e.allreduce_variant,
-            "ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "e2e_ms": e.e2e_ms, "throughput_tok_s": e.throughput_tok_s,
-            "prefill_ms": e.prefill_ms, "decode_ms": e.decode_ms, "decode_idle_fraction": e.decode_idle_fraction,
-            "memory_GB": asdict(e.memory) | {"total_GB": e.memory.total_GB}, "fits": r.fits,
-            **(_range_dict(r) if r.e2e_range else {})}
+    return {
+        "layout": str(r.layout),
+        "tp": r.layout.tp,
+        "pp": r.layout.pp,
+        "micro_batches": r.layout.micro_batches,
+        "tp_group": f"{nodes}x{rpn}",
+        "allreduce": r.algo,
+        "allreduce_variant": e.allreduce_variant,
+        "ttft_ms": e.ttft_ms,
+        "tpot_ms": e.tpot_ms,
+        "e2e_ms": e.e2e_ms,
+        "throughput_tok_s": e.throughput_tok_s,
+        "prefill_ms": e.prefill_ms,
+        "decode_ms": e.decode_ms,
+        "decode_idle_fraction": e.decode_idle_fraction,
+        "memory_GB": asdict(e.memory) | {"total_GB": e.memory.total_GB},
+        "fits": r.fits,
+        **(_range_dict(r) if r.e2e_range else {}),
+    }
 
 
 def _range_dict(r: PlanRow) -> dict:
     e, t = r.e2e_range, r.tpot_range
-    return {"e2e_ms_range": [e.low, e.high], "tpot_ms_range": [t.low, t.high], "wins": r.wins,
-            "scenarios": r.scenarios,
-            "e2e_drivers": [{"constant": d.path, "range": [d.low_value, d.high_value],
-                             "e2e_ms_at_low": e.nominal + d.delta_at_low, "e2e_ms_at_high": e.nominal + d.delta_at_high}
-                            for d in e.drivers]}
+    return {
+        "e2e_ms_range": [e.low, e.high],
+        "tpot_ms_range": [t.low, t.high],
+        "wins": r.wins,
+        "scenarios": r.scenarios,
+        "e2e_drivers": [
+            {
+                "constant": d.path,
+                "range": [d.low_value, d.high_value],
+                "e2e_ms_at_low": e.nominal + d.delta_at_low,
+                "e2e_ms_at_high": e.nominal + d.delta_at_high,
+            }
+            for d in e.drivers
+        ],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama3.1-405b", help="llama3.1-8b, llama3.1-70b or llama3.1-405b")
-    parser.add_argument("--cluster", default="perlmutter",
-                        help="preset (h200x2, dgx-h100, dgx-h200, perlmutter, vista) or a .json/.toml cluster file")
+    parser.add_argument(
+        "--cluster",
+        default="perlmutter",
+        help="preset (h200x2, dgx-h100, dgx-h200, perlmutter, vista) or a .json/.toml cluster file",
+    )
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
@@ -165,8 +210,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT + decode time per row")
-    parser.add_argument("--no-ranges", action="store_true",
-                        help="nominal constants only: no ranges over the preset's guessed constants")
+    parser.add_argument(
+        "--no-ranges", action="store_true", help="nominal constants only: no ranges over the preset's guessed constants"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,19 +226,38 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
         return 1
-    doc = {"model": model.name, "cluster": cluster.name, "nodes": args.nodes, "gpus": args.nodes * cluster.gpus_per_node,
-           "workload": asdict(workload), "cuda_graphs": not args.no_cuda_graphs, "prefill_allreduce": PREFILL_ALGO,
-           "rows": [row_to_dict(r, cluster) for r in rows]}
+    doc = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "nodes": args.nodes,
+        "gpus": args.nodes * cluster.gpus_per_node,
+        "workload": asdict(workload),
+        "cuda_graphs": not args.no_cuda_graphs,
+        "prefill_allreduce": PREFILL_ALGO,
+        "rows": [row_to_dict(r, cluster) for r in rows],
+    }
     b = best(rows)
     doc["best"] = row_to_dict(b, cluster) if b else None
     if args.json is not None and str(args.json) == "-":
         print(json.dumps(doc, indent=2))
         return 0 if b else 1
-    table = Table(title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
-                        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}")
+    table = Table(
+        title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
+        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}"
+    )
     ranged = any(r.e2e_range for r in rows)
-    cols = ["#", "layout", "TP group", "all-reduce (decode)", "TTFT ms", "TPOT ms", "E2E ms", "tok/s",
-            "decode % GEMM/attn/AR/PP/idle", "GB/GPU"]
+    cols = [
+        "#",
+        "layout",
+        "TP group",
+        "all-reduce (decode)",
+        "TTFT ms",
+        "TPOT ms",
+        "E2E ms",
+        "tok/s",
+        "decode % GEMM/attn/AR/PP/idle",
+        "GB/GPU",
+    ]
     if ranged:
         cols[5:7] = ["TPOT ms [range]", "E2E ms [range]"]
         cols += ["wins", "E2E driven by"]
@@ -202,31 +267,63 @@ def run(args: argparse.Namespace) -> int:
     for i, r in enumerate(shown, 1):
         e, d = r.estimate, r.estimate.decode_ms
         tot = sum(d.values()) or 1.0
-        split = "/".join(f"{100 * x:.0f}" for x in (d["gemm"] / tot, d["attention"] / tot, d["allreduce"] / tot,
-                                                     d["pp_transfer"] / tot, e.decode_idle_fraction))
+        split = "/".join(
+            f"{100 * x:.0f}"
+            for x in (
+                d["gemm"] / tot,
+                d["attention"] / tot,
+                d["allreduce"] / tot,
+                d["pp_transfer"] / tot,
+                e.decode_idle_fraction,
+            )
+        )
         nodes, rpn = tp_group_shape(r.layout, cluster)
         mem = f"{e.memory.total_GB:.1f}" + ("" if r.fits else f" > {e.memory.capacity_GB:.0f} (does not fit)")
-        algo = r.algo if r.algo == "none" else f"{r.algo} ({e.allreduce_variant})" if e.allreduce_variant != r.algo else r.algo
+        algo = (
+            r.algo
+            if r.algo == "none"
+            else f"{r.algo} ({e.allreduce_variant})"
+            if e.allreduce_variant != r.algo
+            else r.algo
+        )
         tpot, e2e, extra = f"{e.tpot_ms:.2f}", f"{e.e2e_ms:.0f}", []
         if r.e2e_range:
             tpot = f"{e.tpot_ms:.2f} [{r.tpot_range.low:.2f}-{r.tpot_range.high:.2f}]"
             e2e = f"{e.e2e_ms:.0f} [{r.e2e_range.low:.0f}-{r.e2e_range.high:.0f}]"
             extra = [f"{r.wins}/{r.scenarios}", r.e2e_range.top(2) or "-"]
-        table.add_row(str(i), str(r.layout), f"{nodes}x{rpn}", algo, f"{e.ttft_ms:.1f}", tpot, e2e,
-                      f"{e.throughput_tok_s:.0f}", split, mem, *extra, style=None if r.fits else "dim")
+        table.add_row(
+            str(i),
+            str(r.layout),
+            f"{nodes}x{rpn}",
+            algo,
+            f"{e.ttft_ms:.1f}",
+            tpot,
+            e2e,
+            f"{e.throughput_tok_s:.0f}",
+            split,
+            mem,
+            *extra,
+            style=None if r.fits else "dim",
+        )
     console.print(table)
     if ranged:
-        console.print(f"Ranges in brackets: every constant the preset marks as a guess ({len(cluster.ranges)}: "
-                      f"{', '.join(sorted(cluster.ranges))}) at the end that lowers / raises the row; rows ranked "
-                      "by the high end. wins: scenarios (nominal, each guess at each end) in which the row is "
-                      "the fastest that fits. Replace guesses with your cluster's figures: `spanllm bench "
-                      "allreduce --json F`, then `spanllm perf calibrate F --cluster "
-                      f"{cluster.name} --out mine.json` and `--cluster mine.json` here.")
-    console.print(f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
-                  f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py).")
+        console.print(
+            f"Ranges in brackets: every constant the preset marks as a guess ({len(cluster.ranges)}: "
+            f"{', '.join(sorted(cluster.ranges))}) at the end that lowers / raises the row; rows ranked "
+            "by the high end. wins: scenarios (nominal, each guess at each end) in which the row is "
+            "the fastest that fits. Replace guesses with your cluster's figures: `spanllm bench "
+            "allreduce --json F`, then `spanllm perf calibrate F --cluster "
+            f"{cluster.name} --out mine.json` and `--cluster mine.json` here."
+        )
+    console.print(
+        f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
+        f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py)."
+    )
     if b:
-        console.print(f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
-                      f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms")
+        console.print(
+            f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
+            f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms"
+        )
         if b.e2e_range:
             console.print(robustness(rows))
     else:

@@ -52,11 +52,22 @@ def load_points(path: Path = POINTS_FILE) -> list[PublishedPoint]:
         try:
             if p["role"] not in ROLES:
                 raise ValueError(f"role {p['role']!r} not in {ROLES}")
-            out.append(PublishedPoint(
-                id=p["id"], source_url=p["source_url"], source_title=p["source_title"], setup=p["setup"],
-                cluster=cluster_from_dict(p["cluster"], source=f"{path}: {p['id']}"), algo=p["algo"],
-                nodes=int(p["nodes"]), ranks_per_node=int(p["ranks_per_node"]), graph=bool(p["graph"]),
-                role=p["role"], rows=tuple((int(b), float(t)) for b, t in p["rows"]), timing_note=p.get("timing_note", "")))
+            out.append(
+                PublishedPoint(
+                    id=p["id"],
+                    source_url=p["source_url"],
+                    source_title=p["source_title"],
+                    setup=p["setup"],
+                    cluster=cluster_from_dict(p["cluster"], source=f"{path}: {p['id']}"),
+                    algo=p["algo"],
+                    nodes=int(p["nodes"]),
+                    ranks_per_node=int(p["ranks_per_node"]),
+                    graph=bool(p["graph"]),
+                    role=p["role"],
+                    rows=tuple((int(b), float(t)) for b, t in p["rows"]),
+                    timing_note=p.get("timing_note", ""),
+                )
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise PublishedPointError(f"{path}: point {i} ({p.get('id', '?')}): {e}") from None
     return out
@@ -67,15 +78,26 @@ def point_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
     records = []
     for pt in points:
         for nbytes, measured in pt.rows:
+
             def f(c: ClusterSpec, nbytes=nbytes) -> float:
                 return allreduce_time_us(pt.algo, nbytes, c, pt.nodes, pt.ranks_per_node, pt.graph)
 
             r = predict_range(f, pt.cluster)
-            records.append({
-                "category": f"published/{pt.role}",
-                "label": f"{pt.algo} {pt.nodes}x{pt.ranks_per_node} {nbytes} B ({pt.id})",
-                "predicted": r.nominal, "measured": measured, "rel_error": (r.nominal - measured) / measured,
-                "source": pt.source_url, "fitted_on": "none: published point, used only for checking",
-                "range": [r.low, r.high], "in_range": r.holds(measured), "drivers": r.top(3),
-                "setup": pt.setup, "cluster": pt.cluster.name, "timing_note": pt.timing_note})
+            records.append(
+                {
+                    "category": f"published/{pt.role}",
+                    "label": f"{pt.algo} {pt.nodes}x{pt.ranks_per_node} {nbytes} B ({pt.id})",
+                    "predicted": r.nominal,
+                    "measured": measured,
+                    "rel_error": (r.nominal - measured) / measured,
+                    "source": pt.source_url,
+                    "fitted_on": "none: published point, used only for checking",
+                    "range": [r.low, r.high],
+                    "in_range": r.holds(measured),
+                    "drivers": r.top(3),
+                    "setup": pt.setup,
+                    "cluster": pt.cluster.name,
+                    "timing_note": pt.timing_note,
+                }
+            )
     return records

@@ -46,10 +46,14 @@ class Transport:
         for name in ("post_us", "proxy_us"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-                raise TransportError(f"Transport({self.name!r}).{name}={v!r} must be a finite number >= 0 (microseconds)")
+                raise TransportError(
+                    f"Transport({self.name!r}).{name}={v!r} must be a finite number >= 0 (microseconds)"
+                )
         if self.gpu_initiated and self.proxy_us:
-            raise TransportError(f"Transport({self.name!r}): proxy_us={self.proxy_us} but gpu_initiated=True; "
-                                 "a GPU-initiated transport has no proxy hand-off (set proxy_us=0)")
+            raise TransportError(
+                f"Transport({self.name!r}): proxy_us={self.proxy_us} but gpu_initiated=True; "
+                "a GPU-initiated transport has no proxy hand-off (set proxy_us=0)"
+            )
 
     def put_us(self, nic_latency_us: float) -> float:
         """One put, from the kernel's issue to the data visible at the partner."""
@@ -90,6 +94,8 @@ TRANSPORTS: dict[str, Transport] = {
 
 def get_transport(name: str) -> Transport:
     if name not in TRANSPORTS:
-        raise TransportError(f"unknown NVSHMEM transport {name!r}; known: {', '.join(TRANSPORTS)} "
-                             "(NVSHMEM_REMOTE_TRANSPORT, or ibgda for NVSHMEM_IB_ENABLE_IBGDA=1)")
+        raise TransportError(
+            f"unknown NVSHMEM transport {name!r}; known: {', '.join(TRANSPORTS)} "
+            "(NVSHMEM_REMOTE_TRANSPORT, or ibgda for NVSHMEM_IB_ENABLE_IBGDA=1)"
+        )
     return TRANSPORTS[name]

@@ -18,8 +18,8 @@ each end) prices every candidate, so "A beats B in n of m scenarios" compares li
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from spanllm.perf.hardware import ClusterSpec, constant_value, with_constant
 
@@ -52,8 +52,11 @@ class Range:
         """'transport.proxy_us +41%, nic_latency_us +12%': the n largest drivers, as a share of the nominal."""
         if not self.nominal:
             return ""
-        return ", ".join(f"{d.path} {max(d.delta_at_low, d.delta_at_high, key=abs) / self.nominal:+.0%}"
-                         for d in self.drivers[:n] if d.swing / abs(self.nominal) >= 0.005)
+        return ", ".join(
+            f"{d.path} {max(d.delta_at_low, d.delta_at_high, key=abs) / self.nominal:+.0%}"
+            for d in self.drivers[:n]
+            if d.swing / abs(self.nominal) >= 0.005
+        )
 
 
 def assumed(cluster: ClusterSpec) -> dict[str, tuple[float, float]]:
@@ -75,8 +78,12 @@ def corner(cluster: ClusterSpec, ends: dict[str, float]) -> ClusterSpec:
     return cluster
 
 
-def predict_range(f: Callable[[ClusterSpec], float], cluster: ClusterSpec, values: dict[str, float] | None = None,
-                  rel_threshold: float = 1e-9) -> Range:
+def predict_range(
+    f: Callable[[ClusterSpec], float],
+    cluster: ClusterSpec,
+    values: dict[str, float] | None = None,
+    rel_threshold: float = 1e-9,
+) -> Range:
     """The range of f over the box of the cluster's guessed constants (module docstring). `values`: f already
     evaluated on `scenarios(cluster)`, by label (then only the two corners are evaluated here)."""
     if values is None:

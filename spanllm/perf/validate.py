@@ -58,8 +58,15 @@ def rel_error(predicted: float, measured: float) -> float:
 
 
 def _record(category: str, label: str, predicted: float, measured: float, source: str, fitted_on: str) -> dict:
-    return {"category": category, "label": label, "predicted": predicted, "measured": measured,
-            "rel_error": rel_error(predicted, measured), "source": source, "fitted_on": fitted_on}
+    return {
+        "category": category,
+        "label": label,
+        "predicted": predicted,
+        "measured": measured,
+        "rel_error": rel_error(predicted, measured),
+        "source": source,
+        "fitted_on": fitted_on,
+    }
 
 
 def _ar_label(m: AllReduceMeasurement) -> str:
@@ -68,8 +75,9 @@ def _ar_label(m: AllReduceMeasurement) -> str:
 
 def _predict(m: AllReduceMeasurement, cluster: ClusterSpec) -> float:
     algo = model_name(m.algo)
-    return allreduce_time_us(algo, m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph,
-                             launch=m.launch or None)  # other algorithms ignore it
+    return allreduce_time_us(
+        algo, m.nbytes, cluster, m.nodes, m.ranks_per_node, m.graph, launch=m.launch or None
+    )  # other algorithms ignore it
 
 
 def preset_fitted(m: AllReduceMeasurement, fit: PresetFit | None) -> bool:
@@ -77,8 +85,9 @@ def preset_fitted(m: AllReduceMeasurement, fit: PresetFit | None) -> bool:
     if fit is None:
         return False
     same_file = Path(m.source).resolve().as_posix().endswith(fit.file) or Path(m.source).as_posix().endswith(fit.file)
-    return (same_file and f"{m.nodes}x{m.ranks_per_node}" == fit.topology and m.nbytes in fit.sizes
-            and m.algo in fit.algos)
+    return (
+        same_file and f"{m.nodes}x{m.ranks_per_node}" == fit.topology and m.nbytes in fit.sizes and m.algo in fit.algos
+    )
 
 
 def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> tuple[list[dict], list[str]]:
@@ -96,12 +105,22 @@ def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> t
         if preset_fitted(m, pfit):
             in_fit += 1
             continue
-        records.append(_record("allreduce/preset", _ar_label(m), predicted, m.time_us, m.source,
-                               f"preset {cluster.name}: {pfit.file} {pfit.topology}, every other size" if pfit
-                               else f"preset {cluster.name}"))
+        records.append(
+            _record(
+                "allreduce/preset",
+                _ar_label(m),
+                predicted,
+                m.time_us,
+                m.source,
+                f"preset {cluster.name}: {pfit.file} {pfit.topology}, every other size"
+                if pfit
+                else f"preset {cluster.name}",
+            )
+        )
     if in_fit:
-        skipped.append(f"allreduce/preset: {in_fit} rows left out, the preset's constants were fitted to them "
-                       f"({pfit.describe()})")
+        skipped.append(
+            f"allreduce/preset: {in_fit} rows left out, the preset's constants were fitted to them ({pfit.describe()})"
+        )
     groups: dict[tuple, list[AllReduceMeasurement]] = {}
     for m in usable:
         groups.setdefault((m.source, m.algo, m.nodes, m.ranks_per_node, m.graph), []).append(m)
@@ -121,8 +140,16 @@ def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> t
             skipped.append(f"holdout {algo} {n}x{g}: too few sizes to fit ({len(fit_sizes)})")
             continue
         for m in test:
-            records.append(_record("allreduce/holdout-sizes", _ar_label(m), _predict(m, fitted), m.time_us, source,
-                                   f"sizes {sorted(fit_sizes)}"))
+            records.append(
+                _record(
+                    "allreduce/holdout-sizes",
+                    _ar_label(m),
+                    _predict(m, fitted),
+                    m.time_us,
+                    source,
+                    f"sizes {sorted(fit_sizes)}",
+                )
+            )
     by_algo: dict[str, set] = {}
     for m in usable:
         by_algo.setdefault(m.algo, set()).add((m.nodes, m.ranks_per_node))
@@ -139,8 +166,16 @@ def allreduce_records(ms: list[AllReduceMeasurement], cluster: ClusterSpec) -> t
                 continue
             others = sorted({f"{a}x{b}" for a, b in topos if (a, b) != topo})
             for m in test:
-                records.append(_record("allreduce/cross-topology", _ar_label(m), _predict(m, fitted), m.time_us,
-                                       m.source, f"topologies {others}"))
+                records.append(
+                    _record(
+                        "allreduce/cross-topology",
+                        _ar_label(m),
+                        _predict(m, fitted),
+                        m.time_us,
+                        m.source,
+                        f"topologies {others}",
+                    )
+                )
     return records, skipped
 
 
@@ -152,8 +187,9 @@ def engine_group(case) -> str:
     return f"{size} TP{case.layout.tp} {case.algo}"
 
 
-def engine_records(es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str,
-                   fit: EngineFitRows | None = None) -> tuple[list[dict], list[str]]:
+def engine_records(
+    es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str, fit: EngineFitRows | None = None
+) -> tuple[list[dict], list[str]]:
     """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` selects go to engine-fit/."""
     records, skipped = [], []
     for e in es:
@@ -169,8 +205,14 @@ def engine_records(es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on:
         for metric, predicted in (("ttft", est.ttft_ms), ("tpot", est.tpot_ms), ("e2e", est.e2e_ms)):
             measured = r.get(f"{metric}_ms")
             if measured:
-                rec = _record(f"engine{'-fit' if in_fit else ''}/{metric}", case.label, predicted, float(measured),
-                              source, fitted_on)
+                rec = _record(
+                    f"engine{'-fit' if in_fit else ''}/{metric}",
+                    case.label,
+                    predicted,
+                    float(measured),
+                    source,
+                    fitted_on,
+                )
                 rec["group"], rec["allreduce_ran"] = engine_group(case), r.get("allreduce_ran")
                 records.append(rec)
     return records, skipped
@@ -189,8 +231,10 @@ def _summary(records: list[dict], key) -> dict[str, dict]:
     cats: dict[str, list[float]] = {}
     for r in records:
         cats.setdefault(key(r), []).append(abs(r["rel_error"]))
-    return {c: {"n": len(v), "median_abs_rel_error": statistics.median(v), "max_abs_rel_error": max(v)}
-            for c, v in sorted(cats.items())}
+    return {
+        c: {"n": len(v), "median_abs_rel_error": statistics.median(v), "max_abs_rel_error": max(v)}
+        for c, v in sorted(cats.items())
+    }
 
 
 def engine_fit_report(eng: list[EngineMeasurement], cluster: ClusterSpec, fit: EngineFitRows | None) -> dict | None:
@@ -216,26 +260,41 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         try:
             engine_cluster, fits, _ = calibrate(ar, cluster)
             if fits:
-                ar_from = f"all-reduce constants calibrated on {len(ar)} all-reduce rows ({', '.join(f.algo for f in fits)})"
+                ar_from = (
+                    f"all-reduce constants calibrated on {len(ar)} all-reduce rows ({', '.join(f.algo for f in fits)})"
+                )
         except (CalibrationError, ValueError):
             pass
     efit = ENGINE_FITS.get(cluster.name)
     fitted_on = f"{ar_from}; engine constants " + (f"fitted to {efit.describe()}" if efit else f"of {cluster.name}")
     erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit)
     pfit = PRESET_FITS.get(cluster.name)
-    constants = {key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
-                 for key in (pfit.constants if pfit else ())}
-    claims = [asdict(c) for name in ("perlmutter", "vista")
-              for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))]
+    constants = {
+        key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
+        for key in (pfit.constants if pfit else ())
+    }
+    claims = [
+        asdict(c)
+        for name in ("perlmutter", "vista")
+        for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))
+    ]
     published = point_records(load_points())
-    return {"cluster": cluster.name, "results_dir": str(results_dir), "measurements": len(ar) + len(eng),
-            "records": records + erecs, "summary": summarize(records + erecs),
-            "published": published, "summary_published": summarize(published),
-            "summary_by_group": summary_by_group(erecs), "paper_claims": claims,
-            "skipped": skipped + s1 + s2, "preset_constants": constants,
-            "preset_fit": asdict(pfit) if pfit else None,
-            "engine_fit": engine_fit_report(eng, engine_cluster, efit),
-            "method": __doc__.split("\n\n", 1)[1].strip()}
+    return {
+        "cluster": cluster.name,
+        "results_dir": str(results_dir),
+        "measurements": len(ar) + len(eng),
+        "records": records + erecs,
+        "summary": summarize(records + erecs),
+        "published": published,
+        "summary_published": summarize(published),
+        "summary_by_group": summary_by_group(erecs),
+        "paper_claims": claims,
+        "skipped": skipped + s1 + s2,
+        "preset_constants": constants,
+        "preset_fit": asdict(pfit) if pfit else None,
+        "engine_fit": engine_fit_report(eng, engine_cluster, efit),
+        "method": __doc__.split("\n\n", 1)[1].strip(),
+    }
 
 
 def plot_report(report: dict, path: Path) -> None:
@@ -249,11 +308,21 @@ def plot_report(report: dict, path: Path) -> None:
     cats = sorted({r["category"] for r in records})
     for c in cats:
         rs = [r for r in records if r["category"] == c]
-        ax.scatter([r["measured"] for r in rs], [r["predicted"] for r in rs], label=c, s=14,
-                   marker="x" if c.startswith("published/") else "o")
+        ax.scatter(
+            [r["measured"] for r in rs],
+            [r["predicted"] for r in rs],
+            label=c,
+            s=14,
+            marker="x" if c.startswith("published/") else "o",
+        )
         if c.startswith("published/"):  # the prediction's range over the cluster's guessed constants
-            ax.vlines([r["measured"] for r in rs], [r["range"][0] for r in rs], [r["range"][1] for r in rs], lw=0.8,
-                      color="grey")
+            ax.vlines(
+                [r["measured"] for r in rs],
+                [r["range"][0] for r in rs],
+                [r["range"][1] for r in rs],
+                lw=0.8,
+                color="grey",
+            )
     vals = [v for r in records for v in (r["measured"], r["predicted"]) if v > 0]
     lo, hi = min(vals) / 1.5, max(vals) * 1.5
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
@@ -288,72 +357,115 @@ def _error_table(title: str, key: str, summary: dict):
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    import sys
-
     console = Console(width=160) if not Console().is_terminal else Console()
     if not Path(args.results).is_dir():
-        print(f"spanllm perf validate: results folder {str(args.results)!r} does not exist (pass --results DIR, "
-              "a folder of `spanllm bench` JSON files); nothing checked, nothing written", file=sys.stderr)
+        print(
+            f"spanllm perf validate: results folder {str(args.results)!r} does not exist (pass --results DIR, "
+            "a folder of `spanllm bench` JSON files); nothing checked, nothing written",
+            file=sys.stderr,
+        )
         return 2
     report = validate(args.results, load_cluster(args.cluster))
     out = args.out or args.results / REPORT_NAME
     if not report["records"]:
-        print(f"spanllm perf validate: no measurement in {str(args.results)!r} that the model predicts "
-              f"({report['measurements']} rows read); nothing checked, nothing written (run `spanllm bench "
-              "allreduce --json` or `spanllm bench batch` on a GPU machine first)", file=sys.stderr)
+        print(
+            f"spanllm perf validate: no measurement in {str(args.results)!r} that the model predicts "
+            f"({report['measurements']} rows read); nothing checked, nothing written (run `spanllm bench "
+            "allreduce --json` or `spanllm bench batch` on a GPU machine first)",
+            file=sys.stderr,
+        )
         return 1
     else:
         t = Table(title=f"predicted vs measured ({len(report['records'])} records, cluster {report['cluster']})")
         for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):
             t.add_column(col)
         for r in report["records"][: args.rows]:
-            t.add_row(r["category"], escape(r["label"]), f"{r['predicted']:.4g}", f"{r['measured']:.4g}",
-                      f"{r['rel_error']:+.1%}", escape(r["fitted_on"]))
+            t.add_row(
+                r["category"],
+                escape(r["label"]),
+                f"{r['predicted']:.4g}",
+                f"{r['measured']:.4g}",
+                f"{r['rel_error']:+.1%}",
+                escape(r["fitted_on"]),
+            )
         console.print(t)
         console.print(_error_table("median |relative error| per category", "category", report["summary"]))
         if report["summary_by_group"]:
-            console.print(_error_table("engine rows per group (engine-fit/: the rows the engine constants were "
-                                       "fitted to)", "category | group", report["summary_by_group"]))
+            console.print(
+                _error_table(
+                    "engine rows per group (engine-fit/: the rows the engine constants were fitted to)",
+                    "category | group",
+                    report["summary_by_group"],
+                )
+            )
     if report.get("engine_fit"):
         f = report["engine_fit"]
-        k = Table(title=f"preset {report['cluster']}: engine constants fitted to {f['rows']} ({f['n_rows']} rows found)")
+        k = Table(
+            title=f"preset {report['cluster']}: engine constants fitted to {f['rows']} ({f['n_rows']} rows found)"
+        )
         for col in ("constant", "preset", "refit from the files"):
             k.add_column(col)
         refit = f["refit"] if isinstance(f["refit"], dict) else {}
         for name, v in f["preset"].items():
-            k.add_row(name, format_constant(v), format_constant(refit[name]) if name in refit else escape(str(f["refit"])))
+            k.add_row(
+                name, format_constant(v), format_constant(refit[name]) if name in refit else escape(str(f["refit"]))
+            )
         console.print(k)
     if report.get("preset_fit"):
         f = report["preset_fit"]
-        k = Table(title=f"preset {report['cluster']}: constants fitted to {f['file']} ({f['topology']}, sizes "
-                        f"{', '.join(str(x) for x in f['sizes'])} B; those rows are not scored)")
+        k = Table(
+            title=f"preset {report['cluster']}: constants fitted to {f['file']} ({f['topology']}, sizes "
+            f"{', '.join(str(x) for x in f['sizes'])} B; those rows are not scored)"
+        )
         for col in ("entry", "kernels", "base us", "nvlink step us", "bw efficiency", "wire factor"):
             k.add_column(col)
         for key, v in report["preset_constants"].items():
-            k.add_row(key, str(v["kernels"]), f"{v['base_us']:.3f}", f"{v['nvlink_step_us']:.3f}",
-                      f"{v['bw_efficiency']:.3f}", f"{v['wire_factor']:.2f}")
+            k.add_row(
+                key,
+                str(v["kernels"]),
+                f"{v['base_us']:.3f}",
+                f"{v['nvlink_step_us']:.3f}",
+                f"{v['bw_efficiency']:.3f}",
+                f"{v['wire_factor']:.2f}",
+            )
         console.print(k)
     console.print("method: " + escape(report["method"]))
     c = Table(title="paper headline claims on the presets (no constant fitted to them)")
     for col in ("claim", "cluster", "predicted min / median / max", "claimed", "consistent", "max at"):
         c.add_column(col)
     for k in report["paper_claims"]:
-        c.add_row(k["claim"], k["cluster"], f"{k['predicted_min']:.2f} / {k['predicted_median']:.2f} / "
-                  f"{k['predicted_max']:.2f}", f"{k['band'][0]:.2f}-{k['band'][1]:.2f}",
-                  "yes" if k["consistent"] else "NO", k["where_max"])
+        c.add_row(
+            k["claim"],
+            k["cluster"],
+            f"{k['predicted_min']:.2f} / {k['predicted_median']:.2f} / {k['predicted_max']:.2f}",
+            f"{k['band'][0]:.2f}-{k['band'][1]:.2f}",
+            "yes" if k["consistent"] else "NO",
+            k["where_max"],
+        )
     console.print(c)
-    p = Table(title="published multi-node all-reduce figures (no constant fitted to them; range: the cluster's "
-                    "guessed constants at their ends)")
+    p = Table(
+        title="published multi-node all-reduce figures (no constant fitted to them; range: the cluster's "
+        "guessed constants at their ends)"
+    )
     for col in ("role", "point", "predicted us", "published us", "error", "range us", "inside", "driven by"):
         p.add_column(col)
     for r in report["published"]:
-        p.add_row(r["category"].split("/")[1], escape(r["label"]), f"{r['predicted']:.1f}", f"{r['measured']:.1f}",
-                  f"{r['rel_error']:+.0%}", f"{r['range'][0]:.1f}-{r['range'][1]:.1f}", "yes" if r["in_range"] else "NO",
-                  escape(r["drivers"]))
+        p.add_row(
+            r["category"].split("/")[1],
+            escape(r["label"]),
+            f"{r['predicted']:.1f}",
+            f"{r['measured']:.1f}",
+            f"{r['rel_error']:+.0%}",
+            f"{r['range'][0]:.1f}-{r['range'][1]:.1f}",
+            "yes" if r["in_range"] else "NO",
+            escape(r["drivers"]),
+        )
     console.print(p)
     console.print(_error_table("published figures: median |relative error|", "category", report["summary_published"]))
     for line in report["skipped"]:

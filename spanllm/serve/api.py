@@ -27,8 +27,9 @@ DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the handler checks
 
 
 class APIError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "BadRequestError") -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, type_: str = "BadRequestError"
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type_
 
@@ -68,10 +69,14 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool) -> t
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"max_tokens={max_tokens} must be an integer >= 1", "max_tokens")
     kw: dict[str, Any] = {}
-    for name, types, what in (("temperature", (int, float), "a number in [0, 2]"),
-                              ("top_p", (int, float), "a number in (0, 1]"),
-                              ("top_k", int, "an integer (-1 or 0: off)"), ("seed", int, "an integer"),
-                              ("min_tokens", int, "an integer >= 0"), ("ignore_eos", bool, "true or false")):
+    for name, types, what in (
+        ("temperature", (int, float), "a number in [0, 2]"),
+        ("top_p", (int, float), "a number in (0, 1]"),
+        ("top_k", int, "an integer (-1 or 0: off)"),
+        ("seed", int, "an integer"),
+        ("min_tokens", int, "an integer >= 0"),
+        ("ignore_eos", bool, "true or false"),
+    ):
         v = _opt(body, name, types, what)
         if v is not None:
             kw[name] = float(v) if name in ("temperature", "top_p") else v
@@ -166,8 +171,9 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
     async def health():
         if engine.alive:
             return Response(status_code=200)
-        return JSONResponse(error_body(engine.error or "the engine is not running", "ServiceUnavailableError",
-                                       None, 503), 503)
+        return JSONResponse(
+            error_body(engine.error or "the engine is not running", "ServiceUnavailableError", None, 503), 503
+        )
 
     @app.get("/metrics")
     async def metrics_():
@@ -177,9 +183,19 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "spanllm", "root": model_name,
-                                            "max_model_len": max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "spanllm",
+                    "root": model_name,
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
 
     async def parse(request: Request) -> dict:
         raw = await request.body()
@@ -201,10 +217,14 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         if max_tokens is None:  # chat without max_tokens: the rest of the context
             room = ctx_limit - len(prompt_ids)
             if room < 1:
-                raise APIError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this model's "
-                               f"context of {ctx_limit} tokens", "messages")
-            params = SamplingParams(**{**params.__dict__, "max_tokens": room,
-                                       "min_tokens": min(params.min_tokens, room)})
+                raise APIError(
+                    f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this model's "
+                    f"context of {ctx_limit} tokens",
+                    "messages",
+                )
+            params = SamplingParams(
+                **{**params.__dict__, "max_tokens": room, "min_tokens": min(params.min_tokens, room)}
+            )
         try:
             return engine.add(rid, prompt_ids, params, time.monotonic())
         except RequestError as e:
@@ -245,8 +265,11 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         base = {"id": rid, "object": obj, "created": created, "model": model_name}
         if not stream:
             return await complete(request, q, rid, base, chat, len(prompt_ids))
-        return StreamingResponse(stream_gen(q, rid, base, chat, include_usage, len(prompt_ids)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            stream_gen(q, rid, base, chat, include_usage, len(prompt_ids)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     async def complete(request, q, rid, base, chat, num_prompt):
         finished = False
@@ -267,8 +290,12 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
             if not finished:
                 engine.abort(rid)
         text = d.text or ""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": d.finish_reason,
-                                  "stop_reason": d.stop_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+        }
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -281,8 +308,19 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
         num_output = 0
         try:
             if chat:
-                yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
             while True:
                 d = await q.get()
                 if isinstance(d, EngineDead):
@@ -296,8 +334,7 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
                 num_output = d.num_output
                 if d.new_ids or d.new_text:  # one chunk per token step (text may be "": a partial character)
                     if chat:
-                        choice = {"index": 0, "delta": {"content": d.new_text}, "logprobs": None,
-                                  "finish_reason": None}
+                        choice = {"index": 0, "delta": {"content": d.new_text}, "logprobs": None, "finish_reason": None}
                     else:
                         choice = {"index": 0, "text": d.new_text, "logprobs": None, "finish_reason": None}
                     yield sse({**base, "choices": [choice]})

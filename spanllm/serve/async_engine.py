@@ -66,14 +66,21 @@ class FrontDoor:
         (RequestError), check the queue bound (QueueFull), count it as waiting, and give it its queue."""
         if not self.alive or not self._accepting:
             raise EngineUnavailable(self.error or "the server is shutting down")
-        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                         capacity_tokens=self.capacity_tokens)
+        validate_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            capacity_tokens=self.capacity_tokens,
+        )
         if params.stop and not self.has_tokenizer:
             raise RequestError("stop strings need a tokenizer")
         with self._lock:
             if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
-                raise QueueFull(f"the waiting queue is full ({self.max_queued_requests} requests, "
-                                "--max-queued-requests); retry later")
+                raise QueueFull(
+                    f"the waiting queue is full ({self.max_queued_requests} requests, "
+                    "--max-queued-requests); retry later"
+                )
             self._count_add()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
@@ -248,5 +255,12 @@ def _put_all(items) -> None:
 
 def _delta(out) -> Delta:
     """What a handler needs of one step's output (new_ids is a fresh list per step already)."""
-    return Delta(out.new_text, out.new_ids, len(out.output_ids), out.finished, out.finish_reason, out.stop_reason,
-                 out.text if out.finished else None)
+    return Delta(
+        out.new_text,
+        out.new_ids,
+        len(out.output_ids),
+        out.finished,
+        out.finish_reason,
+        out.stop_reason,
+        out.text if out.finished else None,
+    )

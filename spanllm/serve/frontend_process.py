@@ -147,17 +147,36 @@ class PipeEngine(AsyncEngine):
 class ProcessServer:
     """Rank 0 with the front end in its own process: `run()` blocks until the front end ends or a signal."""
 
-    def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-                 max_queued_requests: int | None = None, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        llm,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        model_name: str | None = None,
+        max_queued_requests: int | None = None,
+        log_level: str = "warning",
+    ) -> None:
         core = llm.engine_core
         self.model_name = model_name or llm.config.name
         self.host = host
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state, no engine threads copied
         self._conn, child = ctx.Pipe(duplex=True)
-        cfg = {"model": llm.config.name, "checkpoint_dir": llm.config.checkpoint_dir, "model_name": self.model_name,
-               "host": host, "port": port, "log_level": log_level, "max_queued_requests": max_queued_requests,
-               "limits": {"vocab_size": core.vocab_size, "capacity_tokens": core.blocks.capacity_tokens,
-                          "max_model_len": core.config.max_model_len, "has_tokenizer": core.tokenizer is not None}}
+        cfg = {
+            "model": llm.config.name,
+            "checkpoint_dir": llm.config.checkpoint_dir,
+            "model_name": self.model_name,
+            "host": host,
+            "port": port,
+            "log_level": log_level,
+            "max_queued_requests": max_queued_requests,
+            "limits": {
+                "vocab_size": core.vocab_size,
+                "capacity_tokens": core.blocks.capacity_tokens,
+                "max_model_len": core.config.max_model_len,
+                "has_tokenizer": core.tokenizer is not None,
+            },
+        }
         self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
         self._child = child
         self.engine = PipeEngine(core, self._conn)
@@ -215,8 +234,9 @@ class ProcessServer:
 class EngineClient(FrontDoor):
     """AsyncEngine's interface for the HTTP handlers, talking to a PipeEngine in another process."""
 
-    def __init__(self, conn, limits: dict, *, max_queued_requests: int | None, metrics, on_dead=None,
-                 on_shutdown=None) -> None:
+    def __init__(
+        self, conn, limits: dict, *, max_queued_requests: int | None, metrics, on_dead=None, on_shutdown=None
+    ) -> None:
         super().__init__(max_queued_requests)
         self.conn = conn
         self.vocab_size = limits["vocab_size"]
@@ -299,8 +319,9 @@ class EngineClient(FrontDoor):
                 if self.metrics is not None:
                     self.metrics.apply(snap)
             elif kind == "events":
-                self._deliver([(rid, RequestError(ev.message) if isinstance(ev, Refusal) else ev)
-                               for rid, ev in msg[1]])
+                self._deliver(
+                    [(rid, RequestError(ev.message) if isinstance(ev, Refusal) else ev) for rid, ev in msg[1]]
+                )
             elif kind == "shutdown":
                 self._accepting = False
                 if self.on_shutdown is not None:
@@ -335,13 +356,21 @@ def frontend_main(conn, cfg: dict) -> None:
         if uv is not None:
             uv.should_exit = True
 
-    client = EngineClient(conn, cfg["limits"], max_queued_requests=cfg["max_queued_requests"], metrics=metrics,
-                          on_dead=end, on_shutdown=end)
-    app = build_app(client, tokenizer, model_name=cfg["model_name"], max_model_len=cfg["limits"]["max_model_len"],
-                    metrics=metrics)
+    client = EngineClient(
+        conn,
+        cfg["limits"],
+        max_queued_requests=cfg["max_queued_requests"],
+        metrics=metrics,
+        on_dead=end,
+        on_shutdown=end,
+    )
+    app = build_app(
+        client, tokenizer, model_name=cfg["model_name"], max_model_len=cfg["limits"]["max_model_len"], metrics=metrics
+    )
 
-    uv = holder["uv"] = make_uvicorn(app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"],
-                                     on_signal=client.abort_all)
+    uv = holder["uv"] = make_uvicorn(
+        app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"], on_signal=client.abort_all
+    )
     client.start()
 
     def notify() -> None:

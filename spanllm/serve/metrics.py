@@ -8,12 +8,80 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class ServerMetrics:
@@ -37,14 +105,17 @@ class ServerMetrics:
         self.preemptions = c("num_preemptions", "Preemptions (recomputation) since start")
         self.prompt_tokens = c("prompt_tokens", "Prefilled prompt tokens")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
-        self._success = Counter("spanllm:request_success", "Finished requests by finish reason",
-                                ["model_name", "finished_reason"], registry=r)
+        self._success = Counter(
+            "spanllm:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self.ttft = h("time_to_first_token_seconds", "Time to first token (arrival to first token)", TTFT_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
-        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (arrival to finish)",
-                     LATENCY_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (arrival to finish)", LATENCY_BUCKETS)
         self.queue = h("request_queue_time_seconds", "Time waiting before first scheduled", LATENCY_BUCKETS)
         self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
 
@@ -59,8 +130,11 @@ class ServerMetrics:
         self.waiting.set(core.num_waiting + extra_waiting)
         self.kv_usage.set(core.blocks.usage)
         s = core.stats
-        for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
-                             ("preemptions", self.preemptions)):
+        for name, metric in (
+            ("prompt_tokens", self.prompt_tokens),
+            ("generation_tokens", self.generation_tokens),
+            ("preemptions", self.preemptions),
+        ):
             now = getattr(s, name)
             if now > self._last[name]:
                 metric.inc(now - self._last[name])
@@ -86,8 +160,11 @@ class ServerMetrics:
         self.running.set(snap["running"])
         self.waiting.set(snap["waiting"])
         self.kv_usage.set(snap["kv_usage"])
-        for name, metric in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
-                             ("preemptions", self.preemptions)):
+        for name, metric in (
+            ("prompt_tokens", self.prompt_tokens),
+            ("generation_tokens", self.generation_tokens),
+            ("preemptions", self.preemptions),
+        ):
             now = snap[name]
             if now > self._last[name]:
                 metric.inc(now - self._last[name])
@@ -124,8 +201,13 @@ class MetricsRelay:
         received = None
         if self.counts is not None:
             extra_waiting, received = self.counts()
-        snap = {"running": core.num_running, "waiting": core.num_waiting + extra_waiting, "kv_usage": core.blocks.usage,
-                "finished": self._finished, **{k: getattr(s, k) - v for k, v in self._base.items()}}
+        snap = {
+            "running": core.num_running,
+            "waiting": core.num_waiting + extra_waiting,
+            "kv_usage": core.blocks.usage,
+            "finished": self._finished,
+            **{k: getattr(s, k) - v for k, v in self._base.items()},
+        }
         if received is not None:
             snap["adds_received"] = received
         self._finished = []

@@ -31,7 +31,7 @@ class FakeServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "FakeServer":
+    def __enter__(self) -> FakeServer:
         ready = threading.Event()
         errors: list[BaseException] = []
 
@@ -73,8 +73,12 @@ class FakeServer:
         self.port = site._server.sockets[0].getsockname()[1]
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"},
-                                                              {"id": "other-model", "object": "model"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model"}, {"id": "other-model", "object": "model"}],
+            }
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -87,8 +91,9 @@ class FakeServer:
         self.bodies.append(body)
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         if "FAIL" in prompt:
-            return web.json_response({"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}}, status=400
+            )
         if "SLOW" in prompt:
             await asyncio.sleep(30)
         n = int(body["max_tokens"])
@@ -103,9 +108,13 @@ class FakeServer:
 
             base = {"id": "cmpl-1", "model": body["model"], "created": 0}
             if chat:  # role header first, as vLLM's and OpenAI's chat streams do
-                await send({**base, "object": "chat.completion.chunk",
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
+                await send(
+                    {
+                        **base,
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                    }
+                )
             await resp.write(b": keep-alive comment\n\n")
             for i in range(n):
                 await asyncio.sleep(self.token_delay_s)
@@ -115,13 +124,21 @@ class FakeServer:
                     choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None}
                 await send({**base, "choices": [choice]})
             # a bare final chunk carrying only the finish reason (transformers serve and others send one)
-            final = ({"index": 0, "delta": {}, "finish_reason": "length"} if chat
-                     else {"index": 0, "text": "", "finish_reason": "length"})
+            final = (
+                {"index": 0, "delta": {}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": "", "finish_reason": "length"}
+            )
             await send({**base, "choices": [final]})
             if self.usage and body.get("stream_options", {}).get("include_usage"):
                 p = len(prompt.split())
-                await send({**base, "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": n,
-                                                              "total_tokens": p + n}})
+                await send(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
+                    }
+                )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp

@@ -10,13 +10,22 @@ import random
 import numpy as np
 import pytest
 
-from spanllm.bench.datasets import (SampleRequest, add_dataset_arguments, count_tokens, get_samples,
-                                    is_valid_sequence, load_sharegpt, recover_json_array, sample_random,
-                                    sample_sharegpt)
+from spanllm.bench.datasets import (
+    SampleRequest,
+    add_dataset_arguments,
+    count_tokens,
+    get_samples,
+    is_valid_sequence,
+    load_sharegpt,
+    recover_json_array,
+    sample_random,
+    sample_sharegpt,
+)
 
 
 class WordTokenizer:
     """BOS + one token per whitespace-separated word: 'w{id}' -> id. Lengths are easy to write by hand."""
+
     bos = 0
     vocab_size = 50
     all_special_ids = [0]
@@ -33,16 +42,22 @@ def words(n: int) -> str:
 
 
 def conv(i: int, prompt_words: int, reply_words: int, turns: int = 2) -> dict:
-    turns_ = [{"from": "human", "value": f"w{i} " + words(prompt_words - 1)},
-              {"from": "gpt", "value": words(reply_words)}] + [{"from": "human", "value": "w1"}] * (turns - 2)
+    turns_ = [
+        {"from": "human", "value": f"w{i} " + words(prompt_words - 1)},
+        {"from": "gpt", "value": words(reply_words)},
+    ] + [{"from": "human", "value": "w1"}] * (turns - 2)
     return {"id": f"c{i}", "conversations": turns_[:turns]}
 
 
 # ----------------------------------------------------------------------------------------- truncated JSON
 
+
 def test_recover_json_array_at_every_cut():
-    records = [{"id": "a", "conversations": [{"value": "x, y] {z}"}]}, {"id": "b", "n": [1, 2.5, None, True]},
-               {"id": "c", "s": "quote \" and \\ and \u00e9"}]
+    records = [
+        {"id": "a", "conversations": [{"value": "x, y] {z}"}]},
+        {"id": "b", "n": [1, 2.5, None, True]},
+        {"id": "c", "s": 'quote " and \\ and \u00e9'},
+    ]
     text = json.dumps(records, indent=2)
     # where each record ends in the text: a cut at or after that point keeps it
     ends, dec, i = [], json.JSONDecoder(), text.index("{")
@@ -89,6 +104,7 @@ def test_load_sharegpt_recovers_a_truncated_file_and_says_so(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------- ShareGPT sampling
 
+
 def test_is_valid_sequence_defaults_are_vllms():
     assert is_valid_sequence(4, 4) and is_valid_sequence(1024, 1024)
     assert not is_valid_sequence(3, 100) and not is_valid_sequence(100, 3)
@@ -98,8 +114,20 @@ def test_is_valid_sequence_defaults_are_vllms():
 
 def test_sharegpt_sampling_follows_vllm_rules(tmp_path):
     # (prompt words, reply words, turns) -> token counts are words + 1 (BOS)
-    spec = {1: (5, 5, 2), 2: (2, 50, 2), 3: (10, 2, 2), 4: (1024, 10, 2), 5: (1000, 1048, 2), 6: (20, 30, 1),
-            7: (8, 9, 3), 8: (30, 40, 2), 9: (3, 3, 2), 10: (1023, 1023, 2), 11: (12, 13, 2), 12: (6, 7, 2)}
+    spec = {
+        1: (5, 5, 2),
+        2: (2, 50, 2),
+        3: (10, 2, 2),
+        4: (1024, 10, 2),
+        5: (1000, 1048, 2),
+        6: (20, 30, 1),
+        7: (8, 9, 3),
+        8: (30, 40, 2),
+        9: (3, 3, 2),
+        10: (1023, 1023, 2),
+        11: (12, 13, 2),
+        12: (6, 7, 2),
+    }
     records = [conv(i, p, r, t) for i, (p, r, t) in spec.items()]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(records))
@@ -156,6 +184,7 @@ def test_count_tokens_fast_path_must_agree_with_encode():
 
 
 # ----------------------------------------------------------------------------------------- random
+
 
 def test_random_dataset_follows_vllm():
     tok = WordTokenizer()
@@ -228,6 +257,7 @@ def test_cli_flags_and_aliases(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- the real file
+
 
 def test_sharegpt_package_sample_matches_design_averages(capsys):
     """The design notes: 1000 requests by vLLM's rules, seed 0, from the package's recovered records, with the Llama 3

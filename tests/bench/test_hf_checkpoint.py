@@ -17,10 +17,18 @@ pytest.importorskip("transformers", reason="the checkpoint's tokenizer loads thr
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "results/h200/inputs/sharegpt_llama3_seed0_n1000.json"
 N_PROMPTS = 40
-EXTRA = ["<|begin_of_text|>hi<|eot_id|> x <|reserved_special_token_5|>", "<|endoftext|> <|im_start|>",
-         " " * 50 + "\n" * 7 + "\t\t x", "don't can't I'll 'TWAS", "1234567890123 3.14159", "é\u0301 \ufeff \u200b",
-         "Hello\r\n\r\nworld  \n ", "日本語のトークナイザー 한국어 emoji \U0001f680\U0001f525", "",
-         "a" * 2000]
+EXTRA = [
+    "<|begin_of_text|>hi<|eot_id|> x <|reserved_special_token_5|>",
+    "<|endoftext|> <|im_start|>",
+    " " * 50 + "\n" * 7 + "\t\t x",
+    "don't can't I'll 'TWAS",
+    "1234567890123 3.14159",
+    "é\u0301 \ufeff \u200b",
+    "Hello\r\n\r\nworld  \n ",
+    "日本語のトークナイザー 한국어 emoji \U0001f680\U0001f525",
+    "",
+    "a" * 2000,
+]
 
 
 def _script():
@@ -79,8 +87,9 @@ def test_check_samples_passes_and_fails_loudly(written, tmp_path, monkeypatch, c
     from spanllm.engine import tokenizer as sp
 
     real = sp.Llama3Tokenizer.encode
-    monkeypatch.setattr(sp.Llama3Tokenizer, "encode",
-                        lambda self, text, add_special_tokens=True: real(self, text)[:-1] + [5])
+    monkeypatch.setattr(
+        sp.Llama3Tokenizer, "encode", lambda self, text, add_special_tokens=True: real(self, text)[:-1] + [5]
+    )
     with pytest.raises(SystemExit) as e:
         mod.check_samples(str(out), str(path), "llama3.1-8b")
     assert e.value.code == 1

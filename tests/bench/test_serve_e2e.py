@@ -13,10 +13,10 @@ pytest.importorskip("aiohttp", reason="bench serve's client needs aiohttp")
 
 from fake_openai_server import FakeServer  # noqa: E402
 
-from spanllm.bench import serve  # noqa: E402
 from spanllm.bench.datasets import SampleRequest  # noqa: E402
-from spanllm.bench.serve import ServeBenchConfig, run_benchmark  # noqa: E402
 from spanllm.cli import main  # noqa: E402
+from spanllm.commands import bench_serve as serve  # noqa: E402
+from spanllm.commands.bench_serve import ServeBenchConfig, run_benchmark  # noqa: E402
 
 
 class WordTokenizer:
@@ -27,8 +27,10 @@ class WordTokenizer:
 
 
 def make_samples() -> list[SampleRequest]:
-    return [SampleRequest(" ".join(["w"] * (i + 2)), i + 3, 3 + i % 4) for i in range(10)] + \
-        [SampleRequest("please FAIL now", 4, 5), SampleRequest("also FAIL", 3, 2)]
+    return [SampleRequest(" ".join(["w"] * (i + 2)), i + 3, 3 + i % 4) for i in range(10)] + [
+        SampleRequest("please FAIL now", 4, 5),
+        SampleRequest("also FAIL", 3, 2),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,9 @@ def server():
 def test_counts_tokens_and_request_body(server, endpoint):
     samples = make_samples()
     server.bodies.clear()
-    r = run_benchmark(samples, ServeBenchConfig(base_url=server.url, endpoint=endpoint, ignore_eos=True,
-                                                show_progress=False))
+    r = run_benchmark(
+        samples, ServeBenchConfig(base_url=server.url, endpoint=endpoint, ignore_eos=True, show_progress=False)
+    )
     ok = samples[:10]
     assert (r["completed"], r["failed"], r["num_prompts"]) == (10, 2, 12)
     assert r["model_id"] == "fake-model"  # the first of GET /v1/models
@@ -57,9 +60,19 @@ def test_counts_tokens_and_request_body(server, endpoint):
     assert all(r["ttfts"][i] > 0 and r["latencies"][i] >= r["ttfts"][i] for i in range(10))
     assert list(r["error_counts"].values()) == [2] and "HTTP 400" in next(iter(r["error_counts"]))
     assert r["request_rate"] == "inf" and r["max_concurrency"] is None and r["request_goodput"] is None
-    for key in ("request_throughput", "output_throughput", "total_token_throughput", "duration",
-                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms",
-                "median_e2el_ms"):
+    for key in (
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "duration",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_tpot_ms",
+        "p99_itl_ms",
+        "median_e2el_ms",
+    ):
         assert r[key] > 0, key
     first = samples[0].prompt  # the server may see the requests in any order
     body = next(b for b in server.bodies if (b["messages"][0]["content"] if "messages" in b else b["prompt"]) == first)
@@ -71,8 +84,11 @@ def test_counts_tokens_and_request_body(server, endpoint):
 def test_without_usage_counts_with_the_tokenizer():
     with FakeServer(usage=False) as s:
         samples = make_samples()[:4]
-        r = run_benchmark(samples, ServeBenchConfig(base_url=s.url, model="fake-model", show_progress=False),
-                          tokenizer=WordTokenizer())
+        r = run_benchmark(
+            samples,
+            ServeBenchConfig(base_url=s.url, model="fake-model", show_progress=False),
+            tokenizer=WordTokenizer(),
+        )
         assert r["completed"] == 4 and r["total_output_tokens"] == sum(x.output_len for x in samples)
         assert r["total_input_tokens"] == sum(x.prompt_len for x in samples)  # the samples' own counts
         r = run_benchmark(samples, ServeBenchConfig(base_url=s.url, model="m", show_progress=False))
@@ -91,8 +107,9 @@ def test_unreachable_server_is_a_clear_error():
         url = s.url
     with pytest.raises(Exception, match="could not list models"):
         run_benchmark(make_samples()[:1], ServeBenchConfig(base_url=url, show_progress=False))
-    r = run_benchmark(make_samples()[:2], ServeBenchConfig(base_url=url, model="m", show_progress=False,
-                                                           request_timeout_s=5))
+    r = run_benchmark(
+        make_samples()[:2], ServeBenchConfig(base_url=url, model="m", show_progress=False, request_timeout_s=5)
+    )
     assert r["failed"] == 2 and r["completed"] == 0
 
 
@@ -100,10 +117,19 @@ def test_rate_concurrency_warmup_and_goodput(server):
     samples = make_samples()[:10]
     server.bodies.clear()
     server.max_in_flight = 0
-    r = run_benchmark(samples, ServeBenchConfig(base_url=server.url, request_rate=20.0, burstiness=0.5,
-                                                max_concurrency=2, num_warmups=3, goodput={"ttft": 10_000},
-                                                percentile_metrics=("ttft", "client_queue_time"),
-                                                show_progress=False))
+    r = run_benchmark(
+        samples,
+        ServeBenchConfig(
+            base_url=server.url,
+            request_rate=20.0,
+            burstiness=0.5,
+            max_concurrency=2,
+            num_warmups=3,
+            goodput={"ttft": 10_000},
+            percentile_metrics=("ttft", "client_queue_time"),
+            show_progress=False,
+        ),
+    )
     assert r["completed"] == 10 and len(server.bodies) == 13  # 3 warm-ups, not counted
     assert r["duration"] >= 10 / 20.0  # the last request leaves at N / rate
     assert r["max_concurrent_requests"] <= 2 and server.max_in_flight <= 2
@@ -112,9 +138,16 @@ def test_rate_concurrency_warmup_and_goodput(server):
 
 
 def _write_sharegpt(path, n: int, truncate: bool) -> None:
-    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": " ".join(["w"] * (4 + i % 7))},
-                                                 {"from": "gpt", "value": " ".join(["a"] * (3 + i % 5))}]}
-               for i in range(n)]
+    records = [
+        {
+            "id": f"r{i}",
+            "conversations": [
+                {"from": "human", "value": " ".join(["w"] * (4 + i % 7))},
+                {"from": "gpt", "value": " ".join(["a"] * (3 + i % 5))},
+            ],
+        }
+        for i in range(n)
+    ]
     text = json.dumps(records, indent=1)
     path.write_text(text[:-40] if truncate else text)
 
@@ -124,10 +157,31 @@ def test_cli_sweep_writes_table_json_png(server, tmp_path, monkeypatch, capsys):
     data = tmp_path / "sharegpt.json"
     _write_sharegpt(data, 30, truncate=True)
     out = tmp_path / "res"
-    rc = main(["bench", "serve", "--base-url", server.url, "--dataset-path", str(data), "--num-prompts", "12",
-               "--request-rate", "50,inf", "--result-dir", str(out), "--result-filename", "sweep.json",
-               "--metric-percentiles", "50,99", "--goodput", "ttft:5000", "--disable-tqdm",
-               "--metadata", "gpu=none"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--dataset-path",
+            str(data),
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "50,inf",
+            "--result-dir",
+            str(out),
+            "--result-filename",
+            "sweep.json",
+            "--metric-percentiles",
+            "50,99",
+            "--goodput",
+            "ttft:5000",
+            "--disable-tqdm",
+            "--metadata",
+            "gpu=none",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0
     assert "TTFT p99" in captured.out and "Serving Benchmark Result" in captured.out
@@ -152,9 +206,25 @@ def test_cli_single_rate_saves_vllm_json(server, tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(serve, "load_tokenizer", lambda name: WordTokenizer())
     data = tmp_path / "sharegpt.json"
     _write_sharegpt(data, 10, truncate=False)
-    rc = main(["bench", "serve", "--base-url", server.url, "--dataset-path", str(data), "--num-prompts", "5",
-               "--tokenizer", "tiny", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
-               "--disable-tqdm"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--dataset-path",
+            str(data),
+            "--num-prompts",
+            "5",
+            "--tokenizer",
+            "tiny",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(tmp_path),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     files = list(tmp_path.glob("openai-infqps-fake-model-*.json"))  # vLLM's file name
     assert len(files) == 1
@@ -176,5 +246,7 @@ def test_progress_bar_and_ready_check(server, capsys):
     r = run_benchmark(samples, ServeBenchConfig(base_url=server.url, ready_check_timeout_s=5, show_progress=True))
     assert r["completed"] == 3 and "3/3" in capsys.readouterr().err  # rich's bar, on stderr
     with pytest.raises(Exception, match="not ready after 1 s"):
-        run_benchmark([SampleRequest("FAIL", 2, 2)], ServeBenchConfig(base_url=server.url, ready_check_timeout_s=1,
-                                                                     show_progress=False))
+        run_benchmark(
+            [SampleRequest("FAIL", 2, 2)],
+            ServeBenchConfig(base_url=server.url, ready_check_timeout_s=1, show_progress=False),
+        )

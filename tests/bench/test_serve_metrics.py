@@ -47,17 +47,33 @@ def test_arrival_gaps_have_the_gamma_shape():
 
 
 def _out(ttft, itl, latency, tokens, prompt_len, start, queue=0.0):
-    return RequestOutput(success=True, ttft=ttft, itl=list(itl), latency=latency, output_tokens=tokens,
-                         prompt_len=prompt_len, start_time=start, chunks=len(itl) + 1, client_queue_time=queue)
+    return RequestOutput(
+        success=True,
+        ttft=ttft,
+        itl=list(itl),
+        latency=latency,
+        output_tokens=tokens,
+        prompt_len=prompt_len,
+        start_time=start,
+        chunks=len(itl) + 1,
+        client_queue_time=queue,
+    )
 
 
 def test_metrics_by_hand():
-    outputs = [_out(0.1, [0.02, 0.03, 0.05], 0.2, 4, 10, 0.0),  # TPOT (0.2 - 0.1) / 3
-               _out(0.3, [0.1], 0.4, 2, 20, 0.1),  # TPOT 0.1 / 1
-               RequestOutput(success=False, error="HTTP 500", prompt_len=7, start_time=0.12),
-               _out(0.05, [], 0.05, 1, 5, 0.15)]  # one token: no TPOT (0 for goodput)
-    m = calculate_metrics(outputs, duration_s=2.0, percentiles=(50, 99, 99.9),
-                          percentile_metrics=("ttft", "tpot", "itl", "e2el"), goodput={"ttft": 200, "tpot": 50})
+    outputs = [
+        _out(0.1, [0.02, 0.03, 0.05], 0.2, 4, 10, 0.0),  # TPOT (0.2 - 0.1) / 3
+        _out(0.3, [0.1], 0.4, 2, 20, 0.1),  # TPOT 0.1 / 1
+        RequestOutput(success=False, error="HTTP 500", prompt_len=7, start_time=0.12),
+        _out(0.05, [], 0.05, 1, 5, 0.15),
+    ]  # one token: no TPOT (0 for goodput)
+    m = calculate_metrics(
+        outputs,
+        duration_s=2.0,
+        percentiles=(50, 99, 99.9),
+        percentile_metrics=("ttft", "tpot", "itl", "e2el"),
+        goodput={"ttft": 200, "tpot": 50},
+    )
     assert (m["completed"], m["failed"]) == (3, 1)
     assert (m["total_input_tokens"], m["total_output_tokens"]) == (35, 7)  # the failed request counts nowhere
     assert m["output_lens"] == [4, 2, 0, 1]
@@ -113,10 +129,10 @@ def test_parse_goodput_and_rates():
 
 def test_sse_reader_and_token_chunks():
     r = SSEReader()
-    data = 'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b":\ndata: 2}\n\ndata: [DONE]\n\n'.encode()
+    data = b'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b":\ndata: 2}\n\ndata: [DONE]\n\n'
     events = []
     for i in range(0, len(data), 3):  # arbitrary splits, including inside a line and a CRLF
-        events += r.feed(data[i:i + 3])
+        events += r.feed(data[i : i + 3])
     assert events == ['{"a": 1}', '{"b":\n2}', "[DONE]"]
     raw, r = 'data: "é"\n\n'.encode(), SSEReader()
     assert r.feed(raw[:8]) == [] and r.feed(raw[8:]) == ['"é"']  # a UTF-8 character split across reads

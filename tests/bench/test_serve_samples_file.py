@@ -11,7 +11,7 @@ pytest.importorskip("aiohttp", reason="bench serve's client needs aiohttp")
 
 from fake_openai_server import FakeServer  # noqa: E402
 
-from spanllm.bench import serve  # noqa: E402
+from spanllm.commands import bench_serve as serve  # noqa: E402
 from spanllm.bench.datasets import SampleRequest, SampleSet  # noqa: E402
 from spanllm.bench.sample_file import save_samples  # noqa: E402
 from spanllm.cli import main  # noqa: E402
@@ -40,9 +40,28 @@ def test_sweep_from_samples_file(server, tmp_path, monkeypatch, capsys):
     reqs = _saved(samples)
     server.bodies.clear()
     out = tmp_path / "res"
-    rc = main(["bench", "serve", "--base-url", server.url, "--samples-file", str(samples), "--num-prompts", "5",
-               "--request-rate", "100,inf", "--ignore-eos", "--result-dir", str(out), "--result-filename", "sw.json",
-               "--disable-tqdm", "--dataset-path", str(tmp_path / "no-such-file.json")])  # not read
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--samples-file",
+            str(samples),
+            "--num-prompts",
+            "5",
+            "--request-rate",
+            "100,inf",
+            "--ignore-eos",
+            "--result-dir",
+            str(out),
+            "--result-filename",
+            "sw.json",
+            "--disable-tqdm",
+            "--dataset-path",
+            str(tmp_path / "no-such-file.json"),
+        ]
+    )  # not read
     assert rc == 0, capsys.readouterr()
     doc = json.loads((out / "sw.json").read_text())
     assert doc["dataset"]["samples_file"] == str(samples) and doc["dataset"]["samples_file_requests"] == 8

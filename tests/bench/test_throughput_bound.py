@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from spanllm.engine.config import resolve_model
+from spanllm.model.config import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,8 +34,11 @@ def test_replay_follows_the_scheduler_step_by_step():
 def test_step_cost_is_the_roofline_of_its_work():
     mod = _script()
     cfg = resolve_model("llama3.1-8b")
-    layer = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                              + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    layer = cfg.num_layers * (
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     head = cfg.hidden_size * cfg.vocab_size
     weights = 2 * (layer + head)
     assert weights == 15_009_316_864  # the 8B's layers and LM head in bf16 (the embedding is read one row a token)
@@ -46,7 +49,9 @@ def test_step_cost_is_the_roofline_of_its_work():
     assert c["sequential_s"] == weights / bw + kv / bw
     assert c["overlapped_s"] == (weights + kv) / bw
     # a 4096-token prompt from scratch: compute-bound GEMMs plus causal attention FLOPs
-    c = mod.step_costs([{"decodes": 0, "decode_ctx": 0, "chunks": [(0, 4096)], "sampling": 1, "preempted": 0}], cfg, bw, fl)
+    c = mod.step_costs(
+        [{"decodes": 0, "decode_ctx": 0, "chunks": [(0, 4096)], "sampling": 1, "preempted": 0}], cfg, bw, fl
+    )
     gemm = 2 * layer * 4096 + 2 * head
     attn = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * (4096 * 4097 // 2)
     assert gemm / fl > weights / bw

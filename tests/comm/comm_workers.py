@@ -18,8 +18,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 
 def _comms(world: int, rpns: list[int], group=None) -> dict[str, object]:
     """label -> communicator, built in the same order on every rank (construction is collective)."""
-    comms = {"ref_ring": registry.create("ref_ring", group, Topology(world, world)),
-             "ref_rd": registry.create("ref_rd", group, Topology(world, world))}
+    comms = {
+        "ref_ring": registry.create("ref_ring", group, Topology(world, world)),
+        "ref_rd": registry.create("ref_rd", group, Topology(world, world)),
+    }
     for g in rpns:
         comms[f"ref_hier:{world // g}x{g}"] = registry.create("ref_hier", group, Topology(world, g))
     comms["gloo"] = registry.create("gloo", group, Topology(world, world))
@@ -42,9 +44,14 @@ def executor_suite(ctx, rpns: list[int], lengths: list[int], b2b_calls: int, b2b
     for label, comm in comms.items():
         rows += _rows(label, C.case_lengths(comm, lengths, DTYPES, dev))
         rows += _rows(label, [C.case_lengths(comm, [0], [torch.float32], dev)[0]])
-        rows += _rows(label, [C.case_bitwise_identical(comm, 4099, torch.float32, dev, seed=1),
-                              C.case_bitwise_identical(comm, 1031, torch.bfloat16, dev, seed=2),
-                              C.case_bitwise_identical(comm, 777, torch.float16, dev, seed=3)])
+        rows += _rows(
+            label,
+            [
+                C.case_bitwise_identical(comm, 4099, torch.float32, dev, seed=1),
+                C.case_bitwise_identical(comm, 1031, torch.bfloat16, dev, seed=2),
+                C.case_bitwise_identical(comm, 777, torch.float16, dev, seed=3),
+            ],
+        )
         rows += _rows(label, [C.case_back_to_back(comm, b2b_n, torch.float32, b2b_calls, dev)])
         rows += _rows(label, [C.case_straggler(comm, 1000, torch.float32, 0.05, dev)])
         rows += _rows(label, C.case_bad_inputs(comm, dev))
@@ -64,8 +71,14 @@ def executor_suite(ctx, rpns: list[int], lengths: list[int], b2b_calls: int, b2b
     for comm in comms.values():
         comm.close()
     sub = subgroup_suite(ctx, subgroup_n) if subgroup_n else None
-    return {"rank": ctx.rank, "rows": rows, "mismatch": mismatch, "after_mismatch": after_mismatch,
-            "labels": list(comms), "subgroups": sub}
+    return {
+        "rank": ctx.rank,
+        "rows": rows,
+        "mismatch": mismatch,
+        "after_mismatch": after_mismatch,
+        "labels": list(comms),
+        "subgroups": sub,
+    }
 
 
 def subgroup_suite(ctx, n: int) -> dict:
@@ -89,7 +102,6 @@ def subgroup_suite(ctx, n: int) -> dict:
             comm.close()
     dist.barrier()
     return {"rank": ctx.rank, "group": mine, "wrong": out}
-
 
 
 def mismatch_only(ctx, name: str) -> str:

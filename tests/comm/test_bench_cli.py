@@ -13,10 +13,10 @@ import tempfile
 
 import pytest
 
-from spanllm.bench import allreduce as bench
-from spanllm.bench.allreduce import parse_size, sizes_from
 from spanllm.cli import COMMANDS, main
 from spanllm.comm import registry
+from spanllm.commands import bench_allreduce as bench
+from spanllm.commands.bench_allreduce import parse_size, sizes_from
 
 SIZES = [8 * 4**k for k in range(10) if 8 * 4**k <= 1 << 20]  # 8, 32, ..., 512 Ki
 
@@ -25,8 +25,26 @@ SIZES = [8 * 4**k for k in range(10) if 8 * 4**k <= 1 << 20]  # 8, 32, ..., 512 
 def acceptance(tmp_path_factory):
     """The acceptance command, run once; (exit code, JSON document, captured stdout)."""
     out = tmp_path_factory.mktemp("bench") / "out.json"
-    argv = ["bench", "allreduce", "--nprocs", "4", "--ranks-per-node", "2", "-b", "8", "-e", "1M", "-f", "4",
-            "-n", "3", "-w", "1", "--json", str(out)]
+    argv = [
+        "bench",
+        "allreduce",
+        "--nprocs",
+        "4",
+        "--ranks-per-node",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "1M",
+        "-f",
+        "4",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--json",
+        str(out),
+    ]
     # The table is printed by rank 0, a spawned child writing to the inherited file descriptor 1, so capture
     # at the descriptor (capfd is per test; this fixture runs the command once for the module).
     with tempfile.TemporaryFile(mode="w+b") as tmp:
@@ -54,8 +72,17 @@ def test_acceptance_exit_code_and_document(acceptance):
     assert {"hostname", "cpu_count", "platform"} <= set(doc["machine"])
     assert {"spanllm", "torch", "python"} <= set(doc["versions"])
     s = doc["settings"]
-    assert (s["world_size"], s["ranks_per_node"], s["topology"], s["dtype"], s["graph"], s["calls_per_sample"],
-            s["iters"], s["warmup"], s["backend"]) == (4, 2, "2x2", "float", False, 1, 3, 1, "gloo")
+    assert (
+        s["world_size"],
+        s["ranks_per_node"],
+        s["topology"],
+        s["dtype"],
+        s["graph"],
+        s["calls_per_sample"],
+        s["iters"],
+        s["warmup"],
+        s["backend"],
+    ) == (4, 2, "2x2", "float", False, 1, 3, 1, "gloo")
     assert s["algos"] == registry.algorithms_for_device("cpu")
 
 
@@ -86,25 +113,51 @@ def test_acceptance_printed_table(acceptance):
     lines = printed.splitlines()
     header = [ln for ln in lines if ln.startswith("#") and "#wrong" in ln]
     assert len(header) == 1
-    assert header[0].split() == ["#", "size", "count", "type", "redop", "|", "time(us)", "p99(us)", "algbw(GB/s)",
-                                 "busbw(GB/s)", "#wrong", "algo"]
+    assert header[0].split() == [
+        "#",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "|",
+        "time(us)",
+        "p99(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "#wrong",
+        "algo",
+    ]
     table = [ln.split() for ln in lines if not ln.startswith("#") and " | " in ln]
     got = [(int(f[0]), int(f[1]), f[2], f[3], int(f[9]), f[10]) for f in table]
     want = [(r["size"], r["count"], "float", "sum", 0, r["ran"]) for r in doc["rows"]]
     assert got == want
     assert "# Out of bounds values : 0 OK" in lines
-    assert "# spanllm bench allreduce: 4 ranks as 2 node(s) x 2, backend gloo, dtype float, eager, " \
-           "1 calls per sample, 3 samples, 1 warm-up calls" in lines
+    assert (
+        "# spanllm bench allreduce: 4 ranks as 2 node(s) x 2, backend gloo, dtype float, eager, "
+        "1 calls per sample, 3 samples, 1 warm-up calls" in lines
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # sizes
 
 
-@pytest.mark.parametrize("text,value", [
-    ("8", 8), ("1K", 1024), ("1k", 1024), ("16M", 16 << 20), ("1G", 1 << 30), ("16MB", 16 << 20), ("4kb", 4096),
-    ("1.5K", 1536), (" 2M ", 2 << 20), ("0.5M", 512 << 10), ("1024", 1024),
-])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("1k", 1024),
+        ("16M", 16 << 20),
+        ("1G", 1 << 30),
+        ("16MB", 16 << 20),
+        ("4kb", 4096),
+        ("1.5K", 1536),
+        (" 2M ", 2 << 20),
+        ("0.5M", 512 << 10),
+        ("1024", 1024),
+    ],
+)
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
@@ -123,13 +176,16 @@ def test_sizes_from():
     assert sizes_from(8, 30, 1.5) == [8, 12, 18, 27]
 
 
-@pytest.mark.parametrize("b,e,f,needle", [
-    (0, 100, 2, "sizes -b 0 -e 100: need 0 < begin <= end"),
-    (-8, 100, 2, "sizes -b -8 -e 100: need 0 < begin <= end"),
-    (100, 8, 2, "sizes -b 100 -e 8: need 0 < begin <= end"),
-    (8, 100, 1, "-f 1: the size factor must be > 1"),
-    (8, 100, 0.5, "-f 0.5: the size factor must be > 1"),
-])
+@pytest.mark.parametrize(
+    "b,e,f,needle",
+    [
+        (0, 100, 2, "sizes -b 0 -e 100: need 0 < begin <= end"),
+        (-8, 100, 2, "sizes -b -8 -e 100: need 0 < begin <= end"),
+        (100, 8, 2, "sizes -b 100 -e 8: need 0 < begin <= end"),
+        (8, 100, 1, "-f 1: the size factor must be > 1"),
+        (8, 100, 0.5, "-f 0.5: the size factor must be > 1"),
+    ],
+)
 def test_sizes_from_errors(b, e, f, needle):
     with pytest.raises(ValueError) as err:
         sizes_from(b, e, f)
@@ -140,9 +196,14 @@ def _no_spawn(*args, **kwargs):
     raise AssertionError("bench spawned ranks before validating its size arguments")
 
 
-@pytest.mark.parametrize("flags,needle", [(["-f", "1"], "-f 1.0: the size factor must be > 1"),
-                                          (["-b", "0"], "need 0 < begin <= end"),
-                                          (["-b", "abc"], "abc")])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["-f", "1"], "-f 1.0: the size factor must be > 1"),
+        (["-b", "0"], "need 0 < begin <= end"),
+        (["-b", "abc"], "abc"),
+    ],
+)
 def test_bad_size_flags_fail_before_spawning(monkeypatch, capsys, flags, needle):
     monkeypatch.setattr(bench, "launch", _no_spawn)
     assert main(["bench", "allreduce", "--nprocs", "2", *flags]) == 2
@@ -207,8 +268,33 @@ def test_bad_rounds_fail_before_spawning(monkeypatch, capsys, flags):
 
 def test_rounds_pool_every_sample_into_one_row_per_algorithm(tmp_path):
     out = tmp_path / "r.json"
-    assert main(["bench", "allreduce", "--nprocs", "2", "-b", "8", "-e", "32", "-f", "4", "-n", "5", "-w", "1",
-                 "--rounds", "2", "--algos", "gloo,ref_ring", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "allreduce",
+                "--nprocs",
+                "2",
+                "-b",
+                "8",
+                "-e",
+                "32",
+                "-f",
+                "4",
+                "-n",
+                "5",
+                "-w",
+                "1",
+                "--rounds",
+                "2",
+                "--algos",
+                "gloo,ref_ring",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["settings"]["rounds"] == 2
     rows = doc["rows"]

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of nvrar kernels (spanllm.comm.nvrar_compile), host side, no GPU: the
+"""Ahead-of-time compilation of nvrar kernels (spanllm.comm.nvrar.compile), host side, no GPU: the
 specialisations it compiles are exactly those a real launch asks for, deduplicated, rank-independent."""
 
 from __future__ import annotations
@@ -8,9 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spanllm.comm.nvrar import LaunchParams, NvrarAllReduce, elements_per_cell, inter_rounds, workspace_layout
-from spanllm.comm.nvrar_compile import (_canonical, _host_share, launches_for_sizes, marker_name, not_yet_compiled, nvrar_members,
-                                        precompile, specialisations)
+from spanllm.comm.nvrar.allreduce import LaunchParams, NvrarAllReduce, elements_per_cell, inter_rounds, workspace_layout
+from spanllm.comm.nvrar.compile import (
+    _canonical,
+    _host_share,
+    launches_for_sizes,
+    marker_name,
+    not_yet_compiled,
+    nvrar_members,
+    precompile,
+    specialisations,
+)
 from spanllm.comm.topology import Topology
 
 
@@ -34,7 +42,7 @@ def stub_comm(rank: int, topo: Topology, max_bytes: int = 1 << 20, launch=None) 
 
 def test_canonical_keeps_what_triton_specialises_on():
     assert _canonical(torch.zeros(3, dtype=torch.bfloat16)) is torch.bfloat16
-    assert _canonical(7) == _canonical(123456) == 1            # i32
+    assert _canonical(7) == _canonical(123456) == 1  # i32
     assert _canonical(2**31) == _canonical(2**40 + 3) == 2**40  # i64
     assert _canonical(True) is True and _canonical(False) is False
 
@@ -43,11 +51,15 @@ def test_num_blocks_is_not_a_specialisation_but_dtype_tile_order_and_mode_are():
     c = stub_comm(0, Topology(2, 2))
     same = [(LaunchParams(num_blocks=b, block=256), torch.bfloat16) for b in (1, 8, 64)]
     assert len(specialisations(c, same)) == 1
-    different = [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=256), torch.float16),
-                 (LaunchParams(block=256), torch.float32), (LaunchParams(block=1024, num_warps=8), torch.bfloat16),
-                 (LaunchParams(block=256, pipelined=True), torch.bfloat16),
-                 (LaunchParams(block=256, one_shot=True), torch.bfloat16),
-                 (LaunchParams(block=256, protocol="simple"), torch.bfloat16)]
+    different = [
+        (LaunchParams(block=256), torch.bfloat16),
+        (LaunchParams(block=256), torch.float16),
+        (LaunchParams(block=256), torch.float32),
+        (LaunchParams(block=1024, num_warps=8), torch.bfloat16),
+        (LaunchParams(block=256, pipelined=True), torch.bfloat16),
+        (LaunchParams(block=256, one_shot=True), torch.bfloat16),
+        (LaunchParams(block=256, protocol="simple"), torch.bfloat16),
+    ]
     assert len(specialisations(c, different)) == 7
 
 
@@ -85,12 +97,21 @@ def test_launches_for_sizes_follows_launch_for_and_drops_oversized():
     c = stub_comm(0, topo, max_bytes=64 << 10)
     pairs = launches_for_sizes(c, [16, 4096, 32 << 10, 1 << 20], [torch.bfloat16, torch.float32])
     # bf16: 32 B, 8 KiB, 64 KiB fit (2 MiB does not); fp32: 64 B, 16 KiB fit (128 KiB, 4 MiB do not)
-    expect = {(c.launch_for(torch.zeros(n, dtype=dt)), dt) for n, dt in
-              [(16, torch.bfloat16), (4096, torch.bfloat16), (32 << 10, torch.bfloat16), (16, torch.float32),
-               (4096, torch.float32)]}
+    expect = {
+        (c.launch_for(torch.zeros(n, dtype=dt)), dt)
+        for n, dt in [
+            (16, torch.bfloat16),
+            (4096, torch.bfloat16),
+            (32 << 10, torch.bfloat16),
+            (16, torch.float32),
+            (4096, torch.float32),
+        ]
+    }
     assert pairs == expect
     fixed = stub_comm(0, topo, launch=LaunchParams(num_blocks=3, block=512))
-    assert launches_for_sizes(fixed, [16, 4096], [torch.bfloat16]) == {(LaunchParams(num_blocks=3, block=512), torch.bfloat16)}
+    assert launches_for_sizes(fixed, [16, 4096], [torch.bfloat16]) == {
+        (LaunchParams(num_blocks=3, block=512), torch.bfloat16)
+    }
 
 
 def test_nvrar_members_finds_auto_backends():
@@ -116,8 +137,9 @@ def test_precompile_needs_jobs_and_can_be_turned_off(monkeypatch):
 
 def test_done_markers_skip_what_was_compiled(tmp_path):
     c = stub_comm(0, Topology(2, 2))
-    specs = specialisations(c, [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=1024, num_warps=8),
-                                                                             torch.bfloat16)])
+    specs = specialisations(
+        c, [(LaunchParams(block=256), torch.bfloat16), (LaunchParams(block=1024, num_warps=8), torch.bfloat16)]
+    )
     assert not_yet_compiled(specs, "fp1", tmp_path) == specs
     (tmp_path / marker_name(specs[0], "fp1")).touch()
     assert not_yet_compiled(specs, "fp1", tmp_path) == specs[1:]
@@ -127,7 +149,7 @@ def test_done_markers_skip_what_was_compiled(tmp_path):
 
 
 def test_precompile_starts_no_workers_when_everything_is_compiled(tmp_path, monkeypatch):
-    import spanllm.comm.nvrar_compile as nc
+    import spanllm.comm.nvrar.compile as nc
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # precompile pins it; restored after the test
 
@@ -156,7 +178,7 @@ def _quick(spec, fingerprint, directory):
 
 
 def test_worker_pool_reports_failures_and_never_hangs(tmp_path, monkeypatch):
-    import spanllm.comm.nvrar_compile as nc
+    import spanllm.comm.nvrar.compile as nc
 
     times, err = nc._run_pool([("a",), ("b",)], 2, "fp", tmp_path, compile_one=_quick)
     assert times == [0.25, 0.25] and err is None
@@ -168,7 +190,7 @@ def test_worker_pool_reports_failures_and_never_hangs(tmp_path, monkeypatch):
 
 
 def test_pin_cache_dir_keeps_a_set_directory(tmp_path, monkeypatch):
-    import spanllm.comm.nvrar_compile as nc
+    import spanllm.comm.nvrar.compile as nc
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert nc.pin_cache_dir() == str(tmp_path.resolve())
@@ -177,7 +199,7 @@ def test_pin_cache_dir_keeps_a_set_directory(tmp_path, monkeypatch):
 def test_pin_cache_dir_makes_tritons_default_explicit(monkeypatch):
     import os
 
-    import spanllm.comm.nvrar_compile as nc
+    import spanllm.comm.nvrar.compile as nc
 
     triton = pytest.importorskip("triton")  # the CPU torch wheel comes without it
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
@@ -186,7 +208,7 @@ def test_pin_cache_dir_makes_tritons_default_explicit(monkeypatch):
 
 
 def test_size_ladder_is_powers_of_two_and_midpoints():
-    from spanllm.comm.nvrar_compile import size_ladder
+    from spanllm.comm.nvrar.compile import size_ladder
 
     assert size_ladder(16) == [2, 3, 4, 6, 8, 12, 16]
     assert size_ladder(20) == [2, 3, 4, 6, 8, 12, 16]

@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from spanllm.comm.base import AllReduceInputError
-from spanllm.comm.nvrar import (DEFAULT_ONE_SHOT_MAX_BYTES, SIMPLE_MIN_BLOCK, SUPPORTED_DTYPES, InterRound, LaunchParams, NvrarAllReduce,
-                                default_launch, elements_per_cell, inter_rounds, workspace_layout)
+from spanllm.comm.nvrar.allreduce import (
+    DEFAULT_ONE_SHOT_MAX_BYTES,
+    SIMPLE_MIN_BLOCK,
+    SUPPORTED_DTYPES,
+    InterRound,
+    LaunchParams,
+    NvrarAllReduce,
+    default_launch,
+    elements_per_cell,
+    inter_rounds,
+    workspace_layout,
+)
 from spanllm.comm.schedule import recursive_doubling_schedule
 from spanllm.comm.topology import Topology
 
@@ -35,8 +45,14 @@ def test_inter_rounds_match_recursive_doubling_schedule(nodes, g):
         rail = topo.rail_ranks(topo.local_rank(rank))
         idx = topo.node_of(rank)
         ref = recursive_doubling_schedule(idx, nodes, 1).rounds  # the schedule over rail positions
-        want = [InterRound(rail[r.sends[0].peer] if r.sends else -1, rail[r.recvs[0].peer] if r.recvs else -1,
-                           bool(r.recvs) and r.recvs[0].op == "copy") for r in ref]
+        want = [
+            InterRound(
+                rail[r.sends[0].peer] if r.sends else -1,
+                rail[r.recvs[0].peer] if r.recvs else -1,
+                bool(r.recvs) and r.recvs[0].op == "copy",
+            )
+            for r in ref
+        ]
         got = inter_rounds(rank, topo)
         assert got == want, (nodes, g, rank)
         assert len(got) == rd_rounds(nodes)
@@ -52,12 +68,12 @@ def test_inter_rounds_fold_first_sends_last_overwrites(nodes):
     for extra in range(p2, nodes):
         rounds = inter_rounds(extra, topo)
         partner = extra - p2
-        assert rounds[0] == InterRound(partner, -1, False)          # hand everything to the partner
+        assert rounds[0] == InterRound(partner, -1, False)  # hand everything to the partner
         assert all(r == InterRound(-1, -1, False) for r in rounds[1:-1])  # sit out
-        assert rounds[-1] == InterRound(-1, partner, True)          # receive the finished sum, overwrite
+        assert rounds[-1] == InterRound(-1, partner, True)  # receive the finished sum, overwrite
         prounds = inter_rounds(partner, topo)
-        assert prounds[0] == InterRound(-1, extra, False)           # partner adds the extra's data
-        assert prounds[-1] == InterRound(extra, -1, False)          # and returns the result
+        assert prounds[0] == InterRound(-1, extra, False)  # partner adds the extra's data
+        assert prounds[-1] == InterRound(extra, -1, False)  # and returns the result
     # Only fold and unfold rounds may overwrite.
     for rank in range(nodes):
         assert [r.overwrite for r in inter_rounds(rank, topo)[:-1]] == [False] * (rd_rounds(nodes) - 1)
@@ -74,8 +90,16 @@ def test_inter_rounds_explicit_2x2_and_4x1():
 # workspace_layout
 
 
-TOPOS = [Topology(1, 1), Topology(2, 1), Topology(2, 2), Topology(4, 2), Topology(6, 2), Topology(8, 4),
-         Topology(9, 3), Topology(16, 8)]
+TOPOS = [
+    Topology(1, 1),
+    Topology(2, 1),
+    Topology(2, 2),
+    Topology(4, 2),
+    Topology(6, 2),
+    Topology(8, 4),
+    Topology(9, 3),
+    Topology(16, 8),
+]
 MAX_BYTES = [1, 4, 1000, 4099, MiB, 8 * MiB, 8 * MiB + 3]
 ONE_SHOT = [0, 4096, MiB, 16 * MiB]
 
@@ -96,11 +120,18 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
             intra_slots = g if g > 1 else 0
             ss = L.simple_slot
             assert ss * 8 >= shard_cells * 4  # raw data: 4 bytes per cell
-            regions = sorted([(L.intra, L.intra + intra_slots * L.slot), (L.inter, L.inter + R * L.slot),
-                              (L.stage, L.stage + R * L.slot), (L.gather, L.gather + intra_slots * L.slot),
-                              (L.simple_intra, L.simple_intra + intra_slots * ss),
-                              (L.simple_inter, L.simple_inter + R * ss), (L.simple_stage, L.simple_stage + R * ss),
-                              (L.simple_gather, L.simple_gather + intra_slots * ss)])
+            regions = sorted(
+                [
+                    (L.intra, L.intra + intra_slots * L.slot),
+                    (L.inter, L.inter + R * L.slot),
+                    (L.stage, L.stage + R * L.slot),
+                    (L.gather, L.gather + intra_slots * L.slot),
+                    (L.simple_intra, L.simple_intra + intra_slots * ss),
+                    (L.simple_inter, L.simple_inter + R * ss),
+                    (L.simple_stage, L.simple_stage + R * ss),
+                    (L.simple_gather, L.simple_gather + intra_slots * ss),
+                ]
+            )
             for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
                 assert a1 <= b0, (L, regions)
             assert regions[0][0] >= 0 and regions[-1][1] <= L.parity_cells
@@ -114,11 +145,22 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
 def test_workspace_layout_explicit_2x2_8MiB():
     L = workspace_layout(Topology(4, 2), 1, 8 * MiB, MiB)
     slot = 1 << 20  # 2 Mi cells of 4 data bytes, halved by 2 local ranks
-    assert (L.slot, L.intra, L.inter, L.stage, L.gather, L.parity_cells) == \
-        (slot, 0, 2 * slot, 3 * slot, 4 * slot, 9 * slot)
+    assert (L.slot, L.intra, L.inter, L.stage, L.gather, L.parity_cells) == (
+        slot,
+        0,
+        2 * slot,
+        3 * slot,
+        4 * slot,
+        9 * slot,
+    )
     half = slot // 2  # SIMPLE's own slots after LL8's: raw data needs half the bytes
-    assert (L.simple_slot, L.simple_intra, L.simple_inter, L.simple_stage, L.simple_gather) == \
-        (half, 6 * slot, 7 * slot, 7 * slot + half, 8 * slot)
+    assert (L.simple_slot, L.simple_intra, L.simple_inter, L.simple_stage, L.simple_gather) == (
+        half,
+        6 * slot,
+        7 * slot,
+        7 * slot + half,
+        8 * slot,
+    )
     assert L.offsets("ll8") == (0, 2 * slot, 3 * slot, 4 * slot, slot)
     assert L.offsets("simple") == (6 * slot, 7 * slot, 7 * slot + half, 8 * slot, half)
     assert L.max_tiles == slot // 256 and L.flag_cells == 2 * 5 * (slot // 256)
@@ -154,15 +196,18 @@ def test_launch_params_defaults_and_short():
     assert LaunchParams(True, 8, 256, 2).short() == "os/b8x256w2"
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"block": 8}, "block=8 cells must be a power of two >= 16"),
-    ({"block": 48}, "block=48 cells must be a power of two >= 16"),
-    ({"block": 0}, "block=0 cells must be a power of two >= 16"),
-    ({"num_blocks": 0}, "num_blocks=0 must be in [1, 1024]"),
-    ({"num_blocks": 1025}, "num_blocks=1025 must be in [1, 1024]"),
-    ({"num_warps": 3}, "num_warps=3 must be one of 1, 2, 4, 8, 16"),
-    ({"num_warps": 32}, "num_warps=32 must be one of 1, 2, 4, 8, 16"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"block": 8}, "block=8 cells must be a power of two >= 16"),
+        ({"block": 48}, "block=48 cells must be a power of two >= 16"),
+        ({"block": 0}, "block=0 cells must be a power of two >= 16"),
+        ({"num_blocks": 0}, "num_blocks=0 must be in [1, 1024]"),
+        ({"num_blocks": 1025}, "num_blocks=1025 must be in [1, 1024]"),
+        ({"num_warps": 3}, "num_warps=3 must be one of 1, 2, 4, 8, 16"),
+        ({"num_warps": 32}, "num_warps=32 must be one of 1, 2, 4, 8, 16"),
+    ],
+)
 def test_launch_params_validation(kw, needle):
     with pytest.raises(ValueError) as e:
         LaunchParams(**kw)
@@ -224,7 +269,9 @@ def test_elements_per_cell():
 
 @pytest.mark.parametrize("dtype,size", [(torch.float64, 8), (torch.int64, 8), (torch.int8, 1), (torch.uint8, 1)])
 def test_elements_per_cell_rejects_other_sizes(dtype, size):
-    with pytest.raises(AllReduceInputError, match=rf"dtype {dtype} has {size}-byte elements; LL8 cells carry 2- or 4-byte"):
+    with pytest.raises(
+        AllReduceInputError, match=rf"dtype {dtype} has {size}-byte elements; LL8 cells carry 2- or 4-byte"
+    ):
         elements_per_cell(dtype)
 
 
@@ -248,7 +295,7 @@ def test_launch_params_protocol_validation():
 def test_pipelined_launch_is_named_and_tuned_only_where_programs_hold_several_tiles():
     from argparse import Namespace
 
-    from spanllm.bench.tune import nvrar_grid
+    from spanllm.commands.tune import nvrar_grid
 
     assert LaunchParams(pipelined=True).short() == "rs/b16x512w4/pipe"
     assert LaunchParams(protocol="simple", block=256, pipelined=True).short().endswith("/simple/pipe")
@@ -268,9 +315,19 @@ def test_tuning_tables_without_the_pipelined_field_still_load(tmp_path):
 
     from spanllm.comm.tuning import TuningTable
 
-    old = {"kind": "tuning", "entries": [{"topology": "2x1", "dtype": "bfloat16", "size": 4096, "best": "nvrar",
-                                          "nvrar_launch": {"one_shot": False, "num_blocks": 4, "block": 256,
-                                                           "num_warps": 4, "protocol": "ll8"}, "times_us": {}}]}
+    old = {
+        "kind": "tuning",
+        "entries": [
+            {
+                "topology": "2x1",
+                "dtype": "bfloat16",
+                "size": 4096,
+                "best": "nvrar",
+                "nvrar_launch": {"one_shot": False, "num_blocks": 4, "block": 256, "num_warps": 4, "protocol": "ll8"},
+                "times_us": {},
+            }
+        ],
+    }
     path = tmp_path / "t.json"
     path.write_text(json.dumps(old))
     p = TuningTable.load(str(path)).nvrar_launch(4096, torch.bfloat16, Topology(2, 1))

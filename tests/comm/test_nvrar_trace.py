@@ -2,7 +2,7 @@
 
 import pytest
 
-from spanllm.comm.nvrar_trace import TRACE_PHASES, TRACE_WORDS, summarize
+from spanllm.comm.nvrar.trace import TRACE_PHASES, TRACE_WORDS, summarize
 
 
 def rec(start, end, total, *phases):
@@ -15,10 +15,16 @@ def test_summary_converts_cycles_with_the_implied_clock():
     later = [rec(9000, 11000, 4000, 1200, 2000, 0, 0, 200, 400), rec(9000, 11000, 4000, 1000, 2000, 0, 0, 200, 400)]
     s = summarize([call, later])
     assert s["clock_ghz"] == 2.0 and s["calls"] == 2 and s["programs"] == 2
-    assert s["program_us"] == 2.0            # 4000 cycles / 2 GHz
-    assert s["kernel_span_us"] == 2.25       # median of 2.5 us (1000..3500) and 2.0 us
-    assert s["phases_us"] == {"rs_push": 0.5, "rs_wait": 1.0, "inter_send": 0.0, "inter_wait": 0.0,
-                              "ag_push": 0.1, "ag_wait": 0.2}  # medians of the four records, / 2000 cycles per us
+    assert s["program_us"] == 2.0  # 4000 cycles / 2 GHz
+    assert s["kernel_span_us"] == 2.25  # median of 2.5 us (1000..3500) and 2.0 us
+    assert s["phases_us"] == {
+        "rs_push": 0.5,
+        "rs_wait": 1.0,
+        "inter_send": 0.0,
+        "inter_wait": 0.0,
+        "ag_push": 0.1,
+        "ag_wait": 0.2,
+    }  # medians of the four records, / 2000 cycles per us
     assert tuple(s["phases_us"]) == TRACE_PHASES and TRACE_WORDS == 9
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from comm_workers import DTYPES, executor_suite, mismatch_only
+
 from spanllm.launch import launch
 
 LENGTHS = [1, 7, 131, 4099, 100_003]
@@ -23,11 +23,19 @@ WORLDS = sorted(CONFIG)
 PG_TIMEOUT_S = 60  # a mismatch must raise, not wait for this
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def suite(world: int) -> list[dict]:
     rpns, calls = CONFIG[world]
-    return launch(executor_suite, rpns, LENGTHS, calls, B2B_N, SUBGROUP_N if world == 4 else 0,
-                  nprocs=world, timeout_s=PG_TIMEOUT_S)
+    return launch(
+        executor_suite,
+        rpns,
+        LENGTHS,
+        calls,
+        B2B_N,
+        SUBGROUP_N if world == 4 else 0,
+        nprocs=world,
+        timeout_s=PG_TIMEOUT_S,
+    )
 
 
 def expected_labels(world: int) -> list[str]:
@@ -49,8 +57,14 @@ def test_every_rank_ran_every_backend(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_exact_sums_every_length_and_dtype(world):
     got = rows(world, "length")
-    want = {(rank, label, n, str(dt)) for rank in range(world) for label in expected_labels(world)
-            for n in LENGTHS + [0] for dt in DTYPES if n or dt == DTYPES[0]}
+    want = {
+        (rank, label, n, str(dt))
+        for rank in range(world)
+        for label in expected_labels(world)
+        for n in LENGTHS + [0]
+        for dt in DTYPES
+        if n or dt == DTYPES[0]
+    }
     # Every combination ran (nothing skipped silently) and every element is exact.
     assert {(rank, r["comm"], r["detail"]["n"], r["detail"]["dtype"]) for rank, r in got} == want
     assert len(got) == len(want)
@@ -62,8 +76,11 @@ def test_exact_sums_every_length_and_dtype(world):
 def test_results_bitwise_identical_on_all_ranks(world):
     got = rows(world, "bitwise_identical")
     assert len(got) == world * len(expected_labels(world)) * 3
-    assert {(r["detail"]["n"], r["detail"]["dtype"]) for _, r in got} == \
-        {(4099, "torch.float32"), (1031, "torch.bfloat16"), (777, "torch.float16")}
+    assert {(r["detail"]["n"], r["detail"]["dtype"]) for _, r in got} == {
+        (4099, "torch.float32"),
+        (1031, "torch.bfloat16"),
+        (777, "torch.float16"),
+    }
     assert [r for _, r in got if r["wrong"] != 0] == []
 
 
@@ -87,8 +104,10 @@ def test_straggler_rank(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_bad_inputs_raise_naming_the_problem(world):
-    for case, needle in (("non_contiguous", "is not contiguous; pass x.contiguous()"),
-                         ("bad_dtype", "dtype torch.complex64 not in")):
+    for case, needle in (
+        ("non_contiguous", "is not contiguous; pass x.contiguous()"),
+        ("bad_dtype", "dtype torch.complex64 not in"),
+    ):
         got = rows(world, case)
         assert len(got) == world * len(expected_labels(world))
         for _, r in got:
@@ -104,8 +123,10 @@ def test_length_mismatch_raises_on_every_rank(world):
         assert sorted(res["mismatch"]) == sorted(refs)
         for label, msg in res["mismatch"].items():
             name = label.split(":")[0]
-            assert msg == (f"{name}: ranks passed different tensors ({sizes}); every rank must pass the same "
-                           "element count and dtype"), (res["rank"], label)
+            assert msg == (
+                f"{name}: ranks passed different tensors ({sizes}); every rank must pass the same "
+                "element count and dtype"
+            ), (res["rank"], label)
         # The next (matching) call on the same communicator is exact: nothing was left in flight.
         assert res["after_mismatch"] == {label: 0 for label in refs}
 
@@ -115,9 +136,11 @@ def test_two_subgroups_reduce_concurrently():
     for r in res:
         sub = r["subgroups"]
         assert sub["group"] == r["rank"] // 2
-        assert sub["wrong"] == {f"{label}:{key}": (r["rank"] % 2 if key == "rank_in_group" else 0)
-                                for label in ("ref_ring", "ref_rd", "ref_hier:2x1", "gloo")
-                                for key in ("torch.float32", "torch.int32", "rank_in_group")}
+        assert sub["wrong"] == {
+            f"{label}:{key}": (r["rank"] % 2 if key == "rank_in_group" else 0)
+            for label in ("ref_ring", "ref_rd", "ref_hier:2x1", "gloo")
+            for key in ("torch.float32", "torch.int32", "rank_in_group")
+        }
 
 
 @pytest.mark.parametrize("name", ["gloo", "auto"])

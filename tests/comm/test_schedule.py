@@ -8,8 +8,19 @@ import math
 import numpy as np
 import pytest
 
-from spanllm.comm.schedule import (SCHEDULES, Recv, Round, Schedule, ScheduleError, Send, hierarchical_schedule,
-                                   partition, recursive_doubling_schedule, ring_schedule, simulate)
+from spanllm.comm.schedule import (
+    SCHEDULES,
+    Recv,
+    Round,
+    Schedule,
+    ScheduleError,
+    Send,
+    hierarchical_schedule,
+    partition,
+    recursive_doubling_schedule,
+    ring_schedule,
+    simulate,
+)
 from spanllm.comm.topology import Topology
 
 LENGTHS = [0, 1, 2, 3, 5, 7, 16, 37, 1000]
@@ -63,8 +74,24 @@ def test_round_counts(world):
 
 def test_recursive_doubling_round_counts_explicit():
     assert [rd_rounds(p) for p in range(1, 17)] == [0, 1, 3, 2, 4, 4, 4, 3, 5, 5, 5, 5, 5, 5, 5, 4]
-    assert [len(recursive_doubling_schedule(0, p, 10).rounds) for p in range(1, 17)] == \
-        [0, 1, 3, 2, 4, 4, 4, 3, 5, 5, 5, 5, 5, 5, 5, 4]
+    assert [len(recursive_doubling_schedule(0, p, 10).rounds) for p in range(1, 17)] == [
+        0,
+        1,
+        3,
+        2,
+        4,
+        4,
+        4,
+        3,
+        5,
+        5,
+        5,
+        5,
+        5,
+        5,
+        5,
+        4,
+    ]
 
 
 @pytest.mark.parametrize("world", range(1, 17))
@@ -151,8 +178,11 @@ def test_ring_explicit_3_ranks():
 
 def test_recursive_doubling_explicit_fold_3_ranks():
     r0, r1, r2 = (recursive_doubling_schedule(r, 3, 4).rounds for r in range(3))
-    assert r0 == (Round((), (Recv(2, 0, 4, "reduce"),)), Round((Send(1, 0, 4),), (Recv(1, 0, 4, "reduce"),)),
-                  Round((Send(2, 0, 4),), ()))
+    assert r0 == (
+        Round((), (Recv(2, 0, 4, "reduce"),)),
+        Round((Send(1, 0, 4),), (Recv(1, 0, 4, "reduce"),)),
+        Round((Send(2, 0, 4),), ()),
+    )
     assert r1 == (Round(), Round((Send(0, 0, 4),), (Recv(0, 0, 4, "reduce"),)), Round())
     # The extra rank: first round sends, last round overwrites with the finished sum.
     assert r2 == (Round((Send(0, 0, 4),), ()), Round(), Round((), (Recv(0, 0, 4, "copy"),)))
@@ -249,7 +279,7 @@ def test_simulate_counts_reveal_a_wrong_op():
     state = simulate(scheds)
     assert not np.array_equal(state, np.ones_like(state))
     # rank 0's own contribution to the chunk it received in round 0 was overwritten and never comes back.
-    assert int((state != 1).sum()) > 0 and state[:, r.start:r.stop, 0].max() == 0
+    assert int((state != 1).sum()) > 0 and state[:, r.start : r.stop, 0].max() == 0
 
 
 def test_simulate_counts_reveal_a_double_reduce():

@@ -15,8 +15,8 @@ from spanllm.comm.topology import Topology
 from spanllm.comm.tuning import TuningEntry, TuningTable
 
 MiB = 1 << 20
-ONE_NODE = Topology(2, 2)    # "1x2"
-TWO_NODES = Topology(4, 2)   # "2x2"
+ONE_NODE = Topology(2, 2)  # "1x2"
+TWO_NODES = Topology(4, 2)  # "2x2"
 BF16 = torch.bfloat16
 
 
@@ -51,8 +51,7 @@ def test_above_max_bytes_falls_back_to_nccl_and_says_why():
 def test_dtype_nvrar_cannot_run_falls_back_to_nccl():
     c = select(1024, torch.float64, ONE_NODE, "cuda", gpu_candidates())
     assert c.algorithm == "nccl"
-    assert c.reason == ("nvrar: dtype torch.float64 not in ['bfloat16', 'float', 'half', 'int32']; "
-                        "default rule: nccl")
+    assert c.reason == ("nvrar: dtype torch.float64 not in ['bfloat16', 'float', 'half', 'int32']; default rule: nccl")
 
 
 def test_default_cpu_picks_gloo():
@@ -61,8 +60,9 @@ def test_default_cpu_picks_gloo():
     # Without gloo the next in the default order.
     assert select(4096, torch.float32, TWO_NODES, "cpu", cpu[1:]) == Choice("ref_hier", "default rule: ref_hier")
     # Neither default: the first candidate that runs.
-    assert select(4096, torch.float32, TWO_NODES, "cpu", cpu[2:]) == \
-        Choice("ref_ring", "first candidate that runs: ref_ring")
+    assert select(4096, torch.float32, TWO_NODES, "cpu", cpu[2:]) == Choice(
+        "ref_ring", "first candidate that runs: ref_ring"
+    )
 
 
 def test_nothing_can_run_is_an_error_naming_every_reason():
@@ -79,9 +79,12 @@ def test_nothing_can_run_is_an_error_naming_every_reason():
 
 def test_table_choice_wins_when_usable():
     t = table(("1x2", "bfloat16", 4096, "torch_one_shot"), ("1x2", "bfloat16", MiB, "nccl"))
-    assert select(4000, BF16, ONE_NODE, "cuda", gpu_candidates(), t) == \
-        Choice("torch_one_shot", "tuning table: best at 4096 bytes")
-    assert select(8192, BF16, ONE_NODE, "cuda", gpu_candidates(), t) == Choice("nccl", "tuning table: best at 1048576 bytes")
+    assert select(4000, BF16, ONE_NODE, "cuda", gpu_candidates(), t) == Choice(
+        "torch_one_shot", "tuning table: best at 4096 bytes"
+    )
+    assert select(8192, BF16, ONE_NODE, "cuda", gpu_candidates(), t) == Choice(
+        "nccl", "tuning table: best at 1048576 bytes"
+    )
 
 
 def test_no_entry_for_topology_is_reported():
@@ -102,8 +105,10 @@ def test_table_best_above_its_buffer_falls_back_to_nccl():
     t = table(("2x2", "bfloat16", 4 * MiB, "nvrar"))  # lookup takes the largest entry for bigger messages
     c = select(16 * MiB, BF16, TWO_NODES, "cuda", gpu_candidates(), t)
     assert c.algorithm == "nccl"
-    assert c.reason == ("table's nvrar unusable (16777216 bytes exceed its buffer of 8388608 bytes); "
-                        "nvrar: 16777216 bytes exceed its buffer of 8388608 bytes; default rule: nccl")
+    assert c.reason == (
+        "table's nvrar unusable (16777216 bytes exceed its buffer of 8388608 bytes); "
+        "nvrar: 16777216 bytes exceed its buffer of 8388608 bytes; default rule: nccl"
+    )
 
 
 @pytest.mark.parametrize("name", ["torch_one_shot", "torch_two_shot"])
@@ -111,8 +116,10 @@ def test_symm_mem_excluded_for_multi_node(name):
     t = table(("2x2", "bfloat16", 4096, name))
     c = select(4096, BF16, TWO_NODES, "cuda", gpu_candidates(), t)
     assert c.algorithm == "nvrar"
-    assert c.reason == (f"table's {name} unusable (torch symmetric-memory ops need every rank P2P-reachable "
-                        "(one node); topology 2x2 has 2 nodes: use nvrar or nccl across nodes); default rule: nvrar")
+    assert c.reason == (
+        f"table's {name} unusable (torch symmetric-memory ops need every rank P2P-reachable "
+        "(one node); topology 2x2 has 2 nodes: use nvrar or nccl across nodes); default rule: nvrar"
+    )
 
 
 @pytest.mark.parametrize("name", ["torch_one_shot", "torch_two_shot"])
@@ -121,8 +128,9 @@ def test_symm_mem_excluded_for_sizes_not_multiple_of_4_bytes(name, count):
     nbytes = 2 * count  # odd bf16 counts: 2, 6, 2002 bytes
     t = table(("1x2", "bfloat16", 4096, name))
     c = select(nbytes, BF16, ONE_NODE, "cuda", gpu_candidates(), t)
-    assert c == Choice("nvrar", f"table's {name} unusable ({nbytes} bytes is not a multiple of 4 bytes); "
-                                "default rule: nvrar")
+    assert c == Choice(
+        "nvrar", f"table's {name} unusable ({nbytes} bytes is not a multiple of 4 bytes); default rule: nvrar"
+    )
     # An even count of the same dtype is a multiple of 4 bytes and the table's choice holds.
     assert select(nbytes + 2, BF16, ONE_NODE, "cuda", gpu_candidates(), t).algorithm == name
 
@@ -139,8 +147,13 @@ def test_two_shot_only_for_worlds_2_4_8():
 
 
 def test_lookup_smallest_measured_size_at_or_above_else_largest():
-    t = table(("1x2", "bfloat16", 1024, "a"), ("1x2", "bfloat16", 64, "b"), ("1x2", "bfloat16", 4096, "c"),
-              ("2x1", "bfloat16", 100, "other_topology"), ("1x2", "float", 100, "other_dtype"))
+    t = table(
+        ("1x2", "bfloat16", 1024, "a"),
+        ("1x2", "bfloat16", 64, "b"),
+        ("1x2", "bfloat16", 4096, "c"),
+        ("2x1", "bfloat16", 100, "other_topology"),
+        ("1x2", "float", 100, "other_dtype"),
+    )
     best = lambda n: t.lookup(n, BF16, ONE_NODE).best  # noqa: E731
     assert [best(n) for n in (1, 64, 65, 1024, 1025, 4096, 4097, 1 << 30)] == ["b", "b", "a", "a", "c", "c", "c", "c"]
     assert t.lookup(65, BF16, ONE_NODE).size == 1024
@@ -153,8 +166,13 @@ def test_lookup_smallest_measured_size_at_or_above_else_largest():
 
 def test_save_load_roundtrip(tmp_path):
     launch = {"one_shot": True, "num_blocks": 8, "block": 512, "num_warps": 4}
-    t = TuningTable([TuningEntry("1x2", "bfloat16", 4096, "nvrar", launch, {"nvrar": 7.5, "nccl": 12.25}),
-                     TuningEntry("1x2", "bfloat16", MiB, "nccl", None, {"nccl": 80.0})], {"machine": {"host": "h"}})
+    t = TuningTable(
+        [
+            TuningEntry("1x2", "bfloat16", 4096, "nvrar", launch, {"nvrar": 7.5, "nccl": 12.25}),
+            TuningEntry("1x2", "bfloat16", MiB, "nccl", None, {"nccl": 80.0}),
+        ],
+        {"machine": {"host": "h"}},
+    )
     path = tmp_path / "t.json"
     t.save(str(path))
     doc = json.loads(path.read_text())
@@ -162,10 +180,12 @@ def test_save_load_roundtrip(tmp_path):
     back = TuningTable.load(str(path))
     assert back.entries == t.entries and back.meta == {"machine": {"host": "h"}}
     # Selection through the loaded table.
-    assert select(4096, BF16, ONE_NODE, "cuda", gpu_candidates(), back) == Choice("nvrar", "tuning table: best at 4096 bytes")
+    assert select(4096, BF16, ONE_NODE, "cuda", gpu_candidates(), back) == Choice(
+        "nvrar", "tuning table: best at 4096 bytes"
+    )
     p = back.nvrar_launch(100, BF16, ONE_NODE)
     assert (p.one_shot, p.num_blocks, p.block, p.num_warps) == (True, 8, 512, 4)
-    assert back.nvrar_launch(MiB, BF16, ONE_NODE) is None      # entry without launch parameters
+    assert back.nvrar_launch(MiB, BF16, ONE_NODE) is None  # entry without launch parameters
     assert back.nvrar_launch(100, torch.float32, ONE_NODE) is None  # no entry
 
 
@@ -174,8 +194,11 @@ def test_comma_separated_tables_merge(tmp_path):
     table(("1x2", "bfloat16", 4096, "torch_one_shot"), meta_of="a").save(str(a))
     table(("2x1", "bfloat16", 4096, "nccl"), ("2x1", "bfloat16", 64, "nvrar"), meta_of="b").save(str(b))
     merged = TuningTable.load(f"{a},{b}")
-    assert [(e.topology, e.size, e.best) for e in merged.entries] == \
-        [("1x2", 4096, "torch_one_shot"), ("2x1", 4096, "nccl"), ("2x1", 64, "nvrar")]
+    assert [(e.topology, e.size, e.best) for e in merged.entries] == [
+        ("1x2", 4096, "torch_one_shot"),
+        ("2x1", 4096, "nccl"),
+        ("2x1", 64, "nvrar"),
+    ]
     assert merged.meta == {"meta_of": "a"}
     cands = gpu_candidates()
     assert select(4096, BF16, ONE_NODE, "cuda", cands, merged).algorithm == "torch_one_shot"
@@ -227,8 +250,13 @@ def _single_node(t: Topology) -> str | None:
     return None if t.num_nodes == 1 else f"{t.num_nodes} nodes"
 
 
-CAP = Capability(dtypes=frozenset({torch.float32, torch.bfloat16}), device_types=frozenset({"cuda"}),
-                 max_bytes=1024, size_multiple_bytes=4, topology_rule=_single_node)
+CAP = Capability(
+    dtypes=frozenset({torch.float32, torch.bfloat16}),
+    device_types=frozenset({"cuda"}),
+    max_bytes=1024,
+    size_multiple_bytes=4,
+    topology_rule=_single_node,
+)
 
 
 def reason(**kw):
@@ -265,14 +293,24 @@ def test_capability_checks_in_order_device_dtype_size_buffer_topology():
 
 def test_capability_without_limits():
     cap = Capability(dtypes=frozenset({torch.int32}), device_types=frozenset({"cpu", "cuda"}))
-    assert cap.unsupported_reason(nbytes=(1 << 40) + 1, dtype=torch.int32, topology=Topology(16, 1),
-                                  device_type="cpu") is None
+    assert (
+        cap.unsupported_reason(nbytes=(1 << 40) + 1, dtype=torch.int32, topology=Topology(16, 1), device_type="cpu")
+        is None
+    )
 
 
 def test_registered_capabilities():
     """What the registry declares: the CPU list is what the benchmark runs on CPU."""
     assert registry.algorithms_for_device("cpu") == ["ref_ring", "ref_rd", "ref_hier", "gloo", "auto"]
-    assert set(registry.algorithms_for_device("cuda")) == \
-        {"ref_ring", "ref_rd", "ref_hier", "nccl", "torch_one_shot", "torch_two_shot", "nvrar", "auto"}
+    assert set(registry.algorithms_for_device("cuda")) == {
+        "ref_ring",
+        "ref_rd",
+        "ref_hier",
+        "nccl",
+        "torch_one_shot",
+        "torch_two_shot",
+        "nvrar",
+        "auto",
+    }
     with pytest.raises(KeyError, match=r"unknown all-reduce algorithm 'nope'; registered: ref_ring, "):
         registry.algorithm_class("nope")

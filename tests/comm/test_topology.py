@@ -94,14 +94,17 @@ def test_ranks_per_node_larger_than_world_is_an_error():
         Topology(2, 4)
 
 
-@pytest.mark.parametrize("world,g,needle", [
-    (0, 1, "world_size=0 must be a positive integer"),
-    (-2, 1, "world_size=-2 must be a positive integer"),
-    (2.0, 1, "world_size=2.0 must be a positive integer"),
-    (4, 0, "ranks_per_node=0 must be a positive integer (1 <= ranks_per_node <= world_size=4)"),
-    (4, -1, "ranks_per_node=-1 must be a positive integer"),
-    (4, "2", "ranks_per_node='2' must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "world,g,needle",
+    [
+        (0, 1, "world_size=0 must be a positive integer"),
+        (-2, 1, "world_size=-2 must be a positive integer"),
+        (2.0, 1, "world_size=2.0 must be a positive integer"),
+        (4, 0, "ranks_per_node=0 must be a positive integer (1 <= ranks_per_node <= world_size=4)"),
+        (4, -1, "ranks_per_node=-1 must be a positive integer"),
+        (4, "2", "ranks_per_node='2' must be a positive integer"),
+    ],
+)
 def test_invalid_values_are_named(world, g, needle):
     with pytest.raises(TopologyError) as e:
         Topology(world, g)

@@ -30,10 +30,16 @@ def hf_reference(hf_checkpoint):
     with torch.no_grad():
         for p in PROMPTS:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-            cont = gen[0, len(p):].tolist()
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            cont = gen[0, len(p) :].tolist()
             tokens.append(cont)
             full = model(gen).logits[0].float()  # [len + new, vocab]
-            logits.append(full[len(p) - 1: len(p) - 1 + NEW_TOKENS])  # the logits each new token came from
+            logits.append(full[len(p) - 1 : len(p) - 1 + NEW_TOKENS])  # the logits each new token came from
     return tokens, logits

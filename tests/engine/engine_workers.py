@@ -6,18 +6,34 @@ import torch
 
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
-from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
-
+from spanllm.model.parallel_dims import ParallelDims
 
 # 4 query heads / 2 KV heads: TP 2 splits the KV heads, TP 4 replicates them. vocab 250 is not a
 # multiple of 4, so the vocab-parallel shards carry padding rows. llama3 rope scaling with a short
 # original context so the scaled, blended and unscaled frequency bands are all present.
-HF_CONFIG = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.08,
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 32},
-                 rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+HF_CONFIG = dict(
+    vocab_size=250,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.08,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 200], [11, 23, 5, 6, 77]]
 NEW_TOKENS = 6
@@ -67,8 +83,9 @@ def engine_config(**kw) -> EngineConfig:
 
 
 def generate(llm: LLM, prompts, new_tokens: int, micro_batches: int = 1) -> dict:
-    out = llm.generate_static(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
-                       micro_batches=micro_batches, keep_logits=True)
+    out = llm.generate_static(
+        prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches, keep_logits=True
+    )
     return {"tokens": out.token_ids, "logits": out.logits}
 
 
@@ -103,7 +120,9 @@ def timed_receives(llm: LLM, prompts, new_tokens: int, micro_batches: int) -> in
     llm.timers.region = counting_region
     llm.timers.enabled = True
     try:
-        llm.generate_static(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches)
+        llm.generate_static(
+            prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches
+        )
     finally:
         llm.timers.enabled = False
         del llm.timers.region
@@ -149,8 +168,9 @@ def world4(ctx, single: str, prompts, new_tokens: int) -> dict:
     qkv = llm.model.model.layers["0"].self_attn.qkv_proj
     res["tp4_kv"] = (qkv.num_kv_heads_local, qkv.kv_head_start)
 
-    llm = LLM(single, engine_config(), dims=ParallelDims(2, 2, 4), allreduce="gloo", device=ctx.device,
-              ranks_per_node=2)
+    llm = LLM(
+        single, engine_config(), dims=ParallelDims(2, 2, 4), allreduce="gloo", device=ctx.device, ranks_per_node=2
+    )
     res["tp2pp2"] = generate(llm, prompts, new_tokens)
     res["tp2pp2_mb2"] = generate(llm, prompts, new_tokens, micro_batches=2)
     res["tp2pp2_stage"] = (llm.groups.stage, llm.groups.tp_rank, list(llm.model.layer_ids))
@@ -170,8 +190,9 @@ def compiled_world2(ctx, single: str, prompts, new_tokens: int) -> dict:
     eager = LLM(single, engine_config(), allreduce="gloo", device=ctx.device)
     res["eager"] = generate(eager, prompts, new_tokens)
     eager.close()
-    llm = LLM(single, engine_config(compile_decode=True, compile_backend="aot_eager"), allreduce="gloo",
-              device=ctx.device)
+    llm = LLM(
+        single, engine_config(compile_decode=True, compile_backend="aot_eager"), allreduce="gloo", device=ctx.device
+    )
     res["compiled"] = generate(llm, prompts, new_tokens)
     res["compiled_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
     handles = list(llm._op_handles)
@@ -181,8 +202,11 @@ def compiled_world2(ctx, single: str, prompts, new_tokens: int) -> dict:
     res["capped"] = generate(llm, prompts, new_tokens)
     from spanllm.comm.fallback import SizeFallback
 
-    res["swapped"] = (handles[0] not in op._LIVE, len(llm._op_handles),
-                      isinstance(llm.model.tp.comm, SizeFallback) and llm.model.tp.comm.primary is capped)
+    res["swapped"] = (
+        handles[0] not in op._LIVE,
+        len(llm._op_handles),
+        isinstance(llm.model.tp.comm, SizeFallback) and llm.model.tp.comm.primary is capped,
+    )
     capped.calls = 0
     generate(llm, prompts, 3)  # prefill on the fallback; 2 decode steps x 2 all-reduces x layers on capped
     res["capped_calls"] = (capped.calls, 2 * 2 * len(llm.model.layer_ids))

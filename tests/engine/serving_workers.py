@@ -11,25 +11,39 @@ import torch
 
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
-from spanllm.engine.parallel_dims import ParallelDims
 from spanllm.engine.sampler import SamplingParams
+from spanllm.model.parallel_dims import ParallelDims
 
 # Mixed lengths: 1 token, shorter and longer than a block (4) and than the chunk budgets used (8, 16).
-SERVE_PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 7, 200], [11], list(range(30, 70)), [9, 8, 7, 6, 5, 4, 3, 2, 1, 4, 5, 6],
-                 list(range(100, 121)), [13, 13]]
+SERVE_PROMPTS = [
+    [5, 17, 42, 8, 99, 3, 61],
+    [7, 7, 200],
+    [11],
+    list(range(30, 70)),
+    [9, 8, 7, 6, 5, 4, 3, 2, 1, 4, 5, 6],
+    list(range(100, 121)),
+    [13, 13],
+]
 SERVE_MAX_TOKENS = [10, 6, 12, 9, 7, 11, 8]
 ARRIVAL_STEPS = [0, 0, 1, 3, 3, 6, 9]  # the engine step before which each request is added
 
 
 def serving_config(**kw) -> EngineConfig:
-    base = dict(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64,
-                max_model_len=128)
+    base = dict(
+        dtype=torch.float32,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        num_kv_blocks=64,
+        max_model_len=128,
+    )
     base.update(kw)
     return EngineConfig(**base)
 
 
-def run_scenario(llm: LLM, aborts: dict[int, int] | None = None, prompts=None, max_tokens=None,
-                 arrivals=None) -> dict | None:
+def run_scenario(
+    llm: LLM, aborts: dict[int, int] | None = None, prompts=None, max_tokens=None, arrivals=None
+) -> dict | None:
     """Outputs by prompt index: {"tokens", "finish_reason", "preemptions_total", "blocks_ok"}.
     aborts: prompt index -> the step after which it is aborted."""
     prompts = prompts or SERVE_PROMPTS
@@ -63,8 +77,12 @@ def run_scenario(llm: LLM, aborts: dict[int, int] | None = None, prompts=None, m
     finally:
         core.shutdown_workers()
     core.blocks.check([])
-    return {"results": results, "preemptions": core.stats.preemptions, "free_blocks": core.blocks.num_free,
-            "usable_blocks": core.blocks.num_usable}
+    return {
+        "results": results,
+        "preemptions": core.stats.preemptions,
+        "free_blocks": core.blocks.num_free,
+        "usable_blocks": core.blocks.num_usable,
+    }
 
 
 def alone(llm: LLM, prompts=None, max_tokens=None) -> list[list[int]] | None:
@@ -84,8 +102,11 @@ def tp_scenarios(ctx, checkpoint: str) -> dict | None:
     llm = LLM(checkpoint, serving_config(), dims=ParallelDims(ctx.world_size, 1, ctx.world_size))
     res["alone"] = alone(llm)
     res["mixed"] = run_scenario(llm)
-    llm2 = LLM(checkpoint, serving_config(num_kv_blocks=14, max_num_batched_tokens=8),
-               dims=ParallelDims(ctx.world_size, 1, ctx.world_size))
+    llm2 = LLM(
+        checkpoint,
+        serving_config(num_kv_blocks=14, max_num_batched_tokens=8),
+        dims=ParallelDims(ctx.world_size, 1, ctx.world_size),
+    )
     res["preempt"] = run_scenario(llm2)
     res["abort"] = run_scenario(llm, aborts={3: 4, 0: 2})
     return res if ctx.rank == 0 else None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_workers import NEW_TOKENS, PROMPTS, compiled_world2, engine_config
+
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
 from spanllm.launch import launch
@@ -56,8 +56,10 @@ def test_compile_scope_layer_compiles_one_layer_for_all():
     for scope in ("layer", "forward"):
         torch._dynamo.reset()
         counters.clear()
-        llm = LLM("tiny", engine_config(max_seq_len=128, compile_decode=True, compile_backend="aot_eager",
-                                        compile_scope=scope))
+        llm = LLM(
+            "tiny",
+            engine_config(max_seq_len=128, compile_decode=True, compile_backend="aot_eager", compile_scope=scope),
+        )
         out = _generate(llm)
         assert out.token_ids == ref.token_ids, scope
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
@@ -108,8 +110,21 @@ def test_cli_compile_decode_flags(hf_checkpoint, hf_reference, tmp_path, capsys)
     from spanllm.cli import main
 
     single, _, _ = hf_checkpoint
-    argv = ["generate", "--model", single, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--nprocs", "2",
-            "--allreduce", "gloo", "--compile-decode", "--compile-backend", "aot_eager"]
+    argv = [
+        "generate",
+        "--model",
+        single,
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--nprocs",
+        "2",
+        "--allreduce",
+        "gloo",
+        "--compile-decode",
+        "--compile-backend",
+        "aot_eager",
+    ]
     for p in PROMPTS:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     assert main(argv) == 0
@@ -119,9 +134,33 @@ def test_cli_compile_decode_flags(hf_checkpoint, hf_reference, tmp_path, capsys)
         assert f"[{i}] generated ids: {','.join(map(str, toks))}" in out
 
     js = tmp_path / "batch.json"
-    assert main(["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "2", "--prompt-len", "4",
-                 "--decode-len", "3", "--iters", "1", "--warmup", "0", "--no-breakdown", "--compile-decode",
-                 "--compile-backend", "aot_eager", "--json", str(js)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "batch",
+                "--model",
+                "tiny:layers=2",
+                "--batch-sizes",
+                "2",
+                "--prompt-len",
+                "4",
+                "--decode-len",
+                "3",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--no-breakdown",
+                "--compile-decode",
+                "--compile-backend",
+                "aot_eager",
+                "--json",
+                str(js),
+            ]
+        )
+        == 0
+    )
     with open(js) as f:
         (row,) = json.load(f)["rows"]
     assert row["compile_decode"] is True and row["compile_backend"] == "aot_eager" and row["compile_scope"] == "layer"

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-
 from engine_workers import PROMPTS, engine_config
+
 from spanllm.engine.llm import LLM
-from spanllm.engine.pipeline import split_batch
 from spanllm.engine.sampler import Sampler, SamplingParams
+from spanllm.engine.static.pipeline import split_batch
 
 STEPS = 40
 
@@ -36,15 +36,19 @@ def per_step_reference(llm: LLM, prompts, params: SamplingParams, micro_batches:
     out = torch.zeros(len(prompts), params.max_tokens, dtype=torch.int64)
     logits = torch.zeros(params.max_tokens, len(prompts), llm.config.vocab_size)
     for s0, b in chunks:
-        y = runner.prefill(ids[s0: s0 + b, : max(lengths_host[s0: s0 + b])], lengths[s0: s0 + b], s0)
-        logits[0, s0: s0 + b] = y
-        out[s0: s0 + b, 0] = sampler(y, params)
+        y = runner.prefill(ids[s0 : s0 + b, : max(lengths_host[s0 : s0 + b])], lengths[s0 : s0 + b], s0)
+        logits[0, s0 : s0 + b] = y
+        out[s0 : s0 + b, 0] = sampler(y, params)
     for step in range(1, params.max_tokens):
         for s0, b in chunks:
-            y = runner.decode(out[s0: s0 + b, step - 1: step], lengths[s0: s0 + b] + (step - 1), s0,
-                              max(lengths_host[s0: s0 + b]) + step)
-            logits[step, s0: s0 + b] = y
-            out[s0: s0 + b, step] = sampler(y, params)
+            y = runner.decode(
+                out[s0 : s0 + b, step - 1 : step],
+                lengths[s0 : s0 + b] + (step - 1),
+                s0,
+                max(lengths_host[s0 : s0 + b]) + step,
+            )
+            logits[step, s0 : s0 + b] = y
+            out[s0 : s0 + b, step] = sampler(y, params)
     return out.tolist(), logits
 
 
@@ -119,18 +123,64 @@ def test_bench_batch_reports_breakdown_steps(tmp_path):
     from spanllm.cli import main
 
     js = tmp_path / "b.json"
-    assert main(["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "2", "--prompt-len", "8",
-                 "--decode-len", "40", "--iters", "1", "--warmup", "1", "--breakdown-steps", "5",
-                 "--json", str(js)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "batch",
+                "--model",
+                "tiny:layers=2",
+                "--batch-sizes",
+                "2",
+                "--prompt-len",
+                "8",
+                "--decode-len",
+                "40",
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--breakdown-steps",
+                "5",
+                "--json",
+                str(js),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(js.read_text())
     (row,) = doc["rows"]
     assert doc["complete"] is True and not (tmp_path / "b.partial.json").exists()  # the partial file is gone
     assert row["breakdown_steps"] == 5 and row["warmup_decode_len"] == 32 and row["decode_len"] == 40
     assert set(row["breakdown_ms"]) == {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
     assert row["breakdown_step_ms"] > 0
-    assert row["breakdown_steps_covered"] == 5 and row["breakdown_mode"] == "eager pass with per-op timers (host wall clock)"
-    assert main(["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "1", "--prompt-len", "4",
-                 "--decode-len", "3", "--iters", "1", "--warmup", "0", "--json", str(js)]) == 0
+    assert (
+        row["breakdown_steps_covered"] == 5
+        and row["breakdown_mode"] == "eager pass with per-op timers (host wall clock)"
+    )
+    assert (
+        main(
+            [
+                "bench",
+                "batch",
+                "--model",
+                "tiny:layers=2",
+                "--batch-sizes",
+                "1",
+                "--prompt-len",
+                "4",
+                "--decode-len",
+                "3",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+                str(js),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(js.read_text())["rows"]
     assert row["breakdown_steps"] == 2 and row["warmup_decode_len"] is None  # capped at decode_len - 1
 
@@ -139,11 +189,24 @@ def test_partial_rows_survive_a_cut_run(tmp_path):
     """Rows land in X.partial.json as they finish (complete=False), so a run stopped by a time limit keeps them."""
     import json
 
-    from spanllm.bench.batch import BenchSettings, PartialRows, partial_path
+    from spanllm.commands.bench_batch import BenchSettings, PartialRows, partial_path
 
-    s = BenchSettings(model="tiny", batch_sizes=(1,), prompt_len=4, decode_len=4, workload="decode-heavy",
-                      allreduce=(), warmup=0, iters=1, breakdown=False, dtype="auto", seed=0, cuda_graphs=False,
-                      ranks_per_node=None, json=str(tmp_path / "study.json"))
+    s = BenchSettings(
+        model="tiny",
+        batch_sizes=(1,),
+        prompt_len=4,
+        decode_len=4,
+        workload="decode-heavy",
+        allreduce=(),
+        warmup=0,
+        iters=1,
+        breakdown=False,
+        dtype="auto",
+        seed=0,
+        cuda_graphs=False,
+        ranks_per_node=None,
+        json=str(tmp_path / "study.json"),
+    )
     assert partial_path(s.json) == str(tmp_path / "study.partial.json")
     p = PartialRows("study", s, world=2)
     p.add({"batch": 1})

@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 import torch
-
 from engine_workers import NEW_TOKENS, PROMPTS, engine_config, generate, make_hf_model
-from spanllm.engine.config import ModelConfigError
+
 from spanllm.engine.llm import LLM
-from spanllm.engine.loader import CheckpointError
-from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError
-from spanllm.engine.pipeline import GenerationError
 from spanllm.engine.sampler import SamplingParams
+from spanllm.engine.static.pipeline import GenerationError
+from spanllm.model.config import ModelConfigError
+from spanllm.model.loader import CheckpointError
+from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError
 
 
 def _check(result, hf_reference):
@@ -45,7 +45,7 @@ def test_tied_embeddings(tmp_path):
     assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
     out = llm.generate_static([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True), keep_logits=True)
     with torch.no_grad():
-        ref = model(torch.tensor([PROMPTS[0] + out.token_ids[0]])).logits[0, len(PROMPTS[0]) - 1: -1]
+        ref = model(torch.tensor([PROMPTS[0] + out.token_ids[0]])).logits[0, len(PROMPTS[0]) - 1 : -1]
     torch.testing.assert_close(out.logits[:, 0], ref, atol=1e-4, rtol=0)
 
 
@@ -97,8 +97,11 @@ def _copy_with_config(src: str, dst, **changes) -> str:
 
 def test_shape_mismatch_names_tensor_and_shapes(hf_checkpoint, tmp_path):
     bad = _copy_with_config(hf_checkpoint[0], tmp_path / "bad", intermediate_size=96)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(128, 64\) in the "
-                                              r"checkpoint but the config implies \(96, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(128, 64\) in the "
+        r"checkpoint but the config implies \(96, 64\)",
+    ):
         LLM(bad, engine_config())
 
 
@@ -136,9 +139,11 @@ def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):
     the linears send <= 16 rows to the skinny op and more rows to F.linear."""
     with pytest.raises(ValueError, match="decode_gemm='cublas' must be one of"):
         engine_config(decode_gemm="cublas")
-    with pytest.raises(ValueError, match="decode_gemm='skinny' needs a CUDA device and Triton; this rank has device cpu"):
+    with pytest.raises(
+        ValueError, match="decode_gemm='skinny' needs a CUDA device and Triton; this rank has device cpu"
+    ):
         LLM("tiny", engine_config(decode_gemm="skinny"), device=torch.device("cpu"))
-    from spanllm.engine import layers
+    from spanllm.layers import linear as layers
 
     seen = []
     monkeypatch.setattr(layers, "skinny_linear", lambda x, w: seen.append(x.shape[:-1]) or x @ w.T)

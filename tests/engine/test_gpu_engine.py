@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_workers import NEW_TOKENS, PROMPTS, engine_config, generate
+
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def test_cuda_graph_decode_matches_transformers_fp32(hf_checkpoint, hf_reference):
@@ -31,8 +30,9 @@ def test_cuda_graph_decode_matches_transformers_fp32(hf_checkpoint, hf_reference
 def test_cuda_graph_equals_eager_bf16(hf_checkpoint):
     dev = torch.device("cuda", 0)
     graphs = generate(LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16), device=dev), PROMPTS, NEW_TOKENS)
-    eager = generate(LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, cuda_graphs=False), device=dev),
-                     PROMPTS, NEW_TOKENS)
+    eager = generate(
+        LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, cuda_graphs=False), device=dev), PROMPTS, NEW_TOKENS
+    )
     assert graphs["tokens"] == eager["tokens"]
     torch.testing.assert_close(graphs["logits"], eager["logits"], atol=3e-2, rtol=0)
 
@@ -52,16 +52,21 @@ def test_whole_step_graph_sampling_and_stops_bf16(hf_checkpoint):
     (two engines agree), it samples (not one repeated draw), and stop tokens end the batch as eagerly."""
     dev = torch.device("cuda", 0)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
-    runs = [LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, seed=3), device=dev).generate_static(PROMPTS, params)
-            for _ in range(2)]
+    runs = [
+        LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, seed=3), device=dev).generate_static(PROMPTS, params)
+        for _ in range(2)
+    ]
     assert runs[0].token_ids == runs[1].token_ids
     assert len({t for row in runs[0].token_ids for t in row}) > 3
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     for interval in (1, 16):
         outs = []
         for graphs in (True, False):
-            llm = LLM(hf_checkpoint[0], engine_config(dtype=torch.bfloat16, cuda_graphs=graphs,
-                                                      eos_check_interval=interval), device=dev)
+            llm = LLM(
+                hf_checkpoint[0],
+                engine_config(dtype=torch.bfloat16, cuda_graphs=graphs, eos_check_interval=interval),
+                device=dev,
+            )
             ref = llm.generate_static(PROMPTS, greedy).token_ids
             stop = (ref[0][len(ref[0]) // 2],)
             outs.append(llm.executor.generate(PROMPTS, SamplingParams(max_tokens=24), 1, stop))
@@ -85,13 +90,16 @@ def test_skinny_decode_gemm_matches_transformers_fp32(hf_checkpoint, hf_referenc
     """decode_gemm="skinny": every decode GEMM (<= 16 rows) runs spanllm's Triton kernel, in graphs and
     under torch.compile, and the tokens and logits still match transformers."""
     pytest.importorskip("triton")
-    from spanllm.engine import skinny_gemm
+    from spanllm.kernels import skinny_gemm
 
     calls = []
     real = skinny_gemm.skinny_linear
-    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda x, w, config=None: calls.append(tuple(x.shape)) or real(x, w, config))
-    llm = LLM(hf_checkpoint[0], engine_config(decode_gemm="skinny", compile_decode=compiled),
-              device=torch.device("cuda", 0))
+    monkeypatch.setattr(
+        skinny_gemm, "skinny_linear", lambda x, w, config=None: calls.append(tuple(x.shape)) or real(x, w, config)
+    )
+    llm = LLM(
+        hf_checkpoint[0], engine_config(decode_gemm="skinny", compile_decode=compiled), device=torch.device("cuda", 0)
+    )
     assert "decode GEMMs skinny" in llm.describe()
     res = generate(llm, PROMPTS, NEW_TOKENS)
     assert calls and all(len(s) >= 2 and s[-1] > 0 for s in calls)

@@ -11,12 +11,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from spanllm.engine import arrival_counters  # noqa: E402
-from spanllm.engine import paged_attention as pa  # noqa: E402
-from spanllm.engine import paged_attention_triton as kt  # noqa: E402
+from spanllm.attention import paged as pa  # noqa: E402
 from spanllm.engine.config import EngineConfig  # noqa: E402
 from spanllm.engine.llm import LLM  # noqa: E402
 from spanllm.engine.sampler import SamplingParams  # noqa: E402
+from spanllm.kernels import arrival_counters  # noqa: E402
+from spanllm.kernels import paged_attention as kt  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -31,7 +31,7 @@ def _pool(ctx: list[int], bs: int, hkv: int, d: int, dtype, seed: int = 0):
     tables = torch.zeros(len(ctx), max(per), dtype=torch.int32, device=DEV)
     k = 0
     for i, p in enumerate(per):
-        tables[i, :p] = ids[k: k + p]
+        tables[i, :p] = ids[k : k + p]
         k += p
     return kc, vc, tables
 
@@ -49,8 +49,9 @@ def test_decode_kernel_matches_reference(dtype, hq, hkv, d, splits, min_tiles, p
     kc, vc, tables = _pool(ctx, 16, hkv, d, dtype)
     q = torch.randn(len(ctx), hq, d, device=DEV, dtype=dtype)
     ref = pa.reference_decode(q.float(), kc.float(), vc.float(), tables, ctx)
-    out = kt.decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits, min_tiles,
-                    prefetch=prefetch)
+    out = kt.decode(
+        q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32, device=DEV), splits, min_tiles, prefetch=prefetch
+    )
     assert (out.float() - ref).abs().max().item() < TOL[dtype]
 
 
@@ -98,8 +99,15 @@ PROMPTS = [[1, 5, 7, 9, 11], [3, 4], list(range(10, 60)), [100] * 17, list(range
 
 
 def _engine(**kw) -> LLM:
-    cfg = dict(max_batch_size=len(PROMPTS), max_seq_len=128, dtype=torch.float32, max_num_batched_tokens=24,
-               block_size=16, num_kv_blocks=64, max_num_seqs=8)
+    cfg = dict(
+        max_batch_size=len(PROMPTS),
+        max_seq_len=128,
+        dtype=torch.float32,
+        max_num_batched_tokens=24,
+        block_size=16,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+    )
     cfg.update(kw)
     return LLM("tiny", EngineConfig(**cfg), device=DEV)
 
@@ -140,8 +148,14 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
     # graphs with the decodes of mixed steps in the decode kernel (the default), then as one-query prefill
     # chunks, then eager
     for graphs, decode_kernel in ((True, True), (True, False), (False, True)):
-        cfg = EngineConfig(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=200,
-                           cuda_graphs=graphs, max_model_len=1024)
+        cfg = EngineConfig(
+            dtype=torch.float32,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_kv_blocks=200,
+            cuda_graphs=graphs,
+            max_model_len=1024,
+        )
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         llm.engine_core.runner.mixed_decode_kernel = decode_kernel
         outs.append([o.output_ids for o in llm.generate(prompts, params)])
@@ -160,12 +174,20 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     runs = {}
     for mode in ("auto", "torch", "auto"):
-        cfg = EngineConfig(dtype=torch.bfloat16, max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=200,
-                           max_model_len=1024, decode_gemm=mode)
+        cfg = EngineConfig(
+            dtype=torch.bfloat16,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            num_kv_blocks=200,
+            max_model_len=1024,
+            decode_gemm=mode,
+        )
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         if mode == "auto":
-            assert ("decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o, down; "
-                    "F.linear gate_up, lm_head") in llm.describe_serving()
+            assert (
+                "decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o, down; "
+                "F.linear gate_up, lm_head"
+            ) in llm.describe_serving()
         outs = [o.output_ids for o in llm.generate(prompts, params)]
         assert all(len(o) == 10 for o in outs)
         runs.setdefault(mode, []).append(outs)
@@ -216,8 +238,8 @@ def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_ops_match_their_references(dtype):
-    from spanllm.engine import fused_ops as fo
-    from spanllm.engine.rope import apply_rotary
+    from spanllm.kernels import fused_ops as fo
+    from spanllm.layers.rope import apply_rotary
 
     g = torch.Generator(device=DEV).manual_seed(3)
     x = torch.randn(37, 4096, device=DEV, dtype=dtype, generator=g)
@@ -230,12 +252,14 @@ def test_fused_ops_match_their_references(dtype):
         assert (out.float() - ref.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
     gu = torch.randn(37, 2 * 7168, device=DEV, dtype=dtype, generator=g)
     assert (fo.silu_mul(gu).float() - fo.silu_mul_reference(gu).float()).abs().max().item() <= (
-        1e-5 if dtype == torch.float32 else 2e-2)
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
     hq, hkv, d, n = 32, 8, 128, 21
     qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, dtype=dtype, generator=g)
     pos = torch.randint(0, 5000, (n,), device=DEV, generator=g)
-    from spanllm.engine.config import preset
-    from spanllm.engine.rope import RotaryEmbedding
+    from spanllm.layers.rope import RotaryEmbedding
+    from spanllm.model.config import preset
+
     c = preset("llama3.1-8b")
     rope = RotaryEmbedding(d, c.rope_theta, c.rope_scaling, 8192, DEV, dtype)
     cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
@@ -249,7 +273,7 @@ def test_fused_ops_match_their_references(dtype):
     # in bf16 that is one rounding of the operands' scale apart (seen on the H200: 14.5% of elements, one
     # bf16 ulp at |x| ~ 4), in fp32 a few fp32 ulps.
     scale = float(qk.abs().max())
-    tol = dict(atol=2 ** -7 * scale, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    tol = dict(atol=2**-7 * scale, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(q, rot[:, :hq], **tol)
     torch.testing.assert_close(kc.view(-1, hkv, d)[slots], rot[:, hq:], **tol)
     assert torch.equal(vc.view(-1, hkv, d)[slots], v.reshape(n, hkv, d))

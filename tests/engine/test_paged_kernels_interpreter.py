@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (spanllm.engine.paged_attention_triton) on CPU tensors under Triton's
+"""The Triton paged-attention kernels (spanllm.kernels.paged_attention) on CPU tensors under Triton's
 interpreter, against the gather + SDPA reference: every variant of the decode kernel (block ids one tile ahead
 or not, splits from 1 to 16 with the in-kernel merge, minimum tiles per split 1 and 2) and the prefill
 kernel over a paged prefix. float32 tensors (the interpreter's tl.dot on bf16 needs a shim; the numerics of
@@ -21,7 +21,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.fixture
 def kernels(monkeypatch):
-    return interpreted_module(monkeypatch, "spanllm.engine.paged_attention_triton")
+    return interpreted_module(monkeypatch, "spanllm.kernels.paged_attention")
 
 
 def _pool(ctx: list[int], block: int, hkv: int, d: int, seed: int):
@@ -35,7 +35,7 @@ def _pool(ctx: list[int], block: int, hkv: int, d: int, seed: int):
     perm = (torch.randperm(total - 1, generator=g) + 1).to(torch.int32)
     i = 0
     for r, nb in enumerate(nblk):
-        tables[r, :nb] = perm[i:i + nb]
+        tables[r, :nb] = perm[i : i + nb]
         i += nb
     return kc, vc, tables
 
@@ -46,8 +46,8 @@ CTX = [1, 63, 64, 65, 300]  # one key; a tile short of one; exactly one tile; on
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("splits,min_tiles", [(1, 2), (4, 1), (16, 1), (16, 2)])
 def test_decode_variants_match_reference(kernels, prefetch, splits, min_tiles):
-    from spanllm.engine import arrival_counters
-    from spanllm.engine import paged_attention as pa
+    from spanllm.attention import paged as pa
+    from spanllm.kernels import arrival_counters
 
     kc, vc, tables = _pool(CTX, 16, 2, 16, seed=splits)
     q = torch.randn(len(CTX), 8, 16, generator=torch.Generator().manual_seed(1))
@@ -59,7 +59,7 @@ def test_decode_variants_match_reference(kernels, prefetch, splits, min_tiles):
 
 
 def test_prefill_over_a_paged_prefix_matches_reference(kernels):
-    from spanllm.engine import paged_attention as pa
+    from spanllm.attention import paged as pa
 
     q_lens, ctx = [5, 1, 70], [5, 40, 130]  # a whole prompt; one query after a prefix; a chunk after a prefix
     kc, vc, tables = _pool(ctx, 16, 2, 16, seed=7)
@@ -75,7 +75,7 @@ def test_mixed_step_layout_each_kernel_writes_only_its_rows(kernels, splits):
     """A mixed-step graph's attention: the decode kernel over the first rows (context 0: not a decode, the row
     is left alone) and the prefill kernel over the other chunks' tiles only (plus padding tiles of an empty
     chunk, which write nothing), both into one output."""
-    from spanllm.engine import paged_attention as pa
+    from spanllm.attention import paged as pa
 
     # chunks: two decodes (one query each), then two prefill chunks; decode rows cover 4 rows: 2 decodes + 2
     # rows that are prefill tokens in this step (context 0 there)

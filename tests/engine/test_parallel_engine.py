@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_workers import NEW_TOKENS, PROMPTS, world2, world4
+
 from spanllm.launch import launch
 
 ATOL = 1e-4
@@ -61,8 +61,12 @@ def test_allreduce_that_ran_is_named(world2_results):
 def test_pipeline_stages_hold_their_parts(world2_results, world4_results):
     assert [r["pp2_layers"] for r in world2_results] == [[0, 1], [2, 3]]
     assert [r["pp2_parts"] for r in world2_results] == [(True, False), (False, True)]
-    assert [r["tp2pp2_stage"] for r in world4_results] == [(0, 0, [0, 1]), (0, 1, [0, 1]), (1, 0, [2, 3]),
-                                                           (1, 1, [2, 3])]
+    assert [r["tp2pp2_stage"] for r in world4_results] == [
+        (0, 0, [0, 1]),
+        (0, 1, [0, 1]),
+        (1, 0, [2, 3]),
+        (1, 1, [2, 3]),
+    ]
 
 
 def test_replicated_kv_heads(world4_results):

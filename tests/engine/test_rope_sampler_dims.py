@@ -3,20 +3,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spanllm.engine.config import ModelConfig, RopeScaling, preset
-from spanllm.engine.parallel_dims import ParallelDims, ParallelLayoutError, check_tp_for_model, stage_layers
-from spanllm.engine.pipeline import GenerationError, split_batch
-from spanllm.engine.rope import inverse_frequencies
 from spanllm.engine.sampler import Sampler, SamplingParams
+from spanllm.engine.static.pipeline import GenerationError, split_batch
+from spanllm.layers.rope import inverse_frequencies
+from spanllm.model.config import ModelConfig, RopeScaling, preset
+from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError, check_tp_for_model, stage_layers
 
 
 def test_llama3_inverse_frequencies_match_transformers():
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    cfg = transformers.LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     ours = inverse_frequencies(128, 500000.0, RopeScaling(8.0, 1.0, 4.0, 8192))
     torch.testing.assert_close(ours, ref, atol=0, rtol=0)
@@ -73,8 +82,9 @@ def test_sampler_greedy_top_p_and_seed():
     # top_p smaller than the top token's mass keeps only that token, whatever the temperature.
     for _ in range(20):
         assert s(logits, SamplingParams(temperature=5.0, top_p=0.05)).tolist() == [1, 3]
-    draws = [Sampler(torch.device("cpu"), seed=3)(logits.repeat(64, 1), SamplingParams(temperature=1.0))
-             for _ in range(2)]
+    draws = [
+        Sampler(torch.device("cpu"), seed=3)(logits.repeat(64, 1), SamplingParams(temperature=1.0)) for _ in range(2)
+    ]
     assert torch.equal(draws[0], draws[1])  # same seed, same tokens: what keeps TP ranks in step
     assert len(set(draws[0].tolist())) > 1  # temperature sampling does sample
     with pytest.raises(ValueError, match="top_p=0"):

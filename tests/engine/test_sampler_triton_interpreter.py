@@ -1,4 +1,4 @@
-"""The one-pass exponential race (spanllm.engine.sampler_triton) on CPU tensors under Triton's interpreter:
+"""The one-pass exponential race (spanllm.kernels.sampler) on CPU tensors under Triton's interpreter:
 the token of every row equals the unfused ops' argmax(softmax(logits / T) / E) on the same draws E, ties go to
 the lowest index (as torch.argmax), masked tokens never win, rows may be strided. As in
 test_paged_kernels_interpreter.py, the cases run in a child pytest with TRITON_INTERPRET=1
@@ -17,7 +17,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.fixture
 def kernel(monkeypatch):
-    return interpreted_module(monkeypatch, "spanllm.engine.sampler_triton")
+    return interpreted_module(monkeypatch, "spanllm.kernels.sampler")
 
 
 def test_race_argmax_equals_the_unfused_race(kernel):

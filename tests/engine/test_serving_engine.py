@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from serving_workers import SERVE_MAX_TOKENS, SERVE_PROMPTS, alone, run_scenario, serving_config, tp_scenarios
-from spanllm.engine.block_manager import BlockManager
+
+from spanllm.engine.core.block_manager import BlockManager
+from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from spanllm.engine.engine_core import RequestError
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams, SamplingParamsError
-from spanllm.engine.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from spanllm.launch import launch
 
 
@@ -65,8 +65,9 @@ def _seq_with_blocks(blocks):
 
 
 def test_budget_and_sequence_cap_respected():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10, max_model_len=64),
-                      BlockManager(100, 4))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10, max_model_len=64), BlockManager(100, 4)
+    )
     seqs = [_seq(f"r{i}", 4) for i in range(5)]
     for s in seqs:
         sched.add(s)
@@ -80,8 +81,9 @@ def test_budget_and_sequence_cap_respected():
 
 
 def test_decode_never_starved_by_a_long_prompt():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=128),
-                      BlockManager(200, 4))
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=128), BlockManager(200, 4)
+    )
     short = [_seq("s0", 2, max_tokens=20), _seq("s1", 2, max_tokens=20)]
     for s in short:
         sched.add(s)
@@ -95,8 +97,9 @@ def test_decode_never_starved_by_a_long_prompt():
 
 
 def test_fcfs_head_of_line_blocks_admission():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
-                      BlockManager(5, 4))  # 16 tokens of pool
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128), BlockManager(5, 4)
+    )  # 16 tokens of pool
     sched.add(_seq("a", 8))
     sched.add(_seq("big", 12))  # needs 3 blocks; only 2 are left after a
     sched.add(_seq("small", 2))  # would fit, but must not skip ahead of big
@@ -107,8 +110,9 @@ def test_fcfs_head_of_line_blocks_admission():
 
 
 def test_preemption_by_recompute_takes_the_newest():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
-                      BlockManager(4, 4))  # 12 tokens
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), BlockManager(4, 4)
+    )  # 12 tokens
     a, b = _seq("a", 4, max_tokens=8), _seq("b", 4, max_tokens=8)
     sched.add(a)
     sched.add(b)
@@ -141,9 +145,15 @@ def hf_serving_reference(hf_checkpoint):
     with torch.no_grad():
         for p, n in zip(SERVE_PROMPTS, SERVE_MAX_TOKENS):
             ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                               eos_token_id=None, pad_token_id=0)
-            out.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].tolist())
     return out
 
 
@@ -173,8 +183,14 @@ def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_r
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_keeps_tokens_and_frees_every_block(hf_checkpoint, hf_serving_reference, async_scheduling):
-    llm = LLM(hf_checkpoint[0], serving_config(num_kv_blocks=14, max_num_batched_tokens=8,  # 52 tokens of pool
-                                               async_scheduling=async_scheduling))
+    llm = LLM(
+        hf_checkpoint[0],
+        serving_config(
+            num_kv_blocks=14,
+            max_num_batched_tokens=8,  # 52 tokens of pool
+            async_scheduling=async_scheduling,
+        ),
+    )
     res = run_scenario(llm)
     assert res["preemptions"] > 0
     assert _tokens(res) == hf_serving_reference
@@ -223,8 +239,15 @@ def test_async_scheduling_needs_tp1():
         device = torch.device("cpu")
 
     with pytest.raises(ValueError, match="async_scheduling needs tp=1"):
-        EngineCore(_Runner(), BlockManager(8, 4), SchedulerConfig(), vocab_size=8, eos_token_ids=(), tp_size=2,
-                   async_scheduling=True)
+        EngineCore(
+            _Runner(),
+            BlockManager(8, 4),
+            SchedulerConfig(),
+            vocab_size=8,
+            eos_token_ids=(),
+            tp_size=2,
+            async_scheduling=True,
+        )
 
 
 # --- TP=2 over gloo ---------------------------------------------------------------------------------------
@@ -241,15 +264,22 @@ def test_tp2_equals_transformers_with_chunks_preemption_and_aborts(hf_checkpoint
 
 
 # --- bad requests: refused at admission, nothing else lost ---------------------------------------------------
-@pytest.mark.parametrize("prompt,params,match", [
-    ([], SamplingParams(max_tokens=4), "the prompt is empty"),
-    ([1, 250, 3], SamplingParams(max_tokens=4), r"prompt token 1 is 250, outside the vocabulary \[0, 250\)"),
-    ([1, -1], SamplingParams(max_tokens=4), r"prompt token 1 is -1"),
-    (list(range(1, 121)), SamplingParams(max_tokens=20), "maximum context length is 128 tokens. However, you "
-                                                         r"requested 140 tokens \(120 in the prompt, 20 for the"),
-    ([1, 2], SamplingParams(max_tokens=127), "maximum context length is 128"),
-    ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(999,)), "stop_token_ids holds 999"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], SamplingParams(max_tokens=4), "the prompt is empty"),
+        ([1, 250, 3], SamplingParams(max_tokens=4), r"prompt token 1 is 250, outside the vocabulary \[0, 250\)"),
+        ([1, -1], SamplingParams(max_tokens=4), r"prompt token 1 is -1"),
+        (
+            list(range(1, 121)),
+            SamplingParams(max_tokens=20),
+            "maximum context length is 128 tokens. However, you "
+            r"requested 140 tokens \(120 in the prompt, 20 for the",
+        ),
+        ([1, 2], SamplingParams(max_tokens=127), "maximum context length is 128"),
+        ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(999,)), "stop_token_ids holds 999"),
+    ],
+)
 def test_bad_requests_are_refused_at_admission(tp1_llm, prompt, params, match):
     core = tp1_llm.engine_core
     with pytest.raises(RequestError, match=match):
@@ -272,9 +302,16 @@ def test_generate_checks_every_request_before_admitting_any(tp1_llm):
     assert not tp1_llm.engine_core.has_unfinished()
 
 
-@pytest.mark.parametrize("kw,match", [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                                      ({"max_tokens": 0}, "max_tokens"), ({"top_k": -5}, "top_k"),
-                                      ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ],
+)
 def test_sampling_params_out_of_range(kw, match):
     with pytest.raises(SamplingParamsError, match=match):
         SamplingParams(**kw)
@@ -340,7 +377,7 @@ def tiny_text(request):
     with torch.no_grad():
         w = llm.model.lm_head.weight
         printable = torch.zeros(w.shape[0], dtype=torch.bool)
-        printable[3 + 32: 3 + 127] = True
+        printable[3 + 32 : 3 + 127] = True
         w[~printable] = 0.0
         w[printable] *= 10.0
     core = llm.engine_core
@@ -406,16 +443,24 @@ def test_bench_host_runs_the_loop_it_times():
     4 more tokens take 4 decode steps: exactly 5 steps, 4 sequences each."""
     import argparse
 
-    from spanllm.bench.host import measure
+    from spanllm.commands.bench_host import measure
 
-    args = argparse.Namespace(requests=4, prompt_len=8, output_len=5, max_num_seqs=4, max_num_batched_tokens=64,
-                              block_size=4, vocab=8, temperature=0.0)
+    args = argparse.Namespace(
+        requests=4,
+        prompt_len=8,
+        output_len=5,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        vocab=8,
+        temperature=0.0,
+    )
     r = measure(args)
     assert r["steps"] == 5 and r["mean_sampled_per_step"] == 4.0
 
 
 def test_graph_ladders_cover_every_size_with_little_padding():
-    from spanllm.engine.paged_runner import bucket_ladder, token_ladder
+    from spanllm.engine.worker.model_runner import bucket_ladder, token_ladder
 
     for max_tokens in (16, 100, 1024, 8192, 16384):
         ladder = token_ladder(max_tokens)

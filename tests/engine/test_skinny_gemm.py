@@ -1,4 +1,4 @@
-"""skinny_linear (spanllm.engine.skinny_gemm) on CPU tensors under Triton's interpreter, its input checks
+"""skinny_linear (spanllm.kernels.skinny_gemm) on CPU tensors under Triton's interpreter, its input checks
 and its config heuristic; on a GPU, also the compiled kernel against F.linear.
 
 Triton decides at import whether it interprets: `triton.jit` (and triton.language's own jit helpers,
@@ -23,10 +23,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from spanllm.engine import arrival_counters
-from spanllm.engine import skinny_gemm as gemm  # imports without Triton (the CPU torch wheel): config tests run there too
 from triton_interpreter import patch_scalar_index, run_child_suite, widen_bf16_dot
+
+from spanllm.kernels import arrival_counters
+from spanllm.kernels import skinny_gemm as gemm
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -255,7 +255,9 @@ def test_table_lookup_takes_the_nearest_measured_bucket(monkeypatch):
     assert got == {1: a, 2: a, 3: b, 4: b, 5: b, 8: b, 9: b, 16: b}
     assert gemm.table_config(1, 5120, 8192, elem_bytes=4) is None and gemm.table_config(1, 5120, 4096) is None
     heuristic = gemm.choose_config(1, 5120, 8192, 132, use_table=False)
-    assert gemm.choose_config(1, 5120, 8192, 132) == a and heuristic == gemm.choose_config(1, 5120, 4096 * 2, 132, 2, False)
+    assert gemm.choose_config(1, 5120, 8192, 132) == a and heuristic == gemm.choose_config(
+        1, 5120, 4096 * 2, 132, 2, False
+    )
     monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {})
     assert gemm.choose_config(1, 5120, 8192, 132) == heuristic
     assert gemm.table_id().startswith("0 entries, sha1 ")
@@ -300,8 +302,9 @@ def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
     assert gemm.describe_auto(eight) == "1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
     q70, o70, gu70, d70 = SHAPES_TP2["70b"]
     seventy = [("qkv", *q70, 2), ("o", *o70, 2), ("gate_up", *gu70, 2), ("down", *d70, 2)]
-    assert gemm.describe_auto(seventy) == ("1-2 rows: skinny qkv, o, down; F.linear gate_up | "
-                                           "3-16 rows: skinny qkv, down; F.linear o, gate_up")
+    assert gemm.describe_auto(seventy) == (
+        "1-2 rows: skinny qkv, o, down; F.linear gate_up | 3-16 rows: skinny qkv, down; F.linear o, gate_up"
+    )
     gemm.prefer_skinny.cache_clear()
     monkeypatch.setattr(gemm, "MEASURED_US", {k: v for k, v in gemm.MEASURED_US.items() if k[1:3] != qkv})
     try:
@@ -333,7 +336,7 @@ def test_gpu_matches_f_linear(dtype):
     for m in (1, 5, 16):
         for n, k, cfg in [(5120, 8192, None), (1000, 1000, None), (1000, 1000, (64, 128, 4, 4, 3))]:
             x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
-            w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+            w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
             y = real.skinny_linear(x, w, config=cfg)
             ref = F.linear(x.double(), w.double())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -361,7 +364,7 @@ def test_gpu_split_k_merge_in_a_cuda_graph():
         if cfg is None:
             assert gemm.choose_config(m, n, k, gemm.num_sms_of(dev)).split_k > 1
         xr = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        wr = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        wr = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         ref = gemm.skinny_linear(xr, wr, config=cfg)
         for _ in range(20):
             assert torch.equal(gemm.skinny_linear(xr, wr, config=cfg), ref)
@@ -379,8 +382,8 @@ def test_tp_context_decode_gemm_modes():
     """Which decode GEMMs take the skinny kernel: 'torch' none, 'skinny' all of <= 16 rows, 'auto' those the
     measured table prefers, on CUDA tensors only (CPU tensors here: F.linear); the engine names the choice."""
     from spanllm.engine.config import EngineConfig
-    from spanllm.engine.layers import TPContext
     from spanllm.engine.llm import LLM
+    from spanllm.layers.tp import TPContext
 
     w = torch.zeros(6144, 4096, dtype=torch.bfloat16)  # the 8B's qkv at TP=1: auto's pick on a GPU
     x1, x16, x17 = (torch.zeros(m, 4096, dtype=torch.bfloat16) for m in (1, 16, 17))
@@ -402,7 +405,9 @@ def test_decode_gemm_defaults_of_the_commands():
     the kernel mix the perf model's engine constants describe."""
     import argparse
 
-    from spanllm.bench import batch, study, throughput
+    from spanllm.commands import bench_batch as batch
+    from spanllm.commands import bench_study as study
+    from spanllm.commands import bench_throughput as throughput
 
     def default(mod):
         p = argparse.ArgumentParser()

@@ -10,8 +10,14 @@ def test_fold_step_remainder_and_per_step():
     fold_step(b, {"gemm": 2.0, "attention": 1.0, "allreduce": 0.5, "pipeline": 0.0, "idle": 0.0, "other": 0.0}, 4.0)
     fold_step(b, {"gemm": 4.0, "attention": 1.0, "allreduce": 0.5, "pipeline": 0.0, "idle": 0.0, "other": 0.0}, 5.0)
     assert b.steps == 2 and b.total_ms == 9.0
-    assert b.per_step() == {"gemm": 3.0, "attention": 1.0, "allreduce": 0.5, "pipeline": 0.0, "idle": 0.0,
-                            "other": 0.25}  # (0.5 + 0.0) / 2: a step whose regions exceed it adds no negative rest
+    assert b.per_step() == {
+        "gemm": 3.0,
+        "attention": 1.0,
+        "allreduce": 0.5,
+        "pipeline": 0.0,
+        "idle": 0.0,
+        "other": 0.25,
+    }  # (0.5 + 0.0) / 2: a step whose regions exceed it adds no negative rest
 
 
 def test_cpu_timers_count_every_step_as_covered():
@@ -65,12 +71,12 @@ def test_gpu_path_excludes_spins_and_sorts_steps_by_coverage(monkeypatch):
     t = Timers("cuda", enabled=True, layer_spins=True)
 
     def step():
-        t.step_begin()           # start 1, spin 2..13
-        t.layer_begin()          # spin 14..25
-        with t.region("gemm"):   # 26..27
+        t.step_begin()  # start 1, spin 2..13
+        t.layer_begin()  # spin 14..25
+        with t.region("gemm"):  # 26..27
             pass
-        t.layer_begin()          # spin 28..39
-        t.step_end()             # end 40
+        t.layer_begin()  # spin 28..39
+        t.step_end()  # end 40
 
     _FakeEvent.spin_finished = False  # every spin still running when the host moved on: covered
     step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spanllm.engine.tokenizer import (ByteTokenizer, OffsetDetokenizer, TokenizerError, get_tokenizer)
+from spanllm.engine.tokenizer import ByteTokenizer, OffsetDetokenizer, TokenizerError, get_tokenizer
 
 TEXT = "héllo 🦜 wörld, 日本語 ok"
 
@@ -51,13 +51,17 @@ def test_offset_detokenizer_holds_back_partial_characters():
 def test_hf_checkpoint_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     t = Tokenizer(models.BPE(unk_token=None))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator([TEXT, "hello world " * 20], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.train_from_iterator(
+        [TEXT, "hello world " * 20],
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(tmp_path)

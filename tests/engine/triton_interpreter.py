@@ -58,8 +58,25 @@ def run_child_suite(path: str, expected_passed: int, selection: str) -> None:
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("PYTEST_ADDOPTS", None)  # e.g. a --junitxml of the parent's: the child must not overwrite it
-    out = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-k", selection,
-                          "-W", "ignore::RuntimeWarning"], capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            path,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            selection,
+            "-W",
+            "ignore::RuntimeWarning",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", summary).group(1)) if "passed" in summary else 0

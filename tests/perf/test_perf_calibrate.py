@@ -9,7 +9,7 @@ from spanllm.perf.calibrate import CalibrationError, calibrate, fit_algo_cost, p
 from spanllm.perf.hardware import PRESETS, load_cluster
 from spanllm.perf.measurements import AllReduceMeasurement
 
-SIZES = [2 ** k for k in range(12, 23)]
+SIZES = [2**k for k in range(12, 23)]
 
 
 def test_fit_recovers_known_constants():
@@ -21,16 +21,40 @@ def test_fit_recovers_known_constants():
     for s in SIZES:
         one_shot = s <= 256 * 1024
         t = 0.5 + base + (1 if one_shot else 2) * step + 2 * s / (450e3 * eff)  # LL8: 2 x M wire bytes either way
-        ms.append(AllReduceMeasurement("x", "nvrar", "nvrar", s, "bfloat16", 1, 2, True, t,
-                                       launch="os/b8x256w4" if one_shot else "rs/b64x1024w8"))
+        ms.append(
+            AllReduceMeasurement(
+                "x",
+                "nvrar",
+                "nvrar",
+                s,
+                "bfloat16",
+                1,
+                2,
+                True,
+                t,
+                launch="os/b8x256w4" if one_shot else "rs/b64x1024w8",
+            )
+        )
     fit = fit_algo_cost("nvrar", ms, host)
     assert fit.fitted_base  # two phase counts separate the per-call cost from the per-phase cost
     assert (fit.cost.base_us, fit.cost.nvlink_step_us, fit.cost.bw_efficiency) == pytest.approx((base, step, eff))
     assert fit.rms_rel_error < 1e-9
     # 2x1 alone: one phase count, so base_us stays the preset's and the step cost absorbs the difference
-    ms2 = [AllReduceMeasurement("x", "nvrar", "nvrar", s, "bfloat16", 2, 1, True,
-                                0.5 + base + step + 2 * s / (450e3 * eff) + 2 * s / 4300e3, launch="rs/b8x256w4")
-           for s in SIZES]
+    ms2 = [
+        AllReduceMeasurement(
+            "x",
+            "nvrar",
+            "nvrar",
+            s,
+            "bfloat16",
+            2,
+            1,
+            True,
+            0.5 + base + step + 2 * s / (450e3 * eff) + 2 * s / 4300e3,
+            launch="rs/b8x256w4",
+        )
+        for s in SIZES
+    ]
     fit2 = fit_algo_cost("nvrar", ms2, host)
     assert not fit2.fitted_base and fit2.cost.base_us == host.algo("nvrar").base_us
     assert fit2.cost.base_us + fit2.cost.nvlink_step_us == pytest.approx(base + step)
@@ -83,7 +107,7 @@ def test_cli_writes_a_preset_that_loads(tmp_path, bench):
     assert cal.run(args) == 0
     spec = load_cluster(out)
     assert spec.name == "lab"
-    assert allreduce_time_us("nvrar", 2 ** 20, spec, 2, 1) == pytest.approx(5.0 + 2 ** 20 / 150e3, rel=0.05)
+    assert allreduce_time_us("nvrar", 2**20, spec, 2, 1) == pytest.approx(5.0 + 2**20 / 150e3, rel=0.05)
 
 
 def test_parse_bytes():

@@ -12,14 +12,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _row(**kw):
-    row = {"model": "llama3.1-8b", "tp": 2, "pp": 1, "micro_batches": 1, "batch": 8, "prompt_len": 128,
-           "decode_len": 512, "allreduce": "nccl", "allreduce_ran": "nccl", "cuda_graphs": True}
+    row = {
+        "model": "llama3.1-8b",
+        "tp": 2,
+        "pp": 1,
+        "micro_batches": 1,
+        "batch": 8,
+        "prompt_len": 128,
+        "decode_len": 512,
+        "allreduce": "nccl",
+        "allreduce_ran": "nccl",
+        "cuda_graphs": True,
+    }
     return {**row, **kw}
 
 
 def test_row_case_reads_the_algorithm_the_engine_ran():
-    case = row_case(_row(allreduce="nvrar", allreduce_ran="nvrar[os/b8x256w4]",
-                         allreduce_ran_prefill="nvrar[rs/b64x1024w8]"))
+    case = row_case(
+        _row(allreduce="nvrar", allreduce_ran="nvrar[os/b8x256w4]", allreduce_ran_prefill="nvrar[rs/b64x1024w8]")
+    )
     assert (case.algo, case.prefill_algo) == ("nvrar", "nvrar")
     assert row_case(_row(allreduce_ran="auto->nvrar[os/b8x256w4]", allreduce_ran_prefill="nccl")).prefill_algo == "nccl"
     assert row_case(_row(tp=1, pp=2, allreduce_ran="none", allreduce_ran_prefill="none")).algo == "nccl"
@@ -33,8 +44,12 @@ def test_row_case_reads_the_algorithm_the_engine_ran():
 
 
 def test_compass_search_finds_a_bowl_minimum():
-    x, best = compass_search(lambda p: (p["a"] - 3.0) ** 2 + (p["b"] + 1.0) ** 2, {"a": 0.0, "b": 0.0},
-                             {"a": 1.0, "b": 1.0}, {"a": (0.0, 10.0), "b": (-5.0, 5.0)})
+    x, best = compass_search(
+        lambda p: (p["a"] - 3.0) ** 2 + (p["b"] + 1.0) ** 2,
+        {"a": 0.0, "b": 0.0},
+        {"a": 1.0, "b": 1.0},
+        {"a": (0.0, 10.0), "b": (-5.0, 5.0)},
+    )
     assert x["a"] == pytest.approx(3.0, abs=1e-4) and x["b"] == pytest.approx(-1.0, abs=1e-4) and best < 1e-8
     # bounds hold: the minimum of (a + 2)^2 on a >= 0 is at 0
     x, _ = compass_search(lambda p: (p["a"] + 2.0) ** 2, {"a": 1.0}, {"a": 1.0}, {"a": (0.0, 10.0)})
@@ -43,15 +58,22 @@ def test_compass_search_finds_a_bowl_minimum():
 
 def test_fit_recovers_known_engine_constants():
     """Rows the model itself produced with known constants (the fit set's layout and workloads) give them back."""
-    truth = EngineCost(decode_layer_us=60.0, attn_position_ns=25.0, attends_max_seq_len=True,
-                       eager_layer_host_us=900.0, prefill_efficiency=0.5)
+    truth = EngineCost(
+        decode_layer_us=60.0,
+        attn_position_ns=25.0,
+        attends_max_seq_len=True,
+        eager_layer_host_us=900.0,
+        prefill_efficiency=0.5,
+    )
     cluster = replace(PRESETS["h200x2"], engine=truth)
     rows = []
     for prompt, decode in ((128, 512), (2048, 32)):
         for b in (1, 8, 64):
             row = _row(batch=b, prompt_len=prompt, decode_len=decode)
             e = predict_row(row, cluster)
-            rows.append(EngineMeasurement("synthetic.json", "study", {**row, "ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms}))
+            rows.append(
+                EngineMeasurement("synthetic.json", "study", {**row, "ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms})
+            )
     fit = fit_engine(rows, replace(cluster, engine=EngineCost()))
     for name in ("decode_layer_us", "attn_position_ns", "eager_layer_host_us", "prefill_efficiency"):
         assert getattr(fit.cost, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
@@ -104,23 +126,33 @@ def test_study_log_rows(tmp_path):
 def test_cpu_runs_are_skipped_with_a_reason(tmp_path):
     """The presets model GPU machines: a benchmark JSON whose machine record lists no GPUs is not priced."""
     row = {"size": 1024, "algo": "gloo", "ran": "gloo", "time_us": 50.0, "ranks_per_node": 2, "world_size": 4}
-    (tmp_path / "cpu.json").write_text(json.dumps({"kind": "allreduce", "machine": {"gpus": []},
-                                                   "settings": {"topology": "2x2"}, "rows": [row]}))
-    (tmp_path / "tiny.json").write_text(json.dumps({"kind": "study", "machine": {"gpus": []}, "rows": [{"model": "tiny"}]}))
+    (tmp_path / "cpu.json").write_text(
+        json.dumps({"kind": "allreduce", "machine": {"gpus": []}, "settings": {"topology": "2x2"}, "rows": [row]})
+    )
+    (tmp_path / "tiny.json").write_text(
+        json.dumps({"kind": "study", "machine": {"gpus": []}, "rows": [{"model": "tiny"}]})
+    )
     ar, eng, skipped = load_results(result_files(tmp_path))
     assert ar == [] and eng == []
-    assert sorted(skipped) == [f"{tmp_path / n}: a CPU run (no GPUs in its 'machine' record): the presets model GPU machines"
-                               for n in ("cpu.json", "tiny.json")]
+    assert sorted(skipped) == [
+        f"{tmp_path / n}: a CPU run (no GPUs in its 'machine' record): the presets model GPU machines"
+        for n in ("cpu.json", "tiny.json")
+    ]
 
 
 def test_compiled_and_skinny_rows_are_skipped_with_a_reason(tmp_path):
     """The engine constants describe the eager forward with F.linear: rows of a compiled step or of the
     skinny GEMM are listed as skipped, the file's other rows still count."""
-    rows = [{"model": "llama3.1-8b", "batch": 1}, {"model": "llama3.1-8b", "batch": 1, "compile_decode": True},
-            {"model": "llama3.1-8b", "batch": 1, "decode_gemm": "skinny"}, {"model": "llama3.1-8b", "batch": 8,
-                                                                            "decode_gemm": "torch", "compile_decode": False}]
+    rows = [
+        {"model": "llama3.1-8b", "batch": 1},
+        {"model": "llama3.1-8b", "batch": 1, "compile_decode": True},
+        {"model": "llama3.1-8b", "batch": 1, "decode_gemm": "skinny"},
+        {"model": "llama3.1-8b", "batch": 8, "decode_gemm": "torch", "compile_decode": False},
+    ]
     (tmp_path / "batch_x.json").write_text(json.dumps({"kind": "batch", "machine": {"gpus": ["H200"]}, "rows": rows}))
     _, eng, skipped = load_results(result_files(tmp_path))
     assert [e.row["batch"] for e in eng] == [1, 8] and not any(e.row.get("compile_decode") for e in eng)
-    assert skipped == [f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm other than 'torch': "
-                       "the engine model's constants describe the eager forward with F.linear"]
+    assert skipped == [
+        f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm other than 'torch': "
+        "the engine model's constants describe the eager forward with F.linear"
+    ]

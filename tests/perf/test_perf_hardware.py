@@ -6,7 +6,14 @@ import pytest
 
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.hardware import (
-    H200X2_FIT, PRESETS, AlgoCost, ClusterSpecError, cluster_from_dict, cluster_to_dict, load_cluster, save_cluster,
+    H200X2_FIT,
+    PRESETS,
+    AlgoCost,
+    ClusterSpecError,
+    cluster_from_dict,
+    cluster_to_dict,
+    load_cluster,
+    save_cluster,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,8 +79,11 @@ def test_errors_name_the_value_and_the_fix():
 
 def test_user_cluster_files_json_and_toml(tmp_path):
     j = tmp_path / "mine.json"
-    j.write_text(json.dumps({"base": "dgx-h100", "name": "mine", "nic_GBps_per_gpu": 25.0,
-                             "algos": {"nvrar": {"net_step_us": 9.0}}}))
+    j.write_text(
+        json.dumps(
+            {"base": "dgx-h100", "name": "mine", "nic_GBps_per_gpu": 25.0, "algos": {"nvrar": {"net_step_us": 9.0}}}
+        )
+    )
     spec = load_cluster(j)
     assert spec.name == "mine" and spec.nic_GBps_per_gpu == 25.0 and spec.gpus_per_node == 8
     assert spec.algos["nvrar"].net_step_us == 9.0 and spec.algos["nvrar"].wire_factor == 2.0
@@ -99,8 +109,9 @@ def test_perf_imports_no_torch():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=root).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    ).stdout.strip()
     assert out == "False"
 
 

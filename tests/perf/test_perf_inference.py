@@ -3,9 +3,22 @@ import pytest
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import (
-    KERNELS_PER_LAYER, P2P_OVERHEAD_US, InferenceModelError, Layout, Workload, decode_attention_us, decode_positions,
-    estimate, fill_ms, gemm_time_us, kv_heads_per_gpu, layer_gemm_us, memory_per_gpu, prefill_attention_us,
-    stage_boundaries_over_network, tp_group_shape,
+    KERNELS_PER_LAYER,
+    P2P_OVERHEAD_US,
+    InferenceModelError,
+    Layout,
+    Workload,
+    decode_attention_us,
+    decode_positions,
+    estimate,
+    fill_ms,
+    gemm_time_us,
+    kv_heads_per_gpu,
+    layer_gemm_us,
+    memory_per_gpu,
+    prefill_attention_us,
+    stage_boundaries_over_network,
+    tp_group_shape,
 )
 from spanllm.perf.model_shape import MODELS, ModelShapeError, get_model
 
@@ -39,7 +52,7 @@ def test_attention_hand_computed(round_cluster):
     assert decode_attention_us(m, 4, 1000, 4, round_cluster) == pytest.approx(4 * 1000 * 2 * 2 * 128 * 2 / 1e6)
     assert kv_heads_per_gpu(m, 16) == 1  # replicated past kv_heads
     # prefill: 2 x batch x T^2 x hidden / tp FLOPs at 1e8 FLOP/us
-    assert prefill_attention_us(m, 2, 1024, 8, round_cluster) == pytest.approx(2 * 2 * 1024 ** 2 * 8192 / 8 / 1e8)
+    assert prefill_attention_us(m, 2, 1024, 8, round_cluster) == pytest.approx(2 * 2 * 1024**2 * 8192 / 8 / 1e8)
 
 
 def test_decode_step_tp_hand_computed(round_cluster):
@@ -48,8 +61,12 @@ def test_decode_step_tp_hand_computed(round_cluster):
     w = Workload(batch=2, prompt_len=100, decode_len=21)
     e = estimate(m, c, Layout(4), w, "nvrar")
     ctx = 100 + 21 / 2
-    layer = (layer_gemm_us(m, 2, 4, c) + decode_attention_us(m, 2, ctx, 4, c)
-             + 2 * allreduce_time_us("nvrar", 2 * 4096 * 2, c, 1, 4) + KERNELS_PER_LAYER * 0.5)
+    layer = (
+        layer_gemm_us(m, 2, 4, c)
+        + decode_attention_us(m, 2, ctx, 4, c)
+        + 2 * allreduce_time_us("nvrar", 2 * 4096 * 2, c, 1, 4)
+        + KERNELS_PER_LAYER * 0.5
+    )
     lm = max(2 * 2 * m.embedding_params / 4 / 1e8, m.embedding_params / 4 * 2 / 1e6)
     assert e.tpot_ms == pytest.approx((32 * layer + lm) / 1e3)
     assert e.e2e_ms == pytest.approx(e.ttft_ms + 20 * e.tpot_ms)
@@ -96,13 +113,19 @@ def test_decode_memory_bound_scales_with_tp_and_prefill_with_flops():
     assert t[0] / t[-1] == pytest.approx(8, rel=0.15)
     big = estimate(m, c, Layout(8), Workload(8, 4096, 16), "nccl")
     assert big.prefill_ms["gemm"] == pytest.approx(
-        2 * 8 * 4096 * m.layer_params / 8 * 80 / (c.bf16_TFLOPs * 1e6 * c.gemm_efficiency) / 1e3, rel=0.02)
+        2 * 8 * 4096 * m.layer_params / 8 * 80 / (c.bf16_TFLOPs * 1e6 * c.gemm_efficiency) / 1e3, rel=0.02
+    )
 
 
 # --- the engine's own costs (hardware.EngineCost), hand-computed on the round cluster -------------------
 
-ENGINE = {"decode_layer_us": 20.0, "attn_position_ns": 10.0, "attends_max_seq_len": True,
-          "eager_layer_host_us": 10000.0, "prefill_efficiency": 0.5}
+ENGINE = {
+    "decode_layer_us": 20.0,
+    "attn_position_ns": 10.0,
+    "attends_max_seq_len": True,
+    "eager_layer_host_us": 10000.0,
+    "prefill_efficiency": 0.5,
+}
 
 
 def test_decode_attention_adds_a_serial_cost_per_position(make_cluster):
@@ -123,8 +146,14 @@ def test_decode_step_with_engine_costs_hand_computed(make_cluster):
     c, m = make_cluster(engine=ENGINE), MODELS["llama3.1-8b"]
     e = estimate(m, c, Layout(4), Workload(batch=2, prompt_len=100, decode_len=21), "nccl")
     kv = 2 * 121 * (2 * 2 * 128 * 2) / 1e6  # 8 KV heads / tp 4 = 2 per GPU
-    layer = (layer_gemm_us(m, 2, 4, c) + kv + 121 * 0.010 + 2 * allreduce_time_us("nccl", 2 * 4096 * 2, c, 1, 4)
-             + KERNELS_PER_LAYER * 0.5 + 20.0)
+    layer = (
+        layer_gemm_us(m, 2, 4, c)
+        + kv
+        + 121 * 0.010
+        + 2 * allreduce_time_us("nccl", 2 * 4096 * 2, c, 1, 4)
+        + KERNELS_PER_LAYER * 0.5
+        + 20.0
+    )
     lm = m.embedding_params / 4 * 2 / 1e6
     assert e.tpot_ms == pytest.approx((32 * layer + lm) / 1e3)
     assert e.decode_ms["fixed"] == pytest.approx(32 * (6.0 + 20.0) / 1e3)

@@ -12,12 +12,29 @@ PREFILL_HEAVY = Workload(batch=8, prompt_len=4096, decode_len=4)
 
 
 def _fast_and_slow_network(make_cluster):
-    fast = make_cluster(name="fast", nic_GBps_per_gpu=100.0, nic_latency_us=1.0,
-                        algos={k: {"net_step_us": 1.0} for k in ("nvrar", "nccl_ring/LL", "nccl_tree/LL")})
-    slow = make_cluster(name="slow", nic_GBps_per_gpu=1.0, nic_latency_us=500.0,
-                        algos={k: {"net_step_us": 500.0} for k in ("nvrar", "nccl_ring/LL", "nccl_tree/LL",
-                                                                     "nccl_ring/LL128", "nccl_tree/LL128",
-                                                                     "nccl_ring/Simple", "nccl_tree/Simple")})
+    fast = make_cluster(
+        name="fast",
+        nic_GBps_per_gpu=100.0,
+        nic_latency_us=1.0,
+        algos={k: {"net_step_us": 1.0} for k in ("nvrar", "nccl_ring/LL", "nccl_tree/LL")},
+    )
+    slow = make_cluster(
+        name="slow",
+        nic_GBps_per_gpu=1.0,
+        nic_latency_us=500.0,
+        algos={
+            k: {"net_step_us": 500.0}
+            for k in (
+                "nvrar",
+                "nccl_ring/LL",
+                "nccl_tree/LL",
+                "nccl_ring/LL128",
+                "nccl_tree/LL128",
+                "nccl_ring/Simple",
+                "nccl_tree/Simple",
+            )
+        },
+    )
     return fast, slow
 
 
@@ -65,8 +82,18 @@ def test_layouts_that_do_not_fit_are_reported_and_never_best():
 
 def test_cli_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    args = Namespace(model="llama3.1-8b", cluster="h200x2", nodes=1, batch=4, prompt=256, decode=32,
-                     no_cuda_graphs=False, top=0, json=out, plot=png)
+    args = Namespace(
+        model="llama3.1-8b",
+        cluster="h200x2",
+        nodes=1,
+        batch=4,
+        prompt=256,
+        decode=32,
+        no_cuda_graphs=False,
+        top=0,
+        json=out,
+        plot=png,
+    )
     assert plan_mod.run(args) == 0
     doc = json.loads(out.read_text())
     assert doc["best"]["layout"] == doc["rows"][0]["layout"]

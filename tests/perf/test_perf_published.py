@@ -39,8 +39,19 @@ def test_plan_prints_ranges_and_accepts_a_calibrated_file(tmp_path, capsys):
     f = tmp_path / "mine.json"
     save_cluster(PRESETS["perlmutter"], f)
     out = tmp_path / "plan.json"
-    args = Namespace(model="llama3.1-70b", cluster=str(f), nodes=2, batch=8, prompt=128, decode=64,
-                     no_cuda_graphs=False, top=0, json=out, plot=None, no_ranges=False)
+    args = Namespace(
+        model="llama3.1-70b",
+        cluster=str(f),
+        nodes=2,
+        batch=8,
+        prompt=128,
+        decode=64,
+        no_cuda_graphs=False,
+        top=0,
+        json=out,
+        plot=None,
+        no_ranges=False,
+    )
     assert plan_mod.run(args) == 0
     doc = json.loads(out.read_text())
     row = doc["rows"][0]

@@ -47,8 +47,15 @@ def test_perlmutter_round_hand_computed():
     # + LL8 bytes 2 x 3/4 x 4096 x 2 / (300 GB/s x 0.813) + 2 rounds x 16.965 + 2 x 1024 x 2 / (25 GB/s x 0.813)
     # + staging 2 x 1024 x 2 B at 1555 x 0.85 GB/s
     m = 4096
-    want = (0.6 + 3.13 + 2 * 0.765 + 2 * 0.75 * m * 2 / (300e3 * 0.813) + 2 * 16.965 + 2 * 1024 * 2 / (25e3 * 0.813)
-            + 2 * 1024 * 2 / (1555e3 * 0.85))
+    want = (
+        0.6
+        + 3.13
+        + 2 * 0.765
+        + 2 * 0.75 * m * 2 / (300e3 * 0.813)
+        + 2 * 16.965
+        + 2 * 1024 * 2 / (25e3 * 0.813)
+        + 2 * 1024 * 2 / (1555e3 * 0.85)
+    )
     assert allreduce_time_us("nvrar", m, c, 4, launch="rs/b4x256w4") == pytest.approx(want)
 
 

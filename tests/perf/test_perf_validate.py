@@ -8,7 +8,7 @@ from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import Layout, Workload, estimate
 from spanllm.perf.model_shape import MODELS
 
-SIZES = [2 ** k for k in range(12, 23)]
+SIZES = [2**k for k in range(12, 23)]
 
 
 def engine_doc():
@@ -16,10 +16,28 @@ def engine_doc():
     rows = []
     for tp, pp, algo in ((2, 1, "nccl"), (2, 1, "nvrar"), (1, 2, "nccl")):
         e = estimate(m, PRESETS["h200x2"], Layout(tp, pp), Workload(4, 256, 32), algo)
-        rows.append({"model": "llama3.1-8b", "truncated_layers": None, "tp": tp, "pp": pp, "micro_batches": 1,
-                     "batch": 4, "prompt_len": 256, "decode_len": 32, "workload": "decode-heavy", "allreduce": algo,
-                     "allreduce_ran": algo, "dtype": "bfloat16", "ttft_ms": e.ttft_ms * 1.2, "tpot_ms": e.tpot_ms * 0.9,
-                     "e2e_ms": e.e2e_ms, "throughput_tok_s": 1.0, "breakdown_ms": {}, "cuda_graphs": True})
+        rows.append(
+            {
+                "model": "llama3.1-8b",
+                "truncated_layers": None,
+                "tp": tp,
+                "pp": pp,
+                "micro_batches": 1,
+                "batch": 4,
+                "prompt_len": 256,
+                "decode_len": 32,
+                "workload": "decode-heavy",
+                "allreduce": algo,
+                "allreduce_ran": algo,
+                "dtype": "bfloat16",
+                "ttft_ms": e.ttft_ms * 1.2,
+                "tpot_ms": e.tpot_ms * 0.9,
+                "e2e_ms": e.e2e_ms,
+                "throughput_tok_s": 1.0,
+                "breakdown_ms": {},
+                "cuda_graphs": True,
+            }
+        )
     rows[2]["allreduce_ran"] = "none"  # what the engine writes at tp 1
     rows[1]["model"] = "llama3.1-8b:layers=32"  # the engine's preset spelling
     rows[1]["allreduce_ran"] = "nvrar[os/b8x256w4]"  # the launch the tuned table chose, as the engine writes it
@@ -48,8 +66,14 @@ def results(tmp_path, bench):
 def test_report_on_synthetic_results(results):
     rep = val.validate(results, PRESETS["h200x2"])
     cats = rep["summary"]
-    assert {"allreduce/preset", "allreduce/holdout-sizes", "allreduce/cross-topology", "engine/ttft", "engine/tpot",
-            "engine/e2e"} <= set(cats)
+    assert {
+        "allreduce/preset",
+        "allreduce/holdout-sizes",
+        "allreduce/cross-topology",
+        "engine/ttft",
+        "engine/tpot",
+        "engine/e2e",
+    } <= set(cats)
     # linear truths are recovered from every other size: held-out errors are small
     assert cats["allreduce/holdout-sizes"]["median_abs_rel_error"] < 0.05
     # the engine rows were built from the preset model with TTFT x 1.2 and TPOT x 0.9; validation prices
@@ -70,7 +94,10 @@ def test_report_on_synthetic_results(results):
     assert sum(r["category"] == "engine/tpot" for r in rep["records"]) == 3  # all three known-model rows
     assert not any("nvrar" in s for s in rep["skipped"])  # 'nvrar[os/...]' is nvrar with a launch
     assert {r["group"] for r in rep["records"] if r["category"] == "engine/e2e"} == {
-        "llama3.1-8b TP2 nccl", "llama3.1-8b TP2 nvrar", "llama3.1-8b TP1xPP2 m=1"}
+        "llama3.1-8b TP2 nccl",
+        "llama3.1-8b TP2 nvrar",
+        "llama3.1-8b TP1xPP2 m=1",
+    }
     # no file here holds the rows the preset's engine constants came from: nothing scored as fitted
     assert not any(r["category"].startswith("engine-fit/") for r in rep["records"])
     assert rep["engine_fit"]["n_rows"] == 0 and rep["engine_fit"]["refit"].startswith("not rerun")

@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import pytest
 import torch
 
 from spanllm.engine.config import EngineConfig
@@ -22,14 +21,18 @@ NUM_KV_BLOCKS = 256
 
 
 def make_llm(**engine) -> LLM:
-    llm = LLM("tiny", EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=engine.pop("num_kv_blocks", NUM_KV_BLOCKS),
-                                   **engine), device=torch.device("cpu"))
+    llm = LLM(
+        "tiny",
+        EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=engine.pop("num_kv_blocks", NUM_KV_BLOCKS), **engine),
+        device=torch.device("cpu"),
+    )
     llm.get_tokenizer()
     return llm
 
 
-def start_cli_server(serve_args: list[str], deadline: float, what: str = "the server",
-                     env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_cli_server(
+    serve_args: list[str], deadline: float, what: str = "the server", env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
     """`spanllm serve SERVE_ARGS` (with --port 0) as a subprocess; returns (the process, its base URL) once it
     prints the address it bound, by `deadline` (time.monotonic()). Kills it if it never comes up."""
     cmd = [sys.executable, "-m", "spanllm.cli", "serve", *serve_args]
@@ -119,8 +122,11 @@ def metrics_of(base_url: str) -> dict[str, float]:
 
 def metric_of(base_url: str, name: str, **labels) -> float:
     """The sum of name's samples with these labels."""
-    return sum(v for k, v in metrics_of(base_url).items()
-               if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
+    return sum(
+        v
+        for k, v in metrics_of(base_url).items()
+        if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())
+    )
 
 
 class Running:
@@ -163,11 +169,15 @@ def stop_server(r: Running) -> None:
 
 def offline_greedy(ctx, prompts: list[str], max_tokens: int):
     """LLM.generate on every rank of a launch() job (TP = world size); rank 0's texts."""
-    from spanllm.engine.parallel_dims import ParallelDims
     from spanllm.engine.sampler import SamplingParams
+    from spanllm.model.parallel_dims import ParallelDims
 
-    llm = LLM("tiny", EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=NUM_KV_BLOCKS),
-              dims=ParallelDims(ctx.world_size, 1, ctx.world_size), device=torch.device("cpu"))
+    llm = LLM(
+        "tiny",
+        EngineConfig(dtype=torch.float32, seed=0, num_kv_blocks=NUM_KV_BLOCKS),
+        dims=ParallelDims(ctx.world_size, 1, ctx.world_size),
+        device=torch.device("cpu"),
+    )
     llm.get_tokenizer()
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))

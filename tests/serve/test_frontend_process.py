@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from serve_helpers import children, make_llm, metric_of, sigterm_and_check, start_cli_server
 
 from spanllm.engine.sampler import SamplingParams
@@ -22,8 +21,21 @@ def test_frontend_process_serves_the_engines_text_and_stops():
     llm = make_llm()
     want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))]
     llm.close()
-    proc, base = start_cli_server(["--model", "tiny", "--dtype", "float32", "--num-kv-blocks", "256", "--port", "0",
-                                   "--no-warmup", "--frontend-process"], time.monotonic() + 120)
+    proc, base = start_cli_server(
+        [
+            "--model",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "256",
+            "--port",
+            "0",
+            "--no-warmup",
+            "--frontend-process",
+        ],
+        time.monotonic() + 120,
+    )
     try:
         frontends = children(proc.pid)
         assert frontends, "no front-end process under the server"
@@ -33,8 +45,16 @@ def test_frontend_process_serves_the_engines_text_and_stops():
             r = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
             assert r.choices[0].text == w and r.choices[0].finish_reason == "length"
             done_tokens += r.usage.completion_tokens
-            chunks = list(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
-                                               stream_options={"include_usage": True}))
+            chunks = list(
+                c.completions.create(
+                    model="tiny",
+                    prompt=p,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == w
             assert chunks[-1].usage.completion_tokens == 12
             done_tokens += 12
@@ -44,16 +64,20 @@ def test_frontend_process_serves_the_engines_text_and_stops():
         # Bad requests: refused in the front end, named, and the server goes on.
         bad = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1}, timeout=10)
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
-        long = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000},
-                          timeout=10)
+        long = httpx.post(
+            base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000}, timeout=10
+        )
         assert long.status_code == 400 and "4096" in long.json()["error"]["message"]
         # /metrics counts exactly what was served (7 requests, their tokens), nothing running.
         assert metric_of(base, "spanllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS) + 1
         assert metric_of(base, "spanllm:generation_tokens_total") == done_tokens
         # A client that goes away mid-stream: its request is aborted and its blocks are freed.
-        with httpx.stream("POST", base + "/v1/completions", timeout=30,
-                          json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "temperature": 0,
-                                "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            base + "/v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": "abc", "max_tokens": 2000, "temperature": 0, "stream": True},
+        ) as s:
             for n, _ in enumerate(s.iter_lines()):
                 if n >= 3:
                     break
@@ -63,7 +87,10 @@ def test_frontend_process_serves_the_engines_text_and_stops():
             time.sleep(0.1)
         assert metric_of(base, "spanllm:num_requests_running") == 0
         assert metric_of(base, "spanllm:kv_cache_usage_perc") == 0.0
-        assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
+        assert (
+            c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
+            == want[0]
+        )
         sigterm_and_check(proc, frontends, "the server", "the front-end process outlived the server")
     finally:
         if proc.poll() is None:
@@ -91,7 +118,7 @@ def test_engine_side_refuses_adds_after_abort_all():
                 msg = theirs.recv()
                 if msg[0] == "events":
                     got += msg[1]
-        (rid, ev), = got
+        ((rid, ev),) = got
         assert rid == "r1" and ev.finish_reason == "abort" and ev.num_output == 0
         assert llm.engine_core.stats.generation_tokens == 0
     finally:

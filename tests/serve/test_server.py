@@ -13,9 +13,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
 
-from spanllm.engine.sampler import SamplingParams
-
 from serve_helpers import make_llm, start_server, stop_server
+
+from spanllm.engine.sampler import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
 
@@ -25,8 +25,10 @@ def offline():
     """Greedy outputs of the offline engine (same preset, same seed: the same weights)."""
     llm = make_llm()
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
-    chat = llm.generate([llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])],
-                        SamplingParams(max_tokens=10, temperature=0.0))
+    chat = llm.generate(
+        [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])],
+        SamplingParams(max_tokens=10, temperature=0.0),
+    )
     llm.close()
     return [o.text for o in outs], chat[0].text
 
@@ -48,9 +50,20 @@ def test_completions_match_offline(server, offline):
         r = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
         assert r.choices[0].text == want
         assert r.choices[0].finish_reason in ("length", "stop")
-        assert r.usage.completion_tokens <= 12 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-        chunks = list(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}))
+        assert (
+            r.usage.completion_tokens <= 12
+            and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        )
+        chunks = list(
+            c.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
@@ -70,19 +83,41 @@ def test_chat_match_offline(server, offline):
     msgs = [{"role": "user", "content": "hi"}]
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
-    chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
 def test_stop_and_sampling_params(server):
     c = client(server)
-    r = c.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
-                             extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
+    r = c.completions.create(
+        model="tiny",
+        prompt="abc",
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 8
-    r2 = c.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0.8, top_p=0.9, seed=3,
-                              extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True})
+    r2 = c.completions.create(
+        model="tiny",
+        prompt="abc",
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        extra_body={"top_k": 20, "min_tokens": 8, "ignore_eos": True},
+    )
     assert r2.choices[0].text == r.choices[0].text  # seeded
     # The same seeded request offline (same weights: make_llm is deterministic) gives the same text, and a
     # different seed other tokens: the sampling parameters reached the sampler.
@@ -92,17 +127,20 @@ def test_stop_and_sampling_params(server):
     assert out3.text == r.choices[0].text and out3.output_ids != out4.output_ids
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "model": "nope"}, "model"),
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "hi", "temperature": 5}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "max_tokens": 5000}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": [99999]}, "prompt"),
-    ({"messages": "nope"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "model": "nope"}, "model"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "temperature": 5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "max_tokens": 5000}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [99999]}, "prompt"),
+        ({"messages": "nope"}, "messages"),
+    ],
+)
 def test_bad_requests(server, body, param):
     url = server.base_url + ("/v1/chat/completions" if "messages" in body else "/v1/completions")
     r = httpx.post(url, json=body)
@@ -116,7 +154,9 @@ def test_bad_requests(server, body, param):
 
 
 def test_malformed_json(server):
-    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     with pytest.raises(openai.BadRequestError):
         client(server).completions.create(model="tiny", prompt="x", max_tokens=0)
@@ -151,7 +191,7 @@ def test_disconnect_frees_blocks(server):
 
 def test_200_requests_rate_inf_and_metrics(server):
     from spanllm.bench.datasets import sample_random
-    from spanllm.bench.serve import ServeBenchConfig, run_benchmark
+    from spanllm.commands.bench_serve import ServeBenchConfig, run_benchmark
     from spanllm.engine.tokenizer import ByteTokenizer
 
     assert _wait_idle(server)
@@ -159,8 +199,9 @@ def test_200_requests_rate_inf_and_metrics(server):
     ok0 = server.metric("spanllm:request_success_total")
     ttft0 = server.metric("spanllm:time_to_first_token_seconds_count")
     samples = sample_random(ByteTokenizer(), 200, input_len=16, output_len=8)
-    res = run_benchmark(samples, ServeBenchConfig(base_url=server.base_url, request_rate=math.inf, ignore_eos=True,
-                                                  show_progress=False))
+    res = run_benchmark(
+        samples, ServeBenchConfig(base_url=server.base_url, request_rate=math.inf, ignore_eos=True, show_progress=False)
+    )
     assert res["completed"] == 200 and res["failed"] == 0, [e for e in res["errors"] if e][:3]
     assert sum(res["output_lens"]) == 200 * 8
     assert _wait_idle(server)
@@ -174,10 +215,15 @@ def test_queue_full_503_nothing_admitted_lost():
     llm = make_llm(max_num_seqs=1)
     r = start_server(llm, model_name="tiny", max_queued_requests=2)
     try:
+
         async def go():
             async with httpx.AsyncClient(base_url=r.base_url, timeout=60) as h:
-                return await asyncio.gather(*[h.post("/v1/completions", json={
-                    "prompt": f"p{i}", "max_tokens": 16, "ignore_eos": True}) for i in range(12)])
+                return await asyncio.gather(
+                    *[
+                        h.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 16, "ignore_eos": True})
+                        for i in range(12)
+                    ]
+                )
 
         resps = asyncio.run(go())
         codes = [x.status_code for x in resps]
@@ -199,8 +245,11 @@ def test_shutdown_aborts_open_streams():
     r = start_server(llm, model_name="tiny")
     try:
         with httpx.Client(timeout=30) as h:
-            with h.stream("POST", r.base_url + "/v1/completions",
-                          json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as resp:
+            with h.stream(
+                "POST",
+                r.base_url + "/v1/completions",
+                json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+            ) as resp:
                 lines = resp.iter_lines()
                 next(line for line in lines if line.startswith("data:"))
                 t0 = time.monotonic()

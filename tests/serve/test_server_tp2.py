@@ -11,7 +11,6 @@ import os
 import time
 
 import pytest
-
 from serve_helpers import descendants, offline_greedy, sigterm_and_check, start_cli_server
 
 httpx = pytest.importorskip("httpx")
@@ -29,9 +28,26 @@ def test_tp2_server_matches_tp1_and_sigterm():
     # A 10 s collective timeout and a 0.5 s heartbeat: the idle pause below outlasts the timeout, so the server
     # only keeps answering because the idle engine thread keeps the worker rank's wait short.
     deadline = time.monotonic() + 180
-    proc, base = start_cli_server(["--model", "tiny", "--dtype", "float32", "--nprocs", "2", "--num-kv-blocks", "256",
-                                   "--port", "0", "--no-warmup", "--pg-timeout", "10"], deadline, "the TP=2 server",
-                                  env={**os.environ, "SPANLLM_SERVE_HEARTBEAT_S": "0.5"})
+    proc, base = start_cli_server(
+        [
+            "--model",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--nprocs",
+            "2",
+            "--num-kv-blocks",
+            "256",
+            "--port",
+            "0",
+            "--no-warmup",
+            "--pg-timeout",
+            "10",
+        ],
+        deadline,
+        "the TP=2 server",
+        env={**os.environ, "SPANLLM_SERVE_HEARTBEAT_S": "0.5"},
+    )
     try:
         while httpx.get(base + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the TP=2 server never turned healthy"
@@ -45,7 +61,10 @@ def test_tp2_server_matches_tp1_and_sigterm():
         assert r.usage.completion_tokens <= 4
         time.sleep(12)  # idle for longer than the collective timeout
         assert proc.poll() is None, "the idle TP=2 server exited"
-        assert c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text == want[0]
+        assert (
+            c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0).choices[0].text
+            == want[0]
+        )
         below = descendants(proc.pid)  # the ranks, rank 0's front-end process, multiprocessing's helpers
         sigterm_and_check(proc, below, "the TP=2 server", "a rank or the front end outlived the server")
     finally:

@@ -1,0 +1,100 @@
+"""`spanllm bench host`: the serving engine's host time per step, without a model.
+
+The engine's loop (schedule -> plan -> run -> sample -> append / finish) runs with a runner that returns
+zero logits at once, so what is timed is the host's share of a step: the scheduler, `plan_step`, the
+sampler's calls and the per-request outputs. On a GPU this time is serialized with the step's kernels
+(nothing overlaps it yet), so it adds to every inter-token latency.
+
+    spanllm bench host --requests 600 --prompt-len 230 --output-len 150 --max-num-seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+class _NoModel:
+    """A runner that computes nothing: logits of zeros for the rows that sample."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, vocab: int) -> None:
+        from spanllm.engine.worker.host_staging import HostStaging
+
+        self.vocab = vocab
+        self.staging = HostStaging(self.device, 0)  # CPU: arrays as they are, as the real runner's
+
+    def execute(self, x, prev_tokens=None):
+        return torch.zeros(len(x.logits_rows), self.vocab)
+
+    def reset_graphs(self) -> None:
+        pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--prompt-len", type=int, default=230)
+    parser.add_argument("--output-len", type=int, default=150)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=64, help="width of the fake logits (sampling cost scales with it)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from spanllm.engine.core.block_manager import BlockManager
+    from spanllm.engine.core.scheduler import SchedulerConfig
+    from spanllm.engine.engine_core import EngineCore
+    from spanllm.engine.sampler import SamplingParams
+
+    per_seq = -(-(args.prompt_len + args.output_len) // args.block_size)
+    core = EngineCore(
+        _NoModel(args.vocab),
+        BlockManager(args.max_num_seqs * per_seq + 2, args.block_size),
+        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prompt_len + args.output_len),
+        vocab_size=max(args.vocab, 2),
+        eos_token_ids=(1,),
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    for _ in range(args.requests):
+        core.add_request([2] * args.prompt_len, params)
+    t0 = time.perf_counter()
+    steps = 0
+    while core.has_unfinished():
+        core.step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    sampled = core.stats.generation_tokens  # one per sequence and step that sampled
+    return {
+        "steps": steps,
+        "seconds": elapsed,
+        "ms_per_step": 1e3 * elapsed / steps,
+        "mean_sampled_per_step": sampled / steps,
+        "us_per_sampled_token": 1e6 * elapsed / max(sampled, 1),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from spanllm.errors import UsageError
+
+    for name in ("requests", "prompt_len", "output_len", "max_num_seqs", "block_size", "repeats", "vocab"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    rows = [measure(args) for _ in range(args.repeats)]
+    best = min(rows, key=lambda r: r["ms_per_step"])
+    print(
+        f"host time per engine step: {best['ms_per_step']:.2f} ms (best of {args.repeats}; {best['steps']} steps, "
+        f"{best['mean_sampled_per_step']:.0f} tokens sampled per step on average, {best['us_per_sampled_token']:.1f} "
+        "us per sampled token)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "runs": rows}, f, indent=1)
+    return 0

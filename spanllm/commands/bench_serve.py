@@ -1,0 +1,574 @@
+"""`spanllm bench serve`: load test for any OpenAI-compatible server (spanllm, vLLM, SGLang, transformers serve).
+
+The flags, sampling, arrival process, metrics and JSON field names are those of vLLM's `vllm bench serve`
+(`vllm/benchmarks/serve.py`), so the numbers compare one to one:
+
+    spanllm bench serve --base-url http://127.0.0.1:8000 --tokenizer llama3.1-8b --dataset-name sharegpt \\
+        --num-prompts 1000 --request-rate 1,2,4,8,16,32,inf --result-dir results/serve
+
+One rate prints vLLM's result block (and with --save-result writes vLLM's JSON file). A comma-separated
+--request-rate runs a sweep against the same server with the same requests, one run per rate, and writes one
+table, one JSON (every rate, machine, versions, settings, the dataset note) and one PNG.
+
+From Python:
+
+    from spanllm.bench.datasets import sample_sharegpt
+    from spanllm.commands.bench_serve import ServeBenchConfig, run_benchmark
+    samples = sample_sharegpt(tokenizer, 1000, seed=0)
+    result = run_benchmark(samples, ServeBenchConfig(base_url="http://127.0.0.1:8000", request_rate=8.0))
+    result["output_throughput"], result["median_tpot_ms"]
+
+Differences from vLLM's client, all deliberate: prompts are not re-aligned through the server's /tokenize;
+a chunk that carries no token (chat role header, bare finish chunk) is not timed as one (see serve_client);
+a request has a timeout (--request-timeout) instead of vLLM's six hours; start_times are seconds from the start
+of the run; mean / median / std of TTFT, TPOT, ITL and E2EL are always in the result, percentiles only for
+--percentile-metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from spanllm.bench.datasets import SampleSet, add_dataset_arguments, get_samples
+from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
+from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
+from spanllm.bench.serve_report import rate_label
+from spanllm.errors import SpanllmError, UsageError
+
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+DETAILED_FIELDS = (
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "latencies",
+    "start_times",
+    "queue_times",
+    "generated_texts",
+    "errors",
+)
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """One `bench serve` run against one server at one request rate."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str | None = None  # default: the backend's (/v1/completions for openai)
+    backend: str | None = None  # "openai" (completions) or "openai-chat"; default: from the endpoint
+    model: str | None = None  # default: the first id of GET /v1/models
+    tokenizer_id: str | None = None  # recorded in the result
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    metric_percentiles: tuple[float, ...] = (99.0,)
+    goodput: dict[str, float] = field(default_factory=dict)  # {"ttft": ms, "tpot": ms, "e2el": ms}
+    num_warmups: int = 0
+    ready_check_timeout_s: float = 0.0
+    request_timeout_s: float = 1800.0
+    extra_body: dict[str, Any] | None = None
+    label: str | None = None
+    request_id_prefix: str = ""
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise UsageError(f"--backend {self.backend!r}: choose from {sorted(BACKENDS)}")
+        if (
+            self.backend
+            and self.endpoint
+            and self.backend == "openai-chat"
+            and not self.endpoint.rstrip("/").endswith("chat/completions")
+        ):
+            raise UsageError(f"--backend openai-chat needs a chat endpoint, got --endpoint {self.endpoint}")
+        if not self.request_rate > 0:
+            raise UsageError(f"--request-rate must be > 0 or inf, got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise UsageError(f"--burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise UsageError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.request_timeout_s > 0:
+            raise UsageError(f"--request-timeout must be > 0 s, got {self.request_timeout_s}")
+        if self.num_warmups < 0:
+            raise UsageError(f"--num-warmups must be >= 0, got {self.num_warmups}")
+        bad = [m for m in self.percentile_metrics if m not in METRICS]
+        if bad:
+            raise UsageError(f"--percentile-metrics: unknown {bad}; choose from {METRICS}")
+        bad_p = [p for p in self.metric_percentiles if not 0 <= p <= 100]
+        if bad_p:
+            raise UsageError(f"--metric-percentiles must be in [0, 100], got {bad_p}")
+        parse_goodput([f"{k}:{v}" for k, v in self.goodput.items()])  # validates names and values
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend:
+            return self.backend
+        return "openai-chat" if (self.endpoint or "").rstrip("/").endswith("chat/completions") else "openai"
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url.rstrip("/") + (self.endpoint or BACKENDS[self.resolved_backend])
+
+
+def _inputs(samples: Sequence, cfg: ServeBenchConfig, model: str) -> list[RequestInput]:
+    chat = cfg.resolved_backend == "openai-chat"
+    return [
+        RequestInput(
+            prompt=s.prompt,
+            prompt_len=s.prompt_len,
+            output_len=s.output_len,
+            model=model,
+            api_url=cfg.api_url,
+            chat=chat,
+            ignore_eos=cfg.ignore_eos,
+            extra_body=cfg.extra_body,
+            request_id=f"{cfg.request_id_prefix}{i}" if cfg.request_id_prefix else None,
+        )
+        for i, s in enumerate(samples)
+    ]
+
+
+async def _ready_check(session, inp: RequestInput, cfg: ServeBenchConfig) -> None:
+    """vLLM's --ready-check-timeout-sec: send the first request until it succeeds or the time is up."""
+    deadline = time.monotonic() + cfg.ready_check_timeout_s
+    while True:
+        out = await send_request(session, inp, min(cfg.request_timeout_s, max(cfg.ready_check_timeout_s, 1.0)))
+        if out.success:
+            return
+        if time.monotonic() > deadline:
+            raise SpanllmError(
+                f"{cfg.api_url} not ready after {cfg.ready_check_timeout_s:g} s "
+                f"(--ready-check-timeout-sec); last error: {out.error}"
+            )
+        await asyncio.sleep(1.0)
+
+
+async def benchmark_async(
+    samples: Sequence,
+    cfg: ServeBenchConfig,
+    count_output_tokens: Callable[[str], int] | None = None,
+    on_request_done: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Send every sample at its arrival time, wait for all, and return vLLM's result fields plus the per-request
+    arrays (DETAILED_FIELDS) and error_counts."""
+    import aiohttp
+
+    if not len(samples):
+        raise UsageError("no requests to send")
+    connector = aiohttp.TCPConnector(
+        limit=cfg.max_concurrency or 0, limit_per_host=cfg.max_concurrency or 0, keepalive_timeout=60
+    )
+    async with aiohttp.ClientSession(connector=connector, trust_env=True) as session:
+        model = cfg.model or await first_model(session, cfg.base_url.rstrip("/"))
+        inputs = _inputs(samples, cfg, model)
+        probe = replace(inputs[0], request_id=None)  # ready check and warm-ups: copies of the first request
+        if cfg.ready_check_timeout_s > 0:
+            await _ready_check(session, probe, cfg)
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        if cfg.num_warmups > 0:  # vLLM: num_warmups copies of the first request, under the same concurrency cap
+
+            async def warm() -> RequestOutput:
+                if sem is None:
+                    return await send_request(session, probe, cfg.request_timeout_s)
+                async with sem:
+                    return await send_request(session, probe, cfg.request_timeout_s)
+
+            warm_outs = await asyncio.gather(*(warm() for _ in range(cfg.num_warmups)))
+            failed = [o.error for o in warm_outs if not o.success]
+            if failed:
+                print(
+                    f"warning: {len(failed)} of {cfg.num_warmups} warm-up requests failed: {failed[0]}", file=sys.stderr
+                )
+
+        async def one(inp: RequestInput) -> RequestOutput:
+            arrived = time.perf_counter()
+            if sem is None:
+                out = await send_request(session, inp, cfg.request_timeout_s)
+            else:
+                async with sem:
+                    out = await send_request(session, inp, cfg.request_timeout_s)
+            out.client_queue_time = out.start_time - arrived
+            if on_request_done:
+                on_request_done()
+            return out
+
+        offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
+        start = time.perf_counter()
+        tasks = []
+        for inp, offset in zip(inputs, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(inp)))
+        outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+
+    metrics = calculate_metrics(
+        outputs, duration, cfg.metric_percentiles, cfg.percentile_metrics, cfg.goodput, count_output_tokens
+    )
+    backend = cfg.resolved_backend
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": cfg.label,
+        "model_id": model,
+        "tokenizer_id": cfg.tokenizer_id,
+        "num_prompts": len(inputs),
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        "base_url": cfg.base_url,
+        "endpoint": cfg.endpoint or BACKENDS[backend],
+        "ignore_eos": cfg.ignore_eos,
+        "goodput_slos_ms": dict(cfg.goodput) or None,
+        **metrics,
+        "error_counts": dict(
+            Counter((o.error or "unknown error").splitlines()[0][:200] for o in outputs if not o.success)
+        ),
+        "input_lens": [o.prompt_len for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs],
+        "start_times": [o.start_time - start for o in outputs],
+        "queue_times": [o.client_queue_time for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs],
+        "errors": [o.error for o in outputs],
+    }
+    return result
+
+
+def output_token_counter(tokenizer) -> Callable[[str], int] | None:
+    """Counts generated text in tokens without the special tokens encode adds (vLLM: add_special_tokens=False);
+    used only for servers that send no usage chunk."""
+    if tokenizer is None:
+        return None
+    n_special = len(tokenizer.encode(""))
+    return lambda text: max(len(tokenizer.encode(text)) - n_special, 0)
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+def run_benchmark(samples: Sequence, config: ServeBenchConfig, tokenizer=None, progress=None) -> dict[str, Any]:
+    """One run (one request rate): vLLM's result dict (with the per-request arrays). `samples`: a SampleSet or any
+    sequence of objects with prompt, prompt_len, output_len. A SampleSet's info goes in as result['dataset'].
+    `progress`: a rich Progress to add this run's bar to (one is made when config.show_progress)."""
+    own = progress is None and config.show_progress
+    if own:
+        progress = _progress()
+        progress.start()
+    try:
+        on_done = None
+        if progress is not None:
+            task = progress.add_task(f"rate {rate_label(config.request_rate)} req/s", total=len(samples))
+            on_done = lambda: progress.advance(task)  # noqa: E731
+        result = asyncio.run(benchmark_async(samples, config, output_token_counter(tokenizer), on_done))
+    finally:
+        if own:
+            progress.stop()
+    if isinstance(samples, SampleSet):
+        result["dataset"] = samples.info
+        if "dataset_note" in samples.info:
+            result["dataset_note"] = samples.info["dataset_note"]
+    return result
+
+
+def run_sweep(
+    samples: Sequence,
+    config: ServeBenchConfig,
+    rates: Sequence[float],
+    tokenizer=None,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One run per rate against the same server with the same requests (the arrival times re-drawn from the same
+    seed at each rate, as separate vLLM invocations would)."""
+    runs = []
+    progress = _progress() if config.show_progress else None
+    if progress is not None:
+        progress.start()
+    try:
+        for k, rate in enumerate(rates):
+            prefix = (
+                f"{config.request_id_prefix}{k}-"
+                if config.request_id_prefix and len(rates) > 1
+                else config.request_id_prefix
+            )  # request ids stay unique across the runs of a sweep
+            r = run_benchmark(
+                samples, replace(config, request_rate=rate, request_id_prefix=prefix), tokenizer, progress
+            )
+            runs.append(r)
+            if on_result:
+                on_result(r)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return runs
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataset_arguments(parser, default_dataset="sharegpt")
+    g = parser.add_argument_group("server and traffic (vLLM's bench serve flags)")
+    g.add_argument("--base-url", default=None, help="server URL; default http://HOST:PORT")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--endpoint",
+        default=None,
+        help="API path; default /v1/completions (/v1/chat/completions with --backend openai-chat)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default=None,
+        help="openai = completions, openai-chat = chat completions; default: from --endpoint",
+    )
+    g.add_argument("--model", default=None, help="model name sent; default: first id of GET /v1/models")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer (spanllm preset, checkpoint folder or HF id) that "
+        "counts prompt tokens for sampling; default: --model",
+    )
+    g.add_argument(
+        "--request-rate",
+        default="inf",
+        help="requests/s, Poisson (gamma with --burstiness); inf sends all at t=0; a comma-separated list runs a sweep",
+    )
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson, <1 burstier")
+    g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap on requests in flight")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (forced on for random)")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    g.add_argument("--num-warmups", type=int, default=0, help="copies of the first request sent before timing")
+    g.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        help="retry the first request until the server answers, up to this long (0: no check)",
+    )
+    g.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request counts as failed")
+    g.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-")
+    g.add_argument(
+        "--samples-file",
+        default=None,
+        help="requests saved by `bench throughput --save-samples` instead of sampling (the first "
+        "--num-prompts of them; all when --num-prompts is larger); no dataset needed",
+    )
+    r = parser.add_argument_group("results")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"comma-separated, from {','.join(METRICS)}")
+    r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
+    r.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (DistServe's definition)",
+    )
+    r.add_argument("--label", default=None, help="result file prefix; default: the backend")
+    r.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="recorded in the JSON")
+    r.add_argument("--save-result", action="store_true", help="write the JSON of a single-rate run")
+    r.add_argument("--save-detailed", action="store_true", help="keep per-request arrays in the JSON")
+    r.add_argument("--result-dir", default=None, help="where JSON (and a sweep's PNG) go; default: .")
+    r.add_argument("--result-filename", default=None, help="JSON file name; a sweep's PNG takes its stem")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def load_tokenizer(name: str):
+    """spanllm's tokenizer for a preset, checkpoint folder or HF id (spanllm.engine.tokenizer.get_tokenizer)."""
+    from spanllm.engine.tokenizer import get_tokenizer
+
+    return get_tokenizer(name)
+
+
+def samples_from_args(args: argparse.Namespace, tokenizer) -> SampleSet:
+    """--samples-file (its first --num-prompts requests) or the dataset flags."""
+    if not getattr(args, "samples_file", None):
+        return get_samples(args, tokenizer)
+    from spanllm.bench.sample_file import load_samples
+
+    try:
+        saved = load_samples(args.samples_file)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    n = min(args.num_prompts, len(saved)) if args.num_prompts and args.num_prompts > 0 else len(saved)
+    if n < 1:
+        raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
+    return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})
+
+
+def _parse_metadata(items: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise UsageError(f"--metadata {item!r}: expected KEY=VALUE")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[float]]:
+    rates = parse_rates(args.request_rate)
+    sampling = {
+        k: v
+        for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+        if v is not None
+    }
+    extra = {**sampling, **(args.extra_body or {})} or None
+    cfg = ServeBenchConfig(
+        base_url=args.base_url or f"http://{args.host}:{args.port}",
+        endpoint=args.endpoint,
+        backend=args.backend,
+        model=args.model,
+        request_rate=rates[0],
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos or args.dataset_name == "random",
+        percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
+        metric_percentiles=tuple(float(p) for p in args.metric_percentiles.split(",")),
+        goodput=parse_goodput(args.goodput),
+        num_warmups=args.num_warmups,
+        ready_check_timeout_s=args.ready_check_timeout_sec,
+        request_timeout_s=args.request_timeout,
+        extra_body=extra,
+        label=args.label,
+        request_id_prefix=args.request_id_prefix,
+        show_progress=not args.disable_tqdm,
+    )
+    return cfg, rates
+
+
+def _strip_detailed(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k not in DETAILED_FIELDS}
+
+
+def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequence[float], dt: str) -> str:
+    """vLLM's file name for one rate ({label}-{rate}qps[-concurrency{c}]-{model}-{date}.json); for a sweep,
+    {label}-sweep-{first}-{last}qps[...]...json."""
+    conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    rate = f"{rates[0]}qps" if len(rates) == 1 else f"sweep-{rate_label(rates[0])}-{rate_label(rates[-1])}qps"
+    name = args.result_filename or f"{label}-{rate}{conc}-{model_id.split('/')[-1]}-{dt}.json"
+    return os.path.join(args.result_dir or ".", name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
+    from spanllm.measure.report import machine_info, versions, write_json
+
+    cfg, rates = config_from_args(args)
+    metadata = _parse_metadata(args.metadata)
+    model = cfg.model
+    if model is None:
+
+        async def _first() -> str:
+            import aiohttp
+
+            async with aiohttp.ClientSession(trust_env=True) as s:
+                return await first_model(s, cfg.base_url.rstrip("/"))
+
+        model = asyncio.run(_first())
+        print(f"model (first of {cfg.base_url}/v1/models): {model}")
+    tokenizer_id = args.tokenizer or model
+    tokenizer = load_tokenizer(tokenizer_id)
+    samples = samples_from_args(args, tokenizer)
+    cfg = replace(cfg, model=model, tokenizer_id=tokenizer_id, label=cfg.label or cfg.resolved_backend)
+    print(
+        f"{len(samples)} requests ({samples.info.get('dataset_name')}): mean prompt {samples.mean_prompt_len:.1f}, "
+        f"mean output {samples.mean_output_len:.1f} tokens; {cfg.api_url}, model {model}; "
+        f"burstiness {cfg.burstiness} ({'Poisson' if cfg.burstiness == 1 else 'gamma'}), "
+        f"max concurrency {cfg.max_concurrency}" + (", ignore_eos" if cfg.ignore_eos else "")
+    )
+
+    def report_run(r: dict[str, Any]) -> None:
+        print("\n".join(summary_lines(r, cfg.metric_percentiles, cfg.percentile_metrics)))
+        if r["failed"]:
+            errs = "; ".join(f"{n} x {e}" for e, n in list(r["error_counts"].items())[:10])
+            print(f"warning: {r['failed']} of {r['num_prompts']} requests failed: {errs}", file=sys.stderr)
+
+    dt = datetime.now().strftime("%Y%m%d-%H%M%S")
+    done: list[dict[str, Any]] = []
+
+    def on_result(r: dict[str, Any]) -> None:
+        report_run(r)
+        done.append(r if args.save_detailed else _strip_detailed(r))
+        if len(rates) > 1 and len(done) < len(rates):  # a sweep cut short keeps the rates it finished
+            settings = {
+                **{k: v for k, v in asdict(cfg).items() if k != "request_rate"},
+                "request_rates": [rate_label(x) for x in rates],
+                **metadata,
+                "partial": True,
+            }
+            write_json(
+                result_path(args, cfg.label, model, rates, dt),
+                "bench_serve_sweep",
+                settings,
+                done,
+                dataset=samples.info,
+            )
+
+    runs = run_sweep(samples, cfg, rates, tokenizer, on_result=on_result)
+    extra = {
+        "dataset": samples.info,
+        **({"dataset_note": samples.info["dataset_note"]} if "dataset_note" in samples.info else {}),
+    }
+    saved = [r if args.save_detailed else _strip_detailed(r) for r in runs]
+    if len(rates) == 1:
+        if args.save_result:
+            path = result_path(args, cfg.label, model, rates, dt)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            doc = {**saved[0], **metadata, **extra, "machine": machine_info(), "versions": versions()}
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+            print(f"wrote {path}")
+    else:
+        title = (
+            f"bench serve {cfg.api_url} model {model}, {len(samples)} {samples.info.get('dataset_name')} "
+            f"requests, burstiness {cfg.burstiness}, max concurrency {cfg.max_concurrency}"
+        )
+        Console(width=max(Console().width, 160)).print(sweep_table(saved, title))
+        path = result_path(args, cfg.label, model, rates, dt)
+        settings = {
+            **{k: v for k, v in asdict(cfg).items() if k != "request_rate"},
+            "request_rates": [rate_label(r) for r in rates],
+            **metadata,
+        }
+        write_json(path, "bench_serve_sweep", settings, saved, **extra)
+        png = os.path.splitext(path)[0] + ".png"
+        plot_sweep(saved, png, title)
+        print(f"wrote {path}\nwrote {png}")
+    if "dataset_note" in samples.info:
+        print(f"note: {samples.info['dataset_note']}", file=sys.stderr)
+    return 0 if all(r["completed"] > 0 for r in runs) else 1

@@ -1,0 +1,289 @@
+"""`spanllm bench throughput`: offline throughput of the serving engine, with vLLM's `bench throughput`
+contract: requests from ShareGPT V3 (vLLM's sampling) or random lengths, every request with
+temperature 1.0, top_p 1.0, ignore_eos and max_tokens = its output length, all handed to the engine at
+once; prints "Throughput: X requests/s, Y total tokens/s, Z output tokens/s" and writes JSON.
+
+    spanllm bench throughput --model tiny --dataset-name random --input-len 32 --output-len 16 --num-prompts 8
+    spanllm bench throughput --model llama3.1-8b --num-prompts 1000 --json results/throughput.json     # GPU
+
+The timed region is vLLM's: from handing the text prompts over (tokenization inside) to the last
+output (detokenization inside). Before it, untimed: one short request (Triton compiles, the prefill
+path) and the capture of every decode CUDA-graph bucket, so no capture lands inside the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from spanllm.bench.datasets import add_dataset_arguments, get_samples
+from spanllm.commands.generate import add_model_arguments, resolve_dtype
+from spanllm.launch import DistContext, finish, launch
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serving engine's options (shared with `spanllm serve`)."""
+    g = parser.add_argument_group("serving engine")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (largest decode graph bucket)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (decodes + prefill chunks)"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV cache",
+    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory sizing)")
+    g.add_argument(
+        "--attention-backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="paged attention: triton on CUDA (auto), torch = the reference",
+    )
+    g.add_argument(
+        "--min-admit",
+        type=int,
+        default=1,
+        help="admission batching: while decoding, admit only once this many slots are free (1 = off)",
+    )
+    g.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="the host waits for each step's tokens before planning the next (default: it plans the next "
+        "while the GPU runs, on a GPU at TP=1)",
+    )
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size)")
+    g.add_argument("--allreduce", default=None, help="registered all-reduce (default: nccl on GPU, gloo on CPU)")
+
+
+def engine_config_from_args(args: argparse.Namespace, device: torch.device):
+    from spanllm.engine.config import EngineConfig
+
+    return EngineConfig(
+        dtype=resolve_dtype(args.dtype, device),
+        cuda_graphs=not args.no_cuda_graphs,
+        seed=args.seed,
+        compile_decode=args.compile_decode,
+        compile_backend=args.compile_backend,
+        compile_scope=args.compile_scope,
+        decode_gemm=args.decode_gemm,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        attention_backend=args.attention_backend,
+        min_admit=args.min_admit,
+        async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
+        **({"max_model_len": args.max_model_len} if getattr(args, "max_model_len", None) else {}),
+    )
+
+
+def build_llm(ctx: DistContext, args: argparse.Namespace):
+    from spanllm.engine.llm import LLM
+    from spanllm.model.config import resolve_model
+    from spanllm.model.parallel_dims import ParallelDims
+
+    tp = args.tp or ctx.world_size
+    llm = LLM(
+        resolve_model(args.model),
+        engine_config_from_args(args, ctx.device),
+        dims=ParallelDims(tp, ctx.world_size // tp, ctx.world_size),
+        allreduce=args.allreduce,
+        device=ctx.device,
+        ranks_per_node=args.ranks_per_node,
+    )
+    llm.get_tokenizer()
+    return llm
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    add_dataset_arguments(parser, default_dataset="sharegpt", seed=False)
+    parser.add_argument("--json", "--output-json", dest="json", default=None, help="write the result here")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up request and graph capture")
+    parser.add_argument("--samples-file", default=None, help="requests saved by --save-samples (instead of sampling)")
+    parser.add_argument("--save-samples", default=None, help="write the sampled requests here")
+    parser.add_argument("--dry-run", action="store_true", help="sample (and --save-samples) only; start no engine")
+
+
+def machine_info(device: torch.device) -> dict:
+    """spanllm.measure.report's machine and versions, the rank's device, and transformers (the peer's library)."""
+    from spanllm.measure import report
+
+    versions = report.versions()
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return {**report.machine_info(), "device": str(device), "versions": versions}
+
+
+def warm_up(llm) -> dict:
+    """Untimed: one short request (compiles, prefill path), then every decode graph bucket captured."""
+    from spanllm.engine.sampler import SamplingParams
+
+    t0 = time.perf_counter()
+    llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    runner = llm.engine_core.runner
+    captured = runner.capture_all()
+    return {
+        "warmup_s": round(time.perf_counter() - t0, 2),
+        "graph_buckets": captured,
+        "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 3),
+    }
+
+
+def warm_up_worker(llm) -> None:
+    """TP ranks other than 0, in step with rank 0's warm_up: its request's plans, then the same captures."""
+    llm.generate([])
+    llm.engine_core.runner.capture_all()
+
+
+def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
+    from spanllm.engine.sampler import SamplingParams
+
+    llm = build_llm(ctx, args)
+    try:
+        core = llm.engine_core
+        if core.rank != 0:
+            if not args.no_warmup:
+                warm_up_worker(llm)
+            llm.generate([])  # the timed run's plans
+            return None
+        describe = llm.describe_serving()
+        print(describe, flush=True)
+        samples = requests_from_args(args, llm.get_tokenizer())
+        warm = {} if args.no_warmup else warm_up(llm)
+        prompts = [r.prompt for r in samples]
+        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len) for r in samples]
+        stats0 = dict(vars(core.stats))
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        prompt_tokens = sum(len(o.prompt_ids) for o in outs)
+        output_tokens = sum(len(o.output_ids) for o in outs)
+        expected = sum(r.output_len for r in samples)
+        if output_tokens != expected:
+            raise RuntimeError(f"generated {output_tokens} tokens but the requests asked for {expected} (ignore_eos)")
+        s = core.stats
+        gaps = [b - a for o in outs for a, b in zip(o.metrics["token_times"], o.metrics["token_times"][1:])]
+        tpots = [
+            (o.metrics["finished_at"] - o.metrics["first_token"]) / (len(o.output_ids) - 1)
+            for o in outs
+            if len(o.output_ids) > 1
+        ]
+        latency = {
+            "median_itl_ms": 1e3 * float(np.median(gaps)) if gaps else None,
+            "mean_tpot_ms": 1e3 * float(np.mean(tpots)) if tpots else None,
+            "median_ttft_ms": 1e3 * float(np.median([o.metrics["first_token"] - o.metrics["arrival"] for o in outs])),
+        }
+        return {
+            "elapsed_time": elapsed,
+            "num_requests": len(outs),
+            "total_num_tokens": prompt_tokens + output_tokens,
+            "total_input_tokens": prompt_tokens,
+            "total_output_tokens": output_tokens,
+            "requests_per_second": len(outs) / elapsed,
+            "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+            "output_tokens_per_second": output_tokens / elapsed,
+            "mean_prompt_len": prompt_tokens / len(outs),
+            "mean_output_len": output_tokens / len(outs),
+            **latency,
+            "engine": {
+                "describe": describe,
+                "steps": s.steps - stats0["steps"],
+                "preemptions": s.preemptions - stats0["preemptions"],
+                "graph_buckets_captured": core.runner.captured_buckets,
+                "mixed_graph_token_buckets": core.runner.captured_token_buckets,
+                "kv_cache_blocks": llm.kv_sizing.num_blocks - 1,
+                "block_size": llm.kv_sizing.block_size,
+                "kv_cache_tokens": llm.kv_sizing.capacity_tokens,
+                **warm,
+            },
+            "dataset": samples.info,
+            "machine": machine_info(ctx.device),
+            "settings": {k: v for k, v in vars(args).items() if not callable(v)},
+        }
+    finally:
+        llm.close()
+
+
+def requests_from_args(args: argparse.Namespace, tokenizer):
+    from spanllm.bench.sample_file import load_samples, save_samples
+
+    samples = load_samples(args.samples_file) if args.samples_file else get_samples(args, tokenizer)
+    if args.save_samples:
+        save_samples(samples, args.save_samples)
+    return samples
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """The serving engine's flags, before any rank starts (EngineConfig repeats the rules for API users)."""
+    from spanllm import checks
+
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "min_admit"):
+        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        from spanllm.errors import UsageError
+
+        raise UsageError(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
+            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
+        )
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        from spanllm.errors import UsageError
+
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from spanllm import checks
+
+    check_engine_arguments(args)
+    checks.at_least("--num-prompts", args.num_prompts, 1)
+    if args.dry_run:
+        from spanllm.engine.tokenizer import get_tokenizer
+        from spanllm.model.config import resolve_model
+
+        cfg = resolve_model(args.model)
+        s = requests_from_args(args, get_tokenizer(cfg.name, cfg.checkpoint_dir))
+        print(
+            f"{len(s)} requests: mean prompt {s.mean_prompt_len:.1f}, mean output {s.mean_output_len:.1f} tokens"
+            + (f"; wrote {args.save_samples}" if args.save_samples else "")
+        )
+        return 0
+    results = launch(_rank, args, nprocs=args.nprocs)
+    r = results[0]
+    if r is None:
+        return finish(0)
+    print(
+        f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
+        f"{r['output_tokens_per_second']:.2f} output tokens/s"
+    )
+    print(
+        f"{r['num_requests']} requests, {r['total_input_tokens']} prompt + {r['total_output_tokens']} output tokens "
+        f"in {r['elapsed_time']:.2f} s; {r['engine']['steps']} steps, {r['engine']['preemptions']} preemptions; "
+        f"median inter-token {r['median_itl_ms']:.2f} ms"
+        if r["median_itl_ms"] is not None
+        else ""
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return finish(0)

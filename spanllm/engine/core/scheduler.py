@@ -1,0 +1,197 @@
+"""Scheduler: which sequences run in the next step, and how many of their tokens.
+
+Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
+1. Every running sequence that is decoding (one token to run) is scheduled first, oldest first. If its
+   next token needs a block and none is free, the newest running sequence that is not yet scheduled
+   is preempted by recompute (blocks freed, put back at the head of the waiting queue, its output
+   kept), until a block frees up or the sequence itself is the newest (then it is preempted).
+   Decodes are never starved by prefills: they take the budget before any prompt does.
+2. Running sequences in the middle of a chunked prefill get the rest of the token budget, oldest
+   first: a chunk of at most the budget left.
+3. Waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free blocks
+   allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
+   Admission never preempts, and a step that preempted admits nothing.
+
+A scheduled prefill chunk that reaches the end of what a sequence has (prompt, plus output after a
+preemption) samples its next token in that step; a shorter chunk samples nothing.
+
+Invariants: every step's tokens <= max_num_batched_tokens and sequences <= max_num_seqs; a sequence
+appears once per step; the KV of positions [0, num_computed + n) has blocks before the step runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from spanllm.engine.core.block_manager import BlockManager
+from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    # Admission batching (off at 1): while decodes run, wait until this many sequence slots are free (or as
+    # many as are waiting) before admitting, so new prompts arrive in fewer, larger prefill steps and more
+    # steps are pure decode (CUDA-graph replays). A request never waits more than admit_max_wait_steps steps.
+    min_admit: int = 1
+    admit_max_wait_steps: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_admit", "admit_max_wait_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: (sequence, tokens to run), decodes first. `num_decode` entries run one token."""
+
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_decode: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._held_steps = 0  # steps admission has been held back by min_admit
+
+    # --- queues -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request from either queue, free its blocks; None when it is not here (finished)."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.blocks.free(seq)
+                    seq.finish(FinishReason.ABORT)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence finished in postprocessing: leave its queue, free its blocks. Usually it is running;
+        with async scheduling it may have been preempted (waiting) after the step that sampled its last token."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. decodes (one token each), preempting from the newest when blocks run out
+        bs = self.blocks.block_size
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            n_tok = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_pending
+            if seq.status is not SequenceStatus.RUNNING or n_tok - seq.num_computed != 1:
+                continue
+            if seq.num_pending and len(seq.output_ids) + seq.num_pending >= seq.params.max_tokens:
+                continue  # its last token is in flight (async scheduling): it finishes when that one lands
+            # Fast path: the new token's slot is in a block it already holds (all but one step in block_size).
+            if (n_tok + bs - 1) // bs > len(seq.block_table) and not self._make_room(seq, n_tok, scheduled, out):
+                continue  # seq itself was preempted
+            out.entries.append((seq, 1))
+            scheduled.add(id(seq))
+            budget -= 1
+        out.num_decode = len(out.entries)
+
+        # 2. running sequences part-way through a chunked prefill
+        for seq in self.running:
+            if budget == 0:
+                break
+            if id(seq) in scheduled or seq.num_uncomputed <= 1:
+                continue
+            n = self._chunk_that_fits(seq, budget)
+            if n == 0:
+                break  # no blocks: later prefills would not fit either (FCFS among them)
+            self.blocks.grow(seq, seq.num_computed + n)
+            out.entries.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        # 3. admit waiting sequences, in arrival order; not in a step that had to preempt (the pool is full:
+        # admitting would hand the victims' blocks to a prefill, and the victim would come straight back)
+        if out.preempted:
+            return out
+        if self.waiting and not self._admission_open(out.num_decode):
+            self._held_steps += 1
+            return out
+        self._held_steps = 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk_that_fits(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_computed + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            out.entries.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        return out
+
+    def _admission_open(self, num_decode: int) -> bool:
+        c = self.config
+        if c.min_admit <= 1 or num_decode == 0 or self._held_steps >= c.admit_max_wait_steps:
+            return True
+        free = c.max_num_seqs - len(self.running)
+        return free >= min(c.min_admit, len(self.waiting))
+
+    def _chunk_that_fits(self, seq: Sequence, budget: int) -> int:
+        """The longest chunk of seq's uncomputed tokens within the budget whose blocks are free (0: none)."""
+        n = min(seq.num_uncomputed, budget)
+        room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
+        return max(0, min(n, room))
+
+    def _make_room(self, seq: Sequence, num_positions: int, scheduled: set[int], out: ScheduledBatch) -> bool:
+        """Free blocks for seq by preempting the newest unscheduled running sequences; False when seq
+        itself had to go."""
+        while not self.blocks.can_grow(seq, num_positions):
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_positions)
+        return True
+
+    def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
+        """Preemption by recompute: the sequence keeps its tokens and prefills them all again later."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

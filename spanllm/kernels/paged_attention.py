@@ -1,0 +1,409 @@
+"""Triton kernels for paged attention (GPU): decode with split context, and prefill chunks over a
+paged prefix. Layouts and semantics: spanllm.attention.paged (the reference is there).
+
+GQA: a program owns one KV head and all g = hq / hkv query heads that read it, so each K/V tile is
+loaded once for g queries. tl.dot needs at least 16 rows, so the decode kernel pads g to G_PAD >= 16
+(the extra rows are masked; decode is bound by the K/V reads, not the math).
+
+Decode, graph safety: the grid (batch, KV heads, splits) is fixed by the shapes a CUDA graph captured;
+each program derives its range of keys from context_lens on the device, so one captured graph serves
+every step. Split s of a sequence with n key tiles takes tiles [s*c, min(n, (s+1)*c)),
+c = max(ceil(n/S), MIN_TILES_PER_SPLIT):
+a split past a short sequence's end does nothing at all. The splits that own keys write partial (m, l, acc)
+and count themselves in on a per-(sequence, head) counter; the last to arrive merges them in the same
+kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter
+(the protocol and its memory ordering: spanllm.kernels.arrival_counters).
+
+Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
+value dtype for the second dot, fp32 accumulation, one rounding at the store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from spanllm.kernels.arrival_counters import arrival_counters
+from spanllm.kernels.skinny_gemm import num_sms_of
+
+BLOCK_N = 64  # keys per inner iteration (several cache blocks)
+MAX_SPLITS = 16
+# The decode loop's variants, measured on one H200 with 8B heads (scripts/gpu_decode_attention_variants.py;
+# results/h200/engine_speed/call8_attention/decode_attention_variants.json, microseconds per call in a graph):
+# - block ids one tile ahead, K and V issued together: faster while the grid is small (batch 1, context 512:
+#   9.06 -> 8.28; batch 32 = 256 programs, context 4096: 142.6 -> 126.1), slower on a full GPU (batch 128 =
+#   1024 programs, context 4096: 492.6 -> 508.7; batch 64 = 512 programs: 13-38% slower in
+#   results/h200/engine_speed/call11_attention_bench/paged_attention_prefetch512.json; both K and V tiles live
+#   at once). So it is on while the grid (batch x KV heads x splits) is at most PREFETCH_WAVES programs per SM:
+#   exactly the grids that num_splits_for fills by splitting (up to 2 x SMs), 264 on an H200.
+# - the merge in one pass (each split's m, l, acc loaded together) instead of two (all maxima first, then the
+#   sums: twice the trips to L2): batch 1, context 512, 9.06 -> 7.97; with the prefetch 7.15. Never slower:
+#   the two-pass merge is gone.
+# - Triton's software pipelining of the key loop (num_stages) 1, 2, 3: 3 (Triton's default) best or tied in
+#   most cells.
+PREFETCH_WAVES = 2
+DECODE_NUM_STAGES = 3
+# A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
+# to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
+MIN_TILES_PER_SPLIT = (
+    2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
+)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """float32 caches multiply in IEEE fp32 (tests compare with the reference); 16-bit ones as usual."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def prefetch_block_ids(programs: int, device: torch.device) -> bool:
+    """Whether a decode grid of this many programs takes the loop with block ids one tile ahead."""
+    return programs <= PREFETCH_WAVES * num_sms_of(device)
+
+
+def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
+    """Context splits for a decode batch: enough programs for about two waves of the GPU."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_SPLITS, (2 * num_sms_of(device)) // max(1, batch * kv_heads)))
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cl_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    sem_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    scale_log2,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(cl_ptr + b)
+    n_tiles = tl.cdiv(n, BLOCK)
+    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), MIN_TILES)  # short contexts: fewer splits, maybe no merge
+    n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (0 when n = 0: not a decode)
+    if s < n_active:
+        t0 = s * per_split
+        t1 = tl.minimum(t0 + per_split, n_tiles)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        g_ok = g < G
+        q = tl.load(
+            q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
+        )
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        if PREFETCH:
+            # Each tile's block ids are loaded one iteration ahead, so a tile costs one trip to memory (its K and
+            # V, issued together) instead of three in a row (block ids, then K, then V after the scores).
+            nxt = t0 * BLOCK + tl.arange(0, BLOCK)
+            blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
+            for t in range(t0, t1):
+                offs = t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                nxt = offs + BLOCK
+                blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+        else:
+            for t in range(t0, t1):
+                offs = t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+        out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
+        if n_active == 1:  # the whole context in this split: no partials, no merge
+            tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            # Partials [B, H, SPLITS, G_PAD(, D)], contiguous; only the G real rows are written and read.
+            base = (b * tl.num_programs(1) + h) * SPLITS * G_PAD
+            mine = base + s * G_PAD + g
+            tl.store(m_ptr + mine, m_i, mask=g_ok)
+            tl.store(l_ptr + mine, l_i, mask=g_ok)
+            tl.store(acc_ptr + mine[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+            # The last split of (b, h) to finish merges. Memory ordering: the counter's atomic is acq_rel at GPU
+            # scope, so each split's partial stores above are visible before its increment (release), and the
+            # last one's loads below (.cg: from L2, not a stale L1) come after it saw every increment (acquire).
+            # It resets the counter, so the next call (or graph replay) starts from zero again. The atomic is issued
+            # by one thread: the barrier first makes every warp's partial stores precede it (Triton 3.6 puts one
+            # there anyway; this does not depend on how a compiler lowers a scalar atomic).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(sem_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
+            if arrived == n_active - 1:
+                # One pass in split order (deterministic whichever split came last): each split's (m, l, acc)
+                # loaded together, the running sums rescaled to the new maximum. Padding rows load m = 0 (no
+                # inf - inf) and are never stored.
+                m_max = tl.full([G_PAD], float("-inf"), tl.float32)
+                l_sum = tl.zeros([G_PAD], tl.float32)
+                acc_sum = tl.zeros([G_PAD, D], tl.float32)
+                for j in range(0, n_active):
+                    rows = base + j * G_PAD + g
+                    m_j = tl.load(m_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    l_j = tl.load(l_ptr + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    a_j = tl.load(
+                        acc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0, cache_modifier=".cg"
+                    )
+                    m_new = tl.maximum(m_max, m_j)
+                    c_old = tl.exp2(m_max - m_new)
+                    c_j = tl.exp2(m_j - m_new)
+                    l_sum = l_sum * c_old + l_j * c_j
+                    acc_sum = acc_sum * c_old[:, None] + a_j * c_j[:, None]
+                    m_max = m_new
+                tl.store(out_rows, (acc_sum / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+                tl.atomic_xchg(sem_ptr + b * tl.num_programs(1) + h, 0)
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_splits: int,
+    min_tiles: int | None = None,
+    *,
+    prefetch: bool | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
+    a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
+    kernel over rows that are decodes in one step and prefill tokens in the next). out: where to write (a
+    [B, hq, d] view; default a new tensor). The other keyword arguments replace the module's measured defaults
+    (benchmarks: scripts/gpu_decode_attention_variants.py)."""
+    b, hq, d = q.shape
+    _, cache_block, hkv, _ = k_cache.shape
+    g = hq // hkv
+    g_pad = max(16, triton.next_power_of_2(g))
+    out = torch.empty_like(q) if out is None else out
+    scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
+    if num_splits > 1:
+        m = torch.empty(b, hkv, num_splits, g_pad, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        acc = torch.empty(b, hkv, num_splits, g_pad, d, device=q.device, dtype=torch.float32)
+        sem = arrival_counters(q.device, b * hkv)
+    else:
+        m = l = acc = out  # unused
+        sem = context_lens
+    _decode_kernel[(b, hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        m,
+        l,
+        acc,
+        sem,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale_log2,
+        G=g,
+        G_PAD=g_pad,
+        D=d,
+        CACHE_BLOCK=cache_block,
+        BLOCK=BLOCK_N,
+        SPLITS=num_splits,
+        MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
+        PREC=_precision(q),
+        PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
+        num_warps=4,
+        num_stages=DECODE_NUM_STAGES if num_stages is None else num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cuq_ptr,
+    cl_ptr,
+    tiles_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    scale_log2,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.load(tiles_ptr + 2 * pid)  # the chunk
+    qs = tl.load(tiles_ptr + 2 * pid + 1)  # its first query in this tile
+    q0 = tl.load(cuq_ptr + j)
+    q_len = tl.load(cuq_ptr + j + 1) - q0
+    n = tl.load(cl_ptr + j)
+    first_pos = n - q_len  # position of the chunk's first query
+    # A padding tile (the empty chunk of a mixed-step graph) does nothing at all: a graph of a few prompt
+    # tokens has mostly those, and they must cost no more than their launch.
+    if qs < q_len:
+        r = tl.arange(0, BLOCK_Q * G)  # row = (query, head in group)
+        tok = qs + r // G
+        head = h * G + r % G
+        row_ok = tok < q_len
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (q0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        pos = first_pos + tok
+        m_i = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G], tl.float32)
+        acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
+        kv_end = tl.minimum(n, first_pos + qs + BLOCK_Q)  # the tile's last query sees keys < this
+        for start in range(0, kv_end, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < kv_end
+            blk = tl.load(bt_ptr + j * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+            kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+            causal = (offs[None, :] <= pos[:, None]) & ok[None, :]
+            scores = tl.where(causal, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of padding queries see no key
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def prefill_block_q(group: int) -> int:
+    """Queries per prefill tile: about 64-128 rows of (query, head) for the dot."""
+    return max(1, 64 // group) if group <= 8 else 1
+
+
+def prefill_tiles(q_lens: list[int], group: int, first_chunk: int = 0) -> list[tuple[int, int]]:
+    """(chunk, first query) of every prefill tile, for the host to send with the step; chunk indices start at
+    first_chunk (a mixed-step graph numbers its decodes' one-query chunks first and leaves them to the decode
+    kernel)."""
+    bq = prefill_block_q(group)
+    return [(first_chunk + j, s) for j, t in enumerate(q_lens) for s in range(0, t, bq)]
+
+
+def prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    tiles: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, hq, d] packed chunks -> [T, hq, d]. tiles [n_tiles, 2] int32 from prefill_tiles(): only the
+    chunks some tile names are computed (rows of other chunks are left as they were in `out`, default a
+    new tensor)."""
+    t, hq, d = q.shape
+    _, cache_block, hkv, _ = k_cache.shape
+    g = hq // hkv
+    rows = prefill_block_q(g) * g
+    if rows & (rows - 1):
+        raise ValueError(
+            f"prefill tiles of {rows} rows (queries x {g} heads per KV head) are not a power of two; "
+            "the Triton prefill kernel needs query heads per KV head in 1, 2, 4, 8, 16, ..."
+        )
+    out = torch.empty_like(q) if out is None else out
+    scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
+    _prefill_kernel[(tiles.shape[0], hkv)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_q,
+        context_lens,
+        tiles,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale_log2,
+        G=g,
+        D=d,
+        CACHE_BLOCK=cache_block,
+        BLOCK_Q=prefill_block_q(g),
+        BLOCK=BLOCK_N,
+        PREC=_precision(q),
+        num_warps=4,
+    )
+    return out

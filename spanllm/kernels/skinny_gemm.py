@@ -1,0 +1,522 @@
+"""Skinny GEMM for decode: y = x @ W^T with few rows in x (M <= 16), as one Triton kernel.
+
+x is [M, K] (the decode batch), W is [N, K] row-major (nn.Linear layout), y is [M, N] in x's dtype,
+accumulated in fp32. At decode batch sizes these GEMMs are memory-bound: W is read once from HBM and
+every other cost (x, y, the arithmetic) is small. The kernel is therefore a tuned stream over W, and
+everything below is about keeping enough bytes of W in flight on every SM.
+
+Design
+    Grid (cdiv(N, BLOCK_N), SPLIT_K). A program owns BLOCK_N rows of W and one contiguous range of K
+    (K is cut into SPLIT_K chunks, each a multiple of BLOCK_K). It loads W tiles [BLOCK_N, BLOCK_K],
+    contiguous along K (coalesced, 16-byte vector loads) and x tiles [16, BLOCK_K], and accumulates
+    acc[16, BLOCK_N] += x @ w^T with tl.dot in fp32. num_stages software-pipelines the loads.
+
+Why M is padded to 16
+    tl.dot needs at least 16 rows (the tensor-core MMA shape); rows >= M are loaded as 0 (masked)
+    and never stored. The extra MMA work is free here: the kernel waits on HBM, not on tensor cores,
+    and x is a few KiB that stays in L2.
+
+Why split-K
+    A 70B qkv projection at TP 2 (N = 5120) has only 80 row blocks of 64: not even one per SM on an
+    H200 (132 SMs), and an SM alone cannot pull its share of HBM bandwidth with one short stream.
+    Splitting K multiplies the programs (and the independent streams) by SPLIT_K, so every SM gets
+    several and their sizes balance; the price is an fp32 partial [SPLIT_K, M, N] (tiny next to W at
+    M <= 16), summed in the same launch.
+
+Why the last program sums, and no atomic adds
+    Each program of a split tile stores its fp32 partial and counts itself in on the tile's arrival counter
+    (spanllm.kernels.arrival_counters); the last to arrive adds the SPLIT_K partials in a fixed order (split
+    0, 1, ...) and stores y. Until 2026-12-02 a second kernel did that sum: in a CUDA graph its launch gap
+    and tail cost ~1.5 us per GEMM, which kept the 8B's down projection (split 4) behind cuBLAS. fp32
+    atomic adds into y would finish in whatever order the programs happen to run, so the result would
+    change from run to run in its last bits; decode runs inside CUDA graphs and must be reproducible (a
+    replay, a rerun and a TP peer must see bit-identical logits). The fixed order keeps it so.
+
+Config
+    `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
+    `CONFIG_OVERRIDES`: no benchmarking at call time, so `skinny_linear` can be called during CUDA-graph
+    capture (triton.autotune would time kernels there). The table holds configs measured by
+    `spanllm bench gemm` (formerly scripts/gpu_gemm_bench.py); shapes it lacks take a cost-model heuristic.
+
+Tried and dropped
+    Making SiLU(gate) * up inside this kernel (the MLP's down projection reading gate_up, one kernel less
+    per layer): 45.8 us per 8B down projection at M = 1 against 32.5 us for silu_mul + F.linear
+    (results/h200/engine_speed/call6_fused_down/gemm_decode_tp1.json): each of the N/BLOCK_N programs recomputes
+    the activation of its whole K range, 16 padded rows of exp per tile, on the loop's critical path.
+
+The module imports without Triton (the CPU torch wheel does not bring it): the kernels exist only where Triton does, and
+`skinny_linear` raises a RuntimeError without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from spanllm.kernels.arrival_counters import arrival_counters
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU torch wheel comes without Triton
+    triton = None
+    tl = None
+
+MAX_M = 16  # rows of x the kernel handles: one MMA tile of 16 rows
+BLOCK_M = 16
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEFAULT_NUM_SMS = 132  # H200; used when the tensors are not on a GPU (Triton's CPU interpreter)
+
+
+class SkinnyConfig(NamedTuple):
+    """One launch: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (m_bucket, n, k, element bytes) -> config; m_bucket = m_bucket(M) (1, 2, 4, 8 or 16). An M whose bucket
+# has no entry takes the nearest measured bucket of the same (n, k, element bytes) (`table_config`): the
+# kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and dtypes without any
+# entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
+# The entries are the fastest config of `spanllm bench gemm --sweep small` (then scripts/gpu_gemm_bench.py) on one H200 for the
+# Llama 3.1 8B / 70B projections at TP=2, M = 1 and 8 (results/h200x2/gemm_sweep_tp2_attn.json for qkv
+# and o, gemm_sweep_tp2_mlp.json for gate_up and down, 2026-11-30); on another GPU they are a starting
+# point, not a measurement. Comments: that config's time per GEMM against F.linear's (cuBLAS) in the same
+# run, microseconds (8B o, and 70B gate_up at M=1, stay slightly behind cuBLAS; they are kept because the
+# engine runs of 11-30 measured this table as it is).
+CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {
+    (1, 5120, 8192, 2): (32, 128, 2, 4, 4),  # 70B qkv: 24.2 vs 25.5
+    (8, 5120, 8192, 2): (64, 256, 1, 4, 5),  # 23.1 vs 27.0
+    (1, 8192, 4096, 2): (32, 128, 1, 4, 5),  # 70B o: 18.7 vs 18.9
+    (8, 8192, 4096, 2): (64, 256, 1, 4, 4),  # 18.9 vs 18.9
+    (1, 28672, 8192, 2): (128, 256, 1, 4, 3),  # 70B gate_up: 109.1 vs 108.4
+    (8, 28672, 8192, 2): (128, 256, 1, 4, 3),  # 109.9 vs 109.8
+    (1, 8192, 14336, 2): (64, 256, 1, 4, 4),  # 70B down: 55.7 vs 59.3
+    (8, 8192, 14336, 2): (64, 256, 1, 4, 4),  # 56.0 vs 59.8
+    (1, 3072, 4096, 2): (32, 128, 4, 4, 4),  # 8B qkv: 10.4 vs 11.9
+    (8, 3072, 4096, 2): (32, 128, 4, 4, 4),  # 10.5 vs 11.7
+    (1, 4096, 2048, 2): (32, 128, 1, 4, 5),  # 8B o: 7.4 vs 7.2
+    (8, 4096, 2048, 2): (32, 128, 1, 4, 5),  # 7.5 vs 7.2
+    (1, 14336, 4096, 2): (128, 128, 1, 4, 4),  # 8B gate_up: 29.7 vs 30.6
+    (8, 14336, 4096, 2): (128, 128, 1, 4, 4),  # 30.1 vs 30.3
+    (1, 4096, 7168, 2): (32, 128, 2, 4, 5),  # 8B down: 18.0 vs 19.9
+    (8, 4096, 7168, 2): (32, 256, 1, 4, 5),  # 17.8 vs 20.3
+    # Llama 3.1 8B at TP=1 (the serving engine's default), `spanllm bench gemm --tp 1 --sweep small` on one
+    # H200, 2026-12-01 (results/h200/engine_speed/call5_gemm/gemm_sweep_tp1.json).
+    (1, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 8B qkv: 14.9 vs 15.5
+    (8, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 15.2 vs 15.7
+    (1, 4096, 4096, 2): (32, 256, 1, 4, 4),  # 8B o: 11.9 vs 12.3 (cuBLAS: split-K + a reduce kernel)
+    (8, 4096, 4096, 2): (32, 256, 1, 4, 5),  # 11.9 vs 12.5
+    (1, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 8B gate_up: 56.0 vs 54.9
+    (8, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 56.5 vs 55.7
+    # 8B down, split 4: remeasured 2026-12-02 with the split-K sum inside the kernel (before: a second
+    # kernel; 128,128,4,4,4 took 30.5 vs 30.3 then), results/h200/engine_speed/call8_attention/gemm_sweep_tp1.json:
+    # a tie with cuBLAS (128,128,4,4,4 took 30.62 and 30.94 in the same run), auto's strict rule picks skinny.
+    (1, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 8B down: 30.85 vs 31.12
+    (8, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 31.59 vs 31.64
+}
+# The split-K entries above measured before 2026-12-02 (70B qkv at M=1, 8B qkv and down at TP=2) ran the
+# two-kernel version: their times are that version's, not remeasured with the in-kernel sum.
+
+# The same runs' times, microseconds per GEMM inside a CUDA graph: key -> (the entry's config, F.linear).
+# decode_gemm="auto" reads them (`prefer_skinny`): the skinny kernel only where it measured faster.
+MEASURED_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
+    (1, 5120, 8192, 2): (24.2, 25.5),
+    (8, 5120, 8192, 2): (23.1, 27.0),
+    (1, 8192, 4096, 2): (18.7, 18.9),
+    (8, 8192, 4096, 2): (18.9, 18.9),
+    (1, 28672, 8192, 2): (109.1, 108.4),
+    (8, 28672, 8192, 2): (109.9, 109.8),
+    (1, 8192, 14336, 2): (55.7, 59.3),
+    (8, 8192, 14336, 2): (56.0, 59.8),
+    (1, 3072, 4096, 2): (10.4, 11.9),
+    (8, 3072, 4096, 2): (10.5, 11.7),
+    (1, 4096, 2048, 2): (7.4, 7.2),
+    (8, 4096, 2048, 2): (7.5, 7.2),
+    (1, 14336, 4096, 2): (29.7, 30.6),
+    (8, 14336, 4096, 2): (30.1, 30.3),
+    (1, 4096, 7168, 2): (18.0, 19.9),
+    (8, 4096, 7168, 2): (17.8, 20.3),
+    (1, 6144, 4096, 2): (14.94, 15.48),
+    (8, 6144, 4096, 2): (15.15, 15.68),
+    (1, 4096, 4096, 2): (11.91, 12.28),
+    (8, 4096, 4096, 2): (11.94, 12.46),
+    (1, 28672, 4096, 2): (55.95, 54.85),
+    (8, 28672, 4096, 2): (56.52, 55.70),
+    (1, 4096, 14336, 2): (30.85, 31.12),
+    (8, 4096, 14336, 2): (31.59, 31.64),
+}
+
+
+def m_bucket(m: int) -> int:
+    """The CONFIG_OVERRIDES bucket of M: the next power of two (1, 2, 4, 8, 16)."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_k_chunk(k: int, block_k: int, split_k: int) -> int:
+    """The K range of one split: ceil(K / split_k) rounded up to a multiple of BLOCK_K."""
+    return _cdiv(_cdiv(k, split_k), block_k) * block_k
+
+
+def effective_split_k(k: int, block_k: int, split_k: int) -> int:
+    """The number of non-empty chunks: rounding the chunk up to BLOCK_K can leave the last splits empty."""
+    return _cdiv(k, split_k_chunk(k, block_k, split_k))
+
+
+def _check_config(cfg: tuple) -> SkinnyConfig:
+    cfg = SkinnyConfig(*cfg)
+    for name in ("block_n", "block_k", "num_warps"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"skinny GEMM config {cfg}: {name}={v} must be a power of two")
+    if cfg.block_n < 16 or cfg.block_k < 16:
+        raise ValueError(f"skinny GEMM config {cfg}: block_n and block_k must be >= 16 (tl.dot)")
+    if cfg.split_k < 1 or cfg.num_stages < 1:
+        raise ValueError(f"skinny GEMM config {cfg}: split_k and num_stages must be >= 1")
+    return cfg
+
+
+# Heuristic constants (guesses to be checked with `spanllm bench gemm`). An SM's share of HBM on an
+# H200 is ~4.3 TB/s / 132 = ~33 KB per us; with ~1 us of memory latency an SM needs ~32 KiB in flight
+# (Little's law), i.e. 16-32 KiB tiles with 2-3 of them in the pipeline.
+_SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipeline may use (H100/H200 have 227 KiB/SM)
+_SPLIT_OVERHEAD_US = 1.5  # split-K's merge: a guess from the old second kernel's gap + tail; the in-kernel merge
+#                          costs less, not measured alone (it only moves the heuristic for shapes off the table)
+_SM_BYTES_PER_US = 4.3e6 / 132  # one SM's share of HBM bandwidth, bytes per microsecond
+_X_L2_WEIGHT = 0.4  # cost of a byte of x from L2 relative to a byte of W from HBM
+_PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
+
+
+def _table_key(m: int, n: int, k: int, elem_bytes: int) -> tuple[int, int, int, int] | None:
+    """The CONFIG_OVERRIDES key for this GEMM: M's bucket, else the nearest bucket of the same (n, k,
+    elem_bytes) (ties: the larger bucket); None when the table has no entry for the shape."""
+    buckets = [mb for (mb, n2, k2, e2) in CONFIG_OVERRIDES if (n2, k2, e2) == (n, k, elem_bytes)]
+    if not buckets:
+        return None
+    want = m_bucket(m)
+    mb = min(buckets, key=lambda b: (abs(b.bit_length() - want.bit_length()), -b))
+    return (mb, n, k, elem_bytes)
+
+
+def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | None:
+    """The measured config for this shape (`_table_key`); None when the table has no entry for the shape."""
+    key = _table_key(m, n, k, elem_bytes)
+    return None if key is None else _check_config(CONFIG_OVERRIDES[key])
+
+
+@functools.cache
+def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
+    """decode_gemm="auto": whether x [m, k] @ W[n, k]^T takes the skinny kernel. Yes only where the measured
+    table has the shape and its config beat F.linear there (MEASURED_US); shapes never measured, more than
+    MAX_M rows, or no Triton: F.linear."""
+    if triton is None or m > MAX_M:
+        return False
+    key = _table_key(m, n, k, elem_bytes)
+    if key is None:
+        return False
+    times = MEASURED_US.get(key)  # a config pasted without its times (bench gemm prints both): not chosen
+    return times is not None and times[0] < times[1]
+
+
+def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
+    """What decode_gemm="auto" runs for named GEMMs (name, N, K, element bytes) at 1..MAX_M rows, runs of row
+    counts with the same choice together, e.g. '1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head'."""
+
+    def picks(rows: int) -> str:
+        skinny = [name for name, n, k, e in gemms if prefer_skinny(rows, n, k, e)]
+        rest = [name for name, *_ in gemms if name not in skinny]
+        return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
+
+    runs: list[list] = []  # [first rows, last rows, picks]
+    for rows in range(1, MAX_M + 1):
+        p = picks(rows)
+        if runs and runs[-1][2] == p:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, p])
+    return " | ".join(f"{a}{'' if a == b else f'-{b}'} row{'s' if b > 1 else ''}: {p}" for a, b, p in runs)
+
+
+def table_id() -> str:
+    """A short fingerprint of CONFIG_OVERRIDES, recorded with engine rows that ran the skinny GEMM."""
+    import hashlib
+
+    text = repr(sorted(CONFIG_OVERRIDES.items())) + repr(sorted(MEASURED_US.items()))
+    return f"{len(CONFIG_OVERRIDES)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use_table: bool = True) -> SkinnyConfig:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for x [m, k] @ W[n, k]^T; deterministic.
+
+    The measured table wins (`table_config`; use_table=False skips it, for benchmarks of the heuristic).
+    Otherwise a small cost model: the kernel takes as long
+    as its most loaded SM needs to stream its programs' W bytes (programs are equal-sized, so an SM gets
+    ceil(programs / num_sms) of them; each also re-reads its x tiles from L2 and pays a fixed cost),
+    plus, for split-K, the fp32 partials (written and read back) and the in-kernel merge. Candidates with
+    >= num_sms programs win (an idle SM is bandwidth never used); split chunks keep >= 2 K tiles (else
+    the pipeline has nothing to overlap). Near-ties (1%) go to fewer splits, then to larger BLOCK_N.
+    """
+    if use_table:
+        measured = table_config(m, n, k, elem_bytes)
+        if measured is not None:
+            return measured
+    best, best_key = None, None
+    for block_n in (128, 64, 32):
+        # A W tile of up to 32 KiB, BLOCK_K 128-256 (a row of the tile: 256-1024 contiguous bytes, whole
+        # 128-byte lines, 16-byte vectors). Short K (tests, tiny layers): the smallest power of two >= K.
+        block_k = max(128, min(256, (32 * 1024) // (block_n * elem_bytes)))
+        block_k = max(16, min(block_k, 1 << max(0, k - 1).bit_length()))
+        n_tiles = _cdiv(n, block_n)
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and split_k_chunk(k, block_k, split) // block_k < 2:
+                continue  # chunks of one tile: nothing to pipeline
+            split = effective_split_k(k, block_k, split)
+            programs = n_tiles * split
+            # W bytes plus x bytes re-read from L2 (weighted by _X_L2_WEIGHT: L2 serves faster than HBM;
+            # masked rows >= M are not fetched), plus a fixed cost per program (pipeline fill, epilogue).
+            chunk_bytes = split_k_chunk(k, block_k, split) * elem_bytes
+            prog_us = chunk_bytes * (block_n + _X_L2_WEIGHT * m) / _SM_BYTES_PER_US + _PROGRAM_OVERHEAD_US
+            t = math.ceil(programs / num_sms) * prog_us
+            if split > 1:
+                t += 2 * split * m * n * 4 / (num_sms * _SM_BYTES_PER_US) + _SPLIT_OVERHEAD_US
+            fills = programs >= num_sms
+            # Prefer configs that fill the SMs; among them the fastest (in 1% steps, so that near-ties
+            # fall through to the deterministic tie-breakers: fewer splits, then larger BLOCK_N).
+            key = (not fills, round(math.log(t) * 100), split, -block_n)
+            if best_key is None or key < best_key:
+                best, best_key = (block_n, block_k, split), key
+    block_n, block_k, split = best
+    return SkinnyConfig(block_n, block_k, split, *launch_for_tile(block_n, block_k, elem_bytes))
+
+
+def launch_for_tile(block_n: int, block_k: int, elem_bytes: int) -> tuple[int, int]:
+    """(num_warps, num_stages) the heuristic gives a tile: 8 warps from a 32 KiB W tile up, and as many
+    pipeline stages (2-4) as the W + x tiles of one stage fit in _SMEM_BUDGET."""
+    tile_bytes = (block_n + BLOCK_M) * block_k * elem_bytes  # W + x tile: shared memory per stage
+    num_warps = 8 if block_n * block_k * elem_bytes >= 32 * 1024 else 4
+    return num_warps, max(2, min(4, _SMEM_BUDGET // tile_bytes))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        ws_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        k_chunk,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        IS_FP32: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        """y[m, n] = sum over k of x[m, k] * w[n, k]; with SPLIT_K > 1 each program sums one K chunk into the fp32
+        workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past N wrap onto valid rows (loaded, never stored): the W loads need no mask along N, so
+        # they stay unpredicated 16-byte vectors; the N tail costs a few redundant rows in one program.
+        rows = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        k_start = pid_k * k_chunk
+        k_end = tl.minimum(k_start + k_chunk, K)
+        # int64 row offsets: N * K may exceed 2^31 elements
+        w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        m_mask = offs_m[:, None] < M  # rows >= M are zeros: M padded to one 16-row MMA tile
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")  # W is streamed once: keep L2 for x
+                xt = tl.load(x_ptrs, mask=m_mask, other=0.0, eviction_policy="evict_last")
+            else:
+                k_mask = (k + offs_k) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                xt = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0, eviction_policy="evict_last")
+            if IS_FP32:
+                # fp32 inputs: full-precision products, as F.linear (tf32 would lose 13 mantissa bits).
+                acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Partials [SPLIT_K, M, N] fp32, contiguous. The tile's last program to arrive sums them (protocol
+            # and memory ordering: spanllm.kernels.arrival_counters): the barrier orders every warp's partial
+            # stores before the one thread's acq_rel increment; the winner reads the partials from L2 (.cg),
+            # in split order from zero (the same sum, bit for bit, whichever program came last), and resets
+            # the tile's counter for the next launch or graph replay.
+            tile = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=out_mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+def _interpreting() -> bool:
+    """True when Triton was imported with TRITON_INTERPRET=1 (the kernels then run on CPU tensors)."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_skinny_gemm_kernel, InterpretedFunction)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms_of(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return DEFAULT_NUM_SMS
+
+
+def skinny_gemm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear can take this call (else use F.linear)."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and weight.is_cuda
+        and x.device == weight.device
+        and x.dtype in SUPPORTED_DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() // max(1, x.shape[-1]) <= MAX_M
+    )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
+    """y = x @ weight^T for x [..., K] with at most 16 rows in all, weight [N, K] contiguous; y [..., N].
+
+    `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
+    Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture once one eager call
+    has run (split-K's arrival counters are allocated outside any capture: arrival_counters).
+    """
+    if triton is None:
+        raise RuntimeError("skinny_linear needs Triton, which is not installed; use torch.nn.functional.linear")
+    if weight.dim() != 2:
+        raise ValueError(f"skinny_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.dim() < 1:
+        raise ValueError("skinny_linear: x must have at least one dimension (its last is K)")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"skinny_linear: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"skinny_linear: dtype {x.dtype} not supported (bfloat16, float16, float32)")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(
+            f"skinny_linear: K mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}), "
+            f"weight has K={k} (shape {tuple(weight.shape)})"
+        )
+    if not weight.is_contiguous():
+        raise ValueError(
+            f"skinny_linear: weight must be contiguous (row-major [N, K]); got strides "
+            f"{weight.stride()} for shape {tuple(weight.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"skinny_linear: x is on {x.device}, weight on {weight.device}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if m > MAX_M:
+        raise ValueError(
+            f"skinny_linear: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
+            "use torch.nn.functional.linear for larger batches"
+        )
+    if m == 0 or n == 0 or k == 0:
+        return (torch.zeros if k == 0 else torch.empty)((*lead, n), dtype=x.dtype, device=x.device)
+    x2 = x.reshape(m, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    cfg = (
+        _check_config(config) if config is not None else choose_config(m, n, k, num_sms_of(x.device), x.element_size())
+    )
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"skinny_linear: tensors must be on a CUDA device, got {x.device} "
+            "(CPU tensors run only under TRITON_INTERPRET=1)"
+        )
+    split = effective_split_k(k, cfg.block_k, cfg.split_k)
+    chunk = split_k_chunk(k, cfg.block_k, split)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split == 1:
+        ws = counters = y  # unused
+    else:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, n_tiles)
+    _skinny_gemm_kernel[(n_tiles, split)](
+        x2,
+        weight,
+        y,
+        ws,
+        counters,
+        m,
+        n,
+        k,
+        chunk,
+        x2.stride(0),
+        weight.stride(0),
+        n,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        EVEN_K=(k % cfg.block_k == 0),
+        IS_FP32=(x.dtype == torch.float32),
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y.reshape(*lead, n)
+
+
+# torch.ops.spanllm.skinny_linear: the same call as one opaque op, so that torch.compile (the engine's
+# compiled decode) keeps the launch as a single graph node instead of tracing into the Python above
+# (config choice, allocations, the launch). Registered where Triton exists; the fake returns y's shape.
+if triton is not None:
+
+    @torch.library.custom_op("spanllm::skinny_linear", mutates_args=())
+    def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, weight)
+
+    @skinny_linear_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,296 @@
+"""Weights: HF safetensors (one file or a sharded index), each rank reading only its shard; or seeded
+random values generated on the device (for benchmarks with preset shapes).
+
+Checkpoint reading uses `safe_open(...).get_slice(name)[rows]`, so a rank touches only the bytes of
+its own rows / columns. The fused parameters are filled piecewise: qkv_proj from q_proj, k_proj and
+v_proj; gate_up_proj from gate_proj and up_proj.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from spanllm.errors import UsageError
+from spanllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from spanllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that does not match the model built from its config (a ValueError; CLI exit code 2)."""
+
+
+# --- checks before any rank starts: file names, headers and shapes, no weights read ------------------------
+def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor name an HF Llama checkpoint of `cfg` holds, with its full shape (as checkpoint_plan reads)."""
+    h, d, ffn = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+            }
+        )
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def read_safetensors_header(path: str) -> dict[str, dict]:
+    """The tensor table of a safetensors file (name -> dtype, shape, data_offsets), after checking that the
+    file holds every byte its header describes (a truncated copy fails here, naming the file)."""
+    fix = "copy or download the file again"
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file, though the checkpoint lists it; copy the whole checkpoint folder")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: {size} bytes, too short for a safetensors header; the file is truncated: {fix}"
+            )
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise CheckpointError(
+                f"{path}: its header claims {n} bytes but the file has {size}; the file is truncated "
+                f"or not safetensors: {fix}"
+            )
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+            raise CheckpointError(f"{path}: the safetensors header is damaged: {fix}") from None
+    if size < 8 + n + end:
+        raise CheckpointError(
+            f"{path}: truncated: the file has {size} bytes, its header describes {8 + n + end}; {fix}"
+        )
+    return tensors
+
+
+def check_checkpoint(cfg) -> None:
+    """Every file of the checkpoint folder present and whole, every tensor the config implies there with its
+    shape. Reads only headers (safetensors' JSON table), so it runs in the launching process."""
+    directory = cfg.checkpoint_dir
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(
+                f"{index}: not a safetensors index ({type(e).__name__}: {e}); it needs a "
+                "'weight_map' of tensor name -> file"
+            ) from None
+    elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        raise CheckpointError(
+            f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for fname in files:
+        path = os.path.join(directory, fname)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"{index}: lists {fname}, which is missing from {directory}; copy the whole checkpoint folder"
+            )
+        for name, info in read_safetensors_header(path).items():
+            found[name] = (path, tuple(info.get("shape", ())))
+    for name, shape in expected_tensors(cfg).items():
+        if name not in found:
+            raise CheckpointError(
+                f"tensor {name!r} is missing from the checkpoint in {directory!r} ({len(found)} "
+                "tensors present); does config.json match the weights?"
+            )
+        path, have = found[name]
+        if have != shape:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {have} but config.json implies {shape}; the "
+                "checkpoint and config.json disagree"
+            )
+
+
+class CheckpointReader:
+    """Name -> file map over an HF checkpoint directory; slices are read lazily."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open  # optional dependency: only checkpoint loading needs it
+
+        self._safe_open = safe_open
+        self.directory = directory
+        index = os.path.join(directory, INDEX_FILE)
+        single = os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        elif os.path.isfile(single):
+            self.weight_map = {k: SINGLE_FILE for k in read_safetensors_header(single)}
+        else:
+            raise CheckpointError(
+                f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
+                "save_pretrained(..., safe_serialization=True)"
+            )
+        self._handles: dict[str, object] = {}
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError(
+                f"tensor {name!r} is missing from the checkpoint in {self.directory!r} "
+                f"({len(self.weight_map)} tensors present); does config.json match the weights?"
+            )
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            path = os.path.join(self.directory, fname)
+            read_safetensors_header(path)  # a missing or truncated file names itself
+            self._handles[fname] = self._safe_open(path, framework="pt")
+        return self._handles[fname]
+
+    def read(self, name: str, expected_shape: tuple[int, ...], dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor `name`, after checking its full shape."""
+        sl = self._file(name).get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(expected_shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {shape} in the checkpoint but the config implies "
+                f"{tuple(expected_shape)}; the checkpoint and config.json disagree"
+            )
+        if dim == 0:
+            return sl[start:stop]
+        return sl[:, start:stop]
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.__exit__(None, None, None)
+        self._handles.clear()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Copy rows/cols [start, stop) along `dim` of checkpoint tensor `name` into rows [offset, ...) of a param."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+    offset: int = 0
+
+
+def _layer_pieces(layer: LlamaDecoderLayer, hidden: int, heads: int, kv_heads: int, ffn: int):
+    p = f"model.layers.{layer.layer_id}."
+    qkv = layer.self_attn.qkv_proj
+    d = qkv.head_dim
+    q0, kv0 = qkv.q_head_start * d, qkv.kv_head_start * d
+    yield layer.input_layernorm.weight, [_Piece(p + "input_layernorm.weight", (hidden,), 0, 0, hidden)]
+    yield (
+        layer.post_attention_layernorm.weight,
+        [_Piece(p + "post_attention_layernorm.weight", (hidden,), 0, 0, hidden)],
+    )
+    yield (
+        qkv.weight,
+        [
+            _Piece(p + "self_attn.q_proj.weight", (heads * d, hidden), 0, q0, q0 + qkv.q_size, 0),
+            _Piece(p + "self_attn.k_proj.weight", (kv_heads * d, hidden), 0, kv0, kv0 + qkv.kv_size, qkv.q_size),
+            _Piece(
+                p + "self_attn.v_proj.weight",
+                (kv_heads * d, hidden),
+                0,
+                kv0,
+                kv0 + qkv.kv_size,
+                qkv.q_size + qkv.kv_size,
+            ),
+        ],
+    )
+    o = layer.self_attn.o_proj
+    yield o.weight, [_Piece(p + "self_attn.o_proj.weight", (hidden, heads * d), 1, o.in_start, o.in_start + o.in_local)]
+    gu = layer.mlp.gate_up_proj
+    f0, fl = gu.start, gu.intermediate_local
+    yield (
+        gu.weight,
+        [
+            _Piece(p + "mlp.gate_proj.weight", (ffn, hidden), 0, f0, f0 + fl, 0),
+            _Piece(p + "mlp.up_proj.weight", (ffn, hidden), 0, f0, f0 + fl, fl),
+        ],
+    )
+    dn = layer.mlp.down_proj
+    yield dn.weight, [_Piece(p + "mlp.down_proj.weight", (hidden, ffn), 1, dn.in_start, dn.in_start + dn.in_local)]
+
+
+def _vocab_piece(mod: VocabParallelEmbedding, name: str, hidden: int) -> _Piece:
+    return _Piece(name, (mod.vocab_size, hidden), 0, mod.vocab_start, mod.vocab_stop)
+
+
+def checkpoint_plan(model: LlamaForCausalLM):
+    """(parameter, pieces) for every parameter this stage holds."""
+    cfg = model.config
+    h = cfg.hidden_size
+    emb = model.model.embed_tokens
+    if emb is not None:
+        yield emb.weight, [_vocab_piece(emb, "model.embed_tokens.weight", h)]
+    for layer in model.model.layers.values():
+        yield from _layer_pieces(layer, h, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+    if model.model.norm is not None:
+        yield model.model.norm.weight, [_Piece("model.norm.weight", (h,), 0, 0, h)]
+    head: ParallelLMHead | None = model.lm_head
+    if head is not None and not (emb is not None and head.weight is emb.weight):
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        yield head.weight, [_vocab_piece(head, name, h)]
+
+
+@torch.no_grad()
+def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
+    """Fill this stage's shard of every parameter from an HF safetensors checkpoint."""
+    reader = CheckpointReader(directory)
+    try:
+        for param, pieces in checkpoint_plan(model):
+            if pieces[0].name in ("model.embed_tokens.weight", "lm_head.weight"):
+                param.zero_()  # padding rows past the vocabulary stay zero
+            for pc in pieces:
+                t = reader.read(pc.name, pc.full_shape, pc.dim, pc.start, pc.stop)
+                if param.dim() == 1:
+                    param.copy_(t)
+                elif pc.dim == 0:
+                    param[pc.offset : pc.offset + t.shape[0]].copy_(t)
+                else:
+                    param.copy_(t)
+    finally:
+        reader.close()
+
+
+@torch.no_grad()
+def random_init(model: LlamaForCausalLM, seed: int, rank: int, std: float = 0.02) -> None:
+    """Seeded N(0, std) weights generated on the parameters' device (norm weights = 1).
+
+    Each rank draws its own shard from a generator seeded by (seed, rank): fast (no host work, no
+    copies) and reproducible, but a random model sharded at tp=2 is not the same network as at tp=4.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + rank)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)
