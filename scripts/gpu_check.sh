@@ -5,24 +5,22 @@
 #   scripts/gpu_check.sh                 # every stage
 #   scripts/gpu_check.sh env conformance # chosen stages
 #
-# Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
-# (the all-reduce and static-batch engine; 2 GPUs), and the serving engine's (one GPU is enough): paged
+# Stages: env conformance timeout phases pytest tune bench gemm smoke engine engine70b study
+# (the all-reduce and the TP / TP x PP study; 2 GPUs), and the serving engine's (one GPU is enough): paged
 # (its GPU tests), gemm1 (decode GEMMs of the 8B at TP=1: cuBLAS vs skinny, and a config sweep), attention
-# (bench attention), attnvar (the decode attention kernel's variants: scripts/gpu_decode_attention_variants.py),
-# throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile
+# (bench attention), batch1 (bench batch, 8B at TP=1: decode-heavy rows on one GPU), throughput (bench throughput, ShareGPT), decode1 (batch-1 step), profile
 # (scripts/gpu_profile_steps.py: kernel tables and a step trace), hfpeer (transformers' continuous batching on
 # the same requests). Serving knobs: NUM_PROMPTS,
 # TP_MODELS, SERVE_TP, SERVE_OPTS (extra engine flags), ATTN_BATCHES, ATTN_CTX, SAMPLES (requests saved by
 # `bench throughput --save-samples`: the GPU machine cannot hold the 125 MB ShareGPT package;
 # results/h200/inputs/sharegpt_llama3_seed0_n1000.json is vLLM's sampling of its recovered records).
 # Knobs (environment): RPNS="2 1" topologies (ranks per node) for the comm stages; CONF_TIMEOUT, CALLS;
-# ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); COMPILED_MODELS,
-# COMPILED_BATCHES, COMPILE_SCOPE (compiled: layer or forward); DECODE_GEMM (engine stages: torch or skinny,
+# ITERS / ROUNDS (bench: samples per row, interleaved over ROUNDS rounds); PROTOCOLS (tune); DECODE_GEMM (engine stages: torch or skinny,
 # EngineConfig.decode_gemm; skinny files get a _skinny suffix); GEMM_SWEEP, GEMM_SWEEP_M (gemm stage);
 # HF_DEADLINE (hfpeer: seconds before the peer's partial result, default 200; it finished 934 of 1000 in 200 s),
 # STUDY_MODELS, STUDY_WORKLOADS, STUDY_BATCHES, STUDY_TIMEOUT, STUDY_PP / STUDY_MB (only these pipeline degrees /
 # micro-batch counts: top up a cut study); B70_BATCHES, B70_DECODE_ONLY, BATCH_TIMEOUT;
-# PROFILE_OPTS (profile: extra flags of scripts/gpu_profile_steps.py, e.g. --trace-variants); BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
+# PROFILE_OPTS (profile: extra flags of scripts/gpu_profile_steps.py); BREAKDOWN_STEPS (eager GPU-time breakdown steps per row, default 8; each step waits behind a device spin);
 # TUNING (default: this run's tables, else results/h200x2/tuning_*.json). Results go to
 # results/gpu_run (or $SPANLLM_GPU_OUT); when the device tool's $OUT is set, everything is also packed
 # into $OUT/gpu_results.tgz after each stage (the tool brings back only a few files). Every launch is
@@ -41,10 +39,10 @@ OUTDIR="${SPANLLM_GPU_OUT:-results/gpu_run}"
 mkdir -p "$OUTDIR"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench gemm smoke engine engine70b compiled study
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env conformance timeout phases pytest tune bench gemm smoke engine engine70b study
                                    paged attention decode1 throughput)
 # Stages that need 2 GPUs (two ranks: TP=2, or 2 virtual nodes); on a one-GPU host they are skipped, named.
-MULTI_GPU_STAGES=" conformance timeout phases tune bench smoke engine engine70b compiled study "
+MULTI_GPU_STAGES=" conformance timeout phases tune bench smoke engine engine70b study "
 # Tuning tables: $TUNING if given, else this run's (the tune stage's) tables once they exist, else the
 # committed ones. Decided at every use, so stages after `tune` use what it just measured.
 USER_TUNING="${TUNING:-}"
@@ -161,18 +159,6 @@ for stage in "${STAGES[@]}"; do
       BATCH_TIMEOUT="${BATCH_TIMEOUT:-290}" batch llama3.1-8b decode-heavy "${B8_BATCHES:-1,8,32,64}" 3
       BATCH_TIMEOUT="${BATCH_TIMEOUT:-290}" batch llama3.1-8b prefill-heavy "${B8_BATCHES:-1,8,32,64}" 2
       ;;
-    compiled)
-      # The compiled decode forward (torch.compile inductor inside our CUDA graph), TP=2, against the
-      # eager-forward rows of the engine / engine70b stages: does fusing the small per-layer kernels pay?
-      pick_tuning
-      for model in ${COMPILED_MODELS:-llama3.1-8b llama3.1-70b}; do
-        log "bench batch $model decode-heavy --compile-decode"
-        timeout "${BATCH_TIMEOUT:-580}" $TR -m spanllm.cli bench batch --model "$model" --workload decode-heavy \
-          --batch-sizes "${COMPILED_BATCHES:-1,8}" --iters 1 --no-breakdown --compile-decode \
-          --compile-scope "${COMPILE_SCOPE:-layer}" --allreduce nccl,nvrar --decode-gemm "$DGEMM" \
-          --tuning "$TUNING" --json "$OUTDIR/batch_${model}_decode-heavy_compiled_${COMPILE_SCOPE:-layer}$GSUF.json" || rc=1
-      done
-      ;;
     engine70b)
       log "bench batch 70B"
       batch llama3.1-70b decode-heavy "${B70_BATCHES:-1,8,32,64}" 1
@@ -191,13 +177,14 @@ for stage in "${STAGES[@]}"; do
       done
       ;;
     paged)
-      log "pytest: the serving engine's GPU tests (paged attention kernels, graphs, engine vs static path)"
+      log "pytest: the engine's GPU tests (paged attention kernels, graphs, fixed batch vs serving engine)"
       timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
       ;;
-    attnvar)
-      log "paged decode attention kernel variants (prefetch, stages, min tiles; 8B heads)"
-      timeout "${ATTNVAR_TIMEOUT:-300}" python3 scripts/gpu_decode_attention_variants.py \
-        --context-lens "${ATTNVAR_CTX:-128,256,512,1024,4096}" --json "$OUTDIR/decode_attention_variants.json" || rc=1
+    batch1)
+      log "bench batch 8B TP=1 decode-heavy (the fixed batch on the serving engine's worker)"
+      timeout "${BATCH_TIMEOUT:-400}" torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench batch --model llama3.1-8b \
+        --workload decode-heavy --batch-sizes "${B1_BATCHES:-1,8,32,64}" --iters 3 --breakdown-steps "${BREAKDOWN_STEPS:-8}" \
+        --decode-gemm "${DECODE_GEMM:-auto}" --json "$OUTDIR/batch_llama3.1-8b_decode-heavy_tp1.json" || rc=1
       ;;
     attention)
       log "bench attention (paged decode kernel vs reference vs contiguous SDPA)"

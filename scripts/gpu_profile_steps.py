@@ -11,9 +11,8 @@ Writes DIR/profile_steps.json:
 - `kernels`: torch.profiler tables (CUDA time per kernel name, summed over replays) of decode steps at batch
   1 and 256 replayed from their CUDA graphs, the same steps eager (graphs off: launch gaps show as the
   difference), one step of max_num_batched_tokens prefill tokens, and mixed steps as a ShareGPT run has
-  them (255 decodes and one prompt chunk) with the decodes in the decode kernel or in the prefill kernel
-  (PagedModelRunner.mixed_decode_kernel). Each with the measured step time (CUDA events, median of the
-  replays). `--trace-variants decode_kernel,prefill_kernel` traces the workload once each way.
+  them (255 decodes and one prompt chunk). Each with the measured step time (CUDA events, median of the
+  replays).
 """
 
 from __future__ import annotations
@@ -45,12 +44,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--mixed-decodes", type=int, default=255, help="decodes of the profiled mixed steps")
     p.add_argument("--mixed-context", type=int, default=384, help="their context")
     p.add_argument("--mixed-chunks", default="64,512,1024", help="prefill tokens of the profiled mixed steps")
-    p.add_argument(
-        "--trace-variants",
-        default="decode_kernel",
-        help="comma list of decode_kernel (mixed-step graphs run their decodes in the decode kernel: the "
-        "default) and prefill_kernel (as one-query prefill chunks): one step trace each",
-    )
     return p.parse_args()
 
 
@@ -386,7 +379,7 @@ def main() -> int:
     llm = LLM(resolve_model(args.model), engine_config_from_args(args, device), device=device)
     llm.get_tokenizer()
     result: dict = {
-        "describe": llm.describe_serving(),
+        "describe": llm.describe(),
         "machine": machine_info(device),
         "settings": {k: v for k, v in vars(args).items() if not callable(v)},
     }
@@ -416,42 +409,30 @@ def main() -> int:
     save()
     runner = llm.engine_core.runner
     for chunk in [int(v) for v in args.mixed_chunks.split(",") if v]:
-        for decode_kernel in (True, False):
-            runner.mixed_decode_kernel = decode_kernel
-            key = (
-                f"mixed_d{args.mixed_decodes}_ctx{args.mixed_context}_p{chunk}_"
-                f"{'decode_kernel' if decode_kernel else 'prefill_kernel'}"
-            )
-            result["kernels"][key] = profile_mixed(
-                llm, args.mixed_decodes, args.mixed_context, chunk, max(5, args.replays // 2)
-            )
-            print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
-            save()
-    runner.mixed_decode_kernel = True
+        key = f"mixed_d{args.mixed_decodes}_ctx{args.mixed_context}_p{chunk}"
+        result["kernels"][key] = profile_mixed(
+            llm, args.mixed_decodes, args.mixed_context, chunk, max(5, args.replays // 2)
+        )
+        print(key, f"{result['kernels'][key]['step_ms_median']:.3f} ms", flush=True)
+        save()
     result["sampler"] = sampler_table(llm.engine_core.sampler, llm.config.vocab_size, device, args.replays)
     print("sampler", result["sampler"], flush=True)
     save()
     if args.samples_file:
         samples = load_samples(args.samples_file)
-        for variant in [v for v in args.trace_variants.split(",") if v]:
-            if variant not in ("decode_kernel", "prefill_kernel"):
-                raise SystemExit(f"--trace-variants: {variant!r} is not decode_kernel or prefill_kernel")
-            runner.mixed_decode_kernel = variant == "decode_kernel"
-            runner.capture_all()  # the graphs of this variant now, not inside the traced run
-            tr = trace_workload(llm, samples, min(args.trace_prompts, len(samples)))
-            out_tokens = sum(r.output_len for r in list(samples)[: tr["requests"]])
-            tr["output_tokens"] = out_tokens
-            tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
-            tr["mixed_decode_kernel"] = runner.mixed_decode_kernel
-            result["trace" if variant == "decode_kernel" else f"trace_{variant}"] = tr
-            print(
-                f"trace ({variant}): {tr['steps']} steps in {tr['wall_s']:.2f} s = "
-                f"{tr['output_tokens_per_second']:.0f} output tok/s; decode-only {tr['decode_only']}; "
-                f"mixed {tr['mixed']}; between forwards (sampler + GPU idle) {tr['between_forwards_s']:.2f} s",
-                flush=True,
-            )
-            save()
-        runner.mixed_decode_kernel = True
+        runner.capture_all()  # every graph now, not inside the traced run
+        tr = trace_workload(llm, samples, min(args.trace_prompts, len(samples)))
+        out_tokens = sum(r.output_len for r in list(samples)[: tr["requests"]])
+        tr["output_tokens"] = out_tokens
+        tr["output_tokens_per_second"] = out_tokens / tr["wall_s"]
+        result["trace"] = tr
+        print(
+            f"trace: {tr['steps']} steps in {tr['wall_s']:.2f} s = {tr['output_tokens_per_second']:.0f} output tok/s; "
+            f"decode-only {tr['decode_only']}; mixed {tr['mixed']}; between forwards (sampler + GPU idle) "
+            f"{tr['between_forwards_s']:.2f} s",
+            flush=True,
+        )
+        save()
     llm.close()
     return 0
 

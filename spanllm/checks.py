@@ -99,18 +99,6 @@ def decode_gemm(name: str, device: str) -> None:
         )
 
 
-def compile_backend(enabled: bool, name: str) -> None:
-    if not enabled:
-        return
-    import torch._dynamo
-
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if name not in known:
-        raise UsageError(
-            f"--compile-backend {name!r}: not a torch.compile backend; use inductor, or aot_eager (tracing only)"
-        )
-
-
 def model(spec: str):
     """The ModelConfig of a preset or checkpoint folder, the checkpoint's files checked (headers only)."""
     from spanllm.model.config import ModelConfigError, resolve_model

@@ -98,7 +98,7 @@ CASES = [
         "--ranks-per-node 0: ranks_per_node=0 must be a positive integer",
     ),
     (GEN + ["--micro-batches", "0"], "--micro-batches 0: must be >= 1"),
-    # names: dtype, all-reduce, GEMM, compile backend, model
+    # names: dtype, all-reduce, GEMM, removed flags, model
     (GEN + ["--dtype", "fp8"], "--dtype 'fp8' is not supported; choose one of auto, float32"),
     (
         GEN + ["--nprocs", "2", "--allreduce", "ring"],
@@ -106,7 +106,6 @@ CASES = [
     ),
     (GEN + ["--nprocs", "2", "--allreduce", "nvrar"], "--allreduce nvrar: runs on cuda only"),
     (GEN + ["--decode-gemm", "skinny"], "--decode-gemm skinny: a Triton kernel for CUDA GPUs"),
-    (GEN + ["--compile-decode", "--compile-backend", "nope"], "--compile-backend 'nope': not a torch.compile backend"),
     (
         ["generate", "--model", "/no/such/folder", "--prompt-ids", "1"],
         "--model: no such checkpoint folder '/no/such/folder'",

@@ -1,8 +1,9 @@
 """Package boundaries, read from the source (ast: nothing is imported, so no import side effects).
 
 The layers: neutral modules (`spanllm.dtypes`, `spanllm.cuda_graph`, `spanllm.measure`) import nothing of
-spanllm but each other; the libraries (`comm`, `engine`, `perf`) import neither the command-line packages
-(`bench`, `serve`) nor argparse; the packages together have no import cycle. Imports inside functions count:
+spanllm but each other; the kernels (`spanllm.kernels`: every @triton.jit) import nothing of spanllm but
+neutral modules; the libraries (every package but `commands`) import neither the command modules
+(`spanllm.commands`, `spanllm.cli`) nor argparse; the packages together have no import cycle. Imports inside functions count:
 a lazy import is still a dependency. Top-level modules (`errors`, `checks`, `launch`) are shared plumbing,
 outside the package check: `errors` and `checks` look up the libraries' exception classes and tables lazily.
 """
@@ -17,7 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "spanllm"
 PACKAGES = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
 NEUTRAL = {"dtypes", "cuda_graph", "measure"}
-LIBRARIES = ("comm", "engine", "perf")
+LIBRARIES = ("comm", "engine", "perf", "model", "layers", "attention", "kernels", "bench", "serve")
+COMMANDS = ("commands", "cli")
 # Command-line modules still inside a library package (the argparse check exempts them):
 ARGPARSE_EXEMPT = {
     # the serving-engine work moves the engine's command (generate) out of the library
@@ -133,8 +135,14 @@ def test_libraries_do_not_import_commands(library):
     ]
     assert not argparse_users, (
         f"command-line code in the library package {library}: {argparse_users}; "
-        "command modules live in spanllm/bench (or next to spanllm/cli.py)"
+        "command modules live in spanllm/commands"
     )
+
+
+def test_kernels_import_only_neutral_modules():
+    graph = edges()
+    bad = {f"kernels -> {b} ({where})" for b, where in graph.get("kernels", {}).items() if b not in NEUTRAL}
+    assert not bad, f"the kernels must not depend on the engine: {sorted(bad)}"
 
 
 def test_the_checker_sees_a_cycle():

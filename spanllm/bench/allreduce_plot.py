@@ -1,13 +1,7 @@
-"""Latency vs message size, one line per algorithm and one panel per topology, from bench JSON files.
-
-python -m spanllm.bench.allreduce_plot results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
-"""
+"""Latency vs message size, one line per algorithm and one panel per topology, from bench JSON files
+(`spanllm bench allreduce --plot`, scripts/replot_allreduce.py)."""
 
 from __future__ import annotations
-
-import argparse
-import json
-import sys
 
 
 def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> None:
@@ -47,24 +41,3 @@ def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("json", nargs="+", help="spanllm bench allreduce --json files")
-    ap.add_argument("-o", "--out", required=True, help="PNG to write")
-    args = ap.parse_args(argv)
-    docs = []
-    for p in args.json:
-        with open(p) as f:
-            doc = json.load(f)
-        if doc.get("kind") != "allreduce":
-            raise SystemExit(f"{p}: kind={doc.get('kind')!r}, not an all-reduce benchmark")
-        docs.append(doc)
-    plot_allreduce(docs, args.out)
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """`spanllm bench attention`: the paged decode attention kernel against its reference and against the
-contiguous-cache attention it replaces (the static path's SDPA over [B, kv_heads, S, d] under a mask).
+contiguous-cache attention a non-paged engine runs (SDPA over [B, kv_heads, S, d] under a mask).
 
 For every batch size x context length: one decode step's attention for one layer (Llama 3.1 8B heads by
 default: 32 query, 8 KV heads of 128), every sequence at the full context, block tables shuffled over the
@@ -53,7 +53,7 @@ def random_decode_inputs(
 
 
 def _cell(b: int, n: int, args, device, dtype) -> dict:
-    from spanllm.attention import paged as pa
+    from spanllm.attention import reference as pa
     from spanllm.kernels import paged_attention as kt
 
     hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -69,7 +69,7 @@ def _cell(b: int, n: int, args, device, dtype) -> dict:
     kv_bytes = 2 * b * n * hkv * d * dtype.itemsize
     out["kv_bytes"] = kv_bytes
     out["triton_tb_s"] = kv_bytes / (t.median_us * 1e-6) / 1e12
-    # The contiguous cache of the static path: [B, hkv, S, d], attention over the whole length under a mask.
+    # A contiguous cache [B, hkv, S, d] (a non-paged engine's), attention over the whole length under a mask.
     kc = k_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).contiguous()
     vc = v_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).contiguous()
     mask = torch.zeros(b, 1, 1, n, device=device, dtype=dtype)
@@ -78,7 +78,6 @@ def _cell(b: int, n: int, args, device, dtype) -> dict:
         lambda: F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask), graph=True, device=device, samples=10
     )
     out["contiguous_sdpa_us"] = t.median_us
-    del kc, vc
     if b <= args.reference_max_batch:
         t = time_calls(
             lambda: pa.reference_decode(q, k_cache, v_cache, tables, [n] * b),

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from spanllm import checks
-from spanllm.commands.generate import add_model_arguments, check_model_arguments, resolve_dtype
+from spanllm.commands.engine_args import add_model_arguments, check_model_arguments, resolve_dtype
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import CATEGORIES
@@ -65,10 +65,8 @@ class BenchSettings:
     ranks_per_node: int | None
     tuning: str | None = None
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
-    compile_decode: bool = False  # torch.compile the decode forward (EngineConfig.compile_decode)
-    compile_backend: str = "inductor"
-    compile_scope: str = "layer"  # EngineConfig.compile_scope
     decode_gemm: str = "torch"  # EngineConfig.decode_gemm
+    max_model_len: int | None = None
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
 
@@ -164,9 +162,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         ranks_per_node=args.ranks_per_node,
         breakdown_steps=args.breakdown_steps,
         tuning=args.tuning,
-        compile_decode=args.compile_decode,
-        compile_backend=args.compile_backend,
-        compile_scope=args.compile_scope,
+        max_model_len=args.max_model_len,
         decode_gemm=args.decode_gemm,
         json=args.json,
     )
@@ -200,20 +196,20 @@ class PartialRows:
         write_json(self.path, self.kind, self.settings, self.rows, complete=False)
 
 
-def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims, micro_batches: int):
+def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims):
+    """The engine for every row of this run: decode graph buckets up to the largest batch, and a token budget that
+    holds the largest batch's prompts (its prefill is one step, as a fixed batch's is)."""
     from spanllm.engine.llm import LLM
 
+    biggest = max(s.batch_sizes)
     engine = EngineConfig(
-        max_batch_size=max(s.batch_sizes),
-        max_seq_len=s.prompt_len + s.decode_len,
         dtype=resolve_dtype(s.dtype, ctx.device),
         cuda_graphs=s.cuda_graphs,
-        micro_batches=micro_batches,
         seed=s.seed,
-        compile_decode=s.compile_decode,
-        compile_backend=s.compile_backend,
-        compile_scope=s.compile_scope,
         decode_gemm=s.decode_gemm,
+        max_num_seqs=biggest,
+        max_num_batched_tokens=max(8192, biggest * s.prompt_len),
+        max_model_len=s.max_model_len or s.prompt_len + s.decode_len,
     )
     tuning = None
     if s.tuning:
@@ -240,12 +236,12 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     mb = min(micro_batches, batch)
     warmup_len = min(s.decode_len, WARMUP_DECODE_LEN)
     for _ in range(s.warmup):
-        llm.generate_static(
+        llm.generate_batch(
             prompts, SamplingParams(temperature=0.0, max_tokens=warmup_len, ignore_eos=True), micro_batches=mb
         )
     ttft, e2e = [], []
     for _ in range(s.iters):
-        out = llm.generate_static(prompts, params, micro_batches=mb)
+        out = llm.generate_batch(prompts, params, micro_batches=mb)
         per_rank = _gather((out.ttft_ms, out.e2e_ms)) if dist.is_initialized() else [(out.ttft_ms, out.e2e_ms)]
         ttft.append(max(r[0] for r in per_rank))
         e2e.append(max(r[1] for r in per_rank))
@@ -255,24 +251,21 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
     breakdown = stage_breakdown = step_ms = breakdown_steps = covered_steps = mode = None
     if s.breakdown and s.decode_len > 1:
         breakdown_steps = min(s.breakdown_steps, s.decode_len - 1)
-        llm.timers.enabled = True
-        try:
+        with llm.timed_ops():
             # An untimed eager pass first: the first eager steps of a process pay one-time costs (kernel
             # selection, allocator growth) that hold the host back long enough to leave no step covered
             # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered). Short
             # prompts: its prefill is not what it warms up (a 2048-token 70B prefill at batch 64 takes 18 s).
-            llm.generate_static(
+            llm.generate_batch(
                 [p[:8] for p in prompts],
                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                 micro_batches=mb,
             )
-            out = llm.generate_static(
+            out = llm.generate_batch(
                 prompts,
                 SamplingParams(temperature=0.0, max_tokens=breakdown_steps + 1, ignore_eos=True),
                 micro_batches=mb,
             )
-        finally:
-            llm.timers.enabled = False
         covered, uncovered = out.breakdown, out.breakdown_uncovered
         assert covered.steps + uncovered.steps == breakdown_steps, (covered.steps, uncovered.steps, breakdown_steps)
         tally = lambda b: (b.per_step(), b.total_ms / max(b.steps, 1), b.steps)
@@ -322,9 +315,6 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
         "breakdown_steps_covered": covered_steps,
         "warmup_decode_len": warmup_len if s.warmup else None,
         "cuda_graphs": llm.cuda_graphs,
-        "compile_decode": llm.engine.compile_decode,
-        "compile_backend": llm.engine.compile_backend if llm.engine.compile_decode else None,
-        "compile_scope": llm.engine.compile_scope if llm.engine.compile_decode else None,
         "decode_gemm": llm.engine.decode_gemm,
         "decode_gemm_configs": _skinny_table_id(llm.engine.decode_gemm),
         "iters": s.iters,
@@ -349,7 +339,7 @@ def run_layout(
     from spanllm.comm.base import AllReduceInputError
 
     t0 = time.perf_counter()
-    llm = build_llm(ctx, s, dims, micro_batches[0])
+    llm = build_llm(ctx, s, dims)
     init_s = time.perf_counter() - t0  # weights (random on device, or read from the checkpoint) + KV cache
     rows, skipped = [], []
     names = s.allreduce or (llm.allreduce_name,)

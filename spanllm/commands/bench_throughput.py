@@ -22,86 +22,8 @@ import numpy as np
 import torch
 
 from spanllm.bench.datasets import add_dataset_arguments, get_samples
-from spanllm.commands.generate import add_model_arguments, resolve_dtype
+from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.launch import DistContext, finish, launch
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The serving engine's options (shared with `spanllm serve`)."""
-    g = parser.add_argument_group("serving engine")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (largest decode graph bucket)")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (decodes + prefill chunks)"
-    )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights, activations and the KV cache",
-    )
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory sizing)")
-    g.add_argument(
-        "--attention-backend",
-        choices=("auto", "torch", "triton"),
-        default="auto",
-        help="paged attention: triton on CUDA (auto), torch = the reference",
-    )
-    g.add_argument(
-        "--min-admit",
-        type=int,
-        default=1,
-        help="admission batching: while decoding, admit only once this many slots are free (1 = off)",
-    )
-    g.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="the host waits for each step's tokens before planning the next (default: it plans the next "
-        "while the GPU runs, on a GPU at TP=1)",
-    )
-    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size)")
-    g.add_argument("--allreduce", default=None, help="registered all-reduce (default: nccl on GPU, gloo on CPU)")
-
-
-def engine_config_from_args(args: argparse.Namespace, device: torch.device):
-    from spanllm.engine.config import EngineConfig
-
-    return EngineConfig(
-        dtype=resolve_dtype(args.dtype, device),
-        cuda_graphs=not args.no_cuda_graphs,
-        seed=args.seed,
-        compile_decode=args.compile_decode,
-        compile_backend=args.compile_backend,
-        compile_scope=args.compile_scope,
-        decode_gemm=args.decode_gemm,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_kv_blocks=args.num_kv_blocks,
-        attention_backend=args.attention_backend,
-        min_admit=args.min_admit,
-        async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
-        **({"max_model_len": args.max_model_len} if getattr(args, "max_model_len", None) else {}),
-    )
-
-
-def build_llm(ctx: DistContext, args: argparse.Namespace):
-    from spanllm.engine.llm import LLM
-    from spanllm.model.config import resolve_model
-    from spanllm.model.parallel_dims import ParallelDims
-
-    tp = args.tp or ctx.world_size
-    llm = LLM(
-        resolve_model(args.model),
-        engine_config_from_args(args, ctx.device),
-        dims=ParallelDims(tp, ctx.world_size // tp, ctx.world_size),
-        allreduce=args.allreduce,
-        device=ctx.device,
-        ranks_per_node=args.ranks_per_node,
-    )
-    llm.get_tokenizer()
-    return llm
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +76,7 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
     from spanllm.engine.sampler import SamplingParams
 
     llm = build_llm(ctx, args)
+    llm.get_tokenizer()
     try:
         core = llm.engine_core
         if core.rank != 0:
@@ -161,7 +84,7 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
                 warm_up_worker(llm)
             llm.generate([])  # the timed run's plans
             return None
-        describe = llm.describe_serving()
+        describe = llm.describe()
         print(describe, flush=True)
         samples = requests_from_args(args, llm.get_tokenizer())
         warm = {} if args.no_warmup else warm_up(llm)
@@ -228,26 +151,6 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
     if args.save_samples:
         save_samples(samples, args.save_samples)
     return samples
-
-
-def check_engine_arguments(args: argparse.Namespace) -> None:
-    """The serving engine's flags, before any rank starts (EngineConfig repeats the rules for API users)."""
-    from spanllm import checks
-
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "min_admit"):
-        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
-    checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
-    if args.max_num_batched_tokens < args.max_num_seqs:
-        from spanllm.errors import UsageError
-
-        raise UsageError(
-            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
-            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
-        )
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        from spanllm.errors import UsageError
-
-        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,13 +68,13 @@ def demo_rank(ctx: DistContext, args) -> dict:
     for algo in ("ref_hier", "gloo"):
         llm = LLM(
             "tiny",
-            EngineConfig(max_batch_size=2, max_seq_len=32, dtype=torch.float32),
+            EngineConfig(dtype=torch.float32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
             dims=ParallelDims(tp=ctx.world_size, pp=1, world_size=ctx.world_size),
             allreduce=algo,
             ranks_per_node=args.ranks_per_node,
         )
         t0 = time.perf_counter()
-        res = llm.generate_static(prompts, params)
+        res = llm.generate_batch(prompts, params)
         ms = (time.perf_counter() - t0) * 1e3
         tokens[algo] = res.token_ids
         if ctx.rank == 0:
@@ -88,7 +88,7 @@ def demo_rank(ctx: DistContext, args) -> dict:
         print(f"# engine: greedy tokens identical with ref_hier and gloo all-reduce: {'yes' if same else 'NO'}")
     # The serving engine on the same ranks: continuous batching over a paged KV cache (rank 0 schedules, the
     # other ranks run its step plans), text prompts through the tiny preset's byte tokenizer; its greedy
-    # tokens must equal the static batch's.
+    # tokens must equal the fixed batch's.
     llm = LLM(
         "tiny",
         EngineConfig(dtype=torch.float32, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64),
@@ -104,7 +104,7 @@ def demo_rank(ctx: DistContext, args) -> dict:
             f"chunked prefill, TP={ctx.world_size}: tokens {served[1:]}; {llm.engine_core.stats.steps} steps"
         )
         serve_same = served[1:] == tokens["ref_hier"]
-        print(f"# serving engine: greedy tokens identical to the static batch: {'yes' if serve_same else 'NO'}")
+        print(f"# serving engine: greedy tokens identical to the fixed batch: {'yes' if serve_same else 'NO'}")
         same = same and serve_same
     llm.close()
     out["engine_tokens_match"] = same

@@ -9,89 +9,23 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 from spanllm import checks
-from spanllm.dtypes import model_dtype as parse_dtype
-from spanllm.engine.config import COMPILE_SCOPES, DECODE_GEMMS, EngineConfig
+from spanllm.commands.engine_args import (
+    add_engine_arguments,
+    add_model_arguments,
+    build_llm,
+    check_engine_arguments,
+    check_model_arguments,
+)
 from spanllm.engine.sampler import SamplingParams
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 from spanllm.model.config import resolve_model
-from spanllm.model.parallel_dims import ParallelDims
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared with `spanllm bench batch` / `bench study`."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N) or HF checkpoint dir",
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed")
-    parser.add_argument("--nprocs", type=int, default=1, help="local CPU ranks over gloo (ignored under torchrun)")
-    parser.add_argument(
-        "--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE"
-    )
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on GPU")
-    parser.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="torch.compile the decode forward (dynamic=False: one compile per batch bucket; the "
-        "all-reduce goes through torch.ops.spanllm.all_reduce_)",
-    )
-    parser.add_argument(
-        "--compile-backend",
-        default="inductor",
-        help="torch.compile backend for --compile-decode (inductor; aot_eager traces only)",
-    )
-    parser.add_argument(
-        "--compile-scope",
-        choices=COMPILE_SCOPES,
-        default="layer",
-        help="--compile-decode: 'layer' compiles one decoder layer, shared by all (one compile "
-        "per bucket at any depth); 'forward' the whole decode forward",
-    )
-    parser.add_argument(
-        "--decode-gemm",
-        choices=DECODE_GEMMS,
-        default="auto",
-        help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = "
-        "spanllm's Triton stream over the weights (GPU + Triton), 'auto' = skinny where its "
-        "measured table (spanllm/kernels/skinny_gemm.py) says it is faster, else F.linear",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="tokens one sequence may hold, prompt + generated (default: the model's "
-        "max_position_embeddings; more only with SPANLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
-    )
-
-
-def check_model_arguments(args: argparse.Namespace, world: int):
-    """The shared options, before any rank starts; returns (ModelConfig, Topology, device type)."""
-    device = checks.device_type()
-    checks.engine_dtype(args.dtype)
-    cfg = checks.model(args.model)
-    topo = checks.topology(world, args.ranks_per_node)
-    checks.decode_gemm(args.decode_gemm, device)
-    checks.compile_backend(args.compile_decode, args.compile_backend)
-    checks.context_limit(cfg, args.max_model_len)
-    return cfg, topo, device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return parse_dtype(name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_engine_arguments(parser, serving=False)
     parser.add_argument(
         "--prompt-ids", action="append", default=[], help="comma-separated token ids; repeat for a batch"
     )
@@ -103,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -138,36 +73,19 @@ def _tokenizer(checkpoint_dir: str):
 
 def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     """`prompts`: the token ids run() checked (from --prompt-ids, then the tokenized --prompt texts)."""
-    from spanllm.engine.llm import LLM
 
     cfg = resolve_model(args.model)
     tokenizer = _tokenizer(cfg.checkpoint_dir) if args.prompt else None
-    tp = args.tp or ctx.world_size // args.pp
-    engine = EngineConfig(
-        max_batch_size=len(prompts),
-        max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
-        dtype=resolve_dtype(args.dtype, ctx.device),
-        cuda_graphs=not args.no_cuda_graphs,
-        micro_batches=args.micro_batches,
-        seed=args.seed,
-        compile_decode=args.compile_decode,
-        compile_backend=args.compile_backend,
-        compile_scope=args.compile_scope,
-        decode_gemm=args.decode_gemm,
-    )
-    llm = LLM(
-        cfg,
-        engine,
-        dims=ParallelDims(tp, args.pp, ctx.world_size),
-        allreduce=args.allreduce,
-        device=ctx.device,
-        ranks_per_node=args.ranks_per_node,
-    )
+    llm = build_llm(ctx, args, pp=args.pp)
     try:
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
         )
-        out = llm.generate_static(prompts, params)
+        out = llm.generate_batch(prompts, params, micro_batches=args.micro_batches)
         texts = [tokenizer.decode(t) for t in out.token_ids] if tokenizer is not None else None
         return {
             "describe": llm.describe(),
@@ -196,7 +114,9 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
     checks.at_least("--micro-batches", args.micro_batches, 1)
     if args.allreduce is not None:
         checks.allreduce_names([args.allreduce], device)
+    check_engine_arguments(args)
     checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
+    checks.at_least("--top-k", args.top_k, 0, " (0 = off)")
     checks.at_least("--temperature", args.temperature, 0.0, " (0 = greedy)")
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")

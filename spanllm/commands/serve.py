@@ -38,8 +38,7 @@ WORKER_EXIT_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from spanllm.commands.bench_throughput import add_engine_arguments
-    from spanllm.commands.generate import add_model_arguments
+    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
 
     add_model_arguments(parser)
     add_engine_arguments(parser)
@@ -68,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     from spanllm import checks
-    from spanllm.commands.bench_throughput import check_engine_arguments
+    from spanllm.commands.engine_args import check_engine_arguments
 
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
@@ -96,15 +95,17 @@ def _worker(llm, warm: bool) -> None:
 
 
 def _rank(ctx, args: argparse.Namespace):
-    from spanllm.commands.bench_throughput import build_llm, warm_up
+    from spanllm.commands.bench_throughput import warm_up
+    from spanllm.commands.engine_args import build_llm
 
     llm = build_llm(ctx, args)
+    llm.get_tokenizer()
     try:
         core = llm.engine_core
         if core.rank != 0:
             _worker(llm, not args.no_warmup)
             return None
-        print(llm.describe_serving(), flush=True)
+        print(llm.describe(), flush=True)
         if not args.no_warmup:
             warm_up(llm)
         if args.frontend_process:

@@ -35,7 +35,7 @@ from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
 from spanllm.engine.core.sequence import FinishReason, Sequence
 from spanllm.engine.sampler import BatchSampler, SamplingParams
-from spanllm.engine.worker.model_runner import PagedModelRunner, StepInputs, plan_step
+from spanllm.engine.worker.model_runner import ModelRunner, StepInputs, plan_step
 from spanllm.errors import UsageError
 
 
@@ -79,7 +79,7 @@ class EngineStats:
 class EngineCore:
     def __init__(
         self,
-        runner: PagedModelRunner,
+        runner: ModelRunner,
         blocks: BlockManager,
         config: SchedulerConfig,
         *,

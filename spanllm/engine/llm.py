@@ -1,24 +1,24 @@
-"""LLM: the engine's entry point. Builds the stage of the model this rank runs, its weights and its
-communicator; then serves requests or runs static batches.
+"""LLM: the engine's entry point. Builds the stage of the model this rank runs, its weights, its communicator
+and its worker (the model runner over the paged KV cache); then serves requests or runs fixed batches.
 
     llm = LLM("llama3.1-8b", EngineConfig(max_num_seqs=256), allreduce="nccl")
-    outs = llm.generate(["Hello", [128000, 9906]], SamplingParams(max_tokens=16))   # serving engine
-    out = llm.generate_static([[1, 2, 3]], SamplingParams(max_tokens=16))           # static batch
+    outs = llm.generate(["Hello", [128000, 9906]], SamplingParams(max_tokens=16))   # the serving engine
+    out = llm.generate_batch([[1, 2, 3]], SamplingParams(max_tokens=16))            # one fixed batch (study)
 
-Two engines share the weights, each built on first use:
-- `generate` / `engine_core`: the serving engine (spanllm.engine.engine_core): continuous batching over
-  a paged KV cache, per-request sampling, text in and out (pp = 1).
-- `generate_static` / `runner` / `executor`: the static-batch path (one fixed batch in contiguous
-  KV slots, any pipeline depth, device-resident decode loop), kept as the fast path of `bench batch`
-  and `bench study`.
+Both run on the same worker (spanllm.engine.worker: one runner, one cache, one attention backend):
+- `generate` / `engine_core`: continuous batching (spanllm.engine.engine_core), per-request sampling, text in
+  and out (pp = 1).
+- `generate_batch`: one fixed batch on every pipeline stage (spanllm.engine.fixed_batch): `bench batch`,
+  `bench study` and `generate --pp`.
 
-Run it on every rank of a job (torchrun, or `spanllm.launch.launch` on CPU). The all-reduce is
-injected: pass `comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a name registered in
-`spanllm.comm`); `allreduce_ran(batch)` names the algorithm that runs for a decode step of that batch.
+Run it on every rank of a job (torchrun, or `spanllm.launch.launch` on CPU). The all-reduce is injected: pass
+`comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a name registered in `spanllm.comm`);
+`allreduce_ran(batch)` names the algorithm that runs for a decode step of that batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -27,9 +27,8 @@ import torch.distributed as dist
 from spanllm.checks import ALLOW_LONG_CONTEXT_ENV
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig
-from spanllm.engine.sampler import Sampler, SamplingParams
-from spanllm.engine.static.model_runner import ModelRunner
-from spanllm.engine.static.pipeline import GenerationOutput, PipelineExecutor, build_token_groups
+from spanllm.engine.fixed_batch import FixedBatchExecutor, GenerationOutput, build_token_groups
+from spanllm.engine.sampler import BatchSampler, SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
@@ -38,7 +37,7 @@ from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.llama import LlamaForCausalLM
 from spanllm.model.loader import load_checkpoint, random_init
-from spanllm.model.parallel_dims import ParallelDims, build_groups, stage_layers
+from spanllm.model.parallel_dims import ParallelDims, ParallelGroups, build_groups, stage_layers
 
 
 def default_device() -> torch.device:
@@ -82,11 +81,9 @@ class LLM:
         self.dims.validate_for_topology(self.topology)
         if world > 1:
             self.groups = build_groups(self.dims, self.rank)
-            token_group = build_token_groups(self.groups)
+            self._token_group = build_token_groups(self.groups)
         else:
-            from spanllm.model.parallel_dims import ParallelGroups
-
-            self.groups, token_group = ParallelGroups(self.dims, 0, None), None
+            self.groups, self._token_group = ParallelGroups(self.dims, 0, None), None
 
         self._owns_comm = False
         if comm is not None and allreduce is not None:
@@ -97,7 +94,8 @@ class LLM:
             self._owns_comm = True
         self.comm = self._with_fallback(comm)
 
-        self.timers = Timers(self.device, enabled=self.engine.breakdown, layer_spins=self.dims.pp == 1)
+        # Per-op decode timers (bench batch's breakdown): attached to the model by hooks, off until enabled.
+        self.timers = Timers(self.device, enabled=False, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
         tp = TPContext(
             rank=self.groups.tp_rank,
@@ -105,39 +103,20 @@ class LLM:
             group=self.groups.tp_group,
             comm=self.comm,
             decode_gemm=self.engine.decode_gemm,
-            timers=self.timers,
             device=self.device,
             dtype=self.engine.dtype,
         )
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
         self.model = LlamaForCausalLM(self.config, tp, layers, g.is_first_stage, g.is_last_stage)
-        self._op_handles: list[str] = []
-        self._register_ops()
         if self.config.checkpoint_dir is not None:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
             random_init(self.model, self.engine.seed, self.rank)
-        self._token_group = token_group
-        self._runner: ModelRunner | None = None
-        self._executor: PipelineExecutor | None = None
+        self._worker = None
         self._engine_core = None
         self._control_group = None
         self.tokenizer = None  # set by get_tokenizer() / the server
-
-    # --- the static-batch path (built on first use: its KV cache is max_batch_size x max_seq_len) ---------
-    @property
-    def runner(self) -> ModelRunner:
-        if self._runner is None:
-            self._runner = ModelRunner(self.model, self.engine, self.device)
-        return self._runner
-
-    @property
-    def executor(self) -> PipelineExecutor:
-        if self._executor is None:
-            self.sampler = Sampler(self.device, self.engine.seed)
-            self._executor = PipelineExecutor(self.runner, self.groups, self.sampler, self.timers, self._token_group)
-        return self._executor
 
     def _check_decode_gemm(self) -> None:
         """decode_gemm="skinny" runs a Triton kernel: refuse a machine without a GPU or Triton, no fallback."""
@@ -232,60 +211,41 @@ class LLM:
             raise ValueError("pass exactly one of name= or comm=")
         if name is not None:
             comm = self._create_comm(name)
-        self._unregister_ops()  # before the old communicator closes
         self._close_comm()
         self._owns_comm = name is not None
         self.comm = self._with_fallback(comm)
         self.model.tp.comm = self.comm
-        self._register_ops()  # compiled code guards on the handle: the next decode recompiles
-        if self._runner is not None:
-            self._runner.reset_graphs()
-        if self._engine_core is not None:
-            self._engine_core.runner.reset_graphs()
-
-    def _register_ops(self) -> None:
-        """compile_decode: register comm for torch.ops.spanllm.all_reduce_ and hand the handle to the
-        row-parallel layers (callers have dropped any previous registration)."""
-        if not self.engine.compile_decode or self.dims.tp == 1:
-            return
-        from spanllm.comm import op
-
-        tp = self.model.tp
-        tp.comm_handle = op.register(self.comm)
-        self._op_handles.append(tp.comm_handle)
-
-    def _unregister_ops(self) -> None:
-        if not self._op_handles:
-            return
-        from spanllm.comm import op
-
-        for h in self._op_handles:
-            op.unregister(h)
-        self._op_handles.clear()
-        self.model.tp.comm_handle = None
+        if self._worker is not None:
+            self._worker.reset_graphs()
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.runner.use_cuda_graphs
+        return self.worker.use_cuda_graphs
 
     def describe(self) -> str:
-        """The static path's setup (bench batch / study rows record it); describe_serving() for the other."""
-        graphs = (
-            "on"
-            if self.cuda_graphs
-            else ("off (breakdown timers need eager decode)" if self.runner.graphs_allowed else "off")
-        )
-        return (
+        """The setup in one line (the server logs it; bench rows record it)."""
+        r = self.worker
+        if r.use_cuda_graphs:
+            graphs = f"on (buckets up to {self.engine.max_num_seqs})"
+        elif self.device.type != "cuda" or not self.engine.cuda_graphs:
+            graphs = "off"
+        elif self.dims.pp > 1:
+            graphs = "off (pipeline stages run eagerly)"
+        else:
+            graphs = f"off (the {r.backend.name} attention backend has none)"
+        timers = " | per-op timers on (eager)" if self.timers.enabled else ""
+        line = (
             f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
-            f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on "
-            f"{self.device} | all-reduce {self.allreduce_name} | CUDA graphs {graphs}"
-            + (
-                f" | compiled decode ({self.engine.compile_backend}, {self.engine.compile_scope})"
-                if self.engine.compile_decode
-                else ""
-            )
-            + f" | {self.describe_decode_gemm()}"
+            f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
+            f"all-reduce {self.allreduce_name} | attention {r.backend.name} | CUDA graphs {graphs}{timers} | "
+            f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
+            f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
+        if self._engine_core is not None:
+            line += f", async scheduling {'on' if self._engine_core.async_scheduling else 'off'}"
+        if self.engine.min_admit > 1:
+            line += f", min_admit {self.engine.min_admit}"
+        return line + f" | {self.describe_decode_gemm()}"
 
     def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
@@ -312,88 +272,43 @@ class LLM:
                 g[0] for g in gemms
             )
         shapes = [(name, *w.shape, w.element_size()) for name, w in gemms]
-        return f"decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at {describe_auto(shapes)}"
+        return f"decode GEMMs auto (measured table) at {describe_auto(shapes)}"
 
-    # --- generation -----------------------------------------------------------------------------------
-    def generate_static(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams | None = None,
-        micro_batches: int | None = None,
-        keep_logits: bool = False,
-    ) -> GenerationOutput:
-        """The static-batch fast path (`bench batch`, `bench study`): prefill and decode for `prompts`
-        (lists of token ids) as one fixed batch on every rank, any pipeline depth; every rank returns the
-        same tokens. micro_batches overrides EngineConfig.micro_batches (pipeline schedule)."""
-        params = params or SamplingParams()
-        unsupported = [
-            n
-            for n, v in (
-                ("top_k", params.top_k > 0),
-                ("seed", params.seed is not None),
-                ("min_tokens", params.min_tokens > 0),
-                ("stop", bool(params.stop)),
-                ("stop_token_ids", bool(params.stop_token_ids)),
-            )
-            if v
-        ]
-        if unsupported:
-            raise ValueError(
-                f"generate_static takes temperature, top_p, max_tokens and ignore_eos only; "
-                f"{', '.join(unsupported)} need the serving engine (LLM.generate)"
-            )
-        self._check_prompt_ids(prompts, params.max_tokens)
-        m = self.engine.micro_batches if micro_batches is None else micro_batches
-        return self.executor.generate(prompts, params, m, self.config.eos_token_ids, keep_logits)
-
-    def _check_prompt_ids(self, prompts: list[list[int]], max_tokens: int) -> None:
-        """Token ids inside [0, vocab) at every TP degree, and prompt + max_tokens inside the model's context."""
-        from spanllm.engine.engine_core import RequestError
-
-        vocab, limit = self.config.vocab_size, self.config.max_position_embeddings
-        for r, p in enumerate(prompts):
-            for i, t in enumerate(p):
-                if not isinstance(t, int) or not 0 <= t < vocab:
-                    raise RequestError(
-                        f"prompt {r} token {i} is {t!r}, outside the vocabulary [0, {vocab}) of {self.config.label}"
-                    )
-            if len(p) + max_tokens > limit:
-                raise RequestError(
-                    f"prompt {r}: {len(p)} tokens + max_tokens {max_tokens} = {len(p) + max_tokens} "
-                    f"exceeds the model's context of {limit} (max_position_embeddings)"
-                )
-
-    # --- the serving engine --------------------------------------------------------------------------
+    # --- the worker: one runner, one KV cache, one attention backend (built on first use) ---------------
     @property
-    def engine_core(self):
-        """The continuous-batching engine (built on first use; collective over the TP group)."""
-        if self._engine_core is None:
-            self._engine_core = self._build_engine_core()
-        return self._engine_core
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len or self.config.max_position_embeddings
 
-    def _build_engine_core(self):
-        from spanllm.attention.paged import resolve_backend
-        from spanllm.engine.core.block_manager import BlockManager
-        from spanllm.engine.core.scheduler import SchedulerConfig
-        from spanllm.engine.engine_core import EngineCore
-        from spanllm.engine.worker.kv_cache import PagedKVCache, activation_reserve_bytes, bytes_per_block, size_pool
-        from spanllm.engine.worker.model_runner import PagedModelRunner
+    @property
+    def worker(self):
+        """This rank's ModelRunner over its paged KV cache (collective over every rank: the pool size)."""
+        if self._worker is None:
+            self._worker = self._build_worker()
+        return self._worker
 
-        if self.dims.pp != 1:
-            raise ValueError(
-                f"the serving engine runs pp=1 (tensor parallelism only); this LLM has {self.dims}. "
-                "Use generate_static for pipelined static batches"
-            )
+    def _build_worker(self):
+        from spanllm.attention.backend import resolve_backend
+        from spanllm.engine.worker.kv_cache import (
+            CacheSizing,
+            PagedKVCache,
+            activation_reserve_bytes,
+            bytes_per_block,
+            size_pool,
+        )
+        from spanllm.engine.worker.model_runner import ModelRunner
+
         e, cfg = self.engine, self.config
-        max_model_len = e.max_model_len or cfg.max_position_embeddings
+        max_model_len = self.max_model_len
         if max_model_len > cfg.max_position_embeddings and os.environ.get(ALLOW_LONG_CONTEXT_ENV, "") in ("", "0"):
             raise UsageError(
                 f"max_model_len={max_model_len} exceeds the {cfg.max_position_embeddings} positions "
                 f"{cfg.label} was trained for (max_position_embeddings); lower it, or set "
                 f"{ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway"
             )
-        backend = resolve_backend(e.attention_backend, self.device)
         qkv = next(iter(self.model.model.layers.values())).self_attn.qkv_proj
+        backend = resolve_backend(
+            e.attention_backend, qkv.num_heads_local, qkv.num_kv_heads_local, cfg.head_dim, self.device
+        )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype
         )
@@ -418,20 +333,12 @@ class LLM:
             reserve_bytes=reserve,
             num_kv_blocks=e.num_kv_blocks,
         )
-        if self.dims.tp > 1:  # every rank must use rank 0's pool size (memory can differ per GPU)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank uses the smallest pool (memory can differ per GPU): the plans' block ids are shared
             n = torch.tensor([sizing.num_blocks], dtype=torch.int64, device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.groups.tp_group)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
             if int(n) != sizing.num_blocks:
-                from spanllm.engine.worker.kv_cache import CacheSizing
-
-                sizing = CacheSizing(
-                    int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over TP ranks"
-                )
-            self._control_group = (
-                self.groups.tp_group
-                if dist.get_backend(self.groups.tp_group) == "gloo"
-                else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group), backend="gloo")
-            )
+                sizing = CacheSizing(int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over ranks")
         self.kv_sizing = sizing
         cache = PagedKVCache(
             list(self.model.layer_ids),
@@ -442,19 +349,46 @@ class LLM:
             self.device,
             e.dtype,
         )
-        runner = PagedModelRunner(
+        return ModelRunner(
             self.model,
             cache,
+            backend,
             max_num_seqs=e.max_num_seqs,
             max_model_len=max_model_len,
-            backend=backend,
             cuda_graphs=e.cuda_graphs,
             device=self.device,
             dtype=e.dtype,
             max_num_batched_tokens=e.max_num_batched_tokens,
         )
-        blocks = BlockManager(sizing.num_blocks, e.block_size)
-        sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_model_len, min_admit=e.min_admit)
+
+    # --- the serving engine --------------------------------------------------------------------------
+    @property
+    def engine_core(self):
+        """The continuous-batching engine (built on first use; collective over the TP group)."""
+        if self._engine_core is None:
+            self._engine_core = self._build_engine_core()
+        return self._engine_core
+
+    def _build_engine_core(self):
+        from spanllm.engine.core.block_manager import BlockManager
+        from spanllm.engine.core.scheduler import SchedulerConfig
+        from spanllm.engine.engine_core import EngineCore
+
+        if self.dims.pp != 1:
+            raise UsageError(
+                f"the serving engine runs pp=1 (tensor parallelism only); this LLM has {self.dims}. "
+                "Fixed batches run at any pipeline depth (generate_batch, bench batch / study)"
+            )
+        runner = self.worker
+        e, cfg = self.engine, self.config
+        if self.dims.tp > 1:
+            self._control_group = (
+                self.groups.tp_group
+                if dist.get_backend(self.groups.tp_group) == "gloo"
+                else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group), backend="gloo")
+            )
+        blocks = BlockManager(runner.cache.num_blocks, e.block_size)
+        sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, self.max_model_len, min_admit=e.min_admit)
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(
             runner,
@@ -470,6 +404,54 @@ class LLM:
             async_scheduling=e.async_scheduling,
         )
 
+    # --- fixed batches ---------------------------------------------------------------------------------
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | None = None,
+        micro_batches: int = 1,
+        keep_logits: bool = False,
+    ) -> GenerationOutput:
+        """One fixed batch of `prompts` (lists of token ids) on every pipeline stage: the study's workload
+        (`bench batch`, `bench study`). Every rank returns the same tokens. Sampling: temperature, top-k / top-p,
+        max_tokens and ignore_eos; the rest of SamplingParams is the serving engine's (`generate`)."""
+        from spanllm.engine.engine_core import validate_request
+
+        params = params or SamplingParams()
+        unsupported = [
+            n
+            for n, v in (
+                ("seed", params.seed is not None),
+                ("min_tokens", params.min_tokens > 0),
+                ("stop", bool(params.stop)),
+                ("stop_token_ids", bool(params.stop_token_ids)),
+            )
+            if v
+        ]
+        if unsupported:
+            raise UsageError(
+                f"generate_batch takes temperature, top_k, top_p, max_tokens and ignore_eos; "
+                f"{', '.join(unsupported)} need the serving engine (LLM.generate)"
+            )
+        runner = self.worker
+        for ids in prompts:
+            validate_request(
+                ids,
+                params,
+                vocab_size=self.config.vocab_size,
+                max_model_len=self.max_model_len,
+                capacity_tokens=(runner.cache.num_blocks - 1) * runner.block_size,
+            )
+        executor = FixedBatchExecutor(
+            runner,
+            self.groups,
+            BatchSampler(self.device, self.engine.seed),
+            self.timers,
+            self._token_group,
+            self.engine.max_num_batched_tokens,
+        )
+        return executor.generate(prompts, params, micro_batches, self.config.eos_token_ids, keep_logits)
+
     def get_tokenizer(self):
         """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once."""
         if self.tokenizer is None:
@@ -481,24 +463,6 @@ class LLM:
                 if not self._engine_core.eos_token_ids:  # config.json named no EOS: the tokenizer's
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
-
-    def describe_serving(self) -> str:
-        core = self.engine_core
-        r = core.runner
-        graphs = (
-            f"on (buckets up to {self.engine.max_num_seqs})"
-            if r.use_cuda_graphs
-            else "off" + (" (needs the triton attention backend)" if self.device.type == "cuda" else "")
-        )
-        return (
-            f"{self.config.label} | {self.dims} | {self.engine.dtype} on {self.device} | all-reduce "
-            f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
-            f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
-            f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
-            f"{'on' if core.async_scheduling else 'off'}"
-            + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else "")
-            + f" | {self.describe_decode_gemm()}"
-        )
 
     def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:
         """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one
@@ -547,11 +511,23 @@ class LLM:
         finally:
             core.shutdown_workers()
 
+    @contextlib.contextmanager
+    def timed_ops(self):
+        """Per-op timers on for the runs inside (bench batch's decode breakdown): hooks attached to the model,
+        every step eager (events can only be placed in eager code). Collective use: every rank."""
+        runner = self.worker
+        detach = self.timers.attach(self.model)
+        graphs, runner.use_cuda_graphs = runner.use_cuda_graphs, False
+        self.timers.enabled = True
+        try:
+            yield self.timers
+        finally:
+            self.timers.enabled = False
+            runner.use_cuda_graphs = graphs
+            detach()
+
     def close(self) -> None:
-        """Drop decode graphs (they hold the communicator's captured calls), then close an owned communicator."""
-        if self._runner is not None:
-            self._runner.reset_graphs()
-        if self._engine_core is not None:
-            self._engine_core.runner.reset_graphs()
-        self._unregister_ops()
+        """Drop CUDA graphs (they hold the communicator's captured calls), then close an owned communicator."""
+        if self._worker is not None:
+            self._worker.reset_graphs()
         self._close_comm()

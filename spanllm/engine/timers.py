@@ -1,9 +1,12 @@
 """Where decode time goes: per-op regions (GEMM, attention, all-reduce, pipeline transfer, idle) per step.
 
-The layers call `timers.region("gemm")` etc. around their work. A disabled `Timers` hands back one shared
-null context, so the hook costs a method call and nothing is recorded. An enabled one records CUDA events
-on GPU (read after the step, one synchronize) and `perf_counter` on CPU. Events can only be placed in
-eager code: with the breakdown on, decode does not use CUDA graphs (the report says so).
+Nothing in the layers knows about it: `attach(model)` puts forward hooks on the model's modules (every
+column- and row-parallel linear and the LM head: "gemm"; every attention layer: "attention"; a re-armed spin
+before each decoder layer) and wraps the TP communicator ("allreduce"). A disabled `Timers` (or one outside a
+step) hands back one shared null context, so an attached hook costs a method call and nothing is recorded. An
+enabled one records CUDA events on GPU (read after the step, one synchronize) and `perf_counter` on CPU.
+Events can only be placed in eager code: with the breakdown on, decode does not use CUDA graphs (the report
+says so).
 
 GPU time, not launch gaps (enqueue-ahead)
     In eager decode the host launches ~15-30 small kernels per layer; the GPU drains its queue faster
@@ -20,17 +23,19 @@ GPU time, not launch gaps (enqueue-ahead)
     The spin length is fixed (`SPIN_CYCLES`), the same on every rank, so TP ranks stay in step. With
     pp > 1 there is only the step's spin: a layer spin on one stage would show up as the next stage's
     idle time.
-Categories: gemm (every linear layer and the LM head), attention (RoPE, KV-cache write, SDPA),
-allreduce (the row-parallel all-reduce: the injected communicator), pipeline (posting and completing
-sends of activations / tokens), idle (blocked in a pipeline receive: the bubble, waiting for the
-neighbouring stage, including the transfer itself), other = step time minus all of these (norms,
-SiLU, residual adds, embedding and its collective, logits gather, sampling, Python overhead).
+Categories: gemm (every linear layer, and the LM head with its logits gather; the row-parallel all-reduce
+runs inside a row-parallel linear's forward, the model's one call site of the communicator, and is subtracted),
+attention (RoPE, KV-cache write, attention), allreduce (the row-parallel all-reduce: the injected
+communicator), pipeline (posting and completing sends of activations / tokens), idle (blocked in a pipeline
+receive: the bubble, waiting for the neighbouring stage, including the transfer itself), other = step time
+minus all of these (norms, SiLU, residual adds, embedding and its collective, sampling, Python overhead).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -166,6 +171,51 @@ class Timers:
             self._cpu_totals = {c: 0.0 for c in CATEGORIES}
         fold_step(self.breakdown if covered else self.uncovered, step, total)
 
+    def attach(self, model) -> Callable[[], None]:
+        """Time `model` (a spanllm LlamaForCausalLM stage) through hooks; returns the function that detaches
+        them (and restores the communicator)."""
+        from spanllm.attention.layer import Attention
+        from spanllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from spanllm.layers.vocab import ParallelLMHead
+        from spanllm.model.llama import LlamaDecoderLayer
+
+        handles, open_regions = [], []
+
+        def timed(category: str):
+            def pre(module, args):
+                r = self.region(category)
+                r.__enter__()
+                open_regions.append(r)
+
+            def post(module, args, out):
+                open_regions.pop().__exit__(None, None, None)
+
+            return pre, post
+
+        for m in model.modules():
+            cat = None
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                cat = "gemm"
+            elif isinstance(m, Attention):
+                cat = "attention"
+            elif isinstance(m, LlamaDecoderLayer):
+                handles.append(m.register_forward_pre_hook(lambda module, args: self.layer_begin()))
+            if cat is not None:
+                pre, post = timed(cat)
+                handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        tp = model.tp
+        comm = tp.comm
+        if comm is not None:
+            tp.comm = _TimedCommunicator(comm, self)
+
+        def detach() -> None:
+            for h in handles:
+                h.remove()
+            if comm is not None:
+                tp.comm = comm
+
+        return detach
+
     @property
     def steps(self) -> int:
         """Decode steps timed so far, covered or not."""
@@ -180,7 +230,10 @@ class Timers:
 
 
 def fold_step(b: Breakdown, step: dict[str, float], total_ms: float) -> None:
-    """Add one step's regions to `b`; "other" is the step's time not inside any region (never negative)."""
+    """Add one step's regions to `b`; "other" is the step's time not inside any region (never negative). Every
+    all-reduce region lies inside a row-parallel linear's "gemm" region: it is taken out of it."""
+    step = dict(step)
+    step["gemm"] = max(step["gemm"] - step["allreduce"], 0.0)
     b.steps += 1
     b.total_ms += total_ms
     measured = 0.0
@@ -188,6 +241,20 @@ def fold_step(b: Breakdown, step: dict[str, float], total_ms: float) -> None:
         b.ms[c] += step[c]
         measured += step[c]
     b.ms["other"] += max(total_ms - measured, 0.0)
+
+
+class _TimedCommunicator:
+    """The TP communicator with its all-reduce timed ("allreduce"); everything else passes through."""
+
+    def __init__(self, inner, timers: Timers) -> None:
+        self._inner, self._timers = inner, timers
+
+    def all_reduce_(self, x: torch.Tensor):
+        with self._timers.region("allreduce"):
+            return self._inner.all_reduce_(x)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
 
 def sync(device: torch.device) -> None:

@@ -1,5 +1,5 @@
 """Triton kernels for paged attention (GPU): decode with split context, and prefill chunks over a
-paged prefix. Layouts and semantics: spanllm.attention.paged (the reference is there).
+paged prefix. Layouts and semantics: spanllm.attention.backend; the reference: spanllm.attention.reference.
 
 GQA: a program owns one KV head and all g = hq / hkv query heads that read it, so each K/V tile is
 loaded once for g queries. tl.dot needs at least 16 rows, so the decode kernel pads g to G_PAD >= 16
@@ -31,26 +31,16 @@ from spanllm.kernels.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
 MAX_SPLITS = 16
-# The decode loop's variants, measured on one H200 with 8B heads (scripts/gpu_decode_attention_variants.py;
-# results/h200/engine_speed/call8_attention/decode_attention_variants.json, microseconds per call in a graph):
-# - block ids one tile ahead, K and V issued together: faster while the grid is small (batch 1, context 512:
-#   9.06 -> 8.28; batch 32 = 256 programs, context 4096: 142.6 -> 126.1), slower on a full GPU (batch 128 =
-#   1024 programs, context 4096: 492.6 -> 508.7; batch 64 = 512 programs: 13-38% slower in
-#   results/h200/engine_speed/call11_attention_bench/paged_attention_prefetch512.json; both K and V tiles live
-#   at once). So it is on while the grid (batch x KV heads x splits) is at most PREFETCH_WAVES programs per SM:
-#   exactly the grids that num_splits_for fills by splitting (up to 2 x SMs), 264 on an H200.
-# - the merge in one pass (each split's m, l, acc loaded together) instead of two (all maxima first, then the
-#   sums: twice the trips to L2): batch 1, context 512, 9.06 -> 7.97; with the prefetch 7.15. Never slower:
-#   the two-pass merge is gone.
-# - Triton's software pipelining of the key loop (num_stages) 1, 2, 3: 3 (Triton's default) best or tied in
-#   most cells.
+# The decode key loop has two forms: with the next tile's block ids loaded one iteration ahead and K and V
+# issued together (one trip to memory per tile instead of three in a row), which wins while the grid is small,
+# and without (both K and V tiles live at once cost occupancy on a full GPU). The first is taken while the grid
+# (batch x KV heads x splits) is at most PREFETCH_WAVES programs per SM: exactly the grids num_splits_for fills
+# by splitting. Measured on the H200: results/h200/engine_speed/README.md.
 PREFETCH_WAVES = 2
-DECODE_NUM_STAGES = 3
+DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
 # to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
-MIN_TILES_PER_SPLIT = (
-    2  # measured on the H200 (results/h200/profile): best or near-best at batch 1-32, context 128-4096
-)
+MIN_TILES_PER_SPLIT = 2
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -209,14 +199,13 @@ def decode(
     min_tiles: int | None = None,
     *,
     prefetch: bool | None = None,
-    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
     a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
     kernel over rows that are decodes in one step and prefill tokens in the next). out: where to write (a
-    [B, hq, d] view; default a new tensor). The other keyword arguments replace the module's measured defaults
-    (benchmarks: scripts/gpu_decode_attention_variants.py)."""
+    [B, hq, d] view; default a new tensor). min_tiles and prefetch (default: MIN_TILES_PER_SPLIT, and the key loop
+    the grid's size selects) let the tests reach every split and both key loops on small inputs."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -261,7 +250,7 @@ def decode(
         PREC=_precision(q),
         PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
         num_warps=4,
-        num_stages=DECODE_NUM_STAGES if num_stages is None else num_stages,
+        num_stages=DECODE_NUM_STAGES,
     )
     return out
 

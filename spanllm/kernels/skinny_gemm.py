@@ -34,15 +34,13 @@ Why the last program sums, and no atomic adds
 
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
-    `CONFIG_OVERRIDES`: no benchmarking at call time, so `skinny_linear` can be called during CUDA-graph
-    capture (triton.autotune would time kernels there). The table holds configs measured by
-    `spanllm bench gemm` (formerly scripts/gpu_gemm_bench.py); shapes it lacks take a cost-model heuristic.
+    measured table (skinny_gemm_configs.json beside this file): no benchmarking at call time, so
+    `skinny_linear` can be called during CUDA-graph capture (triton.autotune would time kernels there). The
+    table holds configs measured by `spanllm bench gemm`; shapes it lacks take a cost-model heuristic.
 
-Tried and dropped
-    Making SiLU(gate) * up inside this kernel (the MLP's down projection reading gate_up, one kernel less
-    per layer): 45.8 us per 8B down projection at M = 1 against 32.5 us for silu_mul + F.linear
-    (results/h200/engine_speed/call6_fused_down/gemm_decode_tp1.json): each of the N/BLOCK_N programs recomputes
-    the activation of its whole K range, 16 padded rows of exp per tile, on the loop's critical path.
+Why SiLU(gate) * up is not fused in here
+    Each of the N/BLOCK_N programs would recompute the activation of its whole K range (16 padded rows of exp
+    per tile) on the loop's critical path: slower than the separate silu_mul kernel + this GEMM.
 
 The module imports without Triton (the CPU torch wheel does not bring it): the kernels exist only where Triton does, and
 `skinny_linear` raises a RuntimeError without it.
@@ -51,7 +49,9 @@ The module imports without Triton (the CPU torch wheel does not bring it): the k
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -81,82 +81,27 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-# (m_bucket, n, k, element bytes) -> config; m_bucket = m_bucket(M) (1, 2, 4, 8 or 16). An M whose bucket
-# has no entry takes the nearest measured bucket of the same (n, k, element bytes) (`table_config`): the
-# kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and dtypes without any
-# entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
-# The entries are the fastest config of `spanllm bench gemm --sweep small` (then scripts/gpu_gemm_bench.py) on one H200 for the
-# Llama 3.1 8B / 70B projections at TP=2, M = 1 and 8 (results/h200x2/gemm_sweep_tp2_attn.json for qkv
-# and o, gemm_sweep_tp2_mlp.json for gate_up and down, 2026-11-30); on another GPU they are a starting
-# point, not a measurement. Comments: that config's time per GEMM against F.linear's (cuBLAS) in the same
-# run, microseconds (8B o, and 70B gate_up at M=1, stay slightly behind cuBLAS; they are kept because the
-# engine runs of 11-30 measured this table as it is).
-CONFIG_OVERRIDES: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {
-    (1, 5120, 8192, 2): (32, 128, 2, 4, 4),  # 70B qkv: 24.2 vs 25.5
-    (8, 5120, 8192, 2): (64, 256, 1, 4, 5),  # 23.1 vs 27.0
-    (1, 8192, 4096, 2): (32, 128, 1, 4, 5),  # 70B o: 18.7 vs 18.9
-    (8, 8192, 4096, 2): (64, 256, 1, 4, 4),  # 18.9 vs 18.9
-    (1, 28672, 8192, 2): (128, 256, 1, 4, 3),  # 70B gate_up: 109.1 vs 108.4
-    (8, 28672, 8192, 2): (128, 256, 1, 4, 3),  # 109.9 vs 109.8
-    (1, 8192, 14336, 2): (64, 256, 1, 4, 4),  # 70B down: 55.7 vs 59.3
-    (8, 8192, 14336, 2): (64, 256, 1, 4, 4),  # 56.0 vs 59.8
-    (1, 3072, 4096, 2): (32, 128, 4, 4, 4),  # 8B qkv: 10.4 vs 11.9
-    (8, 3072, 4096, 2): (32, 128, 4, 4, 4),  # 10.5 vs 11.7
-    (1, 4096, 2048, 2): (32, 128, 1, 4, 5),  # 8B o: 7.4 vs 7.2
-    (8, 4096, 2048, 2): (32, 128, 1, 4, 5),  # 7.5 vs 7.2
-    (1, 14336, 4096, 2): (128, 128, 1, 4, 4),  # 8B gate_up: 29.7 vs 30.6
-    (8, 14336, 4096, 2): (128, 128, 1, 4, 4),  # 30.1 vs 30.3
-    (1, 4096, 7168, 2): (32, 128, 2, 4, 5),  # 8B down: 18.0 vs 19.9
-    (8, 4096, 7168, 2): (32, 256, 1, 4, 5),  # 17.8 vs 20.3
-    # Llama 3.1 8B at TP=1 (the serving engine's default), `spanllm bench gemm --tp 1 --sweep small` on one
-    # H200, 2026-12-01 (results/h200/engine_speed/call5_gemm/gemm_sweep_tp1.json).
-    (1, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 8B qkv: 14.9 vs 15.5
-    (8, 6144, 4096, 2): (64, 256, 1, 4, 4),  # 15.2 vs 15.7
-    (1, 4096, 4096, 2): (32, 256, 1, 4, 4),  # 8B o: 11.9 vs 12.3 (cuBLAS: split-K + a reduce kernel)
-    (8, 4096, 4096, 2): (32, 256, 1, 4, 5),  # 11.9 vs 12.5
-    (1, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 8B gate_up: 56.0 vs 54.9
-    (8, 28672, 4096, 2): (128, 128, 1, 4, 3),  # 56.5 vs 55.7
-    # 8B down, split 4: remeasured 2026-12-02 with the split-K sum inside the kernel (before: a second
-    # kernel; 128,128,4,4,4 took 30.5 vs 30.3 then), results/h200/engine_speed/call8_attention/gemm_sweep_tp1.json:
-    # a tie with cuBLAS (128,128,4,4,4 took 30.62 and 30.94 in the same run), auto's strict rule picks skinny.
-    (1, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 8B down: 30.85 vs 31.12
-    (8, 4096, 14336, 2): (64, 128, 4, 4, 4),  # 31.59 vs 31.64
-}
-# The split-K entries above measured before 2026-12-02 (70B qkv at M=1, 8B qkv and down at TP=2) ran the
-# two-kernel version: their times are that version's, not remeasured with the in-kernel sum.
+# The measured table (spanllm/kernels/skinny_gemm_configs.json, written from `spanllm bench gemm --sweep small`):
+# (m_bucket, n, k, element bytes) -> config, and the same runs' times (skinny, F.linear) in microseconds per GEMM
+# inside a CUDA graph. An M whose bucket has no entry takes the nearest measured bucket of the same (n, k, element
+# bytes) (`table_config`): the kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and
+# dtypes without any entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
+_TABLE_FILE = os.path.join(os.path.dirname(__file__), "skinny_gemm_configs.json")
 
-# The same runs' times, microseconds per GEMM inside a CUDA graph: key -> (the entry's config, F.linear).
-# decode_gemm="auto" reads them (`prefer_skinny`): the skinny kernel only where it measured faster.
-MEASURED_US: dict[tuple[int, int, int, int], tuple[float, float]] = {
-    (1, 5120, 8192, 2): (24.2, 25.5),
-    (8, 5120, 8192, 2): (23.1, 27.0),
-    (1, 8192, 4096, 2): (18.7, 18.9),
-    (8, 8192, 4096, 2): (18.9, 18.9),
-    (1, 28672, 8192, 2): (109.1, 108.4),
-    (8, 28672, 8192, 2): (109.9, 109.8),
-    (1, 8192, 14336, 2): (55.7, 59.3),
-    (8, 8192, 14336, 2): (56.0, 59.8),
-    (1, 3072, 4096, 2): (10.4, 11.9),
-    (8, 3072, 4096, 2): (10.5, 11.7),
-    (1, 4096, 2048, 2): (7.4, 7.2),
-    (8, 4096, 2048, 2): (7.5, 7.2),
-    (1, 14336, 4096, 2): (29.7, 30.6),
-    (8, 14336, 4096, 2): (30.1, 30.3),
-    (1, 4096, 7168, 2): (18.0, 19.9),
-    (8, 4096, 7168, 2): (17.8, 20.3),
-    (1, 6144, 4096, 2): (14.94, 15.48),
-    (8, 6144, 4096, 2): (15.15, 15.68),
-    (1, 4096, 4096, 2): (11.91, 12.28),
-    (8, 4096, 4096, 2): (11.94, 12.46),
-    (1, 28672, 4096, 2): (55.95, 54.85),
-    (8, 28672, 4096, 2): (56.52, 55.70),
-    (1, 4096, 14336, 2): (30.85, 31.12),
-    (8, 4096, 14336, 2): (31.59, 31.64),
-}
+
+@functools.cache
+def measured_table() -> tuple[dict, dict]:
+    """(configs, times): key -> config, key -> (skinny_us, torch_us), read once."""
+    with open(_TABLE_FILE) as f:
+        entries = json.load(f)["entries"]
+    key = lambda e: (e["m_bucket"], e["n"], e["k"], e["elem_bytes"])
+    configs = {key(e): tuple(e["config"]) for e in entries}
+    times = {key(e): (e["skinny_us"], e["torch_us"]) for e in entries if "skinny_us" in e}
+    return configs, times
 
 
 def m_bucket(m: int) -> int:
-    """The CONFIG_OVERRIDES bucket of M: the next power of two (1, 2, 4, 8, 16)."""
+    """The table's bucket of M: the next power of two (1, 2, 4, 8, 16)."""
     return 1 << max(0, m - 1).bit_length()
 
 
@@ -199,9 +144,9 @@ _PROGRAM_OVERHEAD_US = 0.25  # per program: pipeline fill, the epilogue's stores
 
 
 def _table_key(m: int, n: int, k: int, elem_bytes: int) -> tuple[int, int, int, int] | None:
-    """The CONFIG_OVERRIDES key for this GEMM: M's bucket, else the nearest bucket of the same (n, k,
+    """The table key for this GEMM: M's bucket, else the nearest bucket of the same (n, k,
     elem_bytes) (ties: the larger bucket); None when the table has no entry for the shape."""
-    buckets = [mb for (mb, n2, k2, e2) in CONFIG_OVERRIDES if (n2, k2, e2) == (n, k, elem_bytes)]
+    buckets = [mb for (mb, n2, k2, e2) in measured_table()[0] if (n2, k2, e2) == (n, k, elem_bytes)]
     if not buckets:
         return None
     want = m_bucket(m)
@@ -212,20 +157,20 @@ def _table_key(m: int, n: int, k: int, elem_bytes: int) -> tuple[int, int, int, 
 def table_config(m: int, n: int, k: int, elem_bytes: int = 2) -> SkinnyConfig | None:
     """The measured config for this shape (`_table_key`); None when the table has no entry for the shape."""
     key = _table_key(m, n, k, elem_bytes)
-    return None if key is None else _check_config(CONFIG_OVERRIDES[key])
+    return None if key is None else _check_config(measured_table()[0][key])
 
 
 @functools.cache
 def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     """decode_gemm="auto": whether x [m, k] @ W[n, k]^T takes the skinny kernel. Yes only where the measured
-    table has the shape and its config beat F.linear there (MEASURED_US); shapes never measured, more than
+    table has the shape and its config beat F.linear there; shapes never measured, more than
     MAX_M rows, or no Triton: F.linear."""
     if triton is None or m > MAX_M:
         return False
     key = _table_key(m, n, k, elem_bytes)
     if key is None:
         return False
-    times = MEASURED_US.get(key)  # a config pasted without its times (bench gemm prints both): not chosen
+    times = measured_table()[1].get(key)  # a config without its times (bench gemm prints both): not chosen
     return times is not None and times[0] < times[1]
 
 
@@ -249,11 +194,12 @@ def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
 
 
 def table_id() -> str:
-    """A short fingerprint of CONFIG_OVERRIDES, recorded with engine rows that ran the skinny GEMM."""
+    """A short fingerprint of the measured table, recorded with engine rows that ran the skinny GEMM."""
     import hashlib
 
-    text = repr(sorted(CONFIG_OVERRIDES.items())) + repr(sorted(MEASURED_US.items()))
-    return f"{len(CONFIG_OVERRIDES)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
+    configs, times = measured_table()
+    text = repr(sorted(configs.items())) + repr(sorted(times.items()))
+    return f"{len(configs)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use_table: bool = True) -> SkinnyConfig:

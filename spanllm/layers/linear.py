@@ -23,8 +23,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = tp.empty(self.out_local, in_features)  # [out/tp, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/tp]
-        with self.tp.timers.region("gemm"):
-            return self.tp.linear(x, self.weight)
+        return self.tp.linear(x, self.weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -76,10 +75,7 @@ class RowParallelLinear(nn.Module):
         self.weight = tp.empty(out_features, self.in_local)  # [out, in/tp]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
-        timers = self.tp.timers
-        with timers.region("gemm"):
-            y = self.tp.linear(x, self.weight)
+        y = self.tp.linear(x, self.weight)
         if self.tp.size > 1:
-            with timers.region("allreduce"):
-                self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor
+            self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor
         return y

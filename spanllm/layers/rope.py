@@ -7,10 +7,19 @@ by the positions of a batch, so a captured decode graph reads it like any other 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from spanllm.model.config import RopeScaling
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling ('llama3' rope_type): low frequencies are slowed down by `factor`."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

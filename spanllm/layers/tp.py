@@ -15,15 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spanllm.engine.timers import Timers
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import prefer_skinny
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The opaque custom op (registered by spanllm.kernels.skinny_gemm where Triton exists): one graph node
-    under torch.compile. LLM checks once, before building the model, that GPU and Triton are there (no
-    check here: this runs on every decode GEMM)."""
+    """The custom op (registered by spanllm.kernels.skinny_gemm where Triton exists). LLM checks once, before
+    building the model, that GPU and Triton are there (no check here: this runs on every decode GEMM)."""
     return torch.ops.spanllm.skinny_linear(x, weight)
 
 
@@ -35,7 +33,7 @@ class Communicator(Protocol):
 
 @dataclass
 class TPContext:
-    """What a parallel layer needs: its place in the TP group, the group, the communicator, the timers."""
+    """What a parallel layer needs: its place in the TP group, the group, the communicator."""
 
     rank: int = 0
     size: int = 1
@@ -44,13 +42,8 @@ class TPContext:
     # spanllm.comm.fallback.SizeFallback(backend, the group's collective): messages above the buffer (prefill
     # activations) go to nccl / gloo. Which one ran is reported by LLM.allreduce_ran*.
     comm: Communicator | None = None
-    timers: Timers = field(default_factory=Timers)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    # torch.ops.spanllm.all_reduce_ handle of comm (spanllm.comm.op.register), set by LLM when
-    # EngineConfig.compile_decode is on: the row-parallel all-reduce then calls the opaque custom op, which
-    # torch.compile keeps as one node, instead of tracing into the communicator's Python. None: call directly.
-    comm_handle: str | None = None
     # EngineConfig.decode_gemm, for weight GEMMs of <= skinny_gemm.MAX_M rows: "skinny" sends every one to
     # torch.ops.spanllm.skinny_linear (LLM checks GPU and Triton first), "auto" only those whose shape the
     # measured table says the skinny kernel runs faster (skinny_gemm.prefer_skinny; CUDA tensors only);
@@ -62,12 +55,8 @@ class TPContext:
             raise ValueError(f"tp size {self.size} needs a communicator (an object with all_reduce_); got None")
 
     def all_reduce_(self, x: torch.Tensor) -> None:
-        """Sum x in place over the TP group: directly, or through the custom op when a handle is registered
-        (compile_decode)."""
-        if self.comm_handle is None:
-            self.comm.all_reduce_(x)
-        else:
-            torch.ops.spanllm.all_reduce_(x, self.comm_handle)
+        """Sum x in place over the TP group."""
+        self.comm.all_reduce_(x)
 
     def use_skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x @ weight^T (weight [N, K]) runs the skinny kernel (see decode_gemm)."""

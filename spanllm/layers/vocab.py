@@ -47,8 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32, written into `out` when given (the serving engine's graphs share
         one logits buffer instead of each keeping its own)."""
-        with self.tp.timers.region("gemm"):
-            local = self.tp.linear(h, self.weight)  # [N, Vp]
+        local = self.tp.linear(h, self.weight)  # [N, Vp]
         n, tp, vl = local.shape[0], self.tp.size, self.vocab_local
         if tp > 1:
             gathered = torch.empty(tp * n, vl, device=local.device, dtype=local.dtype)

@@ -79,11 +79,11 @@ class CappedComm(CountingComm):
 
 
 def engine_config(**kw) -> EngineConfig:
-    return EngineConfig(**{"max_batch_size": 4, "max_seq_len": 64, "dtype": torch.float32, **kw})
+    return EngineConfig(**{"dtype": torch.float32, "max_num_seqs": 4, "max_num_batched_tokens": 64, **kw})
 
 
 def generate(llm: LLM, prompts, new_tokens: int, micro_batches: int = 1) -> dict:
-    out = llm.generate_static(
+    out = llm.generate_batch(
         prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches, keep_logits=True
     )
     return {"tokens": out.token_ids, "logits": out.logits}
@@ -92,18 +92,11 @@ def generate(llm: LLM, prompts, new_tokens: int, micro_batches: int = 1) -> dict
 def count_decode_allreduces(llm: LLM, comm: CountingComm, prompts) -> dict:
     """All-reduces of a prefill and of exactly one decode step (this rank's stage)."""
     comm.calls = 0
-    llm.generate_static(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill only
+    llm.generate_batch(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill only
     prefill = comm.calls
     comm.calls = 0
-    b = len(prompts)
-    dev = llm.device
-    if llm.model.is_first:
-        x = torch.tensor([[3]] * b, device=dev)
-    else:
-        x = torch.zeros(b, 1, llm.config.hidden_size, device=dev)
-    positions = torch.tensor([len(p) for p in prompts], device=dev)
-    llm.runner.decode(x, positions, 0, int(positions.max()) + 1)
-    return {"prefill": prefill, "decode": comm.calls, "layers": len(llm.model.layer_ids)}
+    llm.generate_batch(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # prefill + one decode step
+    return {"prefill": prefill, "decode": comm.calls - prefill, "layers": len(llm.model.layer_ids)}
 
 
 def timed_receives(llm: LLM, prompts, new_tokens: int, micro_batches: int) -> int:
@@ -118,13 +111,12 @@ def timed_receives(llm: LLM, prompts, new_tokens: int, micro_batches: int) -> in
         return region(name)
 
     llm.timers.region = counting_region
-    llm.timers.enabled = True
     try:
-        llm.generate_static(
-            prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches
-        )
+        with llm.timed_ops():
+            llm.generate_batch(
+                prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), micro_batches=micro_batches
+            )
     finally:
-        llm.timers.enabled = False
         del llm.timers.region
     return count
 
@@ -139,7 +131,19 @@ def world2(ctx, single: str, sharded: str, prompts, new_tokens: int) -> dict:
     res["tp2_allreduce_ran"] = llm.allreduce_ran(len(prompts))
     llm.use_allreduce("ref_ring")  # the CPU reference executor, same weights
     res["tp2_ref_ring"] = generate(llm, prompts, new_tokens)
+    # A buffered communicator (a message limit, like nvrar): decode all-reduces ([3, 64] float32, 768 bytes) run on
+    # it, prefill ones (15 packed tokens, 3,840 bytes) go to the group's collective (SizeFallback).
+    from spanllm.comm.fallback import SizeFallback
+
+    capped = CappedComm(create("gloo"), max_bytes=2048)
+    llm.use_allreduce(comm=capped)
+    res["tp2_capped"] = generate(llm, prompts, new_tokens)
+    res["tp2_capped_swapped"] = isinstance(llm.model.tp.comm, SizeFallback) and llm.model.tp.comm.primary is capped
+    capped.calls = 0
+    generate(llm, prompts, 3)  # prefill on the fallback; 2 decode steps x 2 all-reduces x layers on capped
+    res["tp2_capped_calls"] = (capped.calls, 2 * 2 * len(llm.model.layer_ids))
     llm.close()
+    capped.close()
 
     counting = CountingComm(create("gloo"))
     llm = LLM(sharded, engine_config(), comm=counting, device=ctx.device)
@@ -178,40 +182,4 @@ def world4(ctx, single: str, prompts, new_tokens: int) -> dict:
 
     llm = LLM(single, engine_config(), dims=ParallelDims(1, 4, 4), device=ctx.device)
     res["pp4_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
-    return res
-
-
-def compiled_world2(ctx, single: str, prompts, new_tokens: int) -> dict:
-    """TP=2 with compile_decode (aot_eager on CPU): eager and compiled greedy runs, the op handles the
-    communicators were registered under, and that swapping / closing unregisters them."""
-    from spanllm.comm import create, op
-
-    res = {}
-    eager = LLM(single, engine_config(), allreduce="gloo", device=ctx.device)
-    res["eager"] = generate(eager, prompts, new_tokens)
-    eager.close()
-    llm = LLM(
-        single, engine_config(compile_decode=True, compile_backend="aot_eager"), allreduce="gloo", device=ctx.device
-    )
-    res["compiled"] = generate(llm, prompts, new_tokens)
-    res["compiled_mb3"] = generate(llm, prompts, new_tokens, micro_batches=3)
-    handles = list(llm._op_handles)
-    res["registered"] = (len(handles), all(h in op._LIVE for h in handles), llm.model.tp.comm_handle == handles[0])
-    capped = CappedComm(create("gloo"), max_bytes=4096)  # decode messages fit, prefill ones go to the fallback
-    llm.use_allreduce(comm=capped)
-    res["capped"] = generate(llm, prompts, new_tokens)
-    from spanllm.comm.fallback import SizeFallback
-
-    res["swapped"] = (
-        handles[0] not in op._LIVE,
-        len(llm._op_handles),
-        isinstance(llm.model.tp.comm, SizeFallback) and llm.model.tp.comm.primary is capped,
-    )
-    capped.calls = 0
-    generate(llm, prompts, 3)  # prefill on the fallback; 2 decode steps x 2 all-reduces x layers on capped
-    res["capped_calls"] = (capped.calls, 2 * 2 * len(llm.model.layer_ids))
-    live = list(llm._op_handles)
-    llm.close()
-    capped.close()
-    res["closed"] = not any(h in op._LIVE for h in live) and llm.model.tp.comm_handle is None
     return res

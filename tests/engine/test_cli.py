@@ -28,7 +28,6 @@ ROW_KEYS = {
     "throughput_tok_s",
     "breakdown_ms",
     "cuda_graphs",
-    "compile_decode",
 }
 BREAKDOWN_KEYS = {"gemm", "attention", "allreduce", "pipeline", "idle", "other"}
 
@@ -106,7 +105,7 @@ def test_bench_batch_json_schema(tmp_path, capsys):
         assert set(r["breakdown_ms"]) == BREAKDOWN_KEYS
         assert r["allreduce_ran"] == r["allreduce"]
         assert (r["truncated_layers"], r["tp"], r["pp"], r["prompt_len"], r["decode_len"]) == (2, 2, 1, 8, 4)
-        assert r["cuda_graphs"] is False and r["compile_decode"] is False and r["dtype"] == "float32"
+        assert r["cuda_graphs"] is False and r["dtype"] == "float32"
         assert r["e2e_ms"] > r["ttft_ms"] > 0
         assert r["throughput_tok_s"] == pytest.approx(r["batch"] * 4 / (r["e2e_ms"] / 1e3))
     assert png.stat().st_size > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,6 @@ from engine_workers import NEW_TOKENS, PROMPTS, engine_config, generate, make_hf
 
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
-from spanllm.engine.static.pipeline import GenerationError
 from spanllm.model.config import ModelConfigError
 from spanllm.model.loader import CheckpointError
 from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError
@@ -43,7 +43,7 @@ def test_tied_embeddings(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     llm = LLM(str(tmp_path), engine_config())
     assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
-    out = llm.generate_static([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True), keep_logits=True)
+    out = llm.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True), keep_logits=True)
     with torch.no_grad():
         ref = model(torch.tensor([PROMPTS[0] + out.token_ids[0]])).logits[0, len(PROMPTS[0]) - 1 : -1]
     torch.testing.assert_close(out.logits[:, 0], ref, atol=1e-4, rtol=0)
@@ -54,20 +54,23 @@ def test_stops_at_eos(hf_checkpoint, hf_reference):
     hf_tokens, _ = hf_reference
     llm = LLM(hf_checkpoint[0], engine_config())
     stop = hf_tokens[0][2]
-    out = llm.executor.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS), 1, (stop,))
+    llm.config = dataclasses.replace(llm.config, eos_token_ids=(stop,))
+    out = llm.generate_batch([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS))
     assert out.token_ids[0] == hf_tokens[0][: hf_tokens[0].index(stop) + 1]
-    assert out.decode_steps == hf_tokens[0].index(stop)
+    (served,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=NEW_TOKENS))
+    assert served.output_ids == out.token_ids[0] and served.finish_reason == "stop"
 
 
 def test_temperature_sampling_is_seeded(hf_checkpoint):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True)
-    runs = [LLM(hf_checkpoint[0], engine_config(seed=5)).generate_static(PROMPTS, params).token_ids for _ in range(2)]
+    runs = [LLM(hf_checkpoint[0], engine_config(seed=5)).generate_batch(PROMPTS, params).token_ids for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_breakdown_timers_cover_decode_only(hf_checkpoint):
-    llm = LLM(hf_checkpoint[0], engine_config(breakdown=True))
-    out = llm.generate_static(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
+    llm = LLM(hf_checkpoint[0], engine_config())
+    with llm.timed_ops():
+        out = llm.generate_batch(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
     b = out.breakdown
     assert b.steps == 4 == out.decode_steps
     assert b.ms["gemm"] > 0 and b.ms["attention"] > 0
@@ -76,12 +79,11 @@ def test_breakdown_timers_cover_decode_only(hf_checkpoint):
 
 
 def test_random_preset_is_seeded_and_labelled():
-    cfg_kw = dict(max_batch_size=2, max_seq_len=32)
-    a = LLM("tiny:layers=2", engine_config(seed=1, **cfg_kw))
-    b = LLM("tiny:layers=2", engine_config(seed=1, **cfg_kw))
+    a = LLM("tiny:layers=2", engine_config(seed=1))
+    b = LLM("tiny:layers=2", engine_config(seed=1))
     assert "TRUNCATED: 2 of 4 layers" in a.describe()
     p = SamplingParams(max_tokens=4, ignore_eos=True)
-    assert a.generate_static([[1, 2, 3]], p).token_ids == b.generate_static([[1, 2, 3]], p).token_ids
+    assert a.generate_batch([[1, 2, 3]], p).token_ids == b.generate_batch([[1, 2, 3]], p).token_ids
     assert a.allreduce_ran(4) == "none"
 
 
@@ -125,13 +127,14 @@ def test_layout_errors_before_any_allocation(hf_checkpoint):
 
 
 def test_request_errors(hf_checkpoint):
-    llm = LLM(hf_checkpoint[0], engine_config(max_batch_size=2, max_seq_len=16))
-    with pytest.raises(GenerationError, match="3 sequences exceed max_batch_size=2"):
-        llm.generate_static(PROMPTS)
-    with pytest.raises(GenerationError, match="needs 20 cache positions but max_seq_len=16"):
-        llm.generate_static([list(range(1, 11))], SamplingParams(max_tokens=11))
-    with pytest.raises(GenerationError, match="at least one token"):
-        llm.generate_static([[]])
+    """The fixed batch takes the serving engine's admission checks (one validation for every entry point)."""
+    llm = LLM(hf_checkpoint[0], engine_config(max_model_len=16))
+    with pytest.raises(ValueError, match="maximum context length is 16 tokens. However, you requested 21 tokens"):
+        llm.generate_batch([list(range(1, 11))], SamplingParams(max_tokens=11))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate_batch([[]])
+    with pytest.raises(ValueError, match=r"prompt token 1 is 999, outside the vocabulary \[0, 250\)"):
+        llm.generate_batch([[1, 999]])
 
 
 def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):
@@ -143,12 +146,13 @@ def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):
         ValueError, match="decode_gemm='skinny' needs a CUDA device and Triton; this rank has device cpu"
     ):
         LLM("tiny", engine_config(decode_gemm="skinny"), device=torch.device("cpu"))
-    from spanllm.layers import linear as layers
+    from spanllm.layers import tp as tp_module
+    from spanllm.layers.linear import ColumnParallelLinear
 
     seen = []
-    monkeypatch.setattr(layers, "skinny_linear", lambda x, w: seen.append(x.shape[:-1]) or x @ w.T)
-    tp = layers.TPContext(decode_gemm="skinny")
-    lin = layers.ColumnParallelLinear(8, 6, tp)
+    monkeypatch.setattr(tp_module, "skinny_linear", lambda x, w: seen.append(x.shape[:-1]) or x @ w.T)
+    tp = tp_module.TPContext(decode_gemm="skinny")
+    lin = ColumnParallelLinear(8, 6, tp)
     lin.weight.data = torch.arange(48, dtype=torch.float32).reshape(6, 8) % 5 - 2
     for rows in (1, 16, 17):
         x = (torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 1, 8) % 3) - 1

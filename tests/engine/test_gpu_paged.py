@@ -1,5 +1,5 @@
 """The serving engine on a GPU: the Triton paged-attention kernels against the reference, decode CUDA
-graphs against eager steps, and the engine's greedy tokens against the static path. Skipped without CUDA."""
+graphs against eager steps, and the engine's greedy tokens against the fixed batch. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from spanllm.attention import paged as pa  # noqa: E402
+from spanllm.attention import reference as pa  # noqa: E402
 from spanllm.engine.config import EngineConfig  # noqa: E402
 from spanllm.engine.llm import LLM  # noqa: E402
 from spanllm.engine.sampler import SamplingParams  # noqa: E402
@@ -100,8 +100,6 @@ PROMPTS = [[1, 5, 7, 9, 11], [3, 4], list(range(10, 60)), [100] * 17, list(range
 
 def _engine(**kw) -> LLM:
     cfg = dict(
-        max_batch_size=len(PROMPTS),
-        max_seq_len=128,
         dtype=torch.float32,
         max_num_batched_tokens=24,
         block_size=16,
@@ -112,10 +110,10 @@ def _engine(**kw) -> LLM:
     return LLM("tiny", EngineConfig(**cfg), device=DEV)
 
 
-def test_engine_greedy_equals_static_path_with_graphs_chunks_and_preemption():
+def test_engine_greedy_equals_fixed_batch_with_graphs_chunks_and_preemption():
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     llm = _engine()
-    ref = [llm.generate_static([p], params).token_ids[0] for p in PROMPTS]
+    ref = [llm.generate_batch([p], params).token_ids[0] for p in PROMPTS]
     for kw in ({}, {"num_kv_blocks": 8}, {"cuda_graphs": False}):
         e = _engine(**kw)
         outs = e.generate(PROMPTS, params)
@@ -140,14 +138,12 @@ def test_every_bucket_captures_and_replays():
 def test_mixed_graphs_match_eager_on_the_8b_shapes():
     """A 2-layer slice of the 8B preset (its real head layout: 32 query / 8 KV heads of 128; the fused RoPE +
     cache-write, add + RMSNorm and SiLU kernels at real sizes), float32 so that the different kernel choices
-    of graph and eager steps (split-KV decode vs one-query prefill chunks, GEMMs of padded M) stay far below
+    of graph and eager steps (the mixed graph's fixed grids, GEMMs of padded M) stay far below
     a greedy token's margin: graphs (decode and mixed) against eager steps, chunked prompts."""
     prompts = [list(range(1000, 1000 + n)) for n in (3, 70, 200, 17)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = []
-    # graphs with the decodes of mixed steps in the decode kernel (the default), then as one-query prefill
-    # chunks, then eager
-    for graphs, decode_kernel in ((True, True), (True, False), (False, True)):
+    for graphs in (True, False):
         cfg = EngineConfig(
             dtype=torch.float32,
             max_num_seqs=8,
@@ -157,12 +153,11 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
             max_model_len=1024,
         )
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
-        llm.engine_core.runner.mixed_decode_kernel = decode_kernel
         outs.append([o.output_ids for o in llm.generate(prompts, params)])
         if graphs:
             assert llm.engine_core.runner.captured_token_buckets
         llm.close()
-    assert outs[0] == outs[2] and outs[1] == outs[2]
+    assert outs[0] == outs[1]
 
 
 def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
@@ -185,9 +180,8 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         if mode == "auto":
             assert (
-                "decode GEMMs auto (measured, skinny_gemm.MEASURED_US) at 1-16 rows: skinny qkv, o, down; "
-                "F.linear gate_up, lm_head"
-            ) in llm.describe_serving()
+                "decode GEMMs auto (measured table) at 1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
+            ) in llm.describe()
         outs = [o.output_ids for o in llm.generate(prompts, params)]
         assert all(len(o) == 10 for o in outs)
         runs.setdefault(mode, []).append(outs)

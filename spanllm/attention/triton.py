@@ -1,0 +1,218 @@
+"""The Triton backend: the paged decode and prefill kernels (spanllm.kernels.paged_attention), RoPE and both
+cache writes in one fused kernel, and the static metadata of the runner's two kinds of CUDA graph.
+
+Decode graphs (decode-only steps) hold block tables [bucket, max_blocks] and context lengths [bucket]; a replay
+copies a step's B rows (only the block-table columns it uses: the kernel never reads past a sequence's context)
+and pads rows B..bucket with context 1 over block 0. The decode kernel's context split is fixed per bucket.
+
+Mixed graphs (any prefill chunk) number every scheduled sequence as a chunk (decodes first) and run both
+kernels on fixed grids: the decode kernel over the first min(max_num_seqs, bucket) rows, with context 0 on
+every row that is not one of this step's decodes (the kernel skips it), and the prefill kernel over the
+prefill chunks' tiles, padded with tiles of an empty chunk (index max_num_seqs, no queries: the program does
+nothing). Each kernel writes only its own rows of the one output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spanllm.attention.backend import AttentionBackend, HostToDevice, write_kv
+from spanllm.attention.metadata import AttentionMetadata
+from spanllm.kernels import paged_attention as kernels
+from spanllm.kernels.fused_ops import rope_and_cache
+from spanllm.layers.rope import apply_rotary
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    prefill_tiles: torch.Tensor | None = None  # [T, 2] int32: (chunk index, first query) per query tile
+    num_splits: int = 1  # decode: context splits per (sequence, KV head); fixed per captured bucket
+    # Mixed-step graphs: the decode kernel runs over rows [0, decode_rows), whose decode_context_lens are a
+    # decode's context or 0 (not a decode: the kernel skips the row); 0: not such a graph.
+    decode_rows: int = 0
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        self._decode: dict[str, torch.Tensor] | None = None
+        self._mixed: dict[str, torch.Tensor] | None = None
+
+    def num_splits(self, batch: int) -> int:
+        return kernels.num_splits_for(batch, self.num_kv_heads, self.device)
+
+    def tiles(self, q_lens: list[int], first_chunk: int = 0) -> np.ndarray:
+        return np.asarray(kernels.prefill_tiles(q_lens, self.group, first_chunk), dtype=np.int32).reshape(-1, 2)
+
+    def build_metadata(
+        self,
+        num_decode: int,
+        q_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        h2d: HostToDevice,
+    ) -> TritonMetadata:
+        nd = num_decode
+        tables = h2d(block_tables)
+        ctx = h2d(context_lens)
+        meta = TritonMetadata(cos, sin, slot_mapping, nd, tables[:nd], ctx[:nd])
+        if nd:
+            meta.num_splits = self.num_splits(nd)
+        if nd < len(q_lens):
+            chunk_lens = q_lens[nd:]
+            cu = np.zeros(len(chunk_lens) + 1, dtype=np.int32)
+            np.cumsum(chunk_lens, out=cu[1:])
+            meta.prefill_cu_q = h2d(cu)
+            meta.prefill_context_lens = ctx[nd:]
+            meta.prefill_block_tables = tables[nd:]
+            meta.prefill_tiles = h2d(self.tiles(chunk_lens.tolist()))
+        return meta
+
+    def forward(
+        self, qk: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata
+    ) -> torch.Tensor:
+        n = qk.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if qk.stride(0) == v.stride(0) and v.data_ptr() == qk.data_ptr() + qk.shape[1] * qk.element_size():
+            # qk and v are views of one qkv row (the fused projection's layout): one kernel rotates and writes
+            q = rope_and_cache(qk, meta.cos, meta.sin, meta.slot_mapping, k_cache, v_cache, hq, hkv, d)
+        else:
+            qk = apply_rotary(qk.view(n, hq + hkv, d), meta.cos, meta.sin)
+            q = qk[:, :hq]
+            write_kv(k_cache, v_cache, qk[:, hq:], v.view(n, hkv, d), meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta).reshape(n, hq * d)
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata) -> torch.Tensor:
+        """q [N, hq, d] against the cache, which already holds this step's K/V -> [N, hq, d]."""
+        nd = meta.num_decode
+        if nd == q.shape[0]:
+            return kernels.decode(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
+            )
+        prefill = (meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_context_lens, meta.prefill_tiles)
+        if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
+            out = torch.empty_like(q)
+            r = meta.decode_rows
+            kernels.decode(
+                q[:r],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                meta.num_splits,
+                out=out[:r],
+            )
+            return kernels.prefill(q, k_cache, v_cache, *prefill, out=out)
+        if nd == 0:
+            return kernels.prefill(q, k_cache, v_cache, *prefill)
+        out = torch.empty_like(q)
+        out[:nd] = kernels.decode(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
+        )
+        out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill)
+        return out
+
+    # --- decode graphs ----------------------------------------------------------------------------------
+    def init_graphs(self, max_num_seqs: int, max_tokens: int, max_blocks: int) -> None:
+        """Allocate the static buffers of both graph kinds (before any capture: outside the graphs' pool)."""
+        n, dev = max_num_seqs, self.device
+        self.max_num_seqs = n
+        self._decode = {
+            "tables": torch.zeros(n, max_blocks, dtype=torch.int32, device=dev),
+            "ctx": torch.ones(n, dtype=torch.int32, device=dev),
+        }
+        self._mixed = {
+            # chunk n (one past the last real one) is the empty chunk the padding tiles point at
+            "cu_q": torch.zeros(n + 2, dtype=torch.int32, device=dev),
+            "ctx": torch.zeros(n + 1, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(n + 1, max_blocks, dtype=torch.int32, device=dev),
+            "tiles": torch.zeros(self.max_tiles(max_tokens), 2, dtype=torch.int32, device=dev),
+            "decode_ctx": torch.zeros(n, dtype=torch.int32, device=dev),  # 0: not a decode (the kernel skips)
+        }
+
+    def max_tiles(self, tokens: int) -> int:
+        return self.max_num_seqs + -(-tokens // kernels.prefill_block_q(self.group))
+
+    def decode_graph_metadata(
+        self, bucket: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
+    ) -> TritonMetadata:
+        st = self._decode
+        return TritonMetadata(
+            cos, sin, slots, bucket, st["tables"][:bucket], st["ctx"][:bucket], num_splits=self.num_splits(bucket)
+        )
+
+    def reset_decode_graph(self) -> None:
+        """Padding-only inputs for a capture: every row context 1 over block 0."""
+        self._decode["tables"].zero_()
+        self._decode["ctx"].fill_(1)
+
+    def prepare_decode_replay(self, bucket: int, context_lens: np.ndarray, block_tables: np.ndarray, put) -> None:
+        """Copy a step's rows into the decode graph's buffers (padding rows: context 1 over block 0)."""
+        st, b = self._decode, len(context_lens)
+        pad = bucket - b
+        w = block_tables.shape[1]
+        tables = np.zeros((bucket, w), np.int32)
+        tables[:b] = block_tables
+        put(st["ctx"][:bucket], np.concatenate([context_lens, np.ones(pad, np.int32)]))
+        put(st["tables"][:bucket, :w], tables)
+
+    # --- mixed graphs -----------------------------------------------------------------------------------
+    def mixed_graph_metadata(
+        self, bucket: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
+    ) -> TritonMetadata:
+        st = self._mixed
+        r = min(self.max_num_seqs, bucket)
+        return TritonMetadata(
+            cos,
+            sin,
+            slots,
+            0,
+            st["tables"][:r],
+            st["decode_ctx"][:r],
+            prefill_cu_q=st["cu_q"],
+            prefill_context_lens=st["ctx"],
+            prefill_block_tables=st["tables"],
+            prefill_tiles=st["tiles"][: self.max_tiles(bucket)],
+            decode_rows=r,
+            num_splits=self.num_splits(r),
+        )
+
+    def reset_mixed_graph(self) -> None:
+        """Padding-only inputs for a capture: every tile the empty chunk, every context 0."""
+        for t in self._mixed.values():
+            t.zero_()
+        self._mixed["tiles"][:, 0] = self.max_num_seqs
+
+    def prepare_mixed_replay(
+        self, bucket: int, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, put
+    ) -> None:
+        """Copy a step's chunks into the mixed graph's buffers; chunks [0, num_decode) are the decodes, which
+        the decode kernel runs (their rows of decode_ctx hold their contexts, every other row 0)."""
+        st = self._mixed
+        s, nd = len(q_lens), num_decode
+        cu = np.zeros(s + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        tiles = np.empty((self.max_tiles(bucket), 2), dtype=np.int32)
+        real = self.tiles(q_lens[nd:].tolist(), nd)
+        tiles[: len(real)] = real
+        tiles[len(real) :, 0], tiles[len(real) :, 1] = self.max_num_seqs, 0
+        w = block_tables.shape[1]
+        put(st["cu_q"][: s + 1], cu)
+        st["cu_q"][s + 1 :].fill_(int(cu[-1]))  # every later chunk, the padding tiles' one included, is empty
+        put(st["ctx"][:s], context_lens)
+        put(st["tables"][:s, :w], block_tables)
+        put(st["tiles"][: len(tiles)], tiles)
+        r = min(self.max_num_seqs, bucket)
+        dctx = np.zeros(r, dtype=np.int32)
+        dctx[:nd] = context_lens[:nd]
+        put(st["decode_ctx"][:r], dctx)

@@ -1,0 +1,162 @@
+"""The model and engine options every command that builds an engine shares (generate, serve, bench throughput,
+bench batch / study), their checks before any rank starts, and the one way those commands build their LLM."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from spanllm import checks
+from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS
+from spanllm.errors import UsageError
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its dtype and weights, the ranks that run it."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N) or HF checkpoint dir",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed")
+    parser.add_argument("--nprocs", type=int, default=1, help="local CPU ranks over gloo (ignored under torchrun)")
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE"
+    )
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on GPU")
+    parser.add_argument(
+        "--decode-gemm",
+        choices=DECODE_GEMMS,
+        default="auto",
+        help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = spanllm's Triton stream "
+        "over the weights (GPU + Triton), 'auto' = skinny where its measured table says it is faster, else F.linear",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens one sequence may hold, prompt + generated (default: the model's max_position_embeddings; "
+        "more only with SPANLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
+    """The KV cache and the scheduler's limits; with serving=True also the serving loop's own options and the
+    parallel layout of a serving engine (TP only)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (largest decode graph bucket)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (decodes + prefill chunks)"
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV cache",
+    )
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory sizing)")
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="triton on CUDA (auto), torch = the reference (gather + SDPA)",
+    )
+    if not serving:
+        return
+    g.add_argument(
+        "--min-admit",
+        type=int,
+        default=1,
+        help="admission batching: while decoding, admit only once this many slots are free (1 = off)",
+    )
+    g.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="the host waits for each step's tokens before planning the next (default: it plans the next "
+        "while the GPU runs, on a GPU at TP=1)",
+    )
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size)")
+    g.add_argument("--allreduce", default=None, help="registered all-reduce (default: nccl on GPU, gloo on CPU)")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    from spanllm.dtypes import model_dtype
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model_dtype(name)
+
+
+def check_model_arguments(args: argparse.Namespace, world: int):
+    """The model options, before any rank starts; returns (ModelConfig, Topology, device type)."""
+    device = checks.device_type()
+    checks.engine_dtype(args.dtype)
+    cfg = checks.model(args.model)
+    topo = checks.topology(world, args.ranks_per_node)
+    checks.decode_gemm(args.decode_gemm, device)
+    checks.context_limit(cfg, args.max_model_len)
+    return cfg, topo, device
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users)."""
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    if hasattr(args, "min_admit"):
+        checks.at_least("--min-admit", args.min_admit, 1)
+    checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise UsageError(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
+            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
+        )
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+
+
+def engine_config_from_args(args: argparse.Namespace, device: torch.device, **overrides):
+    from spanllm.engine.config import EngineConfig
+
+    fields = dict(
+        dtype=resolve_dtype(args.dtype, device),
+        cuda_graphs=not args.no_cuda_graphs,
+        seed=args.seed,
+        decode_gemm=args.decode_gemm,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        attention_backend=args.attention_backend,
+    )
+    if hasattr(args, "min_admit"):
+        fields["min_admit"] = args.min_admit
+    if getattr(args, "no_async_scheduling", False):
+        fields["async_scheduling"] = False
+    if args.max_model_len:
+        fields["max_model_len"] = args.max_model_len
+    return EngineConfig(**{**fields, **overrides})
+
+
+def build_llm(ctx, args: argparse.Namespace, *, tp: int | None = None, pp: int = 1, tuning=None, **overrides):
+    """This rank's LLM from the command's arguments (collective: every rank calls it), with its tokenizer."""
+    from spanllm.engine.llm import LLM
+    from spanllm.model.config import resolve_model
+    from spanllm.model.parallel_dims import ParallelDims
+
+    tp = tp or getattr(args, "tp", None) or ctx.world_size // pp
+    llm = LLM(
+        resolve_model(args.model),
+        engine_config_from_args(args, ctx.device, **overrides),
+        dims=ParallelDims(tp, pp, ctx.world_size),
+        allreduce=getattr(args, "allreduce", None) or None,
+        device=ctx.device,
+        ranks_per_node=args.ranks_per_node,
+        tuning=tuning,
+    )
+    return llm
