@@ -178,7 +178,7 @@ for stage in "${STAGES[@]}"; do
       ;;
     paged)
       log "pytest: the engine's GPU tests (paged attention kernels, graphs, fixed batch vs serving engine)"
-      timeout 400 python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
+      timeout "${PAGED_TIMEOUT:-400}" python3 -m pytest -q -m gpu tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py tests/engine/test_skinny_gemm.py 2>&1 | tee "$OUTDIR/pytest_gpu_paged.txt"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1  # pytest's status, not tee's
       ;;
     batch1)
       log "bench batch 8B TP=1 decode-heavy (the fixed batch on the serving engine's worker)"

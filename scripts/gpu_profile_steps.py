@@ -311,7 +311,7 @@ def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
     layer = next(iter(cache.k))
     kc, vc = cache.k[layer], cache.v[layer]
     hkv, d = kc.shape[2], kc.shape[3]
-    hq = hkv * llm.engine_core.runner.group
+    hq = hkv * llm.engine_core.runner.backend.group
     rows = []
     for b in (1, 8, 32):
         splits = kt.num_splits_for(b, hkv, kc.device)
