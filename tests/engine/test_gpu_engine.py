@@ -64,7 +64,7 @@ def test_fixed_batch_sampling_is_seeded_bf16(hf_checkpoint):
     assert len({t for row in runs[0].token_ids for t in row}) > 3
 
 
-def test_skinny_decode_gemm_matches_transformers_fp32(hf_checkpoint, hf_reference, monkeypatch, compiled):
+def test_skinny_decode_gemm_matches_transformers_fp32(hf_checkpoint, hf_reference, monkeypatch):
     """decode_gemm="skinny": every decode GEMM (<= 16 rows) runs spanllm's Triton kernel, in graphs and
     under torch.compile, and the tokens and logits still match transformers."""
     pytest.importorskip("triton")
