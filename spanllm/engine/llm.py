@@ -20,6 +20,7 @@ injected: pass `comm=` (any object with `all_reduce_(x)`) or `allreduce=` (a nam
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,9 +28,7 @@ import torch.distributed as dist
 from spanllm.checks import ALLOW_LONG_CONTEXT_ENV
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig
-from spanllm.engine.sampler import Sampler, SamplingParams
-from spanllm.engine.static.model_runner import ModelRunner
-from spanllm.engine.static.pipeline import GenerationOutput, PipelineExecutor, build_token_groups
+from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
@@ -39,6 +38,10 @@ from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.llama import LlamaForCausalLM
 from spanllm.model.loader import load_checkpoint, random_init
 from spanllm.model.parallel_dims import ParallelDims, build_groups, stage_layers
+
+if TYPE_CHECKING:  # the static path (being removed) imports engine.sampler.Sampler, which is gone: used lazily
+    from spanllm.engine.static.model_runner import ModelRunner
+    from spanllm.engine.static.pipeline import GenerationOutput, PipelineExecutor
 
 
 def default_device() -> torch.device:
@@ -82,7 +85,11 @@ class LLM:
         self.dims.validate_for_topology(self.topology)
         if world > 1:
             self.groups = build_groups(self.dims, self.rank)
-            token_group = build_token_groups(self.groups)
+            token_group = None
+            if self.dims.pp > 1:  # the static path (being removed) imports engine.sampler.Sampler, gone
+                from spanllm.engine.static.pipeline import build_token_groups
+
+                token_group = build_token_groups(self.groups)
         else:
             from spanllm.model.parallel_dims import ParallelGroups
 
@@ -128,12 +135,17 @@ class LLM:
     # --- the static-batch path (built on first use: its KV cache is max_batch_size x max_seq_len) ---------
     @property
     def runner(self) -> ModelRunner:
+        from spanllm.engine.static.model_runner import ModelRunner
+
         if self._runner is None:
             self._runner = ModelRunner(self.model, self.engine, self.device)
         return self._runner
 
     @property
     def executor(self) -> PipelineExecutor:
+        from spanllm.engine.sampler import Sampler
+        from spanllm.engine.static.pipeline import PipelineExecutor
+
         if self._executor is None:
             self.sampler = Sampler(self.device, self.engine.seed)
             self._executor = PipelineExecutor(self.runner, self.groups, self.sampler, self.timers, self._token_group)
