@@ -123,6 +123,11 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @cached_property
+    def plain(self) -> bool:
+        """Asks for none of logprobs, logit_bias, penalties and min_p (a batch of such rows skips those steps)."""
+        return self.logprobs is None and not self.logit_bias and not self.penalized and self.min_p == 0.0
+
+    @cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """logit_bias as (ids int64, biases float32), built once per request (the sampler concatenates the
         rows' arrays every step)."""
@@ -320,7 +325,8 @@ class BatchSampler:
         Sequence), needed for the rows with a penalty, whose token counts persist until `release`. The
         logits are changed in place. Nothing here waits for the GPU."""
         h2d = self.to_device
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        featured = not all(p.plain for p in params)
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None] if featured else []
         raw = None
         if lp_rows:  # before anything below changes the logits
             raw = torch.log_softmax(self._rows(logits, lp_rows), dim=-1)
@@ -328,9 +334,11 @@ class BatchSampler:
         if masked:
             rc = np.asarray(masked, dtype=np.int64)
             logits[h2d(rc[:, 0]), h2d(rc[:, 1])] = float("-inf")
-        self._add_logit_bias(logits, params)
-        counted = self._apply_penalties(logits, params, requests)
-        tokens = self._sample_tokens(logits, params, generators)
+        counted = None
+        if featured:
+            self._add_logit_bias(logits, params)
+            counted = self._apply_penalties(logits, params, requests)
+        tokens = self._sample_tokens(logits, params, generators, featured)
         if counted is not None:
             rows, slots = counted
             self.counts.add(slots, tokens[rows])
@@ -394,13 +402,18 @@ class BatchSampler:
         return rows_t, slots
 
     def _sample_tokens(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        featured: bool,
     ) -> torch.Tensor:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         h2d = self.to_device
         temps_host = np.asarray([p.temperature if not p.greedy else 1.0 for p in params], dtype=np.float32)
-        self._apply_min_p(logits, params, temps_host)
+        if featured:
+            self._apply_min_p(logits, params, temps_host)
         if race_argmax is not None and logits.is_cuda and not any(p.top_k_active or p.top_p < 1.0 for p in params):
             # the race in one pass (spanllm.kernels.sampler): the same draws, no probabilities formed
             sampled = race_argmax(logits, self._race(logits, generators), h2d(1.0 / temps_host))

@@ -84,6 +84,11 @@ def test_the_ranges_edges_are_accepted_and_logit_bias_normalized():
     assert SamplingParams(seed=2**63 - 1, logprobs=0).logprobs == 0
     assert hash(p) == hash(SamplingParams(**{f: getattr(p, f) for f in p.__dataclass_fields__}))
     assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
+    assert SamplingParams(temperature=1.0, top_k=5, seed=3).plain  # the sampler's extra steps: none
+    assert not any(
+        SamplingParams(**kw).plain
+        for kw in ({"logprobs": 0}, {"logit_bias": {1: 0.5}}, {"presence_penalty": 0.1}, {"min_p": 0.1})
+    )
     assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-5).greedy  # vLLM's eps
 
 
