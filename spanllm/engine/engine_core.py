@@ -5,22 +5,23 @@ leave as `RequestOutput`s: every step reports the requests that got a token or f
 request always ends, with a finish reason: stop (EOS, stop id, stop string), length (max_tokens) or
 abort (`abort_request`, shutdown).
 
-Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays)
-to the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward;
-only rank 0 samples, and the sampled tokens reach the other ranks as input ids in the next plan. The
-other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules. An idle
-server's rank 0 sends an empty plan now and then (`heartbeat`), so the workers' wait stays shorter than
-the collective timeout.
+Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays) to
+the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward; only rank
+0 samples (and keeps what sampling needs: the penalties' token counts, the logprobs), and the sampled tokens
+reach the other ranks as input ids in the next plan. The other ranks run `worker_loop()` until rank 0 sends
+the shutdown plan. No rank but 0 schedules. An idle server's rank 0 sends an empty plan now and then
+(`heartbeat`), so the workers' wait stays shorter than the collective timeout.
 
 Async scheduling (TP = 1, on by default on a GPU): the host never waits for the step it just launched.
-`step()` plans and launches step t+1 while step t's sampled tokens are still on their way: the tokens
-stay on the device, the plan of t+1 takes their ids from there (`StepInputs.prev_rows`), and the host reads
-step t's tokens (a pinned copy, its own event) only after t+1 is queued, then appends them, checks stops
-and reports them. So the GPU always has the next step queued while the host schedules, detokenizes and
-streams. What it costs: a request that ends on EOS or a stop (not on its length: the scheduler knows
-those) runs one step more than it needed, whose token is dropped; its blocks are freed at once (that
-step's cache write lands before any later step, in stream order, so a block handed to a new request is
-written by it afterwards). Outputs arrive one step later than they are computed.
+`step()` plans and launches step t+1 while step t's sampled tokens are still on their way: the tokens stay
+on the device, the plan of t+1 takes their ids from there (`StepInputs.prev_rows`), and the host reads step
+t's tokens (a pinned copy, its own event; the logprobs of the rows that ask are copied with them and covered
+by the same event) only after t+1 is queued, then appends them, checks stops and reports them. So the GPU
+always has the next step queued while the host schedules, detokenizes and streams. What it costs: a request
+that ends on EOS or a stop (not on its length: the scheduler knows those) runs one step more than it needed,
+whose token is dropped; its blocks are freed at once (that step's cache write lands before any later step,
+in stream order, so a block handed to a new request is written by it afterwards). Outputs arrive one step
+later than they are computed.
 """
 
 from __future__ import annotations

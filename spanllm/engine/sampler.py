@@ -20,8 +20,9 @@ One step, in vLLM v1's order (vllm/v1/sample/sampler.py):
    its batch (and samples the same tokens, up to float32 rounding at a near-tie: on CUDA a batch in which no
    row asks for top-k / top-p takes the one-pass race of spanllm.kernels.sampler, which ranks tokens in log
    space; other batches take the unfused ops).
-Each of 1-4 and min_p runs on the rows that ask for it only (a gather, the op, a scatter back): a batch that
-asks for none of them runs exactly the plain path.
+logprobs, logit_bias, the penalties and min_p each run on the rows that ask for them only (a gather, the op, a
+scatter back; no host loop over the vocabulary): a batch that asks for none of them runs the plain path, and
+pays nothing for them but one check per row on the host.
 """
 
 from __future__ import annotations
