@@ -340,15 +340,15 @@ class BatchSampler:
             self._add_logit_bias(logits, params)
             counted = self._apply_penalties(logits, params, requests)
         tokens = self._sample_tokens(logits, params, generators, featured)
-        if counted is not None:
-            rows, slots = counted
-            self.counts.add(slots, tokens[rows])
         logprobs = None
         if lp_rows:
             picked = tokens if len(lp_rows) == len(params) else tokens[h2d(np.asarray(lp_rows, dtype=np.int64))]
             num_top = [params[i].logprobs for i in lp_rows]
             top = raw.topk(max(num_top), dim=-1)  # sorted, descending
             logprobs = Logprobs(lp_rows, num_top, raw.gather(1, picked[:, None])[:, 0], top.indices, top.values)
+        if counted is not None:  # last: a call that raised before here counted nothing, and can run again
+            rows, slots = counted
+            self.counts.add(slots, tokens[rows])
         return SamplerOutput(tokens, logprobs)
 
     def _rows(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -126,9 +126,10 @@ def test_the_gpu_engine_samples_what_the_cpu_engine_samples(hf_checkpoint, async
         SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3, min_p=0.1, frequency_penalty=1.0),
         SamplingParams(max_tokens=10, ignore_eos=True),
     ]
-    gpu = LLM(hf_checkpoint[0], serving_config(async_scheduling=async_scheduling), device=DEV)
-    assert gpu.engine_core.async_scheduling == async_scheduling
-    cpu = LLM(hf_checkpoint[0], serving_config(async_scheduling=False), device=CPU)
+    cfg = dict(block_size=16, num_kv_blocks=32)  # the block size the GPU engine tests use
+    gpu = LLM(hf_checkpoint[0], serving_config(**cfg, async_scheduling=async_scheduling), device=DEV)
+    assert gpu.engine_core.async_scheduling == async_scheduling and gpu.engine_core.runner.use_cuda_graphs
+    cpu = LLM(hf_checkpoint[0], serving_config(**cfg, async_scheduling=False), device=CPU)
     got, ref = gpu.generate(prompts, params), cpu.generate(prompts, params)
     for i in (0, 1, 2, 3, 5):  # greedy
         assert got[i].output_ids == ref[i].output_ids, i
