@@ -173,6 +173,7 @@ def test_a_seeded_penalized_request_samples_the_same_whatever_shares_its_batch(l
     [
         (SamplingParams(max_tokens=4, logit_bias={250: 1.0}), r"logit_bias names token 250, outside the vocabulary"),
         (SamplingParams(max_tokens=4, top_k=251), r"top_k=251 exceeds the vocabulary of 250 tokens"),
+        (SamplingParams(max_tokens=4, top_k=10**20), r"top_k=100000000000000000000 exceeds the vocabulary"),
     ],
 )
 def test_ids_beyond_the_vocabulary_are_refused_at_admission(llm, params, match):
@@ -205,3 +206,9 @@ def test_tp2_samples_on_rank_0_what_tp1_samples(hf_checkpoint):
         assert ids == ref.output_ids
         for (lp, top), r in zip(lps, ref.logprobs or []):
             assert abs(lp - r.logprob) < 1e-5 and [t for t, _ in top] == [t for t, _ in r.top]
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy(llm, hf_checkpoint):
+    """temperature 1e-39 (1 / T overflows float32) samples greedily, as vLLM does below 1e-5."""
+    out = llm.generate([SERVE_PROMPTS[0]], SamplingParams(max_tokens=N, ignore_eos=True, temperature=1e-39))[0]
+    assert out.output_ids == _hf_generate(hf_checkpoint[2], SERVE_PROMPTS[0], N)
