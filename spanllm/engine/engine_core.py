@@ -5,22 +5,23 @@ leave as `RequestOutput`s: every step reports the requests that got a token or f
 request always ends, with a finish reason: stop (EOS, stop id, stop string), length (max_tokens) or
 abort (`abort_request`, shutdown).
 
-Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays)
-to the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward;
-only rank 0 samples, and the sampled tokens reach the other ranks as input ids in the next plan. The
-other ranks run `worker_loop()` until rank 0 sends the shutdown plan. No rank but 0 schedules. An idle
-server's rank 0 sends an empty plan now and then (`heartbeat`), so the workers' wait stays shorter than
-the collective timeout.
+Tensor parallelism: rank 0 owns the scheduler. Each step it sends the plan (`StepInputs`, host arrays) to
+the other TP ranks over a gloo group (`broadcast_object_list`); every rank runs the same forward; only rank
+0 samples (and keeps what sampling needs: the penalties' token counts, the logprobs), and the sampled tokens
+reach the other ranks as input ids in the next plan. The other ranks run `worker_loop()` until rank 0 sends
+the shutdown plan. No rank but 0 schedules. An idle server's rank 0 sends an empty plan now and then
+(`heartbeat`), so the workers' wait stays shorter than the collective timeout.
 
 Async scheduling (TP = 1, on by default on a GPU): the host never waits for the step it just launched.
-`step()` plans and launches step t+1 while step t's sampled tokens are still on their way: the tokens
-stay on the device, the plan of t+1 takes their ids from there (`StepInputs.prev_rows`), and the host reads
-step t's tokens (a pinned copy, its own event) only after t+1 is queued, then appends them, checks stops
-and reports them. So the GPU always has the next step queued while the host schedules, detokenizes and
-streams. What it costs: a request that ends on EOS or a stop (not on its length: the scheduler knows
-those) runs one step more than it needed, whose token is dropped; its blocks are freed at once (that
-step's cache write lands before any later step, in stream order, so a block handed to a new request is
-written by it afterwards). Outputs arrive one step later than they are computed.
+`step()` plans and launches step t+1 while step t's sampled tokens are still on their way: the tokens stay
+on the device, the plan of t+1 takes their ids from there (`StepInputs.prev_rows`), and the host reads step
+t's tokens (a pinned copy, its own event; the logprobs of the rows that ask are copied with them and covered
+by the same event) only after t+1 is queued, then appends them, checks stops and reports them. So the GPU
+always has the next step queued while the host schedules, detokenizes and streams. What it costs: a request
+that ends on EOS or a stop (not on its length: the scheduler knows those) runs one step more than it needed,
+whose token is dropped; its blocks are freed at once (that step's cache write lands before any later step,
+in stream order, so a block handed to a new request is written by it afterwards). Outputs arrive one step
+later than they are computed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
 from spanllm.engine.core.sequence import FinishReason, Sequence
-from spanllm.engine.sampler import BatchSampler, SamplingParams
+from spanllm.engine.sampler import BatchSampler, Logprobs, SamplingParams, TokenLogprob
 from spanllm.engine.worker.model_runner import ModelRunner, StepInputs, plan_step
 from spanllm.errors import UsageError
 
@@ -55,6 +56,10 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     metrics: dict = field(default_factory=dict)  # arrival, first_scheduled, first_token, token_times, finished_at
+    # Requests that asked for logprobs (SamplingParams.logprobs), else None: one TokenLogprob per id of new_ids,
+    # and of output_ids (all so far: the engine's own list, as output_ids).
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -65,6 +70,7 @@ class _InFlight:
     tokens: torch.Tensor  # [R] int64 on the device: the next plan's decode inputs read it
     host: torch.Tensor  # [>= R] int64 (pinned on a GPU): its copy, valid once `ready` fired
     ready: object  # torch.cuda.Event, or None on CPU (the copy is done when it returns)
+    logprobs: Logprobs | None = None  # the rows that asked: host copies, valid once `ready` fired
 
 
 @dataclass
@@ -113,6 +119,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._detok: dict[str, object] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}  # requests that asked for logprobs: all so far
         self._counter = 0
         self._inflight: _InFlight | None = None
         pin = runner.device.type == "cuda"
@@ -217,17 +224,19 @@ class EngineCore:
         if f.ready is not None:
             f.ready.synchronize()
         tokens = f.host[: len(f.seqs)].tolist()
+        logprobs = f.logprobs.token_logprobs(tokens) if f.logprobs is not None else [None] * len(tokens)
         now = time.monotonic()
         outs = []
-        for seq, tok in zip(f.seqs, tokens):
+        for seq, tok, lp in zip(f.seqs, tokens, logprobs):
             seq.num_pending -= 1
             if seq.is_finished:  # ended (stop, abort) after this step was launched: its token is dropped
                 continue
-            outs.append(self._append(seq, tok, now))
+            outs.append(self._append(seq, tok, now, lp))
         return outs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> _InFlight:
-        """Sample on the device, start the copy to the host; the tokens count as pending until they land."""
+        """Sample on the device, start the copies to the host (tokens, and the logprobs of the rows that ask:
+        one event covers both); the tokens count as pending until they land."""
         masks = []
         gens = []
         for s in seqs:
@@ -240,20 +249,22 @@ class EngineCore:
                 s.generator = torch.Generator(device=self.runner.device)
                 s.generator.manual_seed(p.seed)
             gens.append(s.generator)
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], masks, gens)
+        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], masks, gens, seqs)
         for row, s in enumerate(seqs):
             s.num_pending += 1
             s.pending_row = row
         host = self._host_tokens[self._host_turn]
         self._host_turn ^= 1  # two buffers: the step being read and the one being sampled
         host[: len(seqs)].copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
         ready = None
         if tokens.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return _InFlight(seqs, tokens, host, ready)
+        return _InFlight(seqs, tokens, host, ready, logprobs)
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> RequestOutput:
+    def _append(self, seq: Sequence, tok: int, now: float, logprob: TokenLogprob | None = None) -> RequestOutput:
         """Append a sampled token, then decide whether the request ends (vLLM's rules):
         - before min_tokens nothing but max_tokens ends it (EOS and stop ids were masked when sampling, and
           stop strings are not looked for);
@@ -262,6 +273,8 @@ class EngineCore:
           stream never shows a prefix of a stop string that later completes, the last len(longest stop) - 1
           characters are held back until the request ends or the text moves past them."""
         seq.output_ids.append(tok)
+        if seq.params.logprobs is not None:
+            self._logprobs.setdefault(seq.request_id, []).append(logprob)
         seq.token_times.append(now)
         if seq.first_token is None:
             seq.first_token = now
@@ -295,15 +308,22 @@ class EngineCore:
             upto = max(seq.text_emitted, len(seq.text) - hold)
             new_text = seq.text[seq.text_emitted : upto]
             seq.text_emitted = upto
+        new_logprobs = [logprob] if seq.params.logprobs is not None else None
         if finish is None:
-            return self._output(seq, [tok], new_text)
+            return self._output(seq, [tok], new_text, new_logprobs)
         self.scheduler.finish(seq)
         seq.finish(finish, stop_reason)
-        return self._finish_output(seq, [tok], new_text)
+        return self._finish_output(seq, [tok], new_text, new_logprobs)
 
-    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, new_ids: list[int], new_text: str, new_logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
         text = seq.text if seq.request_id in self._detok else None
-        # output_ids is the sequence's own list (no copy per step): read it, do not change it.
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = self._logprobs.get(seq.request_id, [])
+            new_logprobs = new_logprobs or []
+        # output_ids and logprobs are the engine's own lists (no copy per step): read them, do not change them.
         return RequestOutput(
             seq.request_id,
             seq.prompt_ids,
@@ -315,12 +335,18 @@ class EngineCore:
             seq.finish_reason.value if seq.finish_reason else None,
             seq.stop_reason,
             _metrics(seq) if seq.is_finished else {},
+            new_logprobs,
+            logprobs,
         )
 
-    def _finish_output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
-        out = self._output(seq, new_ids, new_text)
+    def _finish_output(
+        self, seq: Sequence, new_ids: list[int], new_text: str, new_logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        out = self._output(seq, new_ids, new_text, new_logprobs)
         self._requests.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
+        self._logprobs.pop(seq.request_id, None)
+        self.sampler.release(seq.request_id)
         reason = seq.finish_reason.value
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         return out
@@ -387,6 +413,13 @@ def validate_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
+    for t, _ in params.logit_bias:
+        if t >= vocab_size:
+            raise RequestError(f"logit_bias names token {t}, outside the vocabulary [0, {vocab_size})")
+    if params.top_k > vocab_size:
+        raise RequestError(
+            f"top_k={params.top_k} exceeds the vocabulary of {vocab_size} tokens; use at most {vocab_size}, or 0 (off)"
+        )
 
 
 def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -208,7 +208,7 @@ class FixedBatchExecutor:
         b = logits.shape[0]
         if params.greedy:
             return logits.argmax(dim=-1)
-        return self.sampler.sample(logits, [params] * b, [()] * b, [None] * b)
+        return self.sampler.sample(logits, [params] * b, [()] * b, [None] * b).tokens
 
     # --- the loop -----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -425,6 +425,12 @@ class LLM:
                 ("min_tokens", params.min_tokens > 0),
                 ("stop", bool(params.stop)),
                 ("stop_token_ids", bool(params.stop_token_ids)),
+                ("presence_penalty", params.presence_penalty != 0.0),
+                ("frequency_penalty", params.frequency_penalty != 0.0),
+                ("repetition_penalty", params.repetition_penalty != 1.0),
+                ("min_p", params.min_p > 0.0),
+                ("logit_bias", bool(params.logit_bias)),
+                ("logprobs", params.logprobs is not None),
             )
             if v
         ]

@@ -204,7 +204,7 @@ def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
     gens = [None] * b
     gens[5] = torch.Generator(device=DEV)
     gens[5].manual_seed(9)
-    fused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params, [()] * b, gens)
+    fused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params, [()] * b, gens).tokens
     g = torch.Generator(device=DEV)
     g.manual_seed(5)
     race = torch.empty_like(logits).exponential_(1.0, generator=g)
@@ -225,7 +225,7 @@ def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
     params_p = list(params)
     params_p[1] = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=4)
     gens[5].manual_seed(9)
-    unfused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params_p, [()] * b, gens)
+    unfused = sampler_mod.BatchSampler(DEV, seed=5).sample(logits.clone(), params_p, [()] * b, gens).tokens
     keep = [i for i in range(b) if i != 1]
     assert unfused[keep].tolist() == ref[keep].tolist()
 

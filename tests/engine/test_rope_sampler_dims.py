@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spanllm.engine.sampler import Sampler, SamplingParams
 from spanllm.engine.fixed_batch import GenerationError, split_batch
 from spanllm.layers.rope import inverse_frequencies
 from spanllm.model.config import ModelConfig, RopeScaling, preset
@@ -69,25 +68,9 @@ def test_stage_layers_balanced_and_complete():
 
 
 def test_split_batch():
+    from spanllm.engine.static.pipeline import GenerationError, split_batch  # the static path, being removed
+
     assert split_batch(7, 3) == [(0, 3), (3, 2), (5, 2)]
     assert split_batch(4, 1) == [(0, 4)]
     with pytest.raises(GenerationError, match="micro_batches=5 must be between 1 and the batch size 4"):
         split_batch(4, 5)
-
-
-def test_sampler_greedy_top_p_and_seed():
-    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0], [2.0, 0.0, 0.0, 5.0]])
-    s = Sampler(torch.device("cpu"), seed=7)
-    assert s(logits, SamplingParams(temperature=0.0)).tolist() == [1, 3]
-    # top_p smaller than the top token's mass keeps only that token, whatever the temperature.
-    for _ in range(20):
-        assert s(logits, SamplingParams(temperature=5.0, top_p=0.05)).tolist() == [1, 3]
-    draws = [
-        Sampler(torch.device("cpu"), seed=3)(logits.repeat(64, 1), SamplingParams(temperature=1.0)) for _ in range(2)
-    ]
-    assert torch.equal(draws[0], draws[1])  # same seed, same tokens: what keeps TP ranks in step
-    assert len(set(draws[0].tolist())) > 1  # temperature sampling does sample
-    with pytest.raises(ValueError, match="top_p=0"):
-        SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="temperature=-1"):
-        SamplingParams(temperature=-1)
