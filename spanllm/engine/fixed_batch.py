@@ -175,6 +175,7 @@ class FixedBatchExecutor:
     # --- point-to-point -----------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         with self.timers.region("pipeline"):
+            # a copy: the tensor may be a graph's static buffer or a view the next step overwrites
             self._pending.append(dist.isend(t.contiguous().clone(), dst, group=group))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, group) -> torch.Tensor:
@@ -193,15 +194,13 @@ class FixedBatchExecutor:
         send ours on (not on the last). Returns the logits on the last stage, else None."""
         g, runner = self.groups, self.runner
         hidden = None
-        if not g.is_first_stage:
-            shape = (x.num_tokens, runner.model.config.hidden_size)
-            h = self._recv(shape, runner.dtype, g.prev_rank, None)
-            hidden = (h, self._recv(shape, runner.dtype, g.prev_rank, None))
+        if not g.is_first_stage:  # hidden state and residual in one message: [2, N, hidden]
+            both = self._recv((2, x.num_tokens, runner.model.config.hidden_size), runner.dtype, g.prev_rank, None)
+            hidden = (both[0], both[1])
         out = runner.execute(x, prev_tokens, hidden)
         if g.is_last_stage:
             return out
-        self._send(out[0], g.next_rank, None)
-        self._send(out[1], g.next_rank, None)
+        self._send(torch.stack(out), g.next_rank, None)
         return None
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
