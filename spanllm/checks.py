@@ -157,17 +157,23 @@ def sequence_fits(prompt_len: int, new_tokens: int, cfg, max_model_len: int | No
         )
 
 
-def token_ids(prompts: list[list[int]], names: list[str], vocab_size: int, model_label: str) -> None:
-    """Every prompt non-empty and every id in [0, vocab): the engine would otherwise index out of its table."""
-    for ids, name in zip(prompts, names):
-        if not ids:
-            raise UsageError(f"{name}: no token ids; give at least one id")
-        for pos, t in enumerate(ids):
-            if not 0 <= t < vocab_size:
-                raise UsageError(
-                    f"{name}: token id {t} at position {pos} is outside the vocabulary [0, {vocab_size}) "
-                    f"of {model_label}; use ids from 0 to {vocab_size - 1}"
-                )
+def prompts(prompt_ids: list[list[int]], names: list[str], new_tokens: int, cfg, max_model_len: int | None) -> None:
+    """Each prompt through the engine's own admission checks (spanllm.engine.engine_core.validate_request: the one
+    validation the offline API and the server run too), before any rank starts; the error names the flag."""
+    from spanllm.engine.engine_core import RequestError, validate_request
+    from spanllm.engine.sampler import SamplingParams
+
+    limit = context_limit(cfg, max_model_len)
+    params = SamplingParams(max_tokens=new_tokens)
+    for ids, name in zip(prompt_ids, names):
+        try:
+            validate_request(ids, params, vocab_size=cfg.vocab_size, max_model_len=limit, capacity_tokens=limit)
+        except RequestError as e:
+            where = ""
+            if len(ids) + new_tokens > limit:
+                src = "--max-model-len" if max_model_len is not None else f"max_position_embeddings of {cfg.label}"
+                where = f" (the limit: {src})"
+            raise UsageError(f"{name}: {e}{where}") from None
 
 
 def tuning(path: str | None) -> None:

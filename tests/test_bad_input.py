@@ -59,23 +59,28 @@ CASES = [
     # generate: token ids, lengths, sampling
     (
         ["generate", "--model", "tiny", "--prompt-ids", "1,2,600"],
-        "--prompt-ids #0 ('1,2,600'): token id 600 at position 2 is outside the vocabulary [0, 512) of tiny",
+        "--prompt-ids #0 ('1,2,600'): prompt token 2 is 600, outside the vocabulary [0, 512); use ids from 0 to 511",
     ),
     (
         ["generate", "--model", "tiny", "--prompt-ids", "1", "--prompt-ids=-1,4"],
-        "--prompt-ids #1 ('-1,4'): token id -1 at position 0 is outside the vocabulary [0, 512)",
+        "--prompt-ids #1 ('-1,4'): prompt token 0 is -1, outside the vocabulary [0, 512)",
     ),
     (["generate", "--model", "tiny", "--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integers"),
-    (["generate", "--model", "tiny", "--prompt-ids", ""], "--prompt-ids #0 (''): no token ids"),
+    (
+        ["generate", "--model", "tiny", "--prompt-ids", ""],
+        "--prompt-ids #0 (''): the prompt is empty: give at least one token",
+    ),
     (["generate", "--model", "tiny"], "give at least one --prompt-ids or --prompt"),
     (["generate", "--model", "tiny", "--prompt", "hello"], "--prompt needs a checkpoint directory with a tokenizer"),
     (
         GEN + ["--max-new-tokens", "5000"],
-        "prompt + --max-new-tokens: 3 + 5000 = 5003 tokens exceed the context of 4096 (max_position_embeddings of tiny)",
+        "maximum context length is 4096 tokens. However, you requested 5003 tokens (3 in the prompt, 5000 for the "
+        "completion). Reduce the prompt or max_tokens (the limit: max_position_embeddings of tiny)",
     ),
     (
         GEN + ["--max-new-tokens", "10", "--max-model-len", "12"],
-        "3 + 10 = 13 tokens exceed the context of 12 (--max-model-len)",
+        "maximum context length is 12 tokens. However, you requested 13 tokens (3 in the prompt, 10 for the "
+        "completion). Reduce the prompt or max_tokens (the limit: --max-model-len)",
     ),
     (GEN + ["--max-model-len", "8192"], "--max-model-len 8192 exceeds the 4096 positions tiny was trained for"),
     (GEN + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
@@ -278,8 +283,8 @@ def test_one_line_from_the_console_entry_point():
     )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == (
-        "spanllm: error: --prompt-ids #0 ('5,512'): token id 512 at position 1 is outside the "
-        "vocabulary [0, 512) of tiny; use ids from 0 to 511\n"
+        "spanllm: error: --prompt-ids #0 ('5,512'): prompt token 1 is 512, outside the "
+        "vocabulary [0, 512); use ids from 0 to 511\n"
     )
 
 
@@ -422,7 +427,7 @@ def test_config_file_instead_of_folder(no_ranks, capsys, checkpoint):
 
 def test_checkpoint_token_ids_use_its_vocabulary(no_ranks, capsys, checkpoint):
     assert main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,64"]) == 2
-    assert "token id 64 at position 1 is outside the vocabulary [0, 64) of ckpt" in _error_line(capsys)
+    assert "prompt token 1 is 64, outside the vocabulary [0, 64); use ids from 0 to 63" in _error_line(capsys)
 
 
 # --- good input still reaches the launch ---------------------------------------------------------------------

@@ -128,11 +128,7 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         tokenizer = _tokenizer(cfg.checkpoint_dir)
         prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
         names += [f"--prompt #{i}" for i in range(len(args.prompt))]
-    checks.token_ids(prompts, names, cfg.vocab_size, cfg.label)
-    for ids, name in zip(prompts, names):
-        checks.sequence_fits(
-            len(ids), args.max_new_tokens, cfg, args.max_model_len, f"{name}: prompt + --max-new-tokens"
-        )
+    checks.prompts(prompts, names, args.max_new_tokens, cfg, args.max_model_len)
     return prompts
 
 

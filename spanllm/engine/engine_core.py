@@ -396,7 +396,10 @@ def validate_request(
         raise RequestError("the prompt is empty: give at least one token")
     for i, t in enumerate(prompt_ids):
         if not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise RequestError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size})")
+            raise RequestError(
+                f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size}); "
+                f"use ids from 0 to {vocab_size - 1}"
+            )
     total = len(prompt_ids) + params.max_tokens
     if total > max_model_len:
         raise RequestError(
