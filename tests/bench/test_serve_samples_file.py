@@ -11,10 +11,10 @@ pytest.importorskip("aiohttp", reason="bench serve's client needs aiohttp")
 
 from fake_openai_server import FakeServer  # noqa: E402
 
-from spanllm.commands import bench_serve as serve  # noqa: E402
 from spanllm.bench.datasets import SampleRequest, SampleSet  # noqa: E402
 from spanllm.bench.sample_file import save_samples  # noqa: E402
 from spanllm.cli import main  # noqa: E402
+from spanllm.commands import bench_serve as serve  # noqa: E402
 
 
 class WordTokenizer:

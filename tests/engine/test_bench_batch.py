@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 from engine_workers import PROMPTS, engine_config
 
 from spanllm.engine.fixed_batch import GenerationError, split_batch

@@ -68,7 +68,6 @@ def test_stage_layers_balanced_and_complete():
 
 
 def test_split_batch():
-    from spanllm.engine.static.pipeline import GenerationError, split_batch  # the static path, being removed
 
     assert split_batch(7, 3) == [(0, 3), (3, 2), (5, 2)]
     assert split_batch(4, 1) == [(0, 4)]
