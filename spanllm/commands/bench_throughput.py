@@ -42,6 +42,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory sizing)")
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of prompt prefixes already computed (vLLM's automatic prefix caching)",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=("auto", "torch", "triton"),
         default="auto",
@@ -79,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device):
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
         attention_backend=args.attention_backend,
         min_admit=args.min_admit,
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,

@@ -453,7 +453,7 @@ class LLM:
             dtype=e.dtype,
             max_num_batched_tokens=e.max_num_batched_tokens,
         )
-        blocks = BlockManager(sizing.num_blocks, e.block_size)
+        blocks = BlockManager(sizing.num_blocks, e.block_size, e.enable_prefix_caching)
         sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_model_len, min_admit=e.min_admit)
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(
@@ -495,7 +495,8 @@ class LLM:
             f"{self.allreduce_name} | paged attention {r.backend} | decode CUDA graphs {graphs} | "
             f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {core.config.max_model_len}, async scheduling "
-            f"{'on' if core.async_scheduling else 'off'}"
+            f"{'on' if core.async_scheduling else 'off'}, prefix caching "
+            f"{'on' if core.blocks.enable_prefix_caching else 'off'}"
             + (f", min_admit {self.engine.min_admit}" if self.engine.min_admit > 1 else "")
             + f" | {self.describe_decode_gemm()}"
         )
