@@ -207,6 +207,7 @@ async def benchmark_async(
                 on_request_done()
             return out
 
+        cache0 = await prefix_cache_counters(session, cfg.base_url)
         offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
         start = time.perf_counter()
         tasks = []
@@ -217,6 +218,7 @@ async def benchmark_async(
             tasks.append(asyncio.create_task(one(inp)))
         outputs: list[RequestOutput] = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cache1 = await prefix_cache_counters(session, cfg.base_url)
 
     metrics = calculate_metrics(
         outputs, duration, cfg.metric_percentiles, cfg.percentile_metrics, cfg.goodput, count_output_tokens
@@ -238,6 +240,7 @@ async def benchmark_async(
         "ignore_eos": cfg.ignore_eos,
         "goodput_slos_ms": dict(cfg.goodput) or None,
         **metrics,
+        **prefix_cache_result(cache0, cache1),
         "error_counts": dict(
             Counter((o.error or "unknown error").splitlines()[0][:200] for o in outputs if not o.success)
         ),
@@ -251,6 +254,54 @@ async def benchmark_async(
         "errors": [o.error for o in outputs],
     }
     return result
+
+
+PREFIX_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+def parse_prefix_cache_counters(text: str) -> tuple[float, float] | str:
+    """(queries, hits) in tokens from a Prometheus /metrics page: vLLM's counters, under any namespace
+    (spanllm:, vllm:), summed over their labels; a string saying what is missing otherwise."""
+    found = dict.fromkeys(PREFIX_CACHE_COUNTERS, None)
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{")[0].split(":")[-1]
+        if base in found:
+            found[base] = (found[base] or 0.0) + float(value)
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        return f"the server's /metrics has no {' or '.join('*' + m for m in missing)} counter"
+    return found["prefix_cache_queries_total"], found["prefix_cache_hits_total"]
+
+
+async def prefix_cache_counters(session, base_url: str) -> tuple[float, float] | str:
+    """GET {base_url}/metrics and parse the prefix-cache counters; a string naming the failure otherwise."""
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/metrics"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            if r.status != 200:
+                return f"GET {url} answered {r.status}"
+            return parse_prefix_cache_counters(await r.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        return f"GET {url} failed: {type(e).__name__}: {e}"
+
+
+def prefix_cache_result(before: tuple[float, float] | str, after: tuple[float, float] | str) -> dict[str, Any]:
+    """The run's prefix-cache hit rate from the counters read before and after it, or why it is unknown.
+    Other clients' requests during the run count too (the counters are the server's)."""
+    why = before if isinstance(before, str) else after if isinstance(after, str) else None
+    if why is not None:
+        return {"prefix_cache_hit_rate": None, "prefix_cache_note": why}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {
+        "prefix_cache_queries": int(queries),
+        "prefix_cache_hits": int(hits),
+        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
+    }
 
 
 def output_token_counter(tokenizer) -> Callable[[str], int] | None:
@@ -365,7 +416,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson, <1 burstier")
     g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap on requests in flight")
-    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (forced on for random)")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)")
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
@@ -421,7 +472,7 @@ def samples_from_args(args: argparse.Namespace, tokenizer) -> SampleSet:
         saved = load_samples(args.samples_file)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    n = min(args.num_prompts, len(saved)) if args.num_prompts and args.num_prompts > 0 else len(saved)
+    n = min(args.num_prompts, len(saved)) if args.num_prompts is not None and args.num_prompts > 0 else len(saved)
     if n < 1:
         raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
     return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})
@@ -454,7 +505,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
-        ignore_eos=args.ignore_eos or args.dataset_name == "random",
+        ignore_eos=args.ignore_eos or args.dataset_name in ("random", "generated-shared-prefix"),
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(float(p) for p in args.metric_percentiles.split(",")),
         goodput=parse_goodput(args.goodput),
@@ -514,6 +565,13 @@ def run(args: argparse.Namespace) -> int:
 
     def report_run(r: dict[str, Any]) -> None:
         print("\n".join(summary_lines(r, cfg.metric_percentiles, cfg.percentile_metrics)))
+        if r.get("prefix_cache_hit_rate") is not None:
+            print(
+                f"Prefix cache hit rate: {100 * r['prefix_cache_hit_rate']:.1f}% ({r['prefix_cache_hits']} of "
+                f"{r['prefix_cache_queries']} prompt tokens, from the server's /metrics)"
+            )
+        else:
+            print(f"Prefix cache hit rate: unknown ({r.get('prefix_cache_note', 'no prompt tokens counted')})")
         if r["failed"]:
             errs = "; ".join(f"{n} x {e}" for e, n in list(r["error_counts"].items())[:10])
             print(f"warning: {r['failed']} of {r['num_prompts']} requests failed: {errs}", file=sys.stderr)
