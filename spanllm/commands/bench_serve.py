@@ -42,6 +42,7 @@ from datetime import datetime
 from typing import Any
 
 from spanllm.bench.datasets import SampleSet, add_dataset_arguments, get_samples
+from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cache_result
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
 from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
 from spanllm.bench.serve_report import rate_label
@@ -256,54 +257,6 @@ async def benchmark_async(
     return result
 
 
-PREFIX_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
-
-
-def parse_prefix_cache_counters(text: str) -> tuple[float, float] | str:
-    """(queries, hits) in tokens from a Prometheus /metrics page: vLLM's counters, under any namespace
-    (spanllm:, vllm:), summed over their labels; a string saying what is missing otherwise."""
-    found = dict.fromkeys(PREFIX_CACHE_COUNTERS, None)
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        base = name.split("{")[0].split(":")[-1]
-        if base in found:
-            found[base] = (found[base] or 0.0) + float(value)
-    missing = [k for k, v in found.items() if v is None]
-    if missing:
-        return f"the server's /metrics has no {' or '.join('*' + m for m in missing)} counter"
-    return found["prefix_cache_queries_total"], found["prefix_cache_hits_total"]
-
-
-async def prefix_cache_counters(session, base_url: str) -> tuple[float, float] | str:
-    """GET {base_url}/metrics and parse the prefix-cache counters; a string naming the failure otherwise."""
-    import aiohttp
-
-    url = base_url.rstrip("/") + "/metrics"
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as r:
-            if r.status != 200:
-                return f"GET {url} answered {r.status}"
-            return parse_prefix_cache_counters(await r.text())
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        return f"GET {url} failed: {type(e).__name__}: {e}"
-
-
-def prefix_cache_result(before: tuple[float, float] | str, after: tuple[float, float] | str) -> dict[str, Any]:
-    """The run's prefix-cache hit rate from the counters read before and after it, or why it is unknown.
-    Other clients' requests during the run count too (the counters are the server's)."""
-    why = before if isinstance(before, str) else after if isinstance(after, str) else None
-    if why is not None:
-        return {"prefix_cache_hit_rate": None, "prefix_cache_note": why}
-    queries, hits = after[0] - before[0], after[1] - before[1]
-    return {
-        "prefix_cache_queries": int(queries),
-        "prefix_cache_hits": int(hits),
-        "prefix_cache_hit_rate": hits / queries if queries > 0 else None,
-    }
-
-
 def output_token_counter(tokenizer) -> Callable[[str], int] | None:
     """Counts generated text in tokens without the special tokens encode adds (vLLM: add_special_tokens=False);
     used only for servers that send no usage chunk."""
@@ -416,7 +369,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson, <1 burstier")
     g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap on requests in flight")
-    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)",
+    )
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
