@@ -19,7 +19,9 @@ hit rate over the run (from /metrics, when it has the counters).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class Conversation:
     id: str
     user_turns: tuple[str, ...]
     output_lens: tuple[int, ...]  # tokens to generate after each user turn
+    answers: tuple[str, ...] = ()  # the ShareGPT answers the lengths come from (kept for save_conversations)
 
 
 def sample_conversations(
@@ -81,7 +84,7 @@ def sample_conversations(
             lens = [min(max(n - n_special, 4), max_output_len) for n in count_tokens(tokenizer, answers)]
         else:
             lens = [output_len] * len(users)
-        out.append(Conversation(str(rec.get("id", len(out))), tuple(users), tuple(lens)))
+        out.append(Conversation(str(rec.get("id", len(out))), tuple(users), tuple(lens), tuple(answers)))
         if len(out) == num_conversations:
             break
     if len(out) < num_conversations:
@@ -101,6 +104,25 @@ def sample_conversations(
         **src.info(),
     }
     return out, info
+
+
+def save_conversations(conversations: list[Conversation], path: str) -> None:
+    """The sampled conversations (their replayed turns) as a ShareGPT file: `--dataset-path` of it samples the
+    same conversations and lengths again (for a machine without the ShareGPT package)."""
+    records = [
+        {
+            "id": c.id,
+            "conversations": [
+                m
+                for u, a in zip(c.user_turns, c.answers)
+                for m in ({"from": "human", "value": u}, {"from": "gpt", "value": a})
+            ],
+        }
+        for c in conversations
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, ensure_ascii=False)
 
 
 def render(history: list[tuple[str, str]], user: str) -> str:

@@ -14,7 +14,7 @@ import json
 import math
 import os
 
-from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations
+from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations, save_conversations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,15 +37,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-context-len", type=int, default=8192, help="a conversation stops before passing it")
     s.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--save-conversations", default=None, help="write the sampled conversations (ShareGPT JSON)")
+    parser.add_argument("--dry-run", action="store_true", help="sample (and --save-conversations) only; no server")
+
+
+def _sample(args: argparse.Namespace, tokenizer):
+    return sample_conversations(
+        tokenizer,
+        args.num_conversations,
+        args.max_turns,
+        args.min_turns,
+        args.seed,
+        args.dataset_path,
+        args.output_len,
+        args.max_output_len,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from spanllm.bench.serve_client import first_model
     from spanllm.commands.bench_serve import load_tokenizer
+    from spanllm.errors import UsageError
     from spanllm.measure.report import machine_info, versions
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     model = args.model
+    if args.dry_run:
+        if args.tokenizer is None and model is None:
+            raise UsageError("--dry-run needs --tokenizer (or --model) to count tokens; no server is asked")
+        convs, info = _sample(args, load_tokenizer(args.tokenizer or model))
+        if args.save_conversations:
+            save_conversations(convs, args.save_conversations)
+        print(
+            f"{len(convs)} conversations, {info['turns']} turns"
+            + (f"; wrote {args.save_conversations}" if args.save_conversations else "")
+        )
+        return 0
     if model is None:
 
         async def _first() -> str:
@@ -65,16 +92,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     tokenizer = load_tokenizer(args.tokenizer or model)
-    convs, info = sample_conversations(
-        tokenizer,
-        args.num_conversations,
-        args.max_turns,
-        args.min_turns,
-        args.seed,
-        args.dataset_path,
-        args.output_len,
-        args.max_output_len,
-    )
+    convs, info = _sample(args, tokenizer)
+    if args.save_conversations:
+        save_conversations(convs, args.save_conversations)
     print(f"{len(convs)} conversations, {info['turns']} turns; {base_url}, model {model}", flush=True)
     r = asyncio.run(run_conversations(convs, cfg, tokenizer))
     print(f"{'turn':>4} {'requests':>8} {'prompt len':>10} {'mean TTFT ms':>12} {'median':>9} {'p99':>9}")

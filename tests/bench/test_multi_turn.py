@@ -15,7 +15,13 @@ pytest.importorskip("aiohttp", reason="the multi-turn client needs aiohttp")
 
 from fake_openai_server import FakeServer  # noqa: E402
 
-from spanllm.bench.multi_turn import MultiTurnConfig, render, run_conversations, sample_conversations  # noqa: E402
+from spanllm.bench.multi_turn import (  # noqa: E402
+    MultiTurnConfig,
+    render,
+    run_conversations,
+    sample_conversations,
+    save_conversations,
+)
 from spanllm.bench.prefix_cache_metrics import parse_prefix_cache_counters, prefix_cache_result  # noqa: E402
 from spanllm.errors import UsageError  # noqa: E402
 
@@ -55,6 +61,14 @@ def test_sample_conversations(sharegpt):
     assert all(set(c.output_lens) == {3} for c in fixed)
     with pytest.raises(UsageError, match="only 4 conversations"):
         sample_conversations(WordTokenizer(), 5, dataset=sharegpt)
+
+
+def test_saved_conversations_sample_the_same(sharegpt, tmp_path):
+    convs, _ = sample_conversations(WordTokenizer(), 3, max_turns=3, seed=4, dataset=sharegpt)
+    path = str(tmp_path / "saved.json")
+    save_conversations(convs, path)
+    again, info = sample_conversations(WordTokenizer(), 3, max_turns=3, seed=9, dataset=path)
+    assert sorted(again, key=lambda c: c.id) == sorted(convs, key=lambda c: c.id) and info["turns"] == 8
 
 
 def test_replay_resends_the_conversation_with_the_servers_answers(sharegpt):
