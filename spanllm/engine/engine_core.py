@@ -20,7 +20,10 @@ and reports them. So the GPU always has the next step queued while the host sche
 streams. What it costs: a request that ends on EOS or a stop (not on its length: the scheduler knows
 those) runs one step more than it needed, whose token is dropped; its blocks are freed at once (that
 step's cache write lands before any later step, in stream order, so a block handed to a new request is
-written by it afterwards). Outputs arrive one step later than they are computed.
+written by it afterwards). With prefix caching its full blocks stay findable: they hold only positions of
+launched steps (that last step's included, its input token being the one that ended the request), and a
+request that hits them is planned later, so its step reads them after those writes, in the same order.
+Outputs arrive one step later than they are computed.
 """
 
 from __future__ import annotations
