@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict:
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size)
     core = EngineCore(
         _NoModel(args.vocab),
-        BlockManager(args.max_num_seqs * per_seq + 2, args.block_size, args.enable_prefix_caching),
+        BlockManager(args.max_num_seqs * per_seq + 2, args.block_size, getattr(args, "enable_prefix_caching", True)),
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prompt_len + args.output_len),
         vocab_size=max(args.vocab, 2),
         eos_token_ids=(1,),
