@@ -44,7 +44,9 @@ def replay(
     lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, num_blocks: int, block_size: int
 ) -> list[dict]:
     """The scheduler's step plan for requests (prompt_len, output_len), all arriving at once, synchronous."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1 << 20), BlockManager(num_blocks, block_size))
+    # Lengths only (every token id 0): no token content to share, so the prefix cache stays off.
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1 << 20), blocks)
     for i, (p, o) in enumerate(lengths):
         sched.add(Sequence(str(i), [0] * p, SamplingParams(max_tokens=o, ignore_eos=True)))
     steps = []

@@ -62,6 +62,11 @@ COMMANDS: list[tuple[str, str, str]] = [
         "spanllm.commands.bench_serve",
         "load test of any OpenAI-compatible server (vLLM's bench serve): TTFT/TPOT/ITL vs request rate",
     ),
+    (
+        "bench multi-turn",
+        "spanllm.commands.bench_multi_turn",
+        "multi-turn ShareGPT against an OpenAI-compatible server: TTFT per turn, prefix-cache hit rate",
+    ),
     ("serve", "spanllm.commands.serve", "OpenAI-compatible HTTP server on the serving engine"),
     ("tune", "spanllm.commands.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
     ("generate", "spanllm.commands.generate", "generate tokens with the engine (preset or HF checkpoint)"),

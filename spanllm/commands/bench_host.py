@@ -45,7 +45,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=64, help="width of the fake logits (sampling cost scales with it)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the block manager's prefix cache (every prompt is distinct: its hashing cost with no hit)",
+    )
     parser.add_argument("--json", default=None)
+
+
+def _distinct_prompt(i: int, length: int, vocab: int) -> list[int]:
+    """Token 2 repeated, led by i's digits in base vocab - 2 (ids 2 .. vocab - 1)."""
+    base, digits = max(vocab - 2, 1), []
+    while True:
+        digits.append(2 + i % base)
+        i //= base
+        if i == 0:
+            break
+    return (digits + [2] * length)[:length]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -57,14 +74,14 @@ def measure(args: argparse.Namespace) -> dict:
     per_seq = -(-(args.prompt_len + args.output_len) // args.block_size)
     core = EngineCore(
         _NoModel(args.vocab),
-        BlockManager(args.max_num_seqs * per_seq + 2, args.block_size),
+        BlockManager(args.max_num_seqs * per_seq + 2, args.block_size, getattr(args, "enable_prefix_caching", True)),
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prompt_len + args.output_len),
         vocab_size=max(args.vocab, 2),
         eos_token_ids=(1,),
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    for _ in range(args.requests):
-        core.add_request([2] * args.prompt_len, params)
+    for i in range(args.requests):  # distinct prompts (a different first block each): no prefix-cache hit
+        core.add_request(_distinct_prompt(i, args.prompt_len, args.vocab), params)
     t0 = time.perf_counter()
     steps = 0
     while core.has_unfinished():

@@ -42,6 +42,7 @@ from datetime import datetime
 from typing import Any
 
 from spanllm.bench.datasets import SampleSet, add_dataset_arguments, get_samples
+from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cache_result
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
 from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
 from spanllm.bench.serve_report import rate_label
@@ -207,6 +208,7 @@ async def benchmark_async(
                 on_request_done()
             return out
 
+        cache0 = await prefix_cache_counters(session, cfg.base_url)
         offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
         start = time.perf_counter()
         tasks = []
@@ -217,6 +219,7 @@ async def benchmark_async(
             tasks.append(asyncio.create_task(one(inp)))
         outputs: list[RequestOutput] = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cache1 = await prefix_cache_counters(session, cfg.base_url)
 
     metrics = calculate_metrics(
         outputs, duration, cfg.metric_percentiles, cfg.percentile_metrics, cfg.goodput, count_output_tokens
@@ -238,6 +241,7 @@ async def benchmark_async(
         "ignore_eos": cfg.ignore_eos,
         "goodput_slos_ms": dict(cfg.goodput) or None,
         **metrics,
+        **prefix_cache_result(cache0, cache1),
         "error_counts": dict(
             Counter((o.error or "unknown error").splitlines()[0][:200] for o in outputs if not o.success)
         ),
@@ -365,7 +369,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson, <1 burstier")
     g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap on requests in flight")
-    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (forced on for random)")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)",
+    )
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
@@ -421,7 +429,7 @@ def samples_from_args(args: argparse.Namespace, tokenizer) -> SampleSet:
         saved = load_samples(args.samples_file)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    n = min(args.num_prompts, len(saved)) if args.num_prompts and args.num_prompts > 0 else len(saved)
+    n = min(args.num_prompts, len(saved)) if args.num_prompts is not None and args.num_prompts > 0 else len(saved)
     if n < 1:
         raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
     return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})
@@ -454,7 +462,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
-        ignore_eos=args.ignore_eos or args.dataset_name == "random",
+        ignore_eos=args.ignore_eos or args.dataset_name in ("random", "generated-shared-prefix"),
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(float(p) for p in args.metric_percentiles.split(",")),
         goodput=parse_goodput(args.goodput),
@@ -514,6 +522,13 @@ def run(args: argparse.Namespace) -> int:
 
     def report_run(r: dict[str, Any]) -> None:
         print("\n".join(summary_lines(r, cfg.metric_percentiles, cfg.percentile_metrics)))
+        if r.get("prefix_cache_hit_rate") is not None:
+            print(
+                f"Prefix cache hit rate: {100 * r['prefix_cache_hit_rate']:.1f}% ({r['prefix_cache_hits']} of "
+                f"{r['prefix_cache_queries']} prompt tokens, from the server's /metrics)"
+            )
+        else:
+            print(f"Prefix cache hit rate: unknown ({r.get('prefix_cache_note', 'no prompt tokens counted')})")
         if r["failed"]:
             errs = "; ".join(f"{n} x {e}" for e, n in list(r["error_counts"].items())[:10])
             print(f"warning: {r['failed']} of {r['num_prompts']} requests failed: {errs}", file=sys.stderr)

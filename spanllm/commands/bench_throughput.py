@@ -102,6 +102,8 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
         if output_tokens != expected:
             raise RuntimeError(f"generated {output_tokens} tokens but the requests asked for {expected} (ignore_eos)")
         s = core.stats
+        queries = s.prefix_cache_queries - stats0["prefix_cache_queries"]
+        hits = s.prefix_cache_hits - stats0["prefix_cache_hits"]
         gaps = [b - a for o in outs for a, b in zip(o.metrics["token_times"], o.metrics["token_times"][1:])]
         tpots = [
             (o.metrics["finished_at"] - o.metrics["first_token"]) / (len(o.output_ids) - 1)
@@ -125,6 +127,13 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
             "mean_prompt_len": prompt_tokens / len(outs),
             "mean_output_len": output_tokens / len(outs),
             **latency,
+            # vLLM's prefix-cache stats over the timed requests: prompt tokens looked up, found, their ratio
+            "prefix_cache": {
+                "enabled": core.blocks.enable_prefix_caching,
+                "queries": queries,
+                "hits": hits,
+                "hit_rate": hits / queries if queries else None,
+            },
             "engine": {
                 "describe": describe,
                 "steps": s.steps - stats0["steps"],
@@ -157,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     from spanllm import checks
 
     check_engine_arguments(args)
-    checks.at_least("--num-prompts", args.num_prompts, 1)
+    if args.num_prompts is not None:
+        checks.at_least("--num-prompts", args.num_prompts, 1)
     if args.dry_run:
         from spanllm.engine.tokenizer import get_tokenizer
         from spanllm.model.config import resolve_model
@@ -183,6 +193,11 @@ def run(args: argparse.Namespace) -> int:
         f"median inter-token {r['median_itl_ms']:.2f} ms"
         if r["median_itl_ms"] is not None
         else ""
+    )
+    pc = r["prefix_cache"]
+    print(
+        f"prefix cache {'on' if pc['enabled'] else 'off'}: hit rate "
+        + (f"{100 * pc['hit_rate']:.1f}% ({pc['hits']} of {pc['queries']} prompt tokens)" if pc["queries"] else "n/a")
     )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

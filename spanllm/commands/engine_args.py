@@ -69,6 +69,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
     if not serving:
         return
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of prompt prefixes already computed (vLLM's automatic prefix caching)",
+    )
+    g.add_argument(
         "--min-admit",
         type=int,
         default=1,
@@ -136,6 +142,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
     )
     if hasattr(args, "min_admit"):
         fields["min_admit"] = args.min_admit
+    if hasattr(args, "enable_prefix_caching"):
+        fields["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "no_async_scheduling", False):
         fields["async_scheduling"] = False
     if args.max_model_len:

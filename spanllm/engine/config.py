@@ -34,6 +34,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's memory for weights + activations + KV cache
     cpu_kv_cache_bytes: int = 1 << 30  # KV pool on CPU
     num_kv_blocks: int | None = None  # overrides the sizing (tests: a pool small enough to preempt)
+    # Automatic prefix caching (spanllm.engine.core.block_manager): full KV blocks are kept findable by the
+    # hash of their prefix and shared by later requests that start with the same tokens (vLLM's default: on)
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto (triton on CUDA), torch (the reference), triton
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1

@@ -20,8 +20,10 @@ by the same event) only after t+1 is queued, then appends them, checks stops and
 always has the next step queued while the host schedules, detokenizes and streams. What it costs: a request
 that ends on EOS or a stop (not on its length: the scheduler knows those) runs one step more than it needed,
 whose token is dropped; its blocks are freed at once (that step's cache write lands before any later step,
-in stream order, so a block handed to a new request is written by it afterwards). Outputs arrive one step
-later than they are computed.
+in stream order, so a block handed to a new request is written by it afterwards). With prefix caching its full
+blocks stay findable: they hold only positions of launched steps (that last step's included, its input token
+being the one that ended the request), and a request that hits them is planned later, so its step reads them
+after those writes, in the same order. Outputs arrive one step later than they are computed.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests, each counted once (recomputation is not)
     generation_tokens: int = 0
     preemptions: int = 0
+    # Prefix cache (vLLM's prefix_cache_queries / _hits): prompt tokens of admitted requests, and of them the
+    # tokens found in the cache, counted at each request's first admission. Hit rate = hits / queries.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     finished: dict = field(default_factory=dict)  # reason -> count
 
 
@@ -189,6 +195,8 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.preempted:  # the scheduler counts them; the stats mirror its count
             self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
         prev = self._inflight  # stays self._inflight until it lands: a failed launch below does not lose it
         new = None
         if batch:
@@ -200,8 +208,8 @@ class EngineCore:
             if sampling:  # before num_computed moves: if sampling fails, the step can simply run again
                 new = self._sample(logits, sampling)
             for seq, n in batch.entries:
-                if seq.num_computed == 0 and seq.num_preemptions == 0:
-                    self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk
+                if seq.num_computed == seq.num_cached_tokens and seq.num_preemptions == 0:
+                    self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk (cached included)
                 seq.num_computed += n
         if not self.async_scheduling:
             return self._land_or_abort(new) if new is not None else []

@@ -242,7 +242,9 @@ class LLM:
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
         if self._engine_core is not None:
-            line += f", async scheduling {'on' if self._engine_core.async_scheduling else 'off'}"
+            core = self._engine_core
+            line += f", async scheduling {'on' if core.async_scheduling else 'off'}"
+            line += f", prefix caching {'on' if core.blocks.enable_prefix_caching else 'off'}"
         if self.engine.min_admit > 1:
             line += f", min_admit {self.engine.min_admit}"
         return line + f" | {self.describe_decode_gemm()}"
@@ -387,7 +389,7 @@ class LLM:
                 if dist.get_backend(self.groups.tp_group) == "gloo"
                 else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group), backend="gloo")
             )
-        blocks = BlockManager(runner.cache.num_blocks, e.block_size)
+        blocks = BlockManager(runner.cache.num_blocks, e.block_size, e.enable_prefix_caching)
         sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, self.max_model_len, min_admit=e.min_admit)
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(

@@ -84,6 +84,10 @@ LATENCY_BUCKETS = (
 )
 
 
+# EngineStats counters mirrored as Prometheus counters (same attribute name on ServerMetrics)
+ENGINE_COUNTERS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
@@ -105,6 +109,10 @@ class ServerMetrics:
         self.preemptions = c("num_preemptions", "Preemptions (recomputation) since start")
         self.prompt_tokens = c("prompt_tokens", "Prefilled prompt tokens")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
+        self.prefix_cache_queries = c(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at each request's admission)"
+        )
+        self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self._success = Counter(
             "spanllm:request_success",
             "Finished requests by finish reason",
@@ -117,7 +125,7 @@ class ServerMetrics:
         self.itl = h("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (arrival to finish)", LATENCY_BUCKETS)
         self.queue = h("request_queue_time_seconds", "Time waiting before first scheduled", LATENCY_BUCKETS)
-        self._last = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self._last = dict.fromkeys(ENGINE_COUNTERS, 0)
 
     def baseline(self, core) -> None:
         """Count from here (the warm-up request before the server started is not counted)."""
@@ -130,11 +138,8 @@ class ServerMetrics:
         self.waiting.set(core.num_waiting + extra_waiting)
         self.kv_usage.set(core.blocks.usage)
         s = core.stats
-        for name, metric in (
-            ("prompt_tokens", self.prompt_tokens),
-            ("generation_tokens", self.generation_tokens),
-            ("preemptions", self.preemptions),
-        ):
+        for name in ENGINE_COUNTERS:
+            metric = getattr(self, name)
             now = getattr(s, name)
             if now > self._last[name]:
                 metric.inc(now - self._last[name])
@@ -160,11 +165,8 @@ class ServerMetrics:
         self.running.set(snap["running"])
         self.waiting.set(snap["waiting"])
         self.kv_usage.set(snap["kv_usage"])
-        for name, metric in (
-            ("prompt_tokens", self.prompt_tokens),
-            ("generation_tokens", self.generation_tokens),
-            ("preemptions", self.preemptions),
-        ):
+        for name in ENGINE_COUNTERS:
+            metric = getattr(self, name)
             now = snap[name]
             if now > self._last[name]:
                 metric.inc(now - self._last[name])
@@ -184,7 +186,7 @@ class MetricsRelay:
 
     def __init__(self, send) -> None:
         self._send = send
-        self._base = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self._base = dict.fromkeys(ENGINE_COUNTERS, 0)
         self._finished: list = []
         # () -> (adds not yet in the engine, adds received in all), read under one lock (PipeEngine sets it)
         self.counts = None

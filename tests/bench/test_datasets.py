@@ -1,5 +1,6 @@
-"""The request loader: truncated-JSON recovery, vLLM's ShareGPT sampling rules and seed, the random dataset, and
-the ShareGPT averages the team design notes quote (Llama 3 tokenizer with BOS, seed 0, 1000 requests)."""
+"""The request loader: truncated-JSON recovery, vLLM's ShareGPT sampling rules and seed, the random dataset, the
+prefix-caching datasets (SGLang's generated-shared-prefix, vLLM's prefix_repetition), and the ShareGPT averages
+the team design notes quote (Llama 3 tokenizer with BOS, seed 0, 1000 requests)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from spanllm.bench.datasets import (
     is_valid_sequence,
     load_sharegpt,
     recover_json_array,
+    sample_generated_shared_prefix,
+    sample_prefix_repetition,
     sample_random,
     sample_sharegpt,
 )
@@ -254,6 +257,92 @@ def test_cli_flags_and_aliases(tmp_path):
     assert len(s) == 3 and {r.output_len for r in s} == {11}
     with pytest.raises(ValueError, match="no --dataset-path"):
         get_samples(p.parse_args(["--dataset-name", "random", "--dataset-path", str(path)]), WordTokenizer())
+
+
+# ----------------------------------------------------------------------------------------- shared prefixes
+
+
+def test_generated_shared_prefix_follows_sglang():
+    tok = WordTokenizer()
+    s = sample_generated_shared_prefix(tok, 3, 4, system_prompt_len=10, question_len=5, output_len=6, seed=1)
+    assert len(s) == 12 and s.info["num_requests"] == 12 and s.info["system_prompt_tokens_mean"] == 11  # with BOS
+    systems = {r.prompt.split("\n\n")[0] for r in s}
+    assert len(systems) == 3
+    for sp in systems:
+        group = [r for r in s if r.prompt.startswith(sp + "\n\n")]
+        assert len(group) == 4 and len({r.prompt for r in group}) == 4  # 4 distinct questions each
+    assert all(r.prompt_len == 1 + 10 + 5 == len(tok.encode(r.prompt)) and r.output_len == 6 for r in s)
+    assert all("w0" not in r.prompt.split() for r in s)  # no special token in the text
+    # shuffled: the groups are interleaved, deterministically for a seed
+    order = [r.prompt.split("\n\n")[0] for r in s]
+    assert order != sorted(order, key=order.index)
+    again = sample_generated_shared_prefix(tok, 3, 4, system_prompt_len=10, question_len=5, output_len=6, seed=1)
+    assert again.requests == s.requests
+    with pytest.raises(ValueError, match="--gsp-question-len must be >= 1"):
+        sample_generated_shared_prefix(tok, 3, 4, question_len=0)
+
+
+def test_generated_shared_prefix_defaults_and_num_prompts():
+    p = argparse.ArgumentParser()
+    add_dataset_arguments(p)
+    a = p.parse_args(["--dataset-name", "generated-shared-prefix"])
+    assert (a.gsp_num_groups, a.gsp_prompts_per_group, a.gsp_system_prompt_len, a.gsp_question_len) == (
+        64,
+        16,
+        2048,
+        128,
+    )
+    assert a.gsp_output_len == 256
+    small = ["--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "8"]
+    s = get_samples(p.parse_args(["--dataset-name", "generated-shared-prefix", *small]), WordTokenizer())
+    assert len(s) == 6 and all(r.prompt_len == 1 + 8 + 128 for r in s)
+    assert (
+        len(
+            get_samples(
+                p.parse_args(["--dataset-name", "generated-shared-prefix", *small, "--num-prompts", "6"]),
+                WordTokenizer(),
+            )
+        )
+        == 6
+    )
+    with pytest.raises(ValueError, match="--num-prompts 5: generated-shared-prefix sends .* = 6 requests"):
+        get_samples(
+            p.parse_args(["--dataset-name", "generated-shared-prefix", *small, "--num-prompts", "5"]), WordTokenizer()
+        )
+
+
+def test_prefix_repetition_follows_vllm():
+    tok = WordTokenizer()
+    s = sample_prefix_repetition(tok, 23, prefix_len=6, suffix_len=4, num_prefixes=5, output_len=3, seed=2)
+    assert len(s) == 20  # 23 // 5 = 4 per prefix, as vLLM (the remainder is dropped)
+    assert all(r.prompt_len == 10 == len(r.prompt_token_ids) and r.output_len == 3 for r in s)
+    assert all(tok.encode(r.prompt)[1:] == list(r.prompt_token_ids) and 0 not in r.prompt_token_ids for r in s)
+    prefixes = [r.prompt_token_ids[:6] for r in s]
+    assert len(set(prefixes)) == 5 and all(prefixes.count(x) == 4 for x in set(prefixes))
+    assert len({r.prompt_token_ids for r in s}) == 20 and prefixes != sorted(prefixes, key=prefixes.index)
+    assert s.info["token_mismatch_total"] == 0
+    with pytest.raises(ValueError, match="--num-prompts 3 is below --prefix-repetition-num-prefixes 5"):
+        sample_prefix_repetition(tok, 3, num_prefixes=5)
+    p = argparse.ArgumentParser()
+    add_dataset_arguments(p)
+    a = p.parse_args(["--dataset-name", "prefix_repetition"])
+    assert (a.prefix_repetition_prefix_len, a.prefix_repetition_suffix_len) == (256, 256)
+    assert (a.prefix_repetition_num_prefixes, a.prefix_repetition_output_len) == (10, 128)
+    args = p.parse_args(
+        [
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            "3",
+            "--prefix-repetition-suffix-len",
+            "2",
+            "--prefix-repetition-num-prefixes",
+            "2",
+            "--num-prompts",
+            "4",
+        ]
+    )
+    assert [r.prompt_len for r in get_samples(args, tok)] == [5] * 4
 
 
 # ----------------------------------------------------------------------------------------- the real file

