@@ -20,11 +20,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import model_name
 from spanllm.perf.hardware import ClusterSpec, EngineCost
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate
 from spanllm.perf.measurements import EngineMeasurement, ran_algorithm
-from spanllm.perf.model_shape import ModelShape, get_model
+from spanllm.perf.model_shape import DTYPE_BYTES, get_model
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 ENGINE_ALLREDUCE_MAX_BYTES = BUFFERED_ALLREDUCE_MAX_BYTES  # the engine's own default (spanllm.workloads)
@@ -48,7 +49,7 @@ class EngineFitError(ValueError):
 
 @dataclass(frozen=True)
 class EngineCase:
-    model: ModelShape
+    model: ModelConfig
     layout: Layout
     workload: Workload
     algo: str  # decode all-reduce (model name)
@@ -59,7 +60,7 @@ class EngineCase:
     def label(self) -> str:
         pre = f" (prefill {self.prefill_algo})" if self.prefill_algo != self.algo and self.layout.tp > 1 else ""
         return (
-            f"{self.model.name} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
+            f"{self.model.label} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
             f"b{self.workload.batch} p{self.workload.prompt_len} d{self.workload.decode_len}"
         )
 
@@ -77,7 +78,7 @@ def row_case(row: Mapping[str, Any]) -> EngineCase:
     """The model's view of one engine row (KeyError / ValueError when the row cannot be priced)."""
     model = get_model(str(row["model"]))
     if row.get("truncated_layers"):
-        model = model.truncated(int(row["truncated_layers"]))
+        model = model.with_layers(int(row["truncated_layers"]))
     tp, rpn = int(row["tp"]), row.get("ranks_per_node")
     layout = Layout(
         tp,
@@ -94,7 +95,7 @@ def row_case(row: Mapping[str, Any]) -> EngineCase:
     elif ran_prefill:
         prefill = _algo(str(ran_prefill))
     else:  # not recorded (study logs): the engine's size rule
-        nbytes = w.batch // layout.micro_batches * w.prompt_len * model.hidden * model.dtype_bytes
+        nbytes = w.batch // layout.micro_batches * w.prompt_len * model.hidden_size * DTYPE_BYTES
         prefill = algo if nbytes <= ENGINE_ALLREDUCE_MAX_BYTES else "nccl"
     return EngineCase(model, layout, w, algo, prefill, bool(row.get("cuda_graphs", True)))
 

@@ -1,9 +1,8 @@
 import json
-from argparse import Namespace
 
 import pytest
 
-from spanllm.perf import calibrate as cal
+from spanllm.cli import main
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.calibrate import CalibrationError, calibrate, fit_algo_cost, parse_bytes
 from spanllm.perf.hardware import PRESETS, load_cluster
@@ -103,8 +102,7 @@ def test_cli_writes_a_preset_that_loads(tmp_path, bench):
     rows += [row("nvrar", 4096, 1e9, wrong=3)]  # wrong results are not timings
     src.write_text(json.dumps(bench_doc(rows)))
     out = tmp_path / "fitted.json"
-    args = Namespace(files=[src], cluster="h200x2", max_bytes="4MiB", name="lab", out=out, results=tmp_path)
-    assert cal.run(args) == 0
+    assert main(["perf", "calibrate", str(src), "--cluster", "h200x2", "--name", "lab", "--out", str(out)]) == 0
     spec = load_cluster(out)
     assert spec.name == "lab"
     assert allreduce_time_us("nvrar", 2**20, spec, 2, 1) == pytest.approx(5.0 + 2**20 / 150e3, rel=0.05)

@@ -1,8 +1,8 @@
 import json
-from argparse import Namespace
 
 import pytest
 
+from spanllm.cli import main
 from spanllm.perf import validate as val
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import Layout, Workload, estimate
@@ -103,10 +103,17 @@ def test_report_on_synthetic_results(results):
     assert rep["engine_fit"]["n_rows"] == 0 and rep["engine_fit"]["refit"].startswith("not rerun")
 
 
-def test_cli_writes_report_and_plot(results, capsys):
-    assert val.run(Namespace(results=results, cluster="h200x2", out=None, plot=None, rows=5)) == 0
-    rep = json.loads((results / "perf_validation.json").read_text())
-    assert rep["records"] and (results / "perf_validation.png").stat().st_size > 1000
+def test_cli_writes_report_and_plot_where_out_says(results, tmp_path, capsys):
+    before = sorted(p.name for p in results.iterdir())
+    assert main(["perf", "validate", "--results", str(results), "--rows", "5"]) == 0
+    assert "report not written" in capsys.readouterr().out
+    assert sorted(p.name for p in results.iterdir()) == before  # without --out nothing is written
+    out_file = results.parent / f"{results.name}-report" / "v.json"
+    out_file.parent.mkdir()
+    assert main(["perf", "validate", "--results", str(results), "--rows", "5", "--out", str(out_file)]) == 0
+    rep = json.loads(out_file.read_text())
+    assert rep["records"] and out_file.with_suffix(".png").stat().st_size > 1000
+    assert sorted(p.name for p in results.iterdir()) == before
     out = capsys.readouterr().out
     assert "median |relative error| per category" in out
     # the report itself is not read back as a measurement
@@ -114,7 +121,7 @@ def test_cli_writes_report_and_plot(results, capsys):
 
 
 def test_no_measurements_is_said_clearly_and_nothing_is_written(tmp_path, capsys):
-    assert val.run(Namespace(results=tmp_path, cluster="h200x2", out=None, plot=None, rows=5)) == 1
+    assert main(["perf", "validate", "--results", str(tmp_path), "--out", str(tmp_path / "v.json")]) == 1
     err = capsys.readouterr().err
     assert "no measurement" in err and "nothing checked" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
@@ -124,11 +131,10 @@ def test_no_measurements_is_said_clearly_and_nothing_is_written(tmp_path, capsys
 
 def test_missing_results_folder_exits_nonzero_and_creates_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outside the repo: the default --results is ./results
-    from pathlib import Path
 
-    assert val.run(Namespace(results=Path("results"), cluster="h200x2", out=None, plot=None, rows=5)) == 2
+    assert main(["perf", "validate", "--results", "results"]) == 2
     err = capsys.readouterr().err
-    assert "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert "is not a folder" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
