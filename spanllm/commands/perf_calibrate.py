@@ -47,18 +47,20 @@ def run(args: argparse.Namespace) -> int:
         return run_engine(args, cluster, console)
     files = args.files or result_files(args.results)
     ms, _, skipped_files = load_results(files)
-    where = ", ".join(str(f) for f in files) or f"{args.results} (no result files)"
     if not ms:
+        where = ", ".join(str(f) for f in args.files) or f"the {len(files)} result files under {args.results}"
+        why = f" ({'; '.join(skipped_files)})" if args.files and skipped_files else ""
         raise UsageError(
-            f"no all-reduce measurements in {where}: nothing to fit; pass `spanllm bench allreduce --json` files "
+            f"no all-reduce measurements in {where}{why}: nothing to fit; pass `spanllm bench allreduce --json` files "
             "or --results DIR holding them; nothing written"
         )
     spec, fits, skipped = calibrate(ms, cluster, max_bytes, args.name)
     if not fits:
-        reasons = "; ".join(skipped_files + skipped) or "no algorithm the model prices"
+        files_used = sorted({m.source for m in ms})
         raise UsageError(
-            f"{len(ms)} all-reduce rows in {where}, none usable for a fit on {cluster.name} "
-            f"(--max-bytes {args.max_bytes}): {reasons}; nothing written"
+            f"{len(ms)} all-reduce rows in {len(files_used)} file(s) ({', '.join(files_used)}), none usable for a fit "
+            f"on {cluster.name} (--max-bytes {args.max_bytes}): "
+            f"{'; '.join(skipped) or 'no algorithm the model prices'}; nothing written"
         )
     table = Table(title=f"all-reduce constants fitted on {cluster.name} ({len(ms)} rows, <= {args.max_bytes})")
     for col in (
@@ -90,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
     for f in fits:
         for line in f.widened:
             console.print(f"range widened to hold the fit ({f.algo}): {line}")
-    for line in skipped_files + skipped:
+    other = [s for s in skipped_files if "is not a measurement the model predicts" in s or "engine model" in s]
+    for line in [s for s in skipped_files if s not in other] + skipped:
         console.print(f"skipped: {line}")
+    if other:
+        console.print(f"skipped: {len(other)} files that hold no all-reduce rows (engine runs, tuning tables, ...)")
     save_cluster(spec, args.out)
     console.print(f"wrote {args.out} (use it with --cluster {args.out})")
     return 0

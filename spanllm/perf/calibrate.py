@@ -173,13 +173,20 @@ def calibrate(
     """A new ClusterSpec with every measured algorithm's constants fitted; plus the fits and what was skipped."""
     by_algo: dict[str, list[AllReduceMeasurement]] = {}
     skipped = []
+    misplaced: dict[tuple[str, int, int], str] = {}
     for m in ms:
         if max_bytes is not None and m.nbytes > max_bytes:
+            continue
+        try:
+            place(cluster, m.nodes, m.ranks_per_node)
+        except ValueError as e:  # a topology this cluster cannot hold (e.g. 1x2 rows on 1 GPU per node)
+            misplaced[(m.algo, m.nodes, m.ranks_per_node)] = str(e)
             continue
         try:
             by_algo.setdefault(model_name(m.algo), []).append(m)
         except ValueError as e:
             skipped.append(str(e))
+    skipped += [f"{a} {n}x{g} rows left out: {why}" for (a, n, g), why in sorted(misplaced.items())]
     algos = dict(cluster.algos)
     fits = []
     for algo, rows in sorted(by_algo.items()):

@@ -174,7 +174,7 @@ def simulate(requests: Sequence[ServeRequest], limits: EngineLimits, step_s: Cal
             s.num_computed += n
             if s.num_computed == s.num_tokens:
                 sampled.append(s)
-        step = Step(len(dec), sum(s.num_computed for s, _ in dec), chunks, len(sampled))
+        step = Step(len(dec), sum(s.num_computed for s, _ in dec), chunks, len(sampled), len(batch.preempted))
         clock += step_s(step)
         steps += 1
         for s in sampled:
@@ -187,6 +187,13 @@ def simulate(requests: Sequence[ServeRequest], limits: EngineLimits, step_s: Cal
                 done[i] = clock
     timings = tuple(RequestTiming(r.arrival_s, first[i], done[i], r.output_len) for i, r in enumerate(requests))
     return ServeRun(timings, steps, sched.num_preemptions)
+
+
+def replay_steps(lengths: Sequence[tuple[int, int]], limits: EngineLimits) -> list[Step]:
+    """The scheduler's step plan for requests (prompt_len, output_len) all arriving at once (no step costs)."""
+    steps: list[Step] = []
+    simulate([ServeRequest(p, o) for p, o in lengths], limits, lambda s: steps.append(s) or 0.0)
+    return steps
 
 
 # --- layouts ---------------------------------------------------------------------------------------------------

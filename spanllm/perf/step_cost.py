@@ -50,6 +50,7 @@ class Step:
     decode_ctx: int  # sum over decodes of the positions each attends to (its context + the new token)
     chunks: tuple[tuple[int, int], ...]  # (positions already cached, tokens run) per prompt chunk
     sampling: int  # rows that sample a token this step
+    preempted: int = 0  # sequences the scheduler preempted (by recompute) to plan this step
 
     @property
     def tokens(self) -> int:
