@@ -172,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(c)
     p = Table(
-        title="published multi-node all-reduce figures (no constant fitted to them; range: the cluster's "
-        "guessed constants at their ends)"
+        title="published multi-node all-reduce figures: preset (no constant fitted to them; range: the cluster's "
+        "guessed constants at their ends) and leave-one-source-out (loso: the hop model fitted to the other sources)"
     )
-    for col in ("role", "point", "predicted us", "published us", "error", "range us", "inside", "driven by"):
+    for col in ("prediction", "point", "predicted us", "published us", "error", "range us", "inside", "from"):
         p.add_column(col)
     for r in report["published"]:
         p.add_row(
@@ -186,10 +186,27 @@ def run(args: argparse.Namespace) -> int:
             f"{r['rel_error']:+.0%}",
             f"{r['range'][0]:.1f}-{r['range'][1]:.1f}",
             "yes" if r["in_range"] else "NO",
-            escape(r["drivers"]),
+            escape(r.get("drivers") or r["fitted_on"]),
         )
     console.print(p)
+    s = Table(title="leave-one-source-out residuals per source (explained: median |error| <= 25%)")
+    for col in ("source", "network", "rows", "median error", "in range", "explained", "note"):
+        s.add_column(col)
+    for src, v in report["published_per_source"].items():
+        s.add_row(
+            src,
+            v["network"],
+            str(v["n"]),
+            f"{v['median_rel_error']:+.0%}",
+            f"{v['in_range']}/{v['n']}",
+            "yes" if v["explained"] else "NO",
+            escape(v["note"]),
+        )
+    console.print(s)
     console.print(_error_table("published figures: median |relative error|", "category", report["summary_published"]))
+    for name, v in report["summary_published"].items():
+        if "in_range_share" in v:
+            console.print(f"{name}: {v['in_range_share']:.0%} of {v['n']} rows inside their range")
     for line in report["skipped"]:
         console.print(f"skipped: {escape(line)}")
     if args.out is None:

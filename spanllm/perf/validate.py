@@ -25,7 +25,11 @@ What predicts what, so that no prediction is fitted to the point that validates 
   micro-batched PP rows can be read apart (`summary_by_group`).
   published/check|model     published multi-node all-reduce figures (spanllm.perf.published, published_points.json),
                             each priced on the cluster it names, with the prediction's range over that cluster's
-                            guessed constants and whether the figure lies inside it. Used for checking only.
+                            guessed constants and whether the figure lies inside it. No constant fitted to them.
+  published/loso            the same 'check' figures predicted leave-one-source-out: the hop model (per-call,
+                            NVLink-hop and network-hop costs, spanllm.perf.published) fitted to every other source,
+                            with a cross-validated range; `published_per_source` says which sources it explains.
+  published/unexplained     figures whose own source says the setup was broken: never fitted, reported apart.
 Plus the paper's headline claims on the Perlmutter and Vista presets (paper_claims.py).
 `spanllm perf validate` exits 2 when the results folder does not exist and 1 when it holds no measurement
 the model predicts; it then writes nothing.
@@ -45,7 +49,7 @@ from spanllm.perf.hardware import ENGINE_FITS, PRESET_FITS, PRESETS, ClusterSpec
 from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
 from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
-from spanllm.perf.published import load_points, point_records
+from spanllm.perf.published import load_points, loso_records, per_source, point_records
 
 REPORT_NAME = "perf_validation.json"
 
@@ -216,6 +220,25 @@ def engine_records(
     return records, skipped
 
 
+LOSO_CATEGORIES = ("published/loso", "published/unexplained")
+
+
+def published_acceptance(records: list[dict]) -> dict[str, dict]:
+    """The leave-one-source-out records' median |error| and the share inside their range (all, and the
+    explained sources only)."""
+    out = {}
+    for name, cats in (("published/loso+unexplained", LOSO_CATEGORIES), ("published/loso", LOSO_CATEGORIES[:1])):
+        rs = [r for r in records if r["category"] in cats]
+        if rs:
+            out[f"{name} (acceptance)"] = {
+                "n": len(rs),
+                "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in rs),
+                "max_abs_rel_error": max(abs(r["rel_error"]) for r in rs),
+                "in_range_share": sum(r["in_range"] for r in rs) / len(rs),
+            }
+    return out
+
+
 def summarize(records: list[dict]) -> dict[str, dict]:
     return _summary(records, lambda r: r["category"])
 
@@ -276,7 +299,8 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         for name in ("perlmutter", "vista")
         for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))
     ]
-    published = point_records(load_points())
+    points = load_points()
+    published = point_records(points) + loso_records(points)
     return {
         "cluster": cluster.name,
         "results_dir": str(results_dir),
@@ -284,7 +308,8 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         "records": records + erecs,
         "summary": summarize(records + erecs),
         "published": published,
-        "summary_published": summarize(published),
+        "summary_published": summarize(published) | published_acceptance(published),
+        "published_per_source": per_source([r for r in published if r["category"] in LOSO_CATEGORIES]),
         "summary_by_group": summary_by_group(erecs),
         "paper_claims": claims,
         "skipped": skipped + s1 + s2,
