@@ -171,3 +171,20 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
     x, _ = compass_search(loss, START, STEP, BOUNDS)
     rms = {m: (sum(r * r for r in v) / len(v)) ** 0.5 for m, v in errors(x).items() if v}
     return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases), rms)
+
+
+def fit_prefill_size_exponent(rows: list[EngineMeasurement], cluster: ClusterSpec) -> tuple[float, float]:
+    """EngineCost.prefill_size_exponent fitted to the TTFT of `rows` (rms relative error over a grid of
+    0.005 in [0, 1]; the cluster's other engine constants, its reference size included, stay); and that rms."""
+    cases = [(row_case(e.row), float(e.row["ttft_ms"])) for e in rows if e.row.get("ttft_ms")]
+    if not cases:
+        raise EngineFitError(f"{len(rows)} engine rows, none with a TTFT: nothing to fit the prefill size exponent to")
+    if not cluster.engine.prefill_ref_layer_params:
+        raise EngineFitError(f"{cluster.name}: EngineCost.prefill_ref_layer_params is 0; set the reference size first")
+
+    def rms(alpha: float) -> float:
+        c = replace(cluster, engine=replace(cluster.engine, prefill_size_exponent=alpha))
+        return (sum(((predict(k, c).ttft_ms - v) / v) ** 2 for k, v in cases) / len(cases)) ** 0.5
+
+    best = min((i * 0.005 for i in range(201)), key=rms)
+    return best, rms(best)

@@ -3,7 +3,8 @@
 Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
   GEMMs       max(FLOPs / (peak x eff), (weights + activations) bytes / (HBM x hbm_eff))
               FLOPs = 2 * tokens * layer_params / tp                         (roofline)
-              eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set
+              eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set, scaled by the
+              layer's parameters per GPU (EngineCost.prefill_size_exponent: larger GEMMs run nearer peak)
   attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x positions x 2 x kv_heads/tp x head_dim x 2 B,
               + positions x EngineCost.attn_position_ns (serial key scan); positions = the mean context
               prompt + decode_len / 2, or prompt + decode_len where the engine scans the whole cache
@@ -117,9 +118,17 @@ def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec, efficiency: 
     )
 
 
-def prefill_efficiency(cluster: ClusterSpec) -> float:
-    """Achieved / peak FLOP/s of eager prefill: the engine's fitted figure, else the GEMM microbenchmark's."""
-    return cluster.engine.prefill_efficiency or cluster.gemm_efficiency
+def prefill_efficiency(cluster: ClusterSpec, layer_params_per_gpu: float | None = None) -> float:
+    """Achieved / peak FLOP/s of eager prefill: the engine's fitted figure (scaled with the GEMM size per GPU
+    where the engine's cost says how: EngineCost.prefill_size_exponent), else the GEMM microbenchmark's."""
+    e = cluster.engine
+    if not e.prefill_efficiency:
+        return cluster.gemm_efficiency
+    if layer_params_per_gpu and e.prefill_size_exponent and e.prefill_ref_layer_params:
+        return min(
+            1.0, e.prefill_efficiency * (layer_params_per_gpu / e.prefill_ref_layer_params) ** e.prefill_size_exponent
+        )
+    return e.prefill_efficiency
 
 
 def eager_layer_host_us(cluster: ClusterSpec) -> float:
@@ -328,7 +337,7 @@ def estimate(
 
     # prefill: eager
     rows = mb * workload.prompt_len
-    eff = prefill_efficiency(cluster)
+    eff = prefill_efficiency(cluster, layer_params(model) / layout.tp)
     layer = _layer_ms(
         model,
         cluster,

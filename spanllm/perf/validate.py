@@ -19,8 +19,10 @@ What predicts what, so that no prediction is fitted to the point that validates 
                             (separate measurements) when there are any, else the preset's; HBM, GEMM and
                             launch constants are datasheet or separately measured figures.
   engine-fit/ttft|tpot|e2e  the rows hardware.ENGINE_FITS names (h200x2: Llama 3.1 8B, TP=2, NCCL, of the
-                            two 8B studies): in-sample, reported apart. The fit is rerun from the files
-                            (spanllm.perf.engine_fit) and set beside the preset's constants.
+                            two 8B studies) and hardware.PREFILL_SIZE_FITS (h200x2: 70B TP=2 NCCL, their TTFT
+                            fitted the prefill efficiency's size exponent): in-sample, reported apart. The fit
+                            is rerun from the files (spanllm.perf.engine_fit) and set beside the preset's
+                            constants.
   Each engine record carries a group (model, layout, all-reduce) so that TP / NVRAR / naive PP /
   micro-batched PP rows can be read apart (`summary_by_group`).
   published/check|model     published multi-node all-reduce figures (spanllm.perf.published, published_points.json),
@@ -45,7 +47,15 @@ from spanllm.model.config import ModelConfigError
 from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
 from spanllm.perf.calibrate import CalibrationError, calibrate
 from spanllm.perf.engine_fit import EngineFitError, fit_engine, predict, row_case
-from spanllm.perf.hardware import ENGINE_FITS, PRESET_FITS, PRESETS, ClusterSpec, EngineFitRows, PresetFit
+from spanllm.perf.hardware import (
+    ENGINE_FITS,
+    PREFILL_SIZE_FITS,
+    PRESET_FITS,
+    PRESETS,
+    ClusterSpec,
+    EngineFitRows,
+    PresetFit,
+)
 from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
 from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
@@ -190,9 +200,13 @@ def engine_group(case) -> str:
 
 
 def engine_records(
-    es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str, fit: EngineFitRows | None = None
+    es: list[EngineMeasurement],
+    cluster: ClusterSpec,
+    fitted_on: str,
+    fit: EngineFitRows | None = None,
+    size_fit: EngineFitRows | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` selects go to engine-fit/."""
+    """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` or `size_fit` select go to engine-fit/."""
     records, skipped = [], []
     for e in es:
         r = e.row
@@ -202,7 +216,7 @@ def engine_records(
         except (KeyError, TypeError, ValueError, ModelConfigError, InferenceModelError, AllReduceModelError) as ex:
             skipped.append(f"{e.source}: engine row {r.get('model')} tp={r.get('tp')} pp={r.get('pp')}: {ex}")
             continue
-        in_fit = fit is not None and fit.selects(e.source, r)
+        in_fit = any(f is not None and f.selects(e.source, r) for f in (fit, size_fit))
         source = e.source + (f":{r['log_line']}" if "log_line" in r else "")
         for metric, predicted in (("ttft", est.ttft_ms), ("tpot", est.tpot_ms), ("e2e", est.e2e_ms)):
             measured = r.get(f"{metric}_ms")
@@ -288,7 +302,10 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
             pass
     efit = ENGINE_FITS.get(cluster.name)
     fitted_on = f"{ar_from}; engine constants " + (f"fitted to {efit.describe()}" if efit else f"of {cluster.name}")
-    erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit)
+    sfit = PREFILL_SIZE_FITS.get(cluster.name)
+    if sfit:
+        fitted_on += f"; prefill size exponent fitted to the TTFT of {sfit.describe()}"
+    erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit, sfit)
     pfit = PRESET_FITS.get(cluster.name)
     constants = {
         key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
