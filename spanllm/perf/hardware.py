@@ -1,10 +1,11 @@
 """Cluster presets: the one table of hardware and per-algorithm constants the performance model uses.
 
 Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (results/h200x2/:
-the files, and the floor numbers in results/h200x2/NOTES_nvrar.md), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
-hwLat tables and the LL / LL128 / tree bandwidth factors), [fit] least squares over measured points
-(named), [source] a public figure other than a datasheet (named where it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
-to replace with `spanllm perf calibrate` once a sweep on that cluster exists.
+the files, and the floor numbers in results/h200x2/NOTES_nvrar.md), [datasheet] vendor figure, [NCCL] NCCL's
+own tuning model (src/graph/tuning.cc, baseLat / hwLat tables and the LL / LL128 / tree bandwidth factors),
+[fit] least squares over measured points (named), [source] a public figure other than a datasheet (named where
+it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers to
+replace with `spanllm perf calibrate` once a sweep on that cluster exists.
 
 Units are in the field names: GB = 1e9 bytes, GBps = 1e9 bytes/s (= 1e3 bytes/us), us = microseconds.
 Link bandwidths are per GPU and per direction.
