@@ -129,8 +129,8 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from spanllm.perf.engine_fit import fit_engine, format_constant
-    from spanllm.perf.hardware import ENGINE_FITS
+    from spanllm.perf.engine_fit import fit_engine, fit_prefill_size_exponent, format_constant
+    from spanllm.perf.hardware import ENGINE_FITS, PREFILL_SIZE_FITS
 
     spec = ENGINE_FITS.get(cluster.name)
     if spec is None:
@@ -156,7 +156,17 @@ def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
     )
     for label in fit.rows:
         console.print(f"  fitted: {escape(label)}")
-    spec_out = replace(cluster, name=args.name or f"{cluster.name}-engine-fit", engine=fit.cost)
+    cost = fit.cost
+    size_rows_spec = PREFILL_SIZE_FITS.get(cluster.name)
+    size_rows = [e for e in eng if size_rows_spec and size_rows_spec.selects(e.source, e.row)]
+    if size_rows:  # the prefill efficiency's size exponent, refitted on its own rows with the new constants
+        alpha, rms = fit_prefill_size_exponent(size_rows, replace(cluster, engine=cost))
+        cost = replace(cost, prefill_size_exponent=alpha)
+        console.print(
+            f"prefill_size_exponent {alpha:.3f} fitted to the TTFT of {len(size_rows)} rows "
+            f"({size_rows_spec.describe()}): rms relative error {rms:.1%}"
+        )
+    spec_out = replace(cluster, name=args.name or f"{cluster.name}-engine-fit", engine=cost)
     save_cluster(spec_out, args.out)
     console.print(f"wrote {args.out} (use it with --cluster {args.out})")
     return 0

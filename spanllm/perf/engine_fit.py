@@ -156,8 +156,15 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
     if not any("tpot" in m for _, _, m in cases) or not any("ttft" in m for _, _, m in cases):
         raise EngineFitError(f"{len(rows)} engine rows: a fit needs rows with both TPOT and TTFT")
 
+    # the size scaling of the prefill efficiency is kept as the cluster has it (fit_prefill_size_exponent)
+    keep = {
+        "attends_max_seq_len": attends_max_seq_len,
+        "prefill_ref_layer_params": cluster.engine.prefill_ref_layer_params,
+        "prefill_size_exponent": cluster.engine.prefill_size_exponent,
+    }
+
     def errors(x: dict[str, float]) -> dict[str, list[float]]:
-        c = replace(cluster, engine=EngineCost(attends_max_seq_len=attends_max_seq_len, **x))
+        c = replace(cluster, engine=EngineCost(**keep, **x))
         out: dict[str, list[float]] = {m: [] for m in METRICS}
         for _, case, measured in cases:
             est = predict(case, c)
@@ -170,7 +177,7 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
 
     x, _ = compass_search(loss, START, STEP, BOUNDS)
     rms = {m: (sum(r * r for r in v) / len(v)) ** 0.5 for m, v in errors(x).items() if v}
-    return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases), rms)
+    return EngineFit(EngineCost(**keep, **x), tuple(lbl for lbl, _, _ in cases), rms)
 
 
 def fit_prefill_size_exponent(rows: list[EngineMeasurement], cluster: ClusterSpec) -> tuple[float, float]:
