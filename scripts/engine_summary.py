@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spanllm.perf.model_shape import get_model
+from spanllm.perf.model_shape import DTYPE_BYTES, get_model, params
 
 
 def allreduce_us(rows: list[dict], algo: str, nbytes: int) -> float | None:
@@ -54,9 +54,9 @@ def main() -> int:
             model = by["nccl"]["model"]
             decode = decode_mode(by["nccl"], path.stem)
             shape = get_model(model)
-            n_ar = 2 * shape.layers  # two row-parallel all-reduces per layer per decode step
-            nbytes = batch * shape.hidden * shape.dtype_bytes  # bf16 activations of one decode step
-            bound_ms = shape.params * shape.dtype_bytes / 2 / (args.hbm_tbps * 1e12) * 1e3  # weight bytes per GPU, TP=2
+            n_ar = 2 * shape.num_layers  # two row-parallel all-reduces per layer per decode step
+            nbytes = batch * shape.hidden_size * DTYPE_BYTES  # bf16 activations of one decode step
+            bound_ms = params(shape) * DTYPE_BYTES / 2 / (args.hbm_tbps * 1e12) * 1e3  # weight bytes per GPU, TP=2
             t_nccl, t_nvrar = by["nccl"]["tpot_ms"], by["nvrar"]["tpot_ms"]
             bench_nccl, bench_nvrar = allreduce_us(ar, "nccl", nbytes), allreduce_us(ar, "nvrar", nbytes)
             saved = (t_nccl - t_nvrar) / n_ar * 1e3

@@ -4,25 +4,13 @@
         [--max-num-seqs 192,256,512 --max-num-batched-tokens 8192 --rates 750:4.28,989:4.8]
         [--orders fcfs,longest-first] [--json OUT]
 
-The step plan of an offline run depends on the request lengths and the scheduler only (ignore_eos: every
-request runs to its output length; no kernel speed enters it), so this script replays spanllm's Scheduler and
-BlockManager on the saved requests with no model: each step's decodes, their context lengths, and the prefill
-chunks. The replay is synchronous; the engine's default async scheduling holds a finishing sequence's slot one
-step longer, so the GPU run takes a step or so more (1,722 against the replay's 1,721 at 256 sequences). Each step then gets a cost that no implementation running it can beat on a GPU with the given
-copy bandwidth and matmul rate (both measured on the H200: results/h200/engine_speed/README.md):
-- weights: every step reads the layers and the LM head once (bf16);
-- GEMM FLOPs: 2 x parameters per token through the layers, plus the LM head for the rows that sample;
-- decode attention: each decode reads its context's K and V (memory-bound);
-- prefill attention FLOPs (causal: each query against its context).
-
-Two totals: `sequential` = sum over steps of max(weight read, GEMM FLOPs) + attention (kernels one after
-another, as spanllm and vLLM run a step), and `overlapped` = sum over steps of max(all bytes / bandwidth,
-all FLOPs / rate): even a step that overlapped attention with the GEMMs perfectly is no faster. The
-sweep over max_num_seqs shows what the schedule itself costs: the run cannot take fewer steps than its
-longest request's output length, and each step reads the weights. `longest-first` replays the requests sorted
-by output length (longest first; not FCFS: it needs every output length in advance). `schedule_free` is the
-bound of no plan at all: max(longest output x weight read, all GEMM FLOPs / rate) + all attention (the work
-spread perfectly over the fewest possible steps), and its overlapped form.
+A thin command over the library: spanllm.perf.serving.replay_steps replays spanllm's Scheduler and BlockManager
+on the saved requests with no model (ignore_eos: the plan depends on the lengths only); spanllm.perf.roofline
+gives each step the cost no implementation can beat at the given copy bandwidth and matmul rate (the module
+docstring says how), sums them `sequential` and `overlapped`, and adds the schedule-free bound. The replay is
+synchronous; the engine's async scheduling takes a step or so more (1,722 against 1,721 at 256 sequences).
+`longest-first` replays the requests sorted by output length (not FCFS: it needs every output length in
+advance). `spanllm plan --serve` prices the same plan with the engine's measured efficiencies instead.
 """
 
 from __future__ import annotations
@@ -33,125 +21,9 @@ import json
 import sys
 
 from spanllm.bench.sample_file import load_samples
-from spanllm.engine.core.block_manager import BlockManager
-from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.core.sequence import Sequence, SequenceStatus
-from spanllm.engine.sampler import SamplingParams
 from spanllm.model.config import resolve_model
-
-
-def replay(
-    lengths: list[tuple[int, int]], max_num_seqs: int, max_tokens: int, num_blocks: int, block_size: int
-) -> list[dict]:
-    """The scheduler's step plan for requests (prompt_len, output_len), all arriving at once, synchronous."""
-    # Lengths only (every token id 0): no token content to share, so the prefix cache stays off.
-    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 1 << 20), blocks)
-    for i, (p, o) in enumerate(lengths):
-        sched.add(Sequence(str(i), [0] * p, SamplingParams(max_tokens=o, ignore_eos=True)))
-    steps = []
-    while sched.has_work():
-        batch = sched.schedule()
-        if not batch:
-            raise RuntimeError("the scheduler planned an empty step with work left (pool too small?)")
-        dec_ctx = [s.num_computed + 1 for s, _ in batch.entries[: batch.num_decode]]
-        chunks = [(s.num_computed, n) for s, n in batch.entries[batch.num_decode :]]
-        sampling = 0
-        for s, n in batch.entries:
-            s.num_computed += n
-            if s.num_computed == s.num_tokens:
-                sampling += 1
-                s.output_ids.append(0)
-                if s.num_output >= s.params.max_tokens:
-                    sched.finish(s)
-                    s.status = SequenceStatus.FINISHED
-        steps.append(
-            {
-                "decodes": len(dec_ctx),
-                "decode_ctx": sum(dec_ctx),
-                "chunks": chunks,
-                "sampling": sampling,
-                "preempted": len(batch.preempted),
-            }
-        )
-    return steps
-
-
-def model_costs(cfg) -> dict:
-    """Per-model constants of the roofline: parameters of the layers and the LM head, bytes read per step,
-    K/V bytes per cached token, attention FLOPs per (query, key) pair."""
-    layer_params = cfg.num_layers * (
-        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    )
-    head_params = cfg.hidden_size * cfg.vocab_size
-    return {
-        "layer_params": layer_params,
-        "head_params": head_params,
-        "weight_bytes": 2 * (layer_params + head_params),  # bf16; the embedding is read one row a token
-        "kv_bytes_per_token": 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers,  # K and V, bf16
-        "attn_flops_per_key": 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
-    }  # QK^T and PV
-
-
-def step_costs(steps: list[dict], cfg, bw: float, flops: float) -> dict:
-    m = model_costs(cfg)
-    seq_total = ovl_total = 0.0
-    parts = {"weights_or_gemm_s": 0.0, "decode_attention_s": 0.0, "prefill_attention_s": 0.0}
-    for s in steps:
-        tokens = s["decodes"] + sum(n for _, n in s["chunks"])
-        gemm = 2 * m["layer_params"] * tokens + 2 * m["head_params"] * s["sampling"]
-        kv = m["kv_bytes_per_token"] * s["decode_ctx"]
-        # causal prefill: query at position p sees p + 1 keys
-        pf = m["attn_flops_per_key"] * sum(n * c0 + n * (n + 1) // 2 for c0, n in s["chunks"])
-        w = max(m["weight_bytes"] / bw, gemm / flops)
-        seq_total += w + kv / bw + pf / flops
-        ovl_total += max((m["weight_bytes"] + kv) / bw, (gemm + pf) / flops)
-        parts["weights_or_gemm_s"] += w
-        parts["decode_attention_s"] += kv / bw
-        parts["prefill_attention_s"] += pf / flops
-    return {"sequential_s": seq_total, "overlapped_s": ovl_total, **parts}
-
-
-def schedule_free(lengths: list[tuple[int, int]], cfg, tflops: float, tbs: float) -> dict:
-    """The bound of no particular plan: at least max(output lengths) steps, each reading the weights, plus all
-    the requests' GEMM FLOPs and attention, which no plan changes (without preemption)."""
-    m = model_costs(cfg)
-    bw, fl = tbs * 1e12, tflops * 1e12
-    tokens = sum(p + o - 1 for p, o in lengths)  # the prompt, then every output token but the last, run once each
-    sampled = sum(o for _, o in lengths)
-    gemm = 2 * m["layer_params"] * tokens + 2 * m["head_params"] * sampled
-    # decode j = 1 .. o-1 of a request attends to p + j keys; its prompt's queries causally to p(p+1)/2 pairs
-    kv = m["kv_bytes_per_token"] * sum((o - 1) * p + (o - 1) * o // 2 for p, o in lengths)
-    pf = m["attn_flops_per_key"] * sum(p * (p + 1) // 2 for p, _ in lengths)
-    steps = max(o for _, o in lengths)
-    seq = max(steps * m["weight_bytes"] / bw, gemm / fl) + kv / bw + pf / fl
-    ovl = max((steps * m["weight_bytes"] + kv) / bw, (gemm + pf) / fl)
-    return {
-        "tflops": tflops,
-        "bandwidth_tbs": tbs,
-        "min_steps": steps,
-        "sequential_s": round(seq, 3),
-        "overlapped_s": round(ovl, 3),
-        "sequential_tok_s": round(sampled / seq),
-        "overlapped_tok_s": round(sampled / ovl),
-    }
-
-
-def bound_row(steps: list[dict], cfg, max_num_seqs: int, tflops: float, tbs: float, out_tokens: int) -> dict:
-    c = step_costs(steps, cfg, tbs * 1e12, tflops * 1e12)
-    return {
-        "max_num_seqs": max_num_seqs,
-        "tflops": tflops,
-        "bandwidth_tbs": tbs,
-        "steps": len(steps),
-        "steps_with_64_or_fewer_seqs": sum(1 for s in steps if s["decodes"] + len(s["chunks"]) <= 64),
-        "preemptions": sum(s["preempted"] for s in steps),
-        **{k: round(v, 3) for k, v in c.items()},
-        "sequential_tok_s": round(out_tokens / c["sequential_s"]),
-        "overlapped_tok_s": round(out_tokens / c["overlapped_s"]),
-    }
+from spanllm.perf.roofline import bound_row, model_costs, schedule_free
+from spanllm.perf.serving import EngineLimits, replay_steps
 
 
 def main() -> int:
@@ -201,7 +73,7 @@ def main() -> int:
     rows = []
     for order, n in itertools.product(orders, seq_counts):
         reqs = lengths if order == "fcfs" else sorted(lengths, key=lambda r: -r[1])
-        steps = replay(reqs, n, a.max_num_batched_tokens, a.num_blocks, a.block_size)
+        steps = replay_steps(reqs, EngineLimits(n, a.max_num_batched_tokens, a.num_blocks, a.block_size))
         for tflops, tbs in rates:
             rows.append({"order": order, **bound_row(steps, cfg, n, tflops, tbs, out_tokens)})
             r = rows[-1]

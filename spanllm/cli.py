@@ -70,9 +70,17 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("serve", "spanllm.commands.serve", "OpenAI-compatible HTTP server on the serving engine"),
     ("tune", "spanllm.commands.tune", "measure the all-reduce algorithms per size and write the tuning table (JSON)"),
     ("generate", "spanllm.commands.generate", "generate tokens with the engine (preset or HF checkpoint)"),
-    ("plan", "spanllm.perf.plan", "rank parallel layouts x all-reduce algorithms for a model on a cluster"),
-    ("perf calibrate", "spanllm.perf.calibrate", "fit a cluster preset's all-reduce constants from benchmark JSON"),
-    ("perf validate", "spanllm.perf.validate", "predicted vs measured for every measurement under results/"),
+    (
+        "plan",
+        "spanllm.commands.plan",
+        "rank parallel layouts for a model on a cluster: a static batch, or serving a trace (--serve)",
+    ),
+    (
+        "perf calibrate",
+        "spanllm.commands.perf_calibrate",
+        "fit a cluster preset's all-reduce constants from benchmark JSON",
+    ),
+    ("perf validate", "spanllm.commands.perf_validate", "predicted vs measured for every measurement under results/"),
 ]
 
 

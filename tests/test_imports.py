@@ -24,11 +24,6 @@ COMMANDS = ("commands", "cli")
 ARGPARSE_EXEMPT = {
     # the serving-engine work moves the engine's command (generate) out of the library
     "spanllm/commands/generate.py",
-    # `spanllm plan`, `spanllm perf calibrate`, `spanllm perf validate`: the perf model's commands, not yet
-    # split from the model they drive
-    "spanllm/perf/calibrate.py",
-    "spanllm/perf/plan.py",
-    "spanllm/perf/validate.py",
 }
 
 

@@ -56,17 +56,17 @@ def shapes_for(model: str, tp: int) -> dict[str, tuple[int, int]]:
         m = get_model(model)
     except ValueError as e:
         raise UsageError(f"--models: {e}") from e
-    heads, kv, ffn, d = m.heads, m.kv_heads, m.ffn, m.head_dim
+    heads, kv, ffn, d = m.num_heads, m.num_kv_heads, m.intermediate_size, m.head_dim
     if heads % tp or kv % tp or ffn % tp:
         raise UsageError(
             f"--tp {tp}: does not divide {model}'s heads={heads}, kv_heads={kv}, ffn={ffn}; "
             "choose a divisor of all three"
         )
     shapes = {
-        "qkv": ((heads + 2 * kv) * d // tp, m.hidden),
-        "o": (m.hidden, heads * d // tp),
-        "gate_up": (2 * ffn // tp, m.hidden),
-        "down": (m.hidden, ffn // tp),
+        "qkv": ((heads + 2 * kv) * d // tp, m.hidden_size),
+        "o": (m.hidden_size, heads * d // tp),
+        "gate_up": (2 * ffn // tp, m.hidden_size),
+        "down": (m.hidden_size, ffn // tp),
     }
     if tp == 2 and model in EXPECTED_TP2:
         assert shapes == EXPECTED_TP2[model], (model, shapes)

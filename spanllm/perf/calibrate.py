@@ -25,9 +25,7 @@ sweeps under --results as above (spanllm.perf.engine_fit); `perf validate` does 
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -45,8 +43,8 @@ from spanllm.perf.allreduce_model import (
     place,
     time_from_terms_us,
 )
-from spanllm.perf.hardware import AlgoCost, ClusterSpec, load_cluster, save_cluster
-from spanllm.perf.measurements import AllReduceMeasurement, load_results, ran_launch, result_files
+from spanllm.perf.hardware import AlgoCost, ClusterSpec
+from spanllm.perf.measurements import AllReduceMeasurement, ran_launch
 
 FIT_TARGETS = {"nccl": ("nccl_ring/LL", "nccl_tree/LL")}
 """Bench algorithm -> the constant entries a fit on its rows replaces (default: its own name)."""
@@ -67,6 +65,7 @@ class Fit:
     rms_rel_error: float  # over the rows it was fitted on
     notes: tuple[str, ...]
     fitted_base: bool = False  # base_us came from the rows (else from the preset)
+    widened: tuple[str, ...] = ()  # ranges of the preset widened to hold the fitted values (widen_ranges)
 
 
 def ll_limit_bytes(algo: str, cluster: ClusterSpec) -> int:
@@ -174,13 +173,20 @@ def calibrate(
     """A new ClusterSpec with every measured algorithm's constants fitted; plus the fits and what was skipped."""
     by_algo: dict[str, list[AllReduceMeasurement]] = {}
     skipped = []
+    misplaced: dict[tuple[str, int, int], str] = {}
     for m in ms:
         if max_bytes is not None and m.nbytes > max_bytes:
+            continue
+        try:
+            place(cluster, m.nodes, m.ranks_per_node)
+        except ValueError as e:  # a topology this cluster cannot hold (e.g. 1x2 rows on 1 GPU per node)
+            misplaced[(m.algo, m.nodes, m.ranks_per_node)] = str(e)
             continue
         try:
             by_algo.setdefault(model_name(m.algo), []).append(m)
         except ValueError as e:
             skipped.append(str(e))
+    skipped += [f"{a} {n}x{g} rows left out: {why}" for (a, n, g), why in sorted(misplaced.items())]
     algos = dict(cluster.algos)
     fits = []
     for algo, rows in sorted(by_algo.items()):
@@ -219,13 +225,34 @@ def calibrate(
                 if key not in FIT_TARGETS[algo] + LARGE_FIT_TARGETS[algo]:
                     top = max(m.nbytes for m in rows)
                     algos[key] = replace(algos[key], picked_above_bytes=max(cluster.algo(key).picked_above_bytes, top))
+    ranges, widened = widen_ranges(cluster.ranges, algos)
+    fits = [replace(f, widened=tuple(w for w in widened if w.split(".")[1] in f.keys)) for f in fits]
     spec = replace(
         cluster,
         name=name or f"{cluster.name}-calibrated",
         description=f"{cluster.description}; all-reduce constants fitted to measurements",
         algos=algos,
+        ranges=ranges,
     )
     return spec, fits, sorted(set(skipped))
+
+
+def widen_ranges(
+    ranges: dict[str, tuple[float, float]], algos: dict[str, AlgoCost]
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """The preset's ranges, each one of a fitted entry widened to hold its fitted value, and a line per widened
+    range ('algos.nccl_tree/LL.net_step_us: (5.0, 13.0) -> (2.7, 13.0), fitted 2.7'). A fit that lands outside
+    the guessed range is the usual case on a new cluster: the guess was wrong, the measurement stands."""
+    out, widened = dict(ranges), []
+    for path, (lo, hi) in ranges.items():
+        parts = path.split(".")
+        if parts[0] != "algos" or len(parts) != 3 or parts[1] not in algos:
+            continue
+        value = float(getattr(algos[parts[1]], parts[2]))
+        if not lo <= value <= hi:
+            out[path] = (min(lo, value), max(hi, value))
+            widened.append(f"{path}: ({lo:g}, {hi:g}) -> ({out[path][0]:g}, {out[path][1]:g}), fitted {value:.3g}")
+    return out, widened
 
 
 def parse_bytes(text: str) -> int:
@@ -233,110 +260,3 @@ def parse_bytes(text: str) -> int:
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     mult = units.get(t[-1:], 1)
     return int(float(t[:-1] if t[-1:] in units else t) * mult)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "files",
-        nargs="*",
-        type=Path,
-        help="`spanllm bench allreduce --json` files (default: every results/*.json of kind allreduce)",
-    )
-    parser.add_argument("--cluster", default="h200x2", help="preset name or .json/.toml file to start from")
-    parser.add_argument("--max-bytes", default="4MiB", help="fit only rows up to this size (the low-latency regime)")
-    parser.add_argument("--name", default=None, help="name of the written preset")
-    parser.add_argument("--out", type=Path, default=Path("calibrated_cluster.json"), help="preset file to write")
-    parser.add_argument("--results", type=Path, default=Path("results"), help="folder searched when no files are given")
-    parser.add_argument(
-        "--engine",
-        action="store_true",
-        help="fit the engine constants (EngineCost) to the engine rows the preset's engine fit names "
-        "(hardware.ENGINE_FITS), all-reduce constants first calibrated on the sweeps",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=160) if not Console().is_terminal else Console()
-    cluster = load_cluster(args.cluster)
-    if getattr(args, "engine", False):
-        return run_engine(args, cluster, console)
-    files = args.files or result_files(args.results)
-    ms, _, skipped_files = load_results(files)
-    if not ms:
-        console.print(f"no all-reduce measurements in {[str(f) for f in files] or str(args.results)}: nothing to fit")
-        return 1
-    spec, fits, skipped = calibrate(ms, cluster, parse_bytes(args.max_bytes), args.name)
-    table = Table(title=f"all-reduce constants fitted on {cluster.name} ({len(ms)} rows, <= {args.max_bytes})")
-    for col in (
-        "algorithm",
-        "entries",
-        "rows",
-        "base us",
-        "nvlink step us",
-        "net step us",
-        "bw efficiency",
-        "rms rel err",
-        "notes",
-    ):
-        table.add_column(col)
-    for f in fits:
-        base = f"{f.cost.base_us:.2f}{'' if f.fitted_base else ' (preset)'}"
-        table.add_row(
-            f.algo,
-            ", ".join(f.keys),
-            str(f.rows),
-            base,
-            f"{f.cost.nvlink_step_us:.2f}",
-            f"{f.cost.net_step_us:.2f}",
-            f"{f.cost.bw_efficiency:.3f}",
-            f"{f.rms_rel_error:.1%}",
-            "; ".join(f.notes),
-        )
-    console.print(table)
-    for line in skipped_files + skipped:
-        console.print(f"skipped: {line}")
-    save_cluster(spec, args.out)
-    console.print(f"wrote {args.out} (use it with --cluster {args.out})")
-    return 0 if fits else 1
-
-
-def run_engine(args: argparse.Namespace, cluster: ClusterSpec, console) -> int:
-    """`spanllm perf calibrate --engine`: EngineCost fitted to the rows hardware.ENGINE_FITS names."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from spanllm.perf.engine_fit import fit_engine, format_constant
-    from spanllm.perf.hardware import ENGINE_FITS
-
-    spec = ENGINE_FITS.get(cluster.name)
-    if spec is None:
-        console.print(
-            f"cluster {cluster.name!r} names no engine rows to fit (hardware.ENGINE_FITS: {', '.join(ENGINE_FITS)})"
-        )
-        return 1
-    ar, eng, _ = load_results(args.files or result_files(args.results))
-    if ar:
-        cluster = replace(calibrate(ar, cluster)[0], name=cluster.name)
-    rows = [e for e in eng if spec.selects(e.source, e.row)]
-    if not rows:
-        console.print(f"no engine rows found for {spec.describe()}")
-        return 1
-    fit = fit_engine(rows, cluster, cluster.engine.attends_max_seq_len)
-    t = Table(title=f"engine constants fitted to {len(rows)} rows: {spec.describe()}")
-    for col in ("constant", "fitted", "preset now"):
-        t.add_column(col)
-    for name, v in asdict(fit.cost).items():
-        t.add_row(name, format_constant(v), format_constant(getattr(cluster.engine, name)))
-    console.print(t)
-    console.print(
-        "rms relative error over the rows fitted: " + ", ".join(f"{m} {v:.1%}" for m, v in fit.rms_rel_error.items())
-    )
-    for label in fit.rows:
-        console.print(f"  fitted: {escape(label)}")
-    spec_out = replace(cluster, name=args.name or f"{cluster.name}-engine-fit", engine=fit.cost)
-    save_cluster(spec_out, args.out)
-    console.print(f"wrote {args.out} (use it with --cluster {args.out})")
-    return 0

@@ -20,11 +20,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import model_name
 from spanllm.perf.hardware import ClusterSpec, EngineCost
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate
 from spanllm.perf.measurements import EngineMeasurement, ran_algorithm
-from spanllm.perf.model_shape import ModelShape, get_model
+from spanllm.perf.model_shape import DTYPE_BYTES, get_model
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 ENGINE_ALLREDUCE_MAX_BYTES = BUFFERED_ALLREDUCE_MAX_BYTES  # the engine's own default (spanllm.workloads)
@@ -48,7 +49,7 @@ class EngineFitError(ValueError):
 
 @dataclass(frozen=True)
 class EngineCase:
-    model: ModelShape
+    model: ModelConfig
     layout: Layout
     workload: Workload
     algo: str  # decode all-reduce (model name)
@@ -59,7 +60,7 @@ class EngineCase:
     def label(self) -> str:
         pre = f" (prefill {self.prefill_algo})" if self.prefill_algo != self.algo and self.layout.tp > 1 else ""
         return (
-            f"{self.model.name} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
+            f"{self.model.label} {self.layout} {self.algo if self.layout.tp > 1 else 'no-allreduce'}{pre} "
             f"b{self.workload.batch} p{self.workload.prompt_len} d{self.workload.decode_len}"
         )
 
@@ -77,7 +78,7 @@ def row_case(row: Mapping[str, Any]) -> EngineCase:
     """The model's view of one engine row (KeyError / ValueError when the row cannot be priced)."""
     model = get_model(str(row["model"]))
     if row.get("truncated_layers"):
-        model = model.truncated(int(row["truncated_layers"]))
+        model = model.with_layers(int(row["truncated_layers"]))
     tp, rpn = int(row["tp"]), row.get("ranks_per_node")
     layout = Layout(
         tp,
@@ -94,7 +95,7 @@ def row_case(row: Mapping[str, Any]) -> EngineCase:
     elif ran_prefill:
         prefill = _algo(str(ran_prefill))
     else:  # not recorded (study logs): the engine's size rule
-        nbytes = w.batch // layout.micro_batches * w.prompt_len * model.hidden * model.dtype_bytes
+        nbytes = w.batch // layout.micro_batches * w.prompt_len * model.hidden_size * DTYPE_BYTES
         prefill = algo if nbytes <= ENGINE_ALLREDUCE_MAX_BYTES else "nccl"
     return EngineCase(model, layout, w, algo, prefill, bool(row.get("cuda_graphs", True)))
 
@@ -155,8 +156,15 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
     if not any("tpot" in m for _, _, m in cases) or not any("ttft" in m for _, _, m in cases):
         raise EngineFitError(f"{len(rows)} engine rows: a fit needs rows with both TPOT and TTFT")
 
+    # the size scaling of the prefill efficiency is kept as the cluster has it (fit_prefill_size_exponent)
+    keep = {
+        "attends_max_seq_len": attends_max_seq_len,
+        "prefill_ref_layer_params": cluster.engine.prefill_ref_layer_params,
+        "prefill_size_exponent": cluster.engine.prefill_size_exponent,
+    }
+
     def errors(x: dict[str, float]) -> dict[str, list[float]]:
-        c = replace(cluster, engine=EngineCost(attends_max_seq_len=attends_max_seq_len, **x))
+        c = replace(cluster, engine=EngineCost(**keep, **x))
         out: dict[str, list[float]] = {m: [] for m in METRICS}
         for _, case, measured in cases:
             est = predict(case, c)
@@ -169,4 +177,21 @@ def fit_engine(rows: list[EngineMeasurement], cluster: ClusterSpec, attends_max_
 
     x, _ = compass_search(loss, START, STEP, BOUNDS)
     rms = {m: (sum(r * r for r in v) / len(v)) ** 0.5 for m, v in errors(x).items() if v}
-    return EngineFit(EngineCost(attends_max_seq_len=attends_max_seq_len, **x), tuple(lbl for lbl, _, _ in cases), rms)
+    return EngineFit(EngineCost(**keep, **x), tuple(lbl for lbl, _, _ in cases), rms)
+
+
+def fit_prefill_size_exponent(rows: list[EngineMeasurement], cluster: ClusterSpec) -> tuple[float, float]:
+    """EngineCost.prefill_size_exponent fitted to the TTFT of `rows` (rms relative error over a grid of
+    0.005 in [0, 1]; the cluster's other engine constants, its reference size included, stay); and that rms."""
+    cases = [(row_case(e.row), float(e.row["ttft_ms"])) for e in rows if e.row.get("ttft_ms")]
+    if not cases:
+        raise EngineFitError(f"{len(rows)} engine rows, none with a TTFT: nothing to fit the prefill size exponent to")
+    if not cluster.engine.prefill_ref_layer_params:
+        raise EngineFitError(f"{cluster.name}: EngineCost.prefill_ref_layer_params is 0; set the reference size first")
+
+    def rms(alpha: float) -> float:
+        c = replace(cluster, engine=replace(cluster.engine, prefill_size_exponent=alpha))
+        return (sum(((predict(k, c).ttft_ms - v) / v) ** 2 for k, v in cases) / len(cases)) ** 0.5
+
+    best = min((i * 0.005 for i in range(201)), key=rms)
+    return best, rms(best)

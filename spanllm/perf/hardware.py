@@ -1,10 +1,11 @@
 """Cluster presets: the one table of hardware and per-algorithm constants the performance model uses.
 
 Every number carries its source in a comment. Tags: [measured] on the lab's 2 x H200 host (results/h200x2/:
-the files, and the floor numbers in results/h200x2/NOTES_nvrar.md), [datasheet] vendor figure, [NCCL] NCCL's own tuning model (src/graph/tuning.cc, baseLat /
-hwLat tables and the LL / LL128 / tree bandwidth factors), [fit] least squares over measured points
-(named), [source] a public figure other than a datasheet (named where it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers
-to replace with `spanllm perf calibrate` once a sweep on that cluster exists.
+the files, and the floor numbers in results/h200x2/NOTES_nvrar.md), [datasheet] vendor figure, [NCCL] NCCL's
+own tuning model (src/graph/tuning.cc, baseLat / hwLat tables and the LL / LL128 / tree bandwidth factors),
+[fit] least squares over measured points (named), [source] a public figure other than a datasheet (named where
+it is used), [assumed] an engineering guess that no measurement backs yet -- these are the first numbers to
+replace with `spanllm perf calibrate` once a sweep on that cluster exists.
 
 Units are in the field names: GB = 1e9 bytes, GBps = 1e9 bytes/s (= 1e3 bytes/us), us = microseconds.
 Link bandwidths are per GPU and per direction.
@@ -97,9 +98,20 @@ class EngineCost:
     prefill_efficiency: float = (
         0.0  # eager prefill: achieved / peak bf16 over GEMM + attention FLOPs (0: gemm_efficiency)
     )
+    # Larger GEMMs run closer to peak: prefill_efficiency holds at prefill_ref_layer_params (one layer's
+    # parameters on one GPU, i.e. / tp); a layer of P per GPU runs at prefill_efficiency x (P / ref) ** exponent,
+    # at most 1 (0: the same efficiency for every size)
+    prefill_ref_layer_params: float = 0.0
+    prefill_size_exponent: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("decode_layer_us", "attn_position_ns", "eager_layer_host_us"):
+        for name in (
+            "decode_layer_us",
+            "attn_position_ns",
+            "eager_layer_host_us",
+            "prefill_ref_layer_params",
+            "prefill_size_exponent",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
                 raise ClusterSpecError(f"EngineCost.{name}={v!r} must be a finite number >= 0")
@@ -515,12 +527,19 @@ _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over N
 # [code] attends_max_seq_len: inside a CUDA graph decode attends over max_seq_len = prompt + decode under a
 # mask (spanllm/engine/static/model_runner.py; spanllm/commands/bench_batch.py sets max_seq_len = prompt + decode).
 # HBM efficiency stays the measured copy figure (4.3 TB/s); the fit does not touch it.
+# [fit] prefill_size_exponent 0.175: the TTFT of the 8 Llama 3.1 70B TP=2 NCCL rows of the two 70B studies
+# (H200X2_PREFILL_SIZE_FIT; engine_fit.fit_prefill_size_exponent, rms relative error), the reference size the 8B
+# TP=2 fit's layer (218.1 M parameters / 2). The 8B fit alone priced every larger GEMM at 428 TFLOP/s and
+# overpredicted the 70B TTFT by 22-38% (and 8B at TP=1, i.e. PP=2, by 16-21%): 70B at TP=2 runs its prefill
+# at ~1.27x the 8B's efficiency, at TP=1 ~1.40x (the GEMM microbenchmark's 790 TFLOP/s is the ceiling).
 _HOST_ENGINE_FIT = EngineCost(
     decode_layer_us=69.85,
     attn_position_ns=20.47,
     attends_max_seq_len=True,
     eager_layer_host_us=1213.3,
     prefill_efficiency=0.4323,
+    prefill_ref_layer_params=218_103_808 / 2,
+    prefill_size_exponent=0.175,
 )
 
 PRESETS: dict[str, ClusterSpec] = {
@@ -666,6 +685,18 @@ PRESETS: dict[str, ClusterSpec] = {
 PRESET_FITS: dict[str, PresetFit] = {"h200x2": H200X2_FIT}
 """Preset name -> the measurements its [fit] constants came from (`perf validate` leaves those rows out)."""
 ENGINE_FITS: dict[str, EngineFitRows] = {"h200x2": H200X2_ENGINE_FIT}
+# The rows EngineCost.prefill_size_exponent was fitted to (their TTFT only), per preset: scored as engine-fit too.
+H200X2_PREFILL_SIZE_FIT = EngineFitRows(
+    files=(
+        "results/h200x2/study_llama3.1-70b_decode-heavy.json",
+        "results/h200x2/study_llama3.1-70b_prefill-heavy.json",
+    ),
+    model="llama3.1-70b",
+    tp=2,
+    pp=1,
+    allreduce_ran="nccl",
+)
+PREFILL_SIZE_FITS: dict[str, EngineFitRows] = {"h200x2": H200X2_PREFILL_SIZE_FIT}
 """Preset name -> the engine rows its EngineCost was fitted to (`perf validate` scores them as fitted-on)."""
 
 

@@ -3,7 +3,8 @@
 Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
   GEMMs       max(FLOPs / (peak x eff), (weights + activations) bytes / (HBM x hbm_eff))
               FLOPs = 2 * tokens * layer_params / tp                         (roofline)
-              eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set
+              eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set, scaled by the
+              layer's parameters per GPU (EngineCost.prefill_size_exponent: larger GEMMs run nearer peak)
   attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x positions x 2 x kv_heads/tp x head_dim x 2 B,
               + positions x EngineCost.attn_position_ns (serial key scan); positions = the mean context
               prompt + decode_len / 2, or prompt + decode_len where the engine scans the whole cache
@@ -27,9 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import allreduce_cost, transfer_us
 from spanllm.perf.hardware import ClusterSpec
-from spanllm.perf.model_shape import ModelShape
+from spanllm.perf.model_shape import DTYPE_BYTES, embedding_params, kv_bytes_per_token_layer, layer_params
 
 KERNELS_PER_LAYER = 12  # [assumed] 2 norms, qkv, rope, attention, o-proj, 2 residual adds, gate_up, act, down, + comm
 P2P_OVERHEAD_US = 10.0  # [assumed] one pipeline send/recv pair through torch.distributed, beyond the wire time
@@ -116,9 +118,17 @@ def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec, efficiency: 
     )
 
 
-def prefill_efficiency(cluster: ClusterSpec) -> float:
-    """Achieved / peak FLOP/s of eager prefill: the engine's fitted figure, else the GEMM microbenchmark's."""
-    return cluster.engine.prefill_efficiency or cluster.gemm_efficiency
+def prefill_efficiency(cluster: ClusterSpec, layer_params_per_gpu: float | None = None) -> float:
+    """Achieved / peak FLOP/s of eager prefill: the engine's fitted figure (scaled with the GEMM size per GPU
+    where the engine's cost says how: EngineCost.prefill_size_exponent), else the GEMM microbenchmark's."""
+    e = cluster.engine
+    if not e.prefill_efficiency:
+        return cluster.gemm_efficiency
+    if layer_params_per_gpu and e.prefill_size_exponent and e.prefill_ref_layer_params:
+        return min(
+            1.0, e.prefill_efficiency * (layer_params_per_gpu / e.prefill_ref_layer_params) ** e.prefill_size_exponent
+        )
+    return e.prefill_efficiency
 
 
 def eager_layer_host_us(cluster: ClusterSpec) -> float:
@@ -138,41 +148,41 @@ def hbm_read_us(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency)
 
 
-def kv_heads_per_gpu(model: ModelShape, tp: int) -> int:
+def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
     """KV heads split over TP ranks; replicated (one per GPU) once tp exceeds kv_heads."""
-    return max(1, model.kv_heads // tp)
+    return max(1, model.num_kv_heads // tp)
 
 
 def layer_gemm_us(
-    model: ModelShape, tokens: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+    model: ModelConfig, tokens: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
 ) -> float:
-    h, f, d = model.hidden, model.ffn, model.dtype_bytes
+    h, f, d = model.hidden_size, model.intermediate_size, DTYPE_BYTES
     kvd = kv_heads_per_gpu(model, tp) * model.head_dim
-    weights = model.layer_params / tp * d
+    weights = layer_params(model) / tp * d
     # inputs + outputs of qkv, o, gate_up, down on this GPU
     acts = tokens * d * (h + (h / tp + 2 * kvd) + h / tp + h + h + 2 * f / tp + f / tp + h)
-    return gemm_time_us(2 * tokens * model.layer_params / tp, weights + acts, cluster, efficiency)
+    return gemm_time_us(2 * tokens * layer_params(model) / tp, weights + acts, cluster, efficiency)
 
 
-def decode_attention_us(model: ModelShape, batch: int, positions: float, tp: int, cluster: ClusterSpec) -> float:
+def decode_attention_us(model: ModelConfig, batch: int, positions: float, tp: int, cluster: ClusterSpec) -> float:
     """One layer: the K and V of `positions` cache positions per sequence read at HBM speed, plus the
     engine's serial scan cost per position (one thread block walks its head's positions in order)."""
-    kv = hbm_read_us(batch * positions * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp)), cluster)
+    kv = hbm_read_us(batch * positions * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, tp)), cluster)
     return kv + positions * cluster.engine.attn_position_ns / 1e3
 
 
 def prefill_attention_us(
-    model: ModelShape, batch: int, prompt: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+    model: ModelConfig, batch: int, prompt: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
 ) -> float:
-    flops = 2 * batch * prompt * prompt * model.hidden / tp
-    kv_write = batch * prompt * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, tp))
+    flops = 2 * batch * prompt * prompt * model.hidden_size / tp
+    kv_write = batch * prompt * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, tp))
     return gemm_time_us(flops, kv_write, cluster, efficiency)
 
 
-def lm_head_us(model: ModelShape, rows: int, tp: int, cluster: ClusterSpec) -> float:
+def lm_head_us(model: ModelConfig, rows: int, tp: int, cluster: ClusterSpec) -> float:
     """Vocab-parallel output projection for `rows` positions (the last token of each sequence)."""
-    params = model.embedding_params / tp
-    return gemm_time_us(2 * rows * params, params * model.dtype_bytes, cluster)
+    params = embedding_params(model) / tp
+    return gemm_time_us(2 * rows * params, params * DTYPE_BYTES, cluster)
 
 
 def tp_group_shape(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
@@ -208,19 +218,19 @@ def pp_transfer_us(nbytes: float, over_network: bool, cluster: ClusterSpec) -> f
     return P2P_OVERHEAD_US + cluster.nvlink_latency_us + transfer_us(nbytes, cluster.nvlink_GBps)
 
 
-def memory_per_gpu(model: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> Memory:
+def memory_per_gpu(model: ModelConfig, layout: Layout, workload: Workload, cluster: ClusterSpec) -> Memory:
     """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache + one layer's activations."""
-    layers = math.ceil(model.layers / layout.pp)
-    emb = model.embedding_params / layout.tp * (2 if layout.pp == 1 else 1)
-    weights = (layers * model.layer_params / layout.tp + emb) * model.dtype_bytes
+    layers = math.ceil(model.num_layers / layout.pp)
+    emb = embedding_params(model) / layout.tp * (2 if layout.pp == 1 else 1)
+    weights = (layers * layer_params(model) / layout.tp + emb) * DTYPE_BYTES
     kv = (
         workload.batch
         * (workload.prompt_len + workload.decode_len)
         * layers
-        * model.kv_bytes_per_token_layer(kv_heads_per_gpu(model, layout.tp))
+        * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, layout.tp))
     )
     rows = workload.batch // layout.micro_batches * workload.prompt_len
-    acts = rows * model.dtype_bytes * (4 * model.hidden + 3 * model.ffn / layout.tp)
+    acts = rows * DTYPE_BYTES * (4 * model.hidden_size + 3 * model.intermediate_size / layout.tp)
     return Memory(weights / 1e9, kv / 1e9, acts / 1e9, cluster.gpu_memory_GB * MEMORY_USABLE_FRACTION)
 
 
@@ -233,7 +243,7 @@ def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode, e
     nodes, rpn = tp_group_shape(layout, cluster)
     ar = 0.0
     if layout.tp > 1:
-        ar = 2 * allreduce_cost(algo, rows * model.hidden * model.dtype_bytes, cluster, nodes, rpn, graph)[0]
+        ar = 2 * allreduce_cost(algo, rows * model.hidden_size * DTYPE_BYTES, cluster, nodes, rpn, graph)[0]
     gemm = layer_gemm_us(model, rows, layout.tp, cluster, efficiency)
     parts = {"gemm": gemm / 1e3, "attention": attention_us / 1e3, "allreduce": ar / 1e3}
     if decode and graph:
@@ -290,7 +300,7 @@ def _decode_ms(stage: dict[str, float], last_extra: float, xfer_ms: float, layou
 
 
 def estimate(
-    model: ModelShape,
+    model: ModelConfig,
     cluster: ClusterSpec,
     layout: Layout,
     workload: Workload,
@@ -306,20 +316,20 @@ def estimate(
     b, m = workload.batch, layout.micro_batches
     if b % m:
         raise InferenceModelError(f"batch={b} is not divisible by micro_batches={m}; pick a divisor of {b}")
-    if layout.pp > model.layers:
-        raise InferenceModelError(f"pp={layout.pp} exceeds the model's {model.layers} layers")
+    if layout.pp > model.num_layers:
+        raise InferenceModelError(f"pp={layout.pp} exceeds the model's {model.num_layers} layers")
     if layout.gpus > cluster.gpus_per_node and not cluster.has_network:
         raise InferenceModelError(
             f"{layout} needs {layout.gpus} GPUs; cluster {cluster.name!r} is one host of "
             f"{cluster.gpus_per_node} without a network"
         )
     mb = b // m
-    layers = math.ceil(model.layers / layout.pp)
+    layers = math.ceil(model.num_layers / layout.pp)
     g = cluster.gpus_per_node
 
     def hops_ms(rows: int) -> list[float]:
         """Each stage boundary's transfer of `rows` hidden states (a boundary at a host edge crosses the network)."""
-        nbytes = rows * model.hidden * model.dtype_bytes
+        nbytes = rows * model.hidden_size * DTYPE_BYTES
         return [
             pp_transfer_us(nbytes, stage_boundary_over_network(s, layout, cluster), cluster) / 1e3
             for s in range(layout.pp - 1)
@@ -327,7 +337,7 @@ def estimate(
 
     # prefill: eager
     rows = mb * workload.prompt_len
-    eff = prefill_efficiency(cluster)
+    eff = prefill_efficiency(cluster, layer_params(model) / layout.tp)
     layer = _layer_ms(
         model,
         cluster,
@@ -368,7 +378,7 @@ def estimate(
     variant = ""
     if layout.tp > 1:
         nodes, rpn = tp_group_shape(layout, cluster)
-        variant = allreduce_cost(algo, mb * model.hidden * model.dtype_bytes, cluster, nodes, rpn, cuda_graphs)[1]
+        variant = allreduce_cost(algo, mb * model.hidden_size * DTYPE_BYTES, cluster, nodes, rpn, cuda_graphs)[1]
     return Estimate(
         ttft_ms=ttft,
         tpot_ms=tpot,

@@ -69,7 +69,7 @@ def e2e_gain_check(cluster: ClusterSpec, node_counts=NODE_COUNTS, batches=BATCHE
     gains = {}
     for n in node_counts:
         layout = Layout(tp=n * cluster.gpus_per_node)
-        if model.heads % layout.tp:
+        if model.num_heads % layout.tp:
             continue
         for b in batches:
             w = Workload(b, **DECODE_HEAVY)

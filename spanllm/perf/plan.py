@@ -19,15 +19,12 @@ its fitted entries fixed, so the guesses that fed them stop widening the ranges.
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import place, supports
-from spanllm.perf.hardware import ClusterSpec, load_cluster
+from spanllm.perf.hardware import ClusterSpec
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate, tp_group_shape
-from spanllm.perf.model_shape import ModelShape, get_model
 from spanllm.perf.uncertainty import Range, predict_range, scenarios
 
 PLAN_ALGOS = ("nccl", "nvrar", "torch_one_shot", "torch_two_shot")
@@ -49,15 +46,15 @@ class PlanRow:
         return self.estimate.memory is not None and self.estimate.memory.fits
 
 
-def candidate_layouts(model: ModelShape, cluster: ClusterSpec, nodes: int, batch: int) -> list[Layout]:
+def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, nodes: int, batch: int) -> list[Layout]:
     gpus = nodes * cluster.gpus_per_node
     g = cluster.gpus_per_node
     out = []
     for tp in range(1, gpus + 1):
-        if gpus % tp or model.heads % tp or not (g % tp == 0 or tp % g == 0):
+        if gpus % tp or model.num_heads % tp or not (g % tp == 0 or tp % g == 0):
             continue
         pp = gpus // tp
-        if pp > model.layers:
+        if pp > model.num_layers:
             continue
         for m in sorted({1, pp}):
             if batch % m == 0:
@@ -73,7 +70,7 @@ def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
 
 
 def plan(
-    model: ModelShape,
+    model: ModelConfig,
     cluster: ClusterSpec,
     nodes: int,
     workload: Workload,
@@ -193,169 +190,3 @@ def _range_dict(r: PlanRow) -> dict:
             for d in e.drivers
         ],
     }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama3.1-405b", help="llama3.1-8b, llama3.1-70b or llama3.1-405b")
-    parser.add_argument(
-        "--cluster",
-        default="perlmutter",
-        help="preset (h200x2, dgx-h100, dgx-h200, perlmutter, vista) or a .json/.toml cluster file",
-    )
-    parser.add_argument("--nodes", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
-    parser.add_argument("--decode", type=int, default=256, help="generated tokens per sequence")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="price decode launched eagerly")
-    parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
-    parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT + decode time per row")
-    parser.add_argument(
-        "--no-ranges", action="store_true", help="nominal constants only: no ranges over the preset's guessed constants"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    model, cluster = get_model(args.model), load_cluster(args.cluster)
-    workload = Workload(args.batch, args.prompt, args.decode)
-    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not getattr(args, "no_ranges", False))
-    console = Console(width=170) if not Console().is_terminal else Console()
-    if not rows:
-        console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
-        return 1
-    doc = {
-        "model": model.name,
-        "cluster": cluster.name,
-        "nodes": args.nodes,
-        "gpus": args.nodes * cluster.gpus_per_node,
-        "workload": asdict(workload),
-        "cuda_graphs": not args.no_cuda_graphs,
-        "prefill_allreduce": PREFILL_ALGO,
-        "rows": [row_to_dict(r, cluster) for r in rows],
-    }
-    b = best(rows)
-    doc["best"] = row_to_dict(b, cluster) if b else None
-    if args.json is not None and str(args.json) == "-":
-        print(json.dumps(doc, indent=2))
-        return 0 if b else 1
-    table = Table(
-        title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
-        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}"
-    )
-    ranged = any(r.e2e_range for r in rows)
-    cols = [
-        "#",
-        "layout",
-        "TP group",
-        "all-reduce (decode)",
-        "TTFT ms",
-        "TPOT ms",
-        "E2E ms",
-        "tok/s",
-        "decode % GEMM/attn/AR/PP/idle",
-        "GB/GPU",
-    ]
-    if ranged:
-        cols[5:7] = ["TPOT ms [range]", "E2E ms [range]"]
-        cols += ["wins", "E2E driven by"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("layout", "all-reduce (decode)", "E2E driven by") else "right")
-    shown = rows[: args.top] if args.top else rows
-    for i, r in enumerate(shown, 1):
-        e, d = r.estimate, r.estimate.decode_ms
-        tot = sum(d.values()) or 1.0
-        split = "/".join(
-            f"{100 * x:.0f}"
-            for x in (
-                d["gemm"] / tot,
-                d["attention"] / tot,
-                d["allreduce"] / tot,
-                d["pp_transfer"] / tot,
-                e.decode_idle_fraction,
-            )
-        )
-        nodes, rpn = tp_group_shape(r.layout, cluster)
-        mem = f"{e.memory.total_GB:.1f}" + ("" if r.fits else f" > {e.memory.capacity_GB:.0f} (does not fit)")
-        algo = (
-            r.algo
-            if r.algo == "none"
-            else f"{r.algo} ({e.allreduce_variant})"
-            if e.allreduce_variant != r.algo
-            else r.algo
-        )
-        tpot, e2e, extra = f"{e.tpot_ms:.2f}", f"{e.e2e_ms:.0f}", []
-        if r.e2e_range:
-            tpot = f"{e.tpot_ms:.2f} [{r.tpot_range.low:.2f}-{r.tpot_range.high:.2f}]"
-            e2e = f"{e.e2e_ms:.0f} [{r.e2e_range.low:.0f}-{r.e2e_range.high:.0f}]"
-            extra = [f"{r.wins}/{r.scenarios}", r.e2e_range.top(2) or "-"]
-        table.add_row(
-            str(i),
-            str(r.layout),
-            f"{nodes}x{rpn}",
-            algo,
-            f"{e.ttft_ms:.1f}",
-            tpot,
-            e2e,
-            f"{e.throughput_tok_s:.0f}",
-            split,
-            mem,
-            *extra,
-            style=None if r.fits else "dim",
-        )
-    console.print(table)
-    if ranged:
-        console.print(
-            f"Ranges in brackets: every constant the preset marks as a guess ({len(cluster.ranges)}: "
-            f"{', '.join(sorted(cluster.ranges))}) at the end that lowers / raises the row; rows ranked "
-            "by the high end. wins: scenarios (nominal, each guess at each end) in which the row is "
-            "the fastest that fits. Replace guesses with your cluster's figures: `spanllm bench "
-            "allreduce --json F`, then `spanllm perf calibrate F --cluster "
-            f"{cluster.name} --out mine.json` and `--cluster mine.json` here."
-        )
-    console.print(
-        f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
-        f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py)."
-    )
-    if b:
-        console.print(
-            f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
-            f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms"
-        )
-        if b.e2e_range:
-            console.print(robustness(rows))
-    else:
-        console.print("[bold red]no layout fits in GPU memory[/bold red]: add nodes or use a smaller model")
-    if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
-    if args.plot is not None:
-        plot_rows(rows, args.plot, table.title)
-        console.print(f"wrote {args.plot}")
-    return 0 if b else 1
-
-
-def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.fits][:20] or rows[:20]
-    labels = [f"{r.layout} {r.algo}" for r in rows]
-    ttft = [r.estimate.ttft_ms / 1e3 for r in rows]
-    dec = [(r.estimate.e2e_ms - r.estimate.ttft_ms) / 1e3 for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
-    y = range(len(rows))
-    ax.barh(y, ttft, label="TTFT (prefill)")
-    ax.barh(y, dec, left=ttft, label="decode")
-    ax.set_yticks(list(y), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("predicted end-to-end batch latency (s)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

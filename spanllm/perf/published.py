@@ -6,18 +6,36 @@ with overrides for what differs (GPUs per node, NIC rate, transport), in the clu
 (hardware.cluster_from_dict). Every record carries the prediction's range over that cluster's guessed
 constants (spanllm.perf.uncertainty) and whether the figure lies inside it.
 
-No constant was fitted to these points (role 'check' or 'model'); `perf validate` reports them under
-`published/<role>`. To add a point: append it to published_points.json with its source.
+Two predictions per point. `published/<role>`: the presets' constants as shipped (NCCL's own tuner figures for
+NCCL), no constant fitted to any published point. `published/loso` (role 'check' only): leave one source out --
+the hop model below fitted to every other source's points, then used on this source's. A source is one thread
+or page (its source_url); a point whose `unexplained` field says why the model is not expected to explain it
+(a setup its own reporter found broken) is left out of every fit and reported apart (`published/unexplained`).
+
+The hop model (`HopModel`): NCCL's small-message time is a per-call cost plus a cost per step on the critical
+path, the step counts from the schedule NCCL's tuner picks on the point's cluster (allreduce_model.cost_terms):
+
+    t = call_us + nvlink_steps * nvlink_hop_us + net_steps * net_hop_us[network] + wire bytes / link bandwidth
+
+one net_hop_us per network kind (InfiniBand / RoCE: 'ib'; AWS EFA through aws-ofi-nccl: 'efa'); relative least
+squares with every source weighing the same, a negative constant held at 0. A record's range is cross-validated
+inside the training sources: each of them predicted by the fit on the others, the smallest and the largest of
+those relative errors turned into the band the measured value should fall in (the error the model makes on a
+source it has not seen, as far as the training sources show it).
+
+To add a point: append it to published_points.json with its source, setup and network.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spanllm.perf.allreduce_model import allreduce_time_us
+import numpy as np
+
+from spanllm.perf.allreduce_model import allreduce_cost, allreduce_time_us, cost_terms, place, transfer_us
 from spanllm.perf.hardware import ClusterSpec, cluster_from_dict
 from spanllm.perf.uncertainty import predict_range
 
@@ -43,6 +61,8 @@ class PublishedPoint:
     role: str
     rows: tuple[tuple[int, float], ...]  # (bytes, time us)
     timing_note: str = ""
+    network: str = ""  # the fabric between the nodes ('ib-hdr', 'efa', ...): the sources group by it
+    unexplained: str = ""  # why the model is not expected to explain this point (then it is left out of fits)
 
 
 def load_points(path: Path = POINTS_FILE) -> list[PublishedPoint]:
@@ -66,6 +86,8 @@ def load_points(path: Path = POINTS_FILE) -> list[PublishedPoint]:
                     role=p["role"],
                     rows=tuple((int(b), float(t)) for b, t in p["rows"]),
                     timing_note=p.get("timing_note", ""),
+                    network=p.get("network", ""),
+                    unexplained=p.get("unexplained", ""),
                 )
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -79,7 +101,7 @@ def point_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
     for pt in points:
         for nbytes, measured in pt.rows:
 
-            def f(c: ClusterSpec, nbytes=nbytes) -> float:
+            def f(c: ClusterSpec, nbytes=nbytes, pt=pt) -> float:
                 return allreduce_time_us(pt.algo, nbytes, c, pt.nodes, pt.ranks_per_node, pt.graph)
 
             r = predict_range(f, pt.cluster)
@@ -101,3 +123,147 @@ def point_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
                 }
             )
     return records
+
+
+# --- leave one source out -------------------------------------------------------------------------------------
+
+NETWORKS = ("ib", "efa")
+
+
+def network_kind(pt: PublishedPoint) -> str:
+    """'efa' for AWS EFA, else 'ib' (InfiniBand and RoCE: NCCL's IB verbs transport)."""
+    return "efa" if pt.network.startswith("efa") else "ib"
+
+
+@dataclass(frozen=True)
+class HopModel:
+    call_us: float
+    nvlink_hop_us: float
+    net_hop_us: dict[str, float] = field(default_factory=dict)
+    residuals: tuple[float, float] = (0.0, 0.0)  # smallest and largest relative residual on the fitted rows
+
+    def predict_us(self, pt: PublishedPoint, nbytes: int) -> float:
+        bw, x = hop_features(pt, nbytes)
+        return float(x @ np.array(self.vector)) + bw
+
+    @property
+    def vector(self) -> list[float]:
+        return [self.call_us, self.nvlink_hop_us, *(self.net_hop_us.get(n, 0.0) for n in NETWORKS)]
+
+
+def hop_features(pt: PublishedPoint, nbytes: int) -> tuple[float, np.ndarray]:
+    """(the bandwidth time, [1, NVLink steps, network steps per network kind]) of the schedule NCCL's tuner picks."""
+    variant = allreduce_cost(pt.algo, nbytes, pt.cluster, pt.nodes, pt.ranks_per_node, pt.graph)[1]
+    c, pl = pt.cluster, place(pt.cluster, pt.nodes, pt.ranks_per_node)
+    terms = cost_terms(variant, nbytes, c, pl)
+    eff = c.algo(variant).bw_efficiency
+    bw = transfer_us(terms.nvlink_wire_bytes, c.nvlink_GBps * eff) if terms.nvlink_wire_bytes else 0.0
+    bw += transfer_us(terms.net_wire_bytes, c.nic_GBps_per_gpu * eff) if terms.net_wire_bytes else 0.0
+    net = [terms.net_steps if network_kind(pt) == n else 0.0 for n in NETWORKS]
+    return bw, np.array([1.0, terms.nvlink_steps, *net])
+
+
+def fit_hops(points: list[PublishedPoint]) -> HopModel:
+    """HopModel fitted (relative least squares) to every row of `points`; constants with no row that moves them
+    stay 0."""
+    rows = [(pt, b, t) for pt in points for b, t in pt.rows]
+    if not rows:
+        raise PublishedPointError("no rows to fit the hop model to")
+    feats = [hop_features(pt, b) for pt, b, _ in rows]
+    X = np.array([f for _, f in feats])
+    bw = np.array([b for b, _ in feats])
+    meas = np.array([t for _, _, t in rows])
+    y = meas - bw
+    per_source = {s: sum(1 for pt, _, _ in rows if pt.source_url == s) for s in {pt.source_url for pt, _, _ in rows}}
+    W = 1.0 / meas / np.sqrt([per_source[pt.source_url] for pt, _, _ in rows])  # every source weighs the same
+    cols = [j for j in range(X.shape[1]) if np.any(X[:, j])]
+    while True:
+        coef = np.zeros(X.shape[1])
+        sol, *_ = np.linalg.lstsq(X[:, cols] * W[:, None], y * W, rcond=None)
+        coef[cols] = sol
+        neg = [j for j in cols if coef[j] < 0]
+        if not neg:
+            break
+        cols.remove(min(neg, key=lambda j: coef[j]))
+    pred = X @ coef + bw
+    rel = (pred - meas) / meas
+    return HopModel(
+        float(coef[0]),
+        float(coef[1]),
+        {n: float(coef[2 + i]) for i, n in enumerate(NETWORKS) if 2 + i in cols},
+        (float(rel.min()), float(rel.max())),
+    )
+
+
+def loso_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
+    """Per 'check' row: the hop model fitted to every other source's 'check' points, its prediction and range.
+    Points marked `unexplained` are priced with the fit on all the explained sources, under published/unexplained."""
+    checks = [p for p in points if p.role == "check"]
+    explained = [p for p in checks if not p.unexplained]
+    sources = sorted({p.source_url for p in explained})
+    records = []
+    for pt in checks:
+        train = [p for p in explained if p.source_url != pt.source_url]
+        if not train:
+            continue
+        model = fit_hops(train)
+        kind = network_kind(pt)
+        note = "" if kind in model.net_hop_us else f"; no other source on {kind}: its network hop is 0"
+        lo_r, hi_r = inner_errors(train)
+        for nbytes, measured in pt.rows:
+            pred = float(model.predict_us(pt, nbytes))
+            # measured = pred / (1 + residual): the band of the training residuals, turned around
+            lo, hi = pred / (1 + hi_r), pred / (1 + lo_r) if lo_r > -1 else float("inf")
+            records.append(
+                {
+                    "category": "published/unexplained" if pt.unexplained else "published/loso",
+                    "label": f"{pt.algo} {pt.nodes}x{pt.ranks_per_node} {nbytes} B ({pt.id})",
+                    "predicted": pred,
+                    "measured": measured,
+                    "rel_error": (pred - measured) / measured,
+                    "source": pt.source_url,
+                    "network": pt.network,
+                    "fitted_on": f"hop model on the {len({p.source_url for p in train})} other sources of "
+                    f"{len(sources)}{note}",
+                    "range": [lo, hi],
+                    "in_range": lo <= measured <= hi,
+                    "constants": {
+                        "call_us": model.call_us,
+                        "nvlink_hop_us": model.nvlink_hop_us,
+                        **{f"net_hop_us[{k}]": v for k, v in model.net_hop_us.items()},
+                    },
+                    "unexplained": pt.unexplained,
+                    "setup": pt.setup,
+                }
+            )
+    return records
+
+
+def inner_errors(train: list[PublishedPoint]) -> tuple[float, float]:
+    """Smallest and largest relative error of each training source's rows predicted by the fit on the others."""
+    errs = []
+    for src in {p.source_url for p in train}:
+        rest = [p for p in train if p.source_url != src]
+        if not rest:
+            continue
+        m = fit_hops(rest)
+        errs += [(m.predict_us(p, b) - t) / t for p in train if p.source_url == src for b, t in p.rows]
+    return (min(errs), max(errs)) if errs else (0.0, 0.0)
+
+
+def per_source(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Residuals of the leave-one-source-out records per source: median error, rows in range, and whether the
+    model explains the source (median |error| <= 25%)."""
+    out: dict[str, dict[str, Any]] = {}
+    for src in sorted({r["source"] for r in records}):
+        rs = [r for r in records if r["source"] == src]
+        med = float(np.median([r["rel_error"] for r in rs]))
+        out[src] = {
+            "n": len(rs),
+            "network": rs[0]["network"],
+            "median_rel_error": med,
+            "in_range": sum(r["in_range"] for r in rs),
+            "explained": abs(med) <= 0.25 and not rs[0]["unexplained"],
+            "note": rs[0]["unexplained"],
+        }
+    return out

@@ -19,13 +19,19 @@ What predicts what, so that no prediction is fitted to the point that validates 
                             (separate measurements) when there are any, else the preset's; HBM, GEMM and
                             launch constants are datasheet or separately measured figures.
   engine-fit/ttft|tpot|e2e  the rows hardware.ENGINE_FITS names (h200x2: Llama 3.1 8B, TP=2, NCCL, of the
-                            two 8B studies): in-sample, reported apart. The fit is rerun from the files
-                            (spanllm.perf.engine_fit) and set beside the preset's constants.
+                            two 8B studies) and hardware.PREFILL_SIZE_FITS (h200x2: 70B TP=2 NCCL, their TTFT
+                            fitted the prefill efficiency's size exponent): in-sample, reported apart. The fit
+                            is rerun from the files (spanllm.perf.engine_fit) and set beside the preset's
+                            constants.
   Each engine record carries a group (model, layout, all-reduce) so that TP / NVRAR / naive PP /
   micro-batched PP rows can be read apart (`summary_by_group`).
   published/check|model     published multi-node all-reduce figures (spanllm.perf.published, published_points.json),
                             each priced on the cluster it names, with the prediction's range over that cluster's
-                            guessed constants and whether the figure lies inside it. Used for checking only.
+                            guessed constants and whether the figure lies inside it. No constant fitted to them.
+  published/loso            the same 'check' figures predicted leave-one-source-out: the hop model (per-call,
+                            NVLink-hop and network-hop costs, spanllm.perf.published) fitted to every other source,
+                            with a cross-validated range; `published_per_source` says which sources it explains.
+  published/unexplained     figures whose own source says the setup was broken: never fitted, reported apart.
 Plus the paper's headline claims on the Perlmutter and Vista presets (paper_claims.py).
 `spanllm perf validate` exits 2 when the results folder does not exist and 1 when it holds no measurement
 the model predicts; it then writes nothing.
@@ -33,21 +39,27 @@ the model predicts; it then writes nothing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from spanllm.model.config import ModelConfigError
 from spanllm.perf.allreduce_model import AllReduceModelError, allreduce_time_us, model_name
 from spanllm.perf.calibrate import CalibrationError, calibrate
-from spanllm.perf.engine_fit import EngineFitError, fit_engine, format_constant, predict, row_case
-from spanllm.perf.hardware import ENGINE_FITS, PRESET_FITS, PRESETS, ClusterSpec, EngineFitRows, PresetFit, load_cluster
+from spanllm.perf.engine_fit import EngineFitError, fit_engine, predict, row_case
+from spanllm.perf.hardware import (
+    ENGINE_FITS,
+    PREFILL_SIZE_FITS,
+    PRESET_FITS,
+    PRESETS,
+    ClusterSpec,
+    EngineFitRows,
+    PresetFit,
+)
 from spanllm.perf.inference import InferenceModelError
 from spanllm.perf.measurements import AllReduceMeasurement, EngineMeasurement, load_results, result_files
-from spanllm.perf.model_shape import ModelShapeError
 from spanllm.perf.paper_claims import allreduce_ratio_check, e2e_gain_check
-from spanllm.perf.published import load_points, point_records
+from spanllm.perf.published import load_points, loso_records, per_source, point_records
 
 REPORT_NAME = "perf_validation.json"
 
@@ -188,19 +200,23 @@ def engine_group(case) -> str:
 
 
 def engine_records(
-    es: list[EngineMeasurement], cluster: ClusterSpec, fitted_on: str, fit: EngineFitRows | None = None
+    es: list[EngineMeasurement],
+    cluster: ClusterSpec,
+    fitted_on: str,
+    fit: EngineFitRows | None = None,
+    size_fit: EngineFitRows | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` selects go to engine-fit/."""
+    """Predicted vs measured TTFT, TPOT and E2E per engine row; rows `fit` or `size_fit` select go to engine-fit/."""
     records, skipped = [], []
     for e in es:
         r = e.row
         try:
             case = row_case(r)
             est = predict(case, cluster)
-        except (KeyError, TypeError, ValueError, ModelShapeError, InferenceModelError, AllReduceModelError) as ex:
+        except (KeyError, TypeError, ValueError, ModelConfigError, InferenceModelError, AllReduceModelError) as ex:
             skipped.append(f"{e.source}: engine row {r.get('model')} tp={r.get('tp')} pp={r.get('pp')}: {ex}")
             continue
-        in_fit = fit is not None and fit.selects(e.source, r)
+        in_fit = any(f is not None and f.selects(e.source, r) for f in (fit, size_fit))
         source = e.source + (f":{r['log_line']}" if "log_line" in r else "")
         for metric, predicted in (("ttft", est.ttft_ms), ("tpot", est.tpot_ms), ("e2e", est.e2e_ms)):
             measured = r.get(f"{metric}_ms")
@@ -216,6 +232,25 @@ def engine_records(
                 rec["group"], rec["allreduce_ran"] = engine_group(case), r.get("allreduce_ran")
                 records.append(rec)
     return records, skipped
+
+
+LOSO_CATEGORIES = ("published/loso", "published/unexplained")
+
+
+def published_acceptance(records: list[dict]) -> dict[str, dict]:
+    """The leave-one-source-out records' median |error| and the share inside their range (all, and the
+    explained sources only)."""
+    out = {}
+    for name, cats in (("published/loso+unexplained", LOSO_CATEGORIES), ("published/loso", LOSO_CATEGORIES[:1])):
+        rs = [r for r in records if r["category"] in cats]
+        if rs:
+            out[f"{name} (acceptance)"] = {
+                "n": len(rs),
+                "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in rs),
+                "max_abs_rel_error": max(abs(r["rel_error"]) for r in rs),
+                "in_range_share": sum(r["in_range"] for r in rs) / len(rs),
+            }
+    return out
 
 
 def summarize(records: list[dict]) -> dict[str, dict]:
@@ -267,7 +302,10 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
             pass
     efit = ENGINE_FITS.get(cluster.name)
     fitted_on = f"{ar_from}; engine constants " + (f"fitted to {efit.describe()}" if efit else f"of {cluster.name}")
-    erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit)
+    sfit = PREFILL_SIZE_FITS.get(cluster.name)
+    if sfit:
+        fitted_on += f"; prefill size exponent fitted to the TTFT of {sfit.describe()}"
+    erecs, s2 = engine_records(eng, engine_cluster, fitted_on, efit, sfit)
     pfit = PRESET_FITS.get(cluster.name)
     constants = {
         key: {**asdict(cluster.algo(key)), "fitted_to": pfit.describe() if pfit else "preset"}
@@ -278,7 +316,8 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         for name in ("perlmutter", "vista")
         for c in (allreduce_ratio_check(PRESETS[name]), e2e_gain_check(PRESETS[name]))
     ]
-    published = point_records(load_points())
+    points = load_points()
+    published = point_records(points) + loso_records(points)
     return {
         "cluster": cluster.name,
         "results_dir": str(results_dir),
@@ -286,7 +325,8 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         "records": records + erecs,
         "summary": summarize(records + erecs),
         "published": published,
-        "summary_published": summarize(published),
+        "summary_published": summarize(published) | published_acceptance(published),
+        "published_per_source": per_source([r for r in published if r["category"] in LOSO_CATEGORIES]),
         "summary_by_group": summary_by_group(erecs),
         "paper_claims": claims,
         "skipped": skipped + s1 + s2,
@@ -295,187 +335,3 @@ def validate(results_dir: Path, cluster: ClusterSpec) -> dict:
         "engine_fit": engine_fit_report(eng, engine_cluster, efit),
         "method": __doc__.split("\n\n", 1)[1].strip(),
     }
-
-
-def plot_report(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 6))
-    records = report["records"] + report.get("published", [])
-    cats = sorted({r["category"] for r in records})
-    for c in cats:
-        rs = [r for r in records if r["category"] == c]
-        ax.scatter(
-            [r["measured"] for r in rs],
-            [r["predicted"] for r in rs],
-            label=c,
-            s=14,
-            marker="x" if c.startswith("published/") else "o",
-        )
-        if c.startswith("published/"):  # the prediction's range over the cluster's guessed constants
-            ax.vlines(
-                [r["measured"] for r in rs],
-                [r["range"][0] for r in rs],
-                [r["range"][1] for r in rs],
-                lw=0.8,
-                color="grey",
-            )
-    vals = [v for r in records for v in (r["measured"], r["predicted"]) if v > 0]
-    lo, hi = min(vals) / 1.5, max(vals) * 1.5
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured (us for all-reduce, ms for engine)")
-    ax.set_ylabel("predicted")
-    ax.set_title(f"spanllm.perf: predicted vs measured ({report['cluster']})")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results", type=Path, default=Path("results"), help="folder of measurement JSON files")
-    parser.add_argument("--cluster", default="h200x2", help="preset or cluster file the measurements were taken on")
-    parser.add_argument("--out", type=Path, default=None, help=f"report path (default: RESULTS/{REPORT_NAME})")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to the report)")
-    parser.add_argument("--rows", type=int, default=40, help="print at most this many records (all go to the report)")
-
-
-def _error_table(title: str, key: str, summary: dict):
-    from rich.table import Table
-
-    t = Table(title=title)
-    for col in (key, "n", "median |err|", "max |err|"):
-        t.add_column(col)
-    for c, v in summary.items():
-        t.add_row(c, str(v["n"]), f"{v['median_abs_rel_error']:.1%}", f"{v['max_abs_rel_error']:.1%}")
-    return t
-
-
-def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console(width=160) if not Console().is_terminal else Console()
-    if not Path(args.results).is_dir():
-        print(
-            f"spanllm perf validate: results folder {str(args.results)!r} does not exist (pass --results DIR, "
-            "a folder of `spanllm bench` JSON files); nothing checked, nothing written",
-            file=sys.stderr,
-        )
-        return 2
-    report = validate(args.results, load_cluster(args.cluster))
-    out = args.out or args.results / REPORT_NAME
-    if not report["records"]:
-        print(
-            f"spanllm perf validate: no measurement in {str(args.results)!r} that the model predicts "
-            f"({report['measurements']} rows read); nothing checked, nothing written (run `spanllm bench "
-            "allreduce --json` or `spanllm bench batch` on a GPU machine first)",
-            file=sys.stderr,
-        )
-        return 1
-    else:
-        t = Table(title=f"predicted vs measured ({len(report['records'])} records, cluster {report['cluster']})")
-        for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):
-            t.add_column(col)
-        for r in report["records"][: args.rows]:
-            t.add_row(
-                r["category"],
-                escape(r["label"]),
-                f"{r['predicted']:.4g}",
-                f"{r['measured']:.4g}",
-                f"{r['rel_error']:+.1%}",
-                escape(r["fitted_on"]),
-            )
-        console.print(t)
-        console.print(_error_table("median |relative error| per category", "category", report["summary"]))
-        if report["summary_by_group"]:
-            console.print(
-                _error_table(
-                    "engine rows per group (engine-fit/: the rows the engine constants were fitted to)",
-                    "category | group",
-                    report["summary_by_group"],
-                )
-            )
-    if report.get("engine_fit"):
-        f = report["engine_fit"]
-        k = Table(
-            title=f"preset {report['cluster']}: engine constants fitted to {f['rows']} ({f['n_rows']} rows found)"
-        )
-        for col in ("constant", "preset", "refit from the files"):
-            k.add_column(col)
-        refit = f["refit"] if isinstance(f["refit"], dict) else {}
-        for name, v in f["preset"].items():
-            k.add_row(
-                name, format_constant(v), format_constant(refit[name]) if name in refit else escape(str(f["refit"]))
-            )
-        console.print(k)
-    if report.get("preset_fit"):
-        f = report["preset_fit"]
-        k = Table(
-            title=f"preset {report['cluster']}: constants fitted to {f['file']} ({f['topology']}, sizes "
-            f"{', '.join(str(x) for x in f['sizes'])} B; those rows are not scored)"
-        )
-        for col in ("entry", "kernels", "base us", "nvlink step us", "bw efficiency", "wire factor"):
-            k.add_column(col)
-        for key, v in report["preset_constants"].items():
-            k.add_row(
-                key,
-                str(v["kernels"]),
-                f"{v['base_us']:.3f}",
-                f"{v['nvlink_step_us']:.3f}",
-                f"{v['bw_efficiency']:.3f}",
-                f"{v['wire_factor']:.2f}",
-            )
-        console.print(k)
-    console.print("method: " + escape(report["method"]))
-    c = Table(title="paper headline claims on the presets (no constant fitted to them)")
-    for col in ("claim", "cluster", "predicted min / median / max", "claimed", "consistent", "max at"):
-        c.add_column(col)
-    for k in report["paper_claims"]:
-        c.add_row(
-            k["claim"],
-            k["cluster"],
-            f"{k['predicted_min']:.2f} / {k['predicted_median']:.2f} / {k['predicted_max']:.2f}",
-            f"{k['band'][0]:.2f}-{k['band'][1]:.2f}",
-            "yes" if k["consistent"] else "NO",
-            k["where_max"],
-        )
-    console.print(c)
-    p = Table(
-        title="published multi-node all-reduce figures (no constant fitted to them; range: the cluster's "
-        "guessed constants at their ends)"
-    )
-    for col in ("role", "point", "predicted us", "published us", "error", "range us", "inside", "driven by"):
-        p.add_column(col)
-    for r in report["published"]:
-        p.add_row(
-            r["category"].split("/")[1],
-            escape(r["label"]),
-            f"{r['predicted']:.1f}",
-            f"{r['measured']:.1f}",
-            f"{r['rel_error']:+.0%}",
-            f"{r['range'][0]:.1f}-{r['range'][1]:.1f}",
-            "yes" if r["in_range"] else "NO",
-            escape(r["drivers"]),
-        )
-    console.print(p)
-    console.print(_error_table("published figures: median |relative error|", "category", report["summary_published"]))
-    for line in report["skipped"]:
-        console.print(f"skipped: {escape(line)}")
-    if args.out is not None:  # a folder asked for; the default lies in the results folder, which exists
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {out}")
-    if report["records"]:
-        png = args.plot or out.with_suffix(".png")
-        plot_report(report, png)
-        console.print(f"wrote {png}")
-    return 0

@@ -1,9 +1,8 @@
 import json
-from argparse import Namespace
 
 import pytest
 
-from spanllm.perf import calibrate as cal
+from spanllm.cli import main
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.calibrate import CalibrationError, calibrate, fit_algo_cost, parse_bytes
 from spanllm.perf.hardware import PRESETS, load_cluster
@@ -103,8 +102,7 @@ def test_cli_writes_a_preset_that_loads(tmp_path, bench):
     rows += [row("nvrar", 4096, 1e9, wrong=3)]  # wrong results are not timings
     src.write_text(json.dumps(bench_doc(rows)))
     out = tmp_path / "fitted.json"
-    args = Namespace(files=[src], cluster="h200x2", max_bytes="4MiB", name="lab", out=out, results=tmp_path)
-    assert cal.run(args) == 0
+    assert main(["perf", "calibrate", str(src), "--cluster", "h200x2", "--name", "lab", "--out", str(out)]) == 0
     spec = load_cluster(out)
     assert spec.name == "lab"
     assert allreduce_time_us("nvrar", 2**20, spec, 2, 1) == pytest.approx(5.0 + 2**20 / 150e3, rel=0.05)
@@ -112,3 +110,56 @@ def test_cli_writes_a_preset_that_loads(tmp_path, bench):
 
 def test_parse_bytes():
     assert parse_bytes("4MiB") == 4 << 20 and parse_bytes("128K") == 128 << 10 and parse_bytes("100") == 100
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_calibrate_from_every_preset_on_the_committed_sweeps(preset, tmp_path, capsys):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "mine.json"
+    assert main(["perf", "calibrate", "--cluster", preset, "--results", str(root / "results"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "all-reduce constants fitted on" in text and f"wrote {out}" in text
+    spec = load_cluster(out)  # a fitted value outside a guessed range widened the range: the file loads
+    for path, (lo, hi) in spec.ranges.items():
+        assert lo <= cal_value(spec, path) <= hi
+
+
+def cal_value(spec, path):
+    from spanllm.perf.hardware import constant_value
+
+    return constant_value(spec, path)
+
+
+def test_a_fit_outside_the_guessed_range_widens_it_and_says_so(tmp_path, bench, capsys):
+    row, bench_doc = bench
+    src = tmp_path / "sweep.json"
+    # 2 nodes x 1 GPU, NCCL's tree at ~2 us a network step: below dgx-h100's guessed range for it
+    src.write_text(json.dumps(bench_doc([row("nccl", s, 8.0 + s / 20e3, topology="2x1") for s in SIZES])))
+    out = tmp_path / "fitted.json"
+    assert main(["perf", "calibrate", str(src), "--cluster", "dgx-h100", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "range widened to hold the fit (nccl): algos.nccl_tree/LL.net_step_us" in text
+    assert (
+        load_cluster(out).ranges["algos.nccl_tree/LL.net_step_us"][0]
+        < PRESETS["dgx-h100"].ranges["algos.nccl_tree/LL.net_step_us"][0]
+    )
+
+
+def test_no_usable_rows_is_an_error_with_the_reason_and_nothing_is_written(tmp_path, bench, capsys):
+    row, bench_doc = bench
+    src = tmp_path / "one_size.json"
+    src.write_text(json.dumps(bench_doc([row("nccl", 4096, 12.0)])))
+    out = tmp_path / "fitted.json"
+    assert main(["perf", "calibrate", str(src), "--cluster", "h200x2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "none usable for a fit on h200x2" in err
+    assert "1 distinct size(s); a fit needs at least 2 sizes" in err and "nothing written" in err
+    assert not out.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["perf", "calibrate", "--results", str(empty), "--out", str(out)]) == 2
+    assert "no all-reduce measurements" in capsys.readouterr().err and not out.exists()
+    assert main(["perf", "calibrate", "--cluster", "perlmuter", "--out", str(out)]) == 2
+    assert "--cluster 'perlmuter': unknown cluster" in capsys.readouterr().err

@@ -156,3 +156,29 @@ def test_compiled_and_skinny_rows_are_skipped_with_a_reason(tmp_path):
         f"{tmp_path / 'batch_x.json'}: 2 rows with a compiled decode step or decode_gemm other than 'torch': "
         "the engine model's constants describe the eager forward with F.linear"
     ]
+
+
+def test_prefill_efficiency_grows_with_the_gemm_size_per_gpu(make_cluster):
+    from spanllm.perf.inference import prefill_efficiency
+
+    c = make_cluster(
+        engine={"prefill_efficiency": 0.4, "prefill_ref_layer_params": 100.0, "prefill_size_exponent": 0.5}
+    )
+    assert prefill_efficiency(c, 100.0) == 0.4 and prefill_efficiency(c, 400.0) == pytest.approx(0.8)
+    assert prefill_efficiency(c, 1e6) == 1.0  # never above peak
+    assert prefill_efficiency(c) == 0.4  # no size given: the fitted figure
+
+
+def test_the_size_exponent_is_the_fit_of_the_70b_rows():
+    from spanllm.perf.calibrate import calibrate
+    from spanllm.perf.engine_fit import fit_prefill_size_exponent
+    from spanllm.perf.hardware import PREFILL_SIZE_FITS, PRESETS
+    from spanllm.perf.measurements import load_results, result_files
+
+    root = Path(__file__).resolve().parents[2]
+    ar, eng, _ = load_results(result_files(root / "results"))
+    cluster = replace(calibrate(ar, PRESETS["h200x2"])[0], name="h200x2")
+    rows = [e for e in eng if PREFILL_SIZE_FITS["h200x2"].selects(e.source, e.row)]
+    assert len(rows) == 8
+    alpha, rms = fit_prefill_size_exponent(rows, cluster)
+    assert alpha == pytest.approx(PRESETS["h200x2"].engine.prefill_size_exponent) and rms < 0.2

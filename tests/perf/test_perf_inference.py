@@ -1,5 +1,6 @@
 import pytest
 
+from spanllm.model.config import ModelConfigError
 from spanllm.perf.allreduce_model import allreduce_time_us
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import (
@@ -20,18 +21,20 @@ from spanllm.perf.inference import (
     stage_boundaries_over_network,
     tp_group_shape,
 )
-from spanllm.perf.model_shape import MODELS, ModelShapeError, get_model
+from spanllm.perf.model_shape import MODELS, embedding_params, get_model, kv_bytes_per_token_layer, layer_params, params
 
 
 def test_model_shapes():
     m8, m70, m405 = MODELS["llama3.1-8b"], MODELS["llama3.1-70b"], MODELS["llama3.1-405b"]
-    assert m8.params == pytest.approx(8.03e9, rel=0.01)
-    assert m70.params == pytest.approx(70.6e9, rel=0.01)
-    assert m405.params == pytest.approx(405.9e9, rel=0.01)
-    assert m405.head_dim == 128 and m405.kv_bytes_per_token_layer(8) == 2 * 8 * 128 * 2
+    assert params(m8) == pytest.approx(8.03e9, rel=0.01)
+    assert params(m70) == pytest.approx(70.6e9, rel=0.01)
+    assert params(m405) == pytest.approx(405.9e9, rel=0.01)
+    # the engine's own count (norms included) agrees to the norms' few hidden-sized vectors
+    assert m8.num_params() - params(m8) == (2 * m8.num_layers + 1) * m8.hidden_size
+    assert m405.head_dim == 128 and kv_bytes_per_token_layer(m405, 8) == 2 * 8 * 128 * 2
     assert get_model("meta-llama/Llama-3.1-70B-Instruct") is m70 and get_model("405b") is m405
-    assert m405.truncated(8).layers == 8 and "8 of 126" in m405.truncated(8).name
-    with pytest.raises(ModelShapeError, match="unknown model 'llama-7b'"):
+    assert m405.with_layers(8).num_layers == 8 and "8 of 126" in m405.with_layers(8).label
+    with pytest.raises(ModelConfigError, match="unknown model 'llama-7b'"):
         get_model("llama-7b")
 
 
@@ -41,9 +44,9 @@ def test_gemm_roofline_hand_computed(round_cluster):
     assert gemm_time_us(1e3, 1e6, c) == pytest.approx(1.0)  # memory-bound: 1e6 B / 1e6 B per us
     m = MODELS["llama3.1-8b"]
     # decode, 1 token, tp 1: reading the layer's weights dominates
-    assert layer_gemm_us(m, 1, 1, c) == pytest.approx(m.layer_params * 2 / 1e6, rel=0.01)
+    assert layer_gemm_us(m, 1, 1, c) == pytest.approx(layer_params(m) * 2 / 1e6, rel=0.01)
     # a long prefill is compute-bound: 2 x tokens x params FLOPs
-    assert layer_gemm_us(m, 8192, 1, c) == pytest.approx(2 * 8192 * m.layer_params / 1e8)
+    assert layer_gemm_us(m, 8192, 1, c) == pytest.approx(2 * 8192 * layer_params(m) / 1e8)
 
 
 def test_attention_hand_computed(round_cluster):
@@ -67,7 +70,7 @@ def test_decode_step_tp_hand_computed(round_cluster):
         + 2 * allreduce_time_us("nvrar", 2 * 4096 * 2, c, 1, 4)
         + KERNELS_PER_LAYER * 0.5
     )
-    lm = max(2 * 2 * m.embedding_params / 4 / 1e8, m.embedding_params / 4 * 2 / 1e6)
+    lm = max(2 * 2 * embedding_params(m) / 4 / 1e8, embedding_params(m) / 4 * 2 / 1e6)
     assert e.tpot_ms == pytest.approx((32 * layer + lm) / 1e3)
     assert e.e2e_ms == pytest.approx(e.ttft_ms + 20 * e.tpot_ms)
     assert e.throughput_tok_s == pytest.approx(2 * 21 / (e.e2e_ms / 1e3))
@@ -100,7 +103,7 @@ def test_memory_check():
     w = Workload(16, 2048, 256)
     assert not memory_per_gpu(m, Layout(4, 4), w, c).fits  # 16 x 40 GB < 810 GB of weights
     mem = memory_per_gpu(m, Layout(32), w, c)
-    assert mem.fits and mem.weights_GB == pytest.approx(m.params * 2 / 32 / 1e9)
+    assert mem.fits and mem.weights_GB == pytest.approx(params(m) * 2 / 32 / 1e9)
     # KV: 16 seqs x 2304 tokens x 126 layers x (K,V x 1 replicated head x 128 x 2 B)
     assert mem.kv_cache_GB == pytest.approx(16 * 2304 * 126 * 2 * 1 * 128 * 2 / 1e9)
 
@@ -113,7 +116,7 @@ def test_decode_memory_bound_scales_with_tp_and_prefill_with_flops():
     assert t[0] / t[-1] == pytest.approx(8, rel=0.15)
     big = estimate(m, c, Layout(8), Workload(8, 4096, 16), "nccl")
     assert big.prefill_ms["gemm"] == pytest.approx(
-        2 * 8 * 4096 * m.layer_params / 8 * 80 / (c.bf16_TFLOPs * 1e6 * c.gemm_efficiency) / 1e3, rel=0.02
+        2 * 8 * 4096 * layer_params(m) / 8 * 80 / (c.bf16_TFLOPs * 1e6 * c.gemm_efficiency) / 1e3, rel=0.02
     )
 
 
@@ -154,7 +157,7 @@ def test_decode_step_with_engine_costs_hand_computed(make_cluster):
         + KERNELS_PER_LAYER * 0.5
         + 20.0
     )
-    lm = m.embedding_params / 4 * 2 / 1e6
+    lm = embedding_params(m) / 4 * 2 / 1e6
     assert e.tpot_ms == pytest.approx((32 * layer + lm) / 1e3)
     assert e.decode_ms["fixed"] == pytest.approx(32 * (6.0 + 20.0) / 1e3)
 
@@ -164,7 +167,7 @@ def test_prefill_efficiency_scales_the_compute_bound_gemms(make_cluster):
     c, m = make_cluster(engine={"prefill_efficiency": 0.5}), MODELS["llama3.1-8b"]
     e = estimate(m, c, Layout(1), Workload(batch=4, prompt_len=2048, decode_len=2), "nccl")
     # 8192 rows: compute-bound; 2 x rows x layer params / (1e8 x 0.5) FLOP per us, 32 layers
-    assert e.prefill_ms["gemm"] == pytest.approx(32 * 2 * 8192 * m.layer_params / 0.5e8 / 1e3)
+    assert e.prefill_ms["gemm"] == pytest.approx(32 * 2 * 8192 * layer_params(m) / 0.5e8 / 1e3)
 
 
 def test_fill_hand_computed():

@@ -1,7 +1,6 @@
 import json
-from argparse import Namespace
 
-from spanllm.perf import plan as plan_mod
+from spanllm.cli import main
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import Layout, Workload
 from spanllm.perf.model_shape import MODELS
@@ -82,19 +81,8 @@ def test_layouts_that_do_not_fit_are_reported_and_never_best():
 
 def test_cli_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
-    args = Namespace(
-        model="llama3.1-8b",
-        cluster="h200x2",
-        nodes=1,
-        batch=4,
-        prompt=256,
-        decode=32,
-        no_cuda_graphs=False,
-        top=0,
-        json=out,
-        plot=png,
-    )
-    assert plan_mod.run(args) == 0
+    argv = ["plan", "--model", "llama3.1-8b", "--cluster", "h200x2", "--nodes", "1", "--batch", "4", "--prompt", "256"]
+    assert main([*argv, "--decode", "32", "--json", str(out), "--plot", str(png)]) == 0
     doc = json.loads(out.read_text())
     assert doc["best"]["layout"] == doc["rows"][0]["layout"]
     assert {"ttft_ms", "tpot_ms", "e2e_ms", "decode_ms", "memory_GB", "fits"} <= set(doc["rows"][0])

@@ -1,9 +1,8 @@
 import json
-from argparse import Namespace
 
 import pytest
 
-from spanllm.perf import plan as plan_mod
+from spanllm.cli import main
 from spanllm.perf.published import POINTS_FILE, load_points, point_records
 
 
@@ -39,20 +38,8 @@ def test_plan_prints_ranges_and_accepts_a_calibrated_file(tmp_path, capsys):
     f = tmp_path / "mine.json"
     save_cluster(PRESETS["perlmutter"], f)
     out = tmp_path / "plan.json"
-    args = Namespace(
-        model="llama3.1-70b",
-        cluster=str(f),
-        nodes=2,
-        batch=8,
-        prompt=128,
-        decode=64,
-        no_cuda_graphs=False,
-        top=0,
-        json=out,
-        plot=None,
-        no_ranges=False,
-    )
-    assert plan_mod.run(args) == 0
+    argv = ["plan", "--model", "llama3.1-70b", "--cluster", str(f), "--nodes", "2", "--batch", "8", "--prompt", "128"]
+    assert main([*argv, "--decode", "64", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     row = doc["rows"][0]
     lo, hi = row["e2e_ms_range"]

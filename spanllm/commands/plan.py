@@ -1,0 +1,388 @@
+"""`spanllm plan`: rank parallel layouts for a model on a cluster.
+
+Two questions. Without --serve, a static batch (spanllm.perf.plan): every TP x PP layout x all-reduce algorithm
+priced for TTFT / TPOT / E2E of `--batch` sequences of `--prompt` + `--decode` tokens. With --serve, serving
+(spanllm.perf.serving): the engine's scheduler replayed on a trace (a `--samples-file`, e.g. the committed
+ShareGPT sample, or `--lengths P:O`) arriving at `--request-rate`, each step priced by the calibrated step cost;
+every (TP, PP, replicas) layout with its output tok/s and TTFT / TPOT percentiles, with ranges, against an SLO.
+
+Every argument is checked before any work; a bad one stops the command with one line naming the flag, the
+value, what is allowed and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from spanllm.errors import UsageError
+from spanllm.model.config import ModelConfigError
+from spanllm.perf.hardware import PRESETS, ClusterSpecError, load_cluster
+from spanllm.perf.inference import Workload, tp_group_shape
+from spanllm.perf.model_shape import MODELS, get_model
+from spanllm.perf.plan import PREFILL_ALGO, PlanRow, best, plan, robustness, row_to_dict
+
+MAX_NODES = 4096  # a bound on typos, far above any cluster the presets describe
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama3.1-405b", help=f"one of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--cluster",
+        default="perlmutter",
+        help=f"preset ({', '.join(PRESETS)}) or a .json/.toml cluster file",
+    )
+    parser.add_argument("--nodes", type=int, default=8, help=f"nodes of the cluster to use (1..{MAX_NODES})")
+    parser.add_argument("--batch", type=int, default=16, help="static batch: sequences")
+    parser.add_argument("--prompt", type=int, default=2048, help="static batch: prompt tokens per sequence")
+    parser.add_argument("--decode", type=int, default=256, help="static batch: generated tokens per sequence")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="static batch: price decode launched eagerly")
+    parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
+    parser.add_argument("--plot", type=Path, default=None, help="static batch: a PNG of TTFT + decode time per row")
+    parser.add_argument(
+        "--no-ranges", action="store_true", help="nominal constants only: no ranges over the preset's guessed constants"
+    )
+    s = parser.add_argument_group("serving (--serve)")
+    s.add_argument("--serve", action="store_true", help="plan for serving a trace instead of a static batch")
+    s.add_argument("--samples-file", type=Path, default=None, help="requests (`bench ... --save-samples` JSON)")
+    s.add_argument("--lengths", default=None, metavar="P:O", help="instead of a samples file: prompt:output tokens")
+    s.add_argument("--num-requests", type=int, default=1000, help="with --lengths: how many requests")
+    s.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    s.add_argument("--burstiness", type=float, default=1.0, help="arrival gaps ~ gamma(burstiness); 1 = Poisson")
+    s.add_argument("--seed", type=int, default=0, help="arrival draws (as `bench serve --seed`)")
+    s.add_argument("--gpus", type=int, default=None, help="GPUs to use in all (default: nodes x GPUs per node)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="the engine's max_num_seqs (per replica)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per step")
+    s.add_argument("--min-admit", type=int, default=1, help="the engine's admission batching (serve --min-admit)")
+    s.add_argument("--slo-tpot-ms", type=float, default=None, help="target p99 TPOT (ms)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, help="target p99 TTFT (ms)")
+
+
+def _positive_int(name: str, value: int, low: int = 1, high: int | None = None, fix: str = "") -> None:
+    if not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise UsageError(f"{name} {value}: must be an integer {allowed}{'; ' + fix if fix else ''}")
+
+
+def check_args(args: argparse.Namespace):
+    """(model, cluster) once every argument is known to be usable; else one UsageError naming the flag."""
+    try:
+        model = get_model(args.model)
+    except ModelConfigError:
+        raise UsageError(f"--model {args.model!r}: unknown model; choose one of {', '.join(MODELS)}") from None
+    try:
+        cluster = load_cluster(args.cluster)
+    except (ClusterSpecError, OSError, ValueError) as e:
+        if Path(str(args.cluster)).suffix:
+            raise UsageError(f"--cluster {args.cluster!r}: {e}") from None
+        raise UsageError(
+            f"--cluster {args.cluster!r}: unknown cluster; choose one of {', '.join(PRESETS)}, or pass a .json / "
+            ".toml cluster file"
+        ) from None
+    high = MAX_NODES if cluster.has_network else 1
+    fix = "" if cluster.has_network else f"cluster {cluster.name} is one host without a network"
+    _positive_int("--nodes", args.nodes, 1, high, fix)
+    _positive_int("--top", args.top, 0)
+    for flag in ("--json", "--plot"):
+        path = getattr(args, flag[2:])
+        if path is not None and str(path) != "-" and not Path(path).parent.is_dir():
+            raise UsageError(f"{flag} {str(path)!r}: folder {str(Path(path).parent)!r} does not exist")
+    if not args.serve:
+        for flag in ("--batch", "--prompt", "--decode"):
+            _positive_int(flag, getattr(args, flag[2:]), 1, 10**7)
+        return model, cluster
+    gpus_all = args.nodes * cluster.gpus_per_node
+    if args.gpus is not None:
+        _positive_int("--gpus", args.gpus, 1, gpus_all, f"{args.nodes} node(s) x {cluster.gpus_per_node} GPUs")
+    _positive_int("--max-num-seqs", args.max_num_seqs, 1, 65536)
+    _positive_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, 1 << 20)
+    _positive_int("--min-admit", args.min_admit, 1, args.max_num_seqs, "at most --max-num-seqs")
+    _positive_int("--num-requests", args.num_requests, 1, 10**6)
+    if not args.request_rate > 0:
+        raise UsageError(f"--request-rate {args.request_rate:g}: must be > 0 requests per second (or inf)")
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise UsageError(f"--burstiness {args.burstiness:g}: must be a finite number > 0 (1: Poisson arrivals)")
+    for flag in ("--slo-tpot-ms", "--slo-ttft-ms"):
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise UsageError(f"{flag} {v:g}: must be a finite number of milliseconds > 0")
+    if (args.samples_file is None) == (args.lengths is None):
+        raise UsageError(
+            "--serve needs the requests, one of: --samples-file FILE (e.g. "
+            "results/h200/inputs/sharegpt_llama3_seed0_n1000.json) or --lengths P:O (prompt and output tokens)"
+        )
+    if args.lengths is not None:
+        try:
+            p, o = (int(v) for v in args.lengths.split(":"))
+        except ValueError:
+            p = o = 0
+        if p < 1 or o < 1:
+            raise UsageError(f"--lengths {args.lengths!r}: expected PROMPT:OUTPUT, two integers >= 1, e.g. 1024:128")
+    elif not Path(args.samples_file).is_file():
+        raise UsageError(f"--samples-file {str(args.samples_file)!r}: no such file")
+    return model, cluster
+
+
+def run(args: argparse.Namespace) -> int:
+    model, cluster = check_args(args)
+    if args.serve:
+        return run_serve(args, model, cluster)
+    return run_static(args, model, cluster)
+
+
+def run_static(args: argparse.Namespace, model, cluster) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    workload = Workload(args.batch, args.prompt, args.decode)
+    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not args.no_ranges)
+    console = Console(width=170) if not Console().is_terminal else Console()
+    if not rows:
+        console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
+        return 1
+    doc = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "nodes": args.nodes,
+        "gpus": args.nodes * cluster.gpus_per_node,
+        "workload": asdict(workload),
+        "cuda_graphs": not args.no_cuda_graphs,
+        "prefill_allreduce": PREFILL_ALGO,
+        "rows": [row_to_dict(r, cluster) for r in rows],
+    }
+    b = best(rows)
+    doc["best"] = row_to_dict(b, cluster) if b else None
+    if args.json is not None and str(args.json) == "-":
+        print(json.dumps(doc, indent=2))
+        return 0 if b else 1
+    table = Table(
+        title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
+        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}"
+    )
+    ranged = any(r.e2e_range for r in rows)
+    cols = [
+        "#",
+        "layout",
+        "TP group",
+        "all-reduce (decode)",
+        "TTFT ms",
+        "TPOT ms",
+        "E2E ms",
+        "tok/s",
+        "decode % GEMM/attn/AR/PP/idle",
+        "GB/GPU",
+    ]
+    if ranged:
+        cols[5:7] = ["TPOT ms \\[range]", "E2E ms \\[range]"]
+        cols += ["wins", "E2E driven by"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("layout", "all-reduce (decode)", "E2E driven by") else "right")
+    shown = rows[: args.top] if args.top else rows
+    for i, r in enumerate(shown, 1):
+        e, d = r.estimate, r.estimate.decode_ms
+        tot = sum(d.values()) or 1.0
+        split = "/".join(
+            f"{100 * x:.0f}"
+            for x in (
+                d["gemm"] / tot,
+                d["attention"] / tot,
+                d["allreduce"] / tot,
+                d["pp_transfer"] / tot,
+                e.decode_idle_fraction,
+            )
+        )
+        nodes, rpn = tp_group_shape(r.layout, cluster)
+        mem = f"{e.memory.total_GB:.1f}" + ("" if r.fits else f" > {e.memory.capacity_GB:.0f} (does not fit)")
+        algo = (
+            r.algo
+            if r.algo == "none"
+            else f"{r.algo} ({e.allreduce_variant})"
+            if e.allreduce_variant != r.algo
+            else r.algo
+        )
+        tpot, e2e, extra = f"{e.tpot_ms:.2f}", f"{e.e2e_ms:.0f}", []
+        if r.e2e_range:
+            tpot = f"{e.tpot_ms:.2f} [{r.tpot_range.low:.2f}-{r.tpot_range.high:.2f}]"
+            e2e = f"{e.e2e_ms:.0f} [{r.e2e_range.low:.0f}-{r.e2e_range.high:.0f}]"
+            extra = [f"{r.wins}/{r.scenarios}", r.e2e_range.top(2) or "-"]
+        table.add_row(
+            str(i),
+            str(r.layout),
+            f"{nodes}x{rpn}",
+            algo,
+            f"{e.ttft_ms:.1f}",
+            tpot,
+            e2e,
+            f"{e.throughput_tok_s:.0f}",
+            split,
+            mem,
+            *extra,
+            style=None if r.fits else "dim",
+        )
+    console.print(table)
+    if ranged:
+        console.print(
+            f"Ranges in brackets: every constant the preset marks as a guess ({len(cluster.ranges)}: "
+            f"{', '.join(sorted(cluster.ranges))}) at the end that lowers / raises the row; rows ranked "
+            "by the high end. wins: scenarios (nominal, each guess at each end) in which the row is "
+            "the fastest that fits. Replace guesses with your cluster's figures: `spanllm bench "
+            "allreduce --json F`, then `spanllm perf calibrate F --cluster "
+            f"{cluster.name} --out mine.json` and `--cluster mine.json` here."
+        )
+    console.print(
+        f"prefill all-reduces priced with {PREFILL_ALGO}; decode with the listed algorithm. "
+        f"Constants: {cluster.description} (sources in spanllm/perf/hardware.py)."
+    )
+    if b:
+        console.print(
+            f"[bold]best: {b.layout} with {b.algo}[/bold]: E2E {b.estimate.e2e_ms:.0f} ms, TTFT "
+            f"{b.estimate.ttft_ms:.1f} ms, TPOT {b.estimate.tpot_ms:.2f} ms"
+        )
+        if b.e2e_range:
+            console.print(robustness(rows))
+    else:
+        console.print("[bold red]no layout fits in GPU memory[/bold red]: add nodes or use a smaller model")
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot_rows(rows, args.plot, table.title)
+        console.print(f"wrote {args.plot}")
+    return 0 if b else 1
+
+
+def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.fits][:20] or rows[:20]
+    labels = [f"{r.layout} {r.algo}" for r in rows]
+    ttft = [r.estimate.ttft_ms / 1e3 for r in rows]
+    dec = [(r.estimate.e2e_ms - r.estimate.ttft_ms) / 1e3 for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    y = range(len(rows))
+    ax.barh(y, ttft, label="TTFT (prefill)")
+    ax.barh(y, dec, left=ttft, label="decode")
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted end-to-end batch latency (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def serve_requests(args: argparse.Namespace) -> list:
+    """The trace: the samples file's (or --lengths') requests at the arrival times `bench serve` would send."""
+    from spanllm.bench.sample_file import load_samples
+    from spanllm.bench.serve_metrics import arrival_offsets_s
+    from spanllm.perf.serving import ServeRequest
+
+    if args.lengths is not None:
+        p, o = (int(v) for v in args.lengths.split(":"))
+        lengths = [(p, o)] * args.num_requests
+    else:
+        try:
+            lengths = [(r.prompt_len, r.output_len) for r in load_samples(str(args.samples_file)).requests]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    arrivals = arrival_offsets_s(len(lengths), args.request_rate, args.burstiness, args.seed)
+    return [ServeRequest(p, o, a) for (p, o), a in zip(lengths, arrivals)]
+
+
+def run_serve(args: argparse.Namespace, model, cluster) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from spanllm.perf.serving import EngineLimits, Slo, plan_serve, row_to_dict
+    from spanllm.perf.step_cost import STEP_COST_RANGES
+
+    requests = serve_requests(args)
+    gpus = args.gpus or args.nodes * cluster.gpus_per_node
+    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, min_admit=args.min_admit)
+    slo = Slo(args.slo_tpot_ms, args.slo_ttft_ms)
+    rows = plan_serve(model, cluster, gpus, requests, limits, slo, ranges=not args.no_ranges)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    trace = str(args.samples_file) if args.samples_file else f"{args.num_requests} x {args.lengths}"
+    doc = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "gpus": gpus,
+        "trace": trace,
+        "requests": len(requests),
+        "request_rate": rate,
+        "limits": asdict(limits),
+        "slo": asdict(slo),
+        "rows": [row_to_dict(r, slo) for r in rows],
+    }
+    good = [r for r in rows if r.fits and slo.met(r.nominal)]
+    doc["best"] = row_to_dict(good[0], slo) if good else None
+    if args.json is not None and str(args.json) == "-":
+        print(json.dumps(doc, indent=2))
+        return 0 if good else 1
+    console = Console(width=170) if not Console().is_terminal else Console()
+    table = Table(
+        title=f"serving {model.name} on {gpus} GPUs of {cluster.name} ({cluster.gpu}): {trace}, rate {rate}/s, "
+        f"max_num_seqs {limits.max_num_seqs}, {limits.max_num_batched_tokens} tokens/step"
+    )
+    for col in (
+        "#",
+        "layout",
+        "output tok/s \\[range]",
+        "req/s",
+        "TTFT p50 / p99 ms \\[p99 range]",
+        "TPOT p50 / p99 ms \\[p99 range]",
+        "SLO",
+        "KV blocks",
+    ):
+        table.add_column(col, justify="left" if col in ("layout", "SLO") else "right")
+    shown = rows[: args.top] if args.top else rows
+    for i, r in enumerate(shown, 1):
+        if not r.fits:
+            table.add_row(str(i), str(r.layout), "-", "-", "-", "-", f"does not fit: {r.why}", "-", style="dim")
+            continue
+        n, (tlo, thi), (plo, phi), (olo, ohi) = (
+            r.nominal,
+            r.range_of("ttft_p99_ms"),
+            r.range_of("tpot_p99_ms"),
+            r.range_of("output_tok_s"),
+        )
+        verdict = ("yes" if slo.met(r.slow) else "yes (not at the slow end)") if slo.met(n) else "no"
+        table.add_row(
+            str(i),
+            str(r.layout),
+            f"{n['output_tok_s']:,.0f} [{olo:,.0f}-{ohi:,.0f}]",
+            f"{n['request_s']:.2f}",
+            f"{n['ttft_p50_ms']:,.1f} / {n['ttft_p99_ms']:,.1f} [{tlo:,.1f}-{thi:,.1f}]",
+            f"{n['tpot_p50_ms']:.2f} / {n['tpot_p99_ms']:.2f} [{plo:.2f}-{phi:.2f}]",
+            verdict if (slo.tpot_p99_ms or slo.ttft_p99_ms) else "-",
+            str(r.num_blocks),
+        )
+    console.print(table)
+    console.print(
+        "Each layout: the engine's scheduler replayed on the trace (spanllm.perf.serving), every step priced by the "
+        "step cost calibrated on the H200 (spanllm.perf.step_cost). Ranges: the step cost's ranges ("
+        f"{', '.join(STEP_COST_RANGES)}) and the cluster's guessed constants at their fast / slow ends. TTFT leaves "
+        "out the HTTP front end and tokenization."
+    )
+    if good:
+        b = good[0]
+        console.print(
+            f"[bold]best: {b.layout}[/bold]: {b.nominal['output_tok_s']:,.0f} output tok/s, TPOT p99 "
+            f"{b.nominal['tpot_p99_ms']:.2f} ms, TTFT p99 {b.nominal['ttft_p99_ms']:,.1f} ms"
+        )
+    else:
+        console.print(
+            "[bold red]no layout fits and meets the SLO[/bold red]: add GPUs, lower the rate or relax the SLO"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0 if good else 1
