@@ -7,14 +7,13 @@ by the positions of a batch, so a captured decode graph reads it like any other 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 frequency scaling ('llama3' rope_type): low frequencies are slowed down by `factor`."""
+class RopeScaling(Protocol):
+    """Llama 3.1 frequency scaling ('llama3' rope_type; spanllm.model.config.RopeScaling holds the values)."""
 
     factor: float
     low_freq_factor: float

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from spanllm.layers.rope import RopeScaling
 from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -21,6 +20,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 
 class ModelConfigError(ValueError):
     """A config.json or preset that this engine cannot build."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling ('llama3' rope_type): low frequencies are slowed down by `factor`."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
