@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 # The model dtypes by name: spanllm.dtypes holds the one dtype table (the all-reduce library reads it too).
+from spanllm.dtypes import MODEL_DTYPES as DTYPES  # noqa: F401
+from spanllm.dtypes import model_dtype as parse_dtype  # noqa: F401
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 COMPILE_SCOPES = ("layer", "forward")
