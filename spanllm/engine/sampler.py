@@ -31,6 +31,22 @@ class SamplingParamsError(ValueError):
     """A sampling parameter outside its range (the server answers 400 with this message)."""
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds (torch.Generator.manual_seed takes an int64)
+INT32_MAX = 2**31 - 1  # top_k, max_tokens and token ids live in int32 / int64 arrays
+
+# Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-39 overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the top alternatives (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's names and meanings. stop: strings that end the output (not included in it); stop_token_ids:
@@ -46,6 +62,12 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 2]
+    min_p: float = 0.0  # [0, 1]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    logprobs: int | None = None  # None: none; k in [0, 20]: the sampled token's logprob and the top k
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -60,8 +82,10 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_tokens}"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SamplingParamsError(f"seed={self.seed!r} must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise SamplingParamsError(f"seed={self.seed!r} must be an integer in [{INT64_MIN}, {INT64_MAX}]")
+        if self.top_k > INT32_MAX or self.max_tokens > INT32_MAX:
+            raise SamplingParamsError(f"top_k={self.top_k} and max_tokens={self.max_tokens} must be <= {INT32_MAX}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -70,10 +94,22 @@ class SamplingParams:
             raise SamplingParamsError(f"stop={self.stop!r} must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must hold non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingParamsError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p={self.min_p} must be in [0, 1]")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise SamplingParamsError(f"logit_bias={self.logit_bias!r}: token ids >= 0, biases in [-100, 100]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise SamplingParamsError(f"logprobs={self.logprobs!r} must be None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def top_k_active(self) -> bool:

@@ -41,6 +41,8 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     text: str | None = None  # whole text, on the finished delta
+    new_logprobs: list | None = None  # TokenLogprob per new id (params.logprobs set)
+    error: str | None = None  # the engine ended this request because handling its data failed
 
 
 @dataclass
@@ -144,8 +146,13 @@ class AsyncEngine(FrontDoor):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.core.config.max_num_seqs
+
     def num_waiting(self) -> int:
-        return self.core.num_waiting + self._pending_adds
+        core = self.core
+        return queued_estimate(core.num_waiting, core.num_running, self._pending_adds, self.max_num_seqs)
 
     def abort_all(self) -> None:
         """Stop admitting; abort every request (shutdown): their handlers end with finish_reason abort."""
@@ -186,6 +193,9 @@ class AsyncEngine(FrontDoor):
                 core.add_request(ids, params, request_id=rid, arrival=arrival, with_text=True)
             except (RequestError, ValueError) as e:  # validated already; a late refusal still reaches the client
                 return [(rid, e)]
+            except Exception as e:  # noqa: BLE001 - this request's data (its detokenizer, say): it alone fails
+                core.abort_request(rid)
+                return [(rid, Delta("", [], 0, True, "error", None, "", None, f"{type(e).__name__}: {e}"))]
             return []
         if kind == "abort":
             out = core.abort_request(cmd[1])
@@ -263,4 +273,14 @@ def _delta(out) -> Delta:
         out.finish_reason,
         out.stop_reason,
         out.text if out.finished else None,
+        getattr(out, "new_logprobs", None),
+        getattr(out, "error", None),
     )
+
+
+def queued_estimate(engine_waiting: int, running: int, in_transit: int, max_num_seqs: int) -> int:
+    """What --max-queued-requests counts: the requests waiting in the engine's queue, plus those still in transit
+    to the engine that will wait there when they arrive (beyond the free running slots); a request in transit
+    to a free slot does not wait."""
+    free = max(0, max_num_seqs - running - engine_waiting)
+    return engine_waiting + max(0, in_transit - free)
