@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError, validate_request
+from spanllm.serve.stats_log import StatsLogger, logger
 
 # An idle engine thread sends the other TP ranks an empty plan this often (EngineCore.heartbeat), far below
 # any sensible collective timeout (--pg-timeout), so idle servers keep the normal timeout.
@@ -116,6 +117,7 @@ class AsyncEngine(FrontDoor):
         self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spanllm-engine", daemon=True)
+        self.stats_log = StatsLogger()
 
     # --- any thread -------------------------------------------------------------------------------------
     # The engine's fixed limits, which the HTTP handlers read (spanllm.serve.frontend_process.EngineClient has
@@ -244,14 +246,17 @@ class AsyncEngine(FrontDoor):
                             self.metrics.observe_finished(out.finish_reason, out.metrics)
                 if self.metrics is not None:
                     self.metrics.update_engine(core, self._pending_adds)
+                self.stats_log.maybe_log(core, self._pending_adds)
                 if events:
                     self._deliver(events)
             self._deliver(self._abort_everything())
             if self.metrics is not None:
                 self.metrics.update_engine(core, 0)
             core.shutdown_workers()
+            self.stats_log.log_shutdown(core)
         except BaseException as e:  # noqa: BLE001 - a failed step (a dead TP rank): fail every request, stop
             self.error = f"the engine loop failed: {type(e).__name__}: {e}"
+            logger.error("%s", self.error, exc_info=e)
             dead = EngineDead(self.error)
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:
