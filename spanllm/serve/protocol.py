@@ -247,10 +247,17 @@ def _as_api_error(e: ValidationError, model: type[BaseModel]) -> APIError:
         return APIError(f"{where}: required", param)
     got = repr(err.get("input"))
     got = got if len(got) <= 60 else got[:57] + "..."
-    bounds = _bounds(model, loc[0]) if len(loc) == 1 and err["type"] in _BOUND_ERRORS else None
+    bounds = None
+    if err["type"] in _BOUND_ERRORS:
+        bounds = _bounds(model, loc[0]) if len(loc) == 1 else _ITEM_RANGES.get(loc[0])
     return APIError(f"{where}={got}: {f'must be in {bounds}' if bounds else err['msg']}", param)
 
 
+_ITEM_RANGES = {  # the range of each item of a list / dict field
+    "logit_bias": "[-100, 100]",
+    "stop_token_ids": f"[0, {INT32_MAX}]",
+    "prompt": f"[0, {INT32_MAX}] (token ids)",
+}
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
