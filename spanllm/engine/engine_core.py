@@ -448,6 +448,9 @@ def validate_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
+    for t, _ in params.logit_bias:
+        if t >= vocab_size:
+            raise RequestError(f"logit_bias names token {t}, outside the vocabulary [0, {vocab_size})")
 
 
 def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -108,6 +108,14 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
         raise APIError(str(e), "messages") from None
 
 
+def refused_param(message: str) -> str:
+    """The field an engine refusal (validate_request's message) is about: the prompt unless it names another."""
+    for name in ("stop_token_ids", "logit_bias", "stop strings"):
+        if name in message:
+            return name.split()[0]
+    return "prompt"
+
+
 def usage(num_prompt: int, num_output: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
@@ -252,7 +260,7 @@ def build_app(
                 queues.append(engine.add(f"{rid}-{i}", prompt_ids, p, time.monotonic()))
         except RequestError as e:
             _abort_all(rid, len(queues))
-            raise APIError(str(e), "prompt") from None
+            raise APIError(str(e), refused_param(str(e))) from None
         except (QueueFull, EngineUnavailable) as e:
             _abort_all(rid, len(queues))
             raise APIError(str(e), None, 503, "ServiceUnavailableError") from None

@@ -101,8 +101,8 @@ def bodies(chat: bool):
             out[main] = draw(fields[main])
         for name in draw(st.lists(st.sampled_from(names), max_size=6, unique=True)):
             out[name] = draw(fields[name])
-        if "max_tokens" not in out and "max_completion_tokens" not in out:
-            out["max_tokens"] = 4
+        if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
+            out["max_tokens"] = 4  # not the chat default (the rest of the context): runs stay short
         return out
 
     return body()

@@ -240,3 +240,14 @@ def test_sse_chunks_are_json(cli_server):
         lines = [x for x in r.iter_lines() if x.startswith("data:")]
     assert lines[-1] == "data: [DONE]"
     assert all("choices" in json.loads(x[5:]) for x in lines[:-1])
+
+
+def test_engine_refusals_name_their_field(cli_server):
+    """validate_request (the engine's one admission check) against the tiny preset's vocabulary of 512."""
+    proc, base = cli_server
+    url = base + "/v1/completions"
+    _error(httpx.post(url, json={"prompt": [5, 512]}), 400, "prompt", "512", "[0, 512)")
+    _error(httpx.post(url, json={"prompt": "hi", "stop_token_ids": [600]}), 400, "stop_token_ids", "[0, 512)")
+    _error(httpx.post(url, json={"prompt": "hi", "logit_bias": {"600": 1}}), 400, "logit_bias", "[0, 512)")
+    _error(httpx.post(url, json={"prompt": "hi", "max_tokens": 5000}), 400, "prompt", "4096")
+    _still_serving(cli_server)
