@@ -129,6 +129,7 @@ def check_args(args: argparse.Namespace) -> None:
     checks.at_least("--nprocs", args.nprocs, 1, " (local gloo ranks)")
     checks.at_least("--ranks-per-node", args.ranks_per_node, 1)
     checks.at_least("--tp", args.tp, 1)
+    checks.at_least("--max-model-len", args.max_model_len, 1)
     if not INT64_MIN <= args.seed <= INT64_MAX:
         raise UsageError(f"--seed {args.seed}: give an integer in [{INT64_MIN}, {INT64_MAX}]")
 
