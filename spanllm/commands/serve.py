@@ -134,6 +134,27 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed {args.seed}: give an integer in [{INT64_MIN}, {INT64_MAX}]")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """One line before the engine is built (which can take minutes) rather than uvicorn's error after it."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UsageError(
+                f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); choose another port (0: any free one)"
+            ) from None
+
+
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(
         max_body_bytes=args.max_body_bytes,
@@ -221,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)
+    if not under_launcher() or int(os.environ.get("RANK", "0")) == 0:
+        check_port_free(args.host, args.port)
     _setup_logging()
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)

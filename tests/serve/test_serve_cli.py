@@ -38,3 +38,16 @@ def test_bad_number(flag, value, words, capsys):
     assert main(["serve", "--model", "tiny", flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"spanllm: error: {flag} ") and words in err[0], err
+
+
+def test_port_in_use_is_one_line_before_the_engine(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
+    err = capsys.readouterr()
+    assert f"spanllm: error: --port {port}: cannot listen on 127.0.0.1:{port}" in err.err
+    assert "building the engine" not in err.out + err.err
