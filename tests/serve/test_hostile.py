@@ -38,6 +38,14 @@ def _still_serving(cli_server) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def _read_all(s: socket.socket) -> str:
+    """What the server sends until it closes the connection (its error answers say connection: close)."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out.decode()
+
+
 def _error(r: httpx.Response, status: int, param: str | None, *words: str) -> None:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -118,7 +126,7 @@ def test_body_size_limit_before_reading(cli_server):
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 50000000\r\n\r\n"
         )
-        reply = s.recv(65536).decode()
+        reply = _read_all(s)
     assert reply.startswith("HTTP/1.1 413") and "--max-body-bytes" in reply and "1000000" in reply
 
     # no Content-Length (chunked): capped while it streams in
@@ -145,7 +153,7 @@ def test_body_and_header_timeouts(cli_server):
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body) + 100).encode() + b"\r\n\r\n" + body
         )
-        reply = s.recv(65536).decode()
+        reply = _read_all(s)
     assert reply.startswith("HTTP/1.1 408") and "--body-timeout" in reply
     assert time.monotonic() - t0 < 5
     # half-sent headers: the connection is closed after --header-timeout (2 s)
