@@ -407,7 +407,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="recorded in the JSON")
     r.add_argument("--save-result", action="store_true", help="write the JSON of a single-rate run")
     r.add_argument("--save-detailed", action="store_true", help="keep per-request arrays in the JSON")
-    r.add_argument("--result-dir", default=None, help="where JSON (and a sweep's PNG) go; default: .")
+    r.add_argument(
+        "--result-dir", default=None, help="where JSON (and a sweep's PNG) go; without it nothing is written"
+    )
     r.add_argument("--result-filename", default=None, help="JSON file name; a sweep's PNG takes its stem")
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -445,7 +447,34 @@ def _parse_metadata(items: Sequence[str] | None) -> dict[str, str]:
     return out
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags ServeBenchConfig does not check itself, each against its range."""
+
+    def within(flag: str, v, lo, hi, closed_lo: bool = True) -> None:
+        if v is None:
+            return
+        if not ((lo <= v) if closed_lo else (lo < v)) or not v <= hi:
+            raise UsageError(f"{flag} {v}: must be in {'[' if closed_lo else '('}{lo}, {hi}]")
+
+    within("--port", args.port, 1, 65535)
+    within("--temperature", args.temperature, 0.0, 2.0)
+    within("--top-p", args.top_p, 0.0, 1.0, closed_lo=False)
+    within("--top-k", args.top_k, -1, 2**31 - 1)
+    within("--seed", getattr(args, "seed", None), 0, 2**63 - 1)
+    within("--num-prompts", getattr(args, "num_prompts", None), 1, 10**9)
+    for flag in ("random_input_len", "random_output_len", "input_len", "output_len", "sharegpt_output_len"):
+        within("--" + flag.replace("_", "-"), getattr(args, flag, None), 1, 2**31 - 1)
+    within("--random-prefix-len", getattr(args, "random_prefix_len", None), 0, 2**31 - 1)
+    rr = getattr(args, "random_range_ratio", None)
+    if rr is not None and not 0.0 <= rr < 1.0:
+        raise UsageError(f"--random-range-ratio {rr}: must be in [0, 1)")
+    within("--ready-check-timeout-sec", args.ready_check_timeout_sec, 0.0, 86400.0)
+    if args.save_result and not args.result_dir:
+        raise UsageError("--save-result writes into --result-dir: give one (nothing is written to the cwd)")
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[float]]:
+    check_numbers(args)
     rates = parse_rates(args.request_rate)
     sampling = {
         k: v
@@ -487,7 +516,7 @@ def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequ
     conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
     rate = f"{rates[0]}qps" if len(rates) == 1 else f"sweep-{rate_label(rates[0])}-{rate_label(rates[-1])}qps"
     name = args.result_filename or f"{label}-{rate}{conc}-{model_id.split('/')[-1]}-{dt}.json"
-    return os.path.join(args.result_dir or ".", name)
+    return os.path.join(args.result_dir, name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -514,8 +543,8 @@ def run(args: argparse.Namespace) -> int:
     samples = samples_from_args(args, tokenizer)
     cfg = replace(cfg, model=model, tokenizer_id=tokenizer_id, label=cfg.label or cfg.resolved_backend)
     print(
-        f"{len(samples)} requests ({samples.info.get('dataset_name')}): mean prompt {samples.mean_prompt_len:.1f}, "
-        f"mean output {samples.mean_output_len:.1f} tokens; {cfg.api_url}, model {model}; "
+        f"{len(samples)} requests ({samples.info.get('dataset_name')}), mean output {samples.mean_output_len:.1f} "
+        f"tokens; {cfg.api_url}, model {model}; "
         f"burstiness {cfg.burstiness} ({'Poisson' if cfg.burstiness == 1 else 'gamma'}), "
         f"max concurrency {cfg.max_concurrency}" + (", ignore_eos" if cfg.ignore_eos else "")
     )
@@ -539,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
     def on_result(r: dict[str, Any]) -> None:
         report_run(r)
         done.append(r if args.save_detailed else _strip_detailed(r))
-        if len(rates) > 1 and len(done) < len(rates):  # a sweep cut short keeps the rates it finished
+        if args.result_dir and len(rates) > 1 and len(done) < len(rates):  # a sweep cut short keeps what it did
             settings = {
                 **{k: v for k, v in asdict(cfg).items() if k != "request_rate"},
                 "request_rates": [rate_label(x) for x in rates],
@@ -574,6 +603,9 @@ def run(args: argparse.Namespace) -> int:
             f"requests, burstiness {cfg.burstiness}, max concurrency {cfg.max_concurrency}"
         )
         Console(width=max(Console().width, 160)).print(sweep_table(saved, title))
+        if not args.result_dir:
+            print("no files written (give --result-dir for the sweep's JSON and PNG)")
+            return 0 if all(r["completed"] > 0 for r in runs) else 1
         path = result_path(args, cfg.label, model, rates, dt)
         settings = {
             **{k: v for k, v in asdict(cfg).items() if k != "request_rate"},

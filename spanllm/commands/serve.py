@@ -9,6 +9,9 @@ Every rank builds the engine; rank 0 runs the engine loop and the HTTP front end
 (spanllm.serve.frontend_process), with `--no-frontend-process` in rank 0's main thread beside the engine loop's
 thread (spanllm.serve.async_engine); the other ranks run `EngineCore.worker_loop()`.
 
+Exit status: 0 after a clean SIGINT / SIGTERM shutdown, in every front-end mode; 1 when the engine loop failed
+(the reason is logged, every open request answered 500 first); 2 for a bad flag.
+
 Shutdown: SIGINT / SIGTERM on rank 0 stop uvicorn from accepting, abort every request (streams end with
 finish_reason "abort"), then the engine thread calls `shutdown_workers()` and the other ranks leave their
 worker loop and exit 0. A signal on another rank only arms a deadline (WORKER_EXIT_S): it waits for rank
@@ -26,15 +29,19 @@ seconds (10), so the normal timeout holds and a rank that hangs (or dies) is not
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
 
+from spanllm.engine.sampler import INT64_MAX, INT64_MIN
 from spanllm.errors import UsageError
+from spanllm.serve.limits import ServerLimits
 from spanllm.serve.server import Server
 
 WORKER_EXIT_S = 5.0
+_log = logging.getLogger("spanllm.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +58,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="waiting requests beyond which new ones get 503 (default: unbounded)",
+    )
+    d = ServerLimits()
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body; a larger Content-Length (or body) answers 413 before it is read",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds a connection may take to send its request line and headers",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a request body may pause between two chunks; then 408",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=d.keep_alive_s,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="concurrent connections; beyond, requests answer 503",
+    )
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    g.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=d.max_stop_string_length,
+        help="characters per stop string",
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request and decode-graph capture")
     g.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
@@ -73,6 +118,52 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
     checks.at_least("--max-queued-requests", args.max_queued_requests, 1, " (leave it out: unbounded)")
+    for flag in ("max_body_bytes", "max_connections", "max_stop_string_length"):
+        checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    checks.at_least("--max-stop-strings", args.max_stop_strings, 0)
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        v = getattr(args, flag)
+        if not 0 < v <= 3600:  # nan fails too
+            raise UsageError(f"--{flag.replace('_', '-')} {v}: give seconds in (0, 3600]")
+    checks.at_least("--nprocs", args.nprocs, 1, " (local gloo ranks)")
+    checks.at_least("--ranks-per-node", args.ranks_per_node, 1)
+    checks.at_least("--tp", args.tp, 1)
+    checks.at_least("--max-model-len", args.max_model_len, 1)
+    if not INT64_MIN <= args.seed <= INT64_MAX:
+        raise UsageError(f"--seed {args.seed}: give an integer in [{INT64_MIN}, {INT64_MAX}]")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """One line before the engine is built (which can take minutes) rather than uvicorn's error after it."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UsageError(
+                f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); choose another port (0: any free one)"
+            ) from None
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+    )
 
 
 def _worker(llm, warm: bool) -> None:
@@ -98,6 +189,8 @@ def _rank(ctx, args: argparse.Namespace):
     from spanllm.commands.bench_throughput import warm_up
     from spanllm.commands.engine_args import build_llm
 
+    if ctx.rank == 0:
+        _log.info("building the engine: model %s", args.model)
     llm = build_llm(ctx, args)
     llm.get_tokenizer()
     try:
@@ -107,7 +200,9 @@ def _rank(ctx, args: argparse.Namespace):
             return None
         print(llm.describe(), flush=True)
         if not args.no_warmup:
+            _log.info("warming up (one request, decode-graph capture)")
             warm_up(llm)
+        _log.info("starting the HTTP front end (%s)", "own process" if args.frontend_process else "thread")
         if args.frontend_process:
             from spanllm.serve.frontend_process import ProcessServer
 
@@ -121,6 +216,7 @@ def _rank(ctx, args: argparse.Namespace):
             model_name=args.served_model_name or args.model,
             max_queued_requests=args.max_queued_requests,
             log_level=args.log_level,
+            limits=server_limits(args),
         )
         server.run(
             on_started=lambda s: print(
@@ -132,10 +228,24 @@ def _rank(ctx, args: argparse.Namespace):
         llm.close()
 
 
+def _setup_logging() -> None:
+    """The server's own lines (spanllm.serve: start, the periodic stats line, shutdown) at INFO on stdout."""
+    log = logging.getLogger("spanllm.serve")
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(asctime)s spanllm serve: %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)
+    if not under_launcher() or int(os.environ.get("RANK", "0")) == 0:
+        check_port_free(args.host, args.port)
+    _setup_logging()
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)
     else:  # one local process: no spawn, signals reach uvicorn directly

@@ -29,7 +29,7 @@ after those writes, in the same order. Outputs arrive one step later than they a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ class RequestOutput:
     # and of output_ids (all so far: the engine's own list, as output_ids).
     new_logprobs: list[TokenLogprob] | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # finish_reason "error": handling this request's data failed (the others go on)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class EngineCore:
         self._logprobs: dict[str, list[TokenLogprob]] = {}  # requests that asked for logprobs: all so far
         self._counter = 0
         self._inflight: _InFlight | None = None
+        self._failed: list[RequestOutput] = []  # requests ended by an error in their own data (_fail_request)
         pin = runner.device.type == "cuda"
         n = config.max_num_seqs
         self._host_tokens = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
@@ -212,9 +214,12 @@ class EngineCore:
                     self.stats.prompt_tokens += seq.num_prompt  # counted once, at its first chunk (cached included)
                 seq.num_computed += n
         if not self.async_scheduling:
-            return self._land_or_abort(new) if new is not None else []
-        self._inflight = new  # read at the next step, after that one is queued
-        return self._land_or_abort(prev) if prev is not None else []
+            outs = self._land_or_abort(new) if new is not None else []
+        else:
+            self._inflight = new  # read at the next step, after that one is queued
+            outs = self._land_or_abort(prev) if prev is not None else []
+        failed, self._failed = self._failed, []
+        return failed + outs
 
     def _land_or_abort(self, f: _InFlight) -> list[RequestOutput]:
         """_land; if that fails part-way (a detokenizer error, say), its tokens cannot be landed again: the
@@ -239,25 +244,43 @@ class EngineCore:
             seq.num_pending -= 1
             if seq.is_finished:  # ended (stop, abort) after this step was launched: its token is dropped
                 continue
-            outs.append(self._append(seq, tok, now, lp))
+            try:
+                outs.append(self._append(seq, tok, now, lp))
+            except Exception as e:  # noqa: BLE001 - this request's detokenization / stop strings: it alone ends
+                self._fail_request(seq, e)
         return outs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> _InFlight:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> _InFlight | None:
         """Sample on the device, start the copies to the host (tokens, and the logprobs of the rows that ask:
-        one event covers both); the tokens count as pending until they land."""
-        masks = []
-        gens = []
-        for s in seqs:
-            p = s.params
-            banned = ()
-            if s.num_output + s.num_pending < p.min_tokens:
-                banned = (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
-            masks.append(banned)
-            if p.seed is not None and not p.greedy and s.generator is None:
-                s.generator = torch.Generator(device=self.runner.device)
-                s.generator.manual_seed(p.seed)
-            gens.append(s.generator)
-        tokens, logprobs = self.sampler.sample(logits, [s.params for s in seqs], masks, gens, seqs)
+        one event covers both); the tokens count as pending until they land. A request whose parameters make
+        sampling raise ends with that error (_fail_request); the others sample. None when no request is left."""
+        masks, gens, kept, rows = [], [], [], []
+        for i, s in enumerate(seqs):
+            try:
+                mask, gen = self._stop_mask(s), self._generator(s)
+            except Exception as e:  # noqa: BLE001 - this request's parameters: it alone ends
+                self._fail_request(s, e)
+                continue
+            masks.append(mask)
+            gens.append(gen)
+            kept.append(s)
+            rows.append(i)
+        if len(kept) < len(seqs):
+            logits = logits[rows]
+        if not kept:
+            return None
+        try:
+            tokens, logprobs = self.sampler.sample(logits, [s.params for s in kept], masks, gens, kept)
+        except Exception as e:  # noqa: BLE001 - find the rows that fail alone; if every row does, the step failed
+            bad = [i for i in range(len(kept)) if not self._samples_alone(logits, i, kept, masks, gens)]
+            if len(bad) == len(kept):
+                raise
+            for i in bad:
+                self._fail_request(kept[i], e)
+            rows = [i for i in range(len(kept)) if i not in bad]
+            kept, masks, gens = [kept[i] for i in rows], [masks[i] for i in rows], [gens[i] for i in rows]
+            tokens, logprobs = self.sampler.sample(logits[rows], [s.params for s in kept], masks, gens, kept)
+        seqs = kept
         for row, s in enumerate(seqs):
             s.num_pending += 1
             s.pending_row = row
@@ -271,6 +294,44 @@ class EngineCore:
             ready = torch.cuda.Event()
             ready.record()
         return _InFlight(seqs, tokens, host, ready, logprobs)
+
+    def _stop_mask(self, s: Sequence) -> tuple[int, ...]:
+        """Ids to forbid in this row: EOS and stop ids before min_tokens."""
+        p = s.params
+        if s.num_output + s.num_pending < p.min_tokens:
+            return (() if p.ignore_eos else self.eos_token_ids) + p.stop_token_ids
+        return ()
+
+    def _generator(self, s: Sequence) -> torch.Generator | None:
+        p = s.params
+        if p.seed is not None and not p.greedy and s.generator is None:
+            g = torch.Generator(device=self.runner.device)
+            g.manual_seed(p.seed)
+            s.generator = g
+        return s.generator
+
+    def _samples_alone(self, logits, i, seqs, masks, gens) -> bool:
+        try:
+            # without the penalties (and so without request state): a probe must not move a row's token counts
+            params = replace(seqs[i].params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+            self.sampler.sample(logits[i : i + 1].clone(), [params], [masks[i]], [gens[i]], None)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _fail_request(self, seq: Sequence, e: BaseException) -> None:
+        """Handling this request's data (its parameters, detokenization, stop strings) raised: end it now (its
+        blocks freed) with the error; step() reports it and the loop serves the others."""
+        out = self.abort_request(seq.request_id) if not seq.is_finished else None
+        if out is None:  # it had finished already (the error came after): report it once more, as failed
+            if seq.finish_reason is None:
+                seq.finish(FinishReason.ABORT)
+            out = self._output(seq, [], "")
+            self._requests.pop(seq.request_id, None)
+            self._detok.pop(seq.request_id, None)
+        out.finished, out.finish_reason = True, "error"
+        out.error = f"{type(e).__name__}: {e}"
+        self._failed.append(out)
 
     def _append(self, seq: Sequence, tok: int, now: float, logprob: TokenLogprob | None = None) -> RequestOutput:
         """Append a sampled token, then decide whether the request ends (vLLM's rules):

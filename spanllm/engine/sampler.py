@@ -50,6 +50,9 @@ class SamplingParamsError(ValueError):
     """A sampling parameter outside its range (the server answers 400 with this message)."""
 
 
+INT32_MAX = 2**31 - 1  # top_k, max_tokens and token ids live in int32 / int64 arrays
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's names and meanings. stop: strings that end the output (not included in it); stop_token_ids:
@@ -91,6 +94,8 @@ class SamplingParams:
             )
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise SamplingParamsError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1] (int64)")
+        if self.top_k > INT32_MAX or self.max_tokens > INT32_MAX:
+            raise SamplingParamsError(f"top_k={self.top_k} and max_tokens={self.max_tokens} must be <= {INT32_MAX}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

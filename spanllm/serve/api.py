@@ -1,11 +1,16 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
 /health, /metrics.
 
-Bodies are parsed by hand (not pydantic models) so every bad parameter answers OpenAI's error body
-with status 400 (FastAPI's default would be 422): {"error": {"message", "type", "param", "code"}}.
+Request bodies are validated by spanllm.serve.protocol (pydantic models: types, ranges, refused fields); every
+refusal, and every 404 / 405, answers OpenAI's error body {"error": {"message", "type", "param", "code"}}.
+The prompt is checked against the model (vocabulary, context) by the engine's one admission function
+(spanllm.engine.engine_core.validate_request, through the engine's `add`).
 
-max_tokens defaults: 16 for completions (OpenAI's); for chat, the rest of the context, i.e.
-min(max_model_len, KV pool tokens) - prompt tokens (vLLM's choice).
+Defaults: max_tokens 16 for completions (OpenAI's); for chat the rest of the context, i.e.
+min(max_model_len, KV pool tokens) - prompt tokens (vLLM's choice); max_completion_tokens wins over max_tokens.
+temperature absent: greedy (0). `n` choices are n engine requests; with a seed, choice i samples with
+seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are those of the distribution the
+token was sampled from after temperature (vLLM's default), for the sampled token and the top k.
 """
 
 from __future__ import annotations
@@ -18,103 +23,56 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spanllm.engine.engine_core import RequestError
-from spanllm.engine.sampler import SamplingParams, SamplingParamsError
+from spanllm.engine.sampler import INT32_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailable, QueueFull
+from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
+from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the handler checks that its client is still there
-
-
-class APIError(Exception):
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, type_: str = "BadRequestError"
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type_
-
-
-def error_body(message: str, type_: str = "BadRequestError", param: str | None = None, code: int = 400) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+_HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
 
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.status), status_code=e.status)
 
 
-# --- parameters ---------------------------------------------------------------------------------------
-def _opt(body: dict, name: str, types, what: str):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise APIError(f"{name}={v!r}: expected {what}", name)
-    if not isinstance(v, types):
-        raise APIError(f"{name}={v!r}: expected {what}", name)
-    return v
+def seed_for_choice(seed: int, i: int) -> int:
+    """Choice i's seed: seed itself for choice 0, then seed + i wrapped into int64."""
+    return (seed - INT64_MIN + i) % 2**64 + INT64_MIN if i else seed
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, chat: bool) -> tuple[SamplingParams, int | None]:
-    """SamplingParams from an OpenAI body (max_tokens None: decided once the prompt length is known)."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise APIError(f"n={n!r}: this server returns one choice per request; use n=1", "n")
-    for unsupported in ("logprobs", "echo", "best_of", "top_logprobs", "tools", "suffix"):
-        v = body.get(unsupported)
-        if v not in (None, False, 1 if unsupported == "best_of" else None, []):
-            raise APIError(f"{unsupported} is not supported by this server", unsupported)
-    max_tokens = _opt(body, "max_tokens", int, "an integer >= 1")
-    if max_tokens is None and chat:
-        max_tokens = _opt(body, "max_completion_tokens", int, "an integer >= 1")
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"max_tokens={max_tokens} must be an integer >= 1", "max_tokens")
-    kw: dict[str, Any] = {}
-    for name, types, what in (
-        ("temperature", (int, float), "a number in [0, 2]"),
-        ("top_p", (int, float), "a number in (0, 1]"),
-        ("top_k", int, "an integer (-1 or 0: off)"),
-        ("seed", int, "an integer"),
-        ("min_tokens", int, "an integer >= 0"),
-        ("ignore_eos", bool, "true or false"),
-    ):
-        v = _opt(body, name, types, what)
-        if v is not None:
-            kw[name] = float(v) if name in ("temperature", "top_p") else v
-    if "temperature" in kw and not 0.0 <= kw["temperature"] <= 2.0:
-        raise APIError(f"temperature={kw['temperature']} must be in [0, 2] (0 = greedy)", "temperature")
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise APIError(f"stop={stop!r}: expected a string or a list of strings", "stop")
-        kw["stop"] = tuple(s for s in stop if s)
-    sti = body.get("stop_token_ids")
-    if sti is not None:
-        if not isinstance(sti, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
-            raise APIError(f"stop_token_ids={sti!r}: expected a list of token ids", "stop_token_ids")
-        kw["stop_token_ids"] = tuple(sti)
-    mt = max_tokens if max_tokens is not None else (default_max_tokens or 1)
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> SamplingParams:
+    """SamplingParams of choice 0 (chat without max_tokens: INT32_MAX until the prompt length is known)."""
+    if chat:
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        logprobs = req.logprobs
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     try:
-        params = SamplingParams(max_tokens=mt, **kw)
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else INT32_MAX,
+            temperature=req.temperature if req.temperature is not None else 0.0,
+            top_p=req.top_p if req.top_p is not None else 1.0,
+            top_k=req.top_k if req.top_k is not None else 0,
+            seed=req.seed,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_p=req.min_p,
+            logit_bias=tuple(sorted((int(k), v) for k, v in (req.logit_bias or {}).items())),
+            logprobs=logprobs,
+        )
     except SamplingParamsError as e:
-        raise APIError(str(e), str(e).split("=", 1)[0] or None)
-    return params, max_tokens
-
-
-def completion_prompt(body: dict, tokenizer, vocab_size: int) -> list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise APIError("the prompt is empty: give at least one character", "prompt")
-        return _encode(tokenizer, p)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return list(p)
-    if isinstance(p, list) and len(p) > 1:
-        raise APIError("batched prompts are not supported: send one prompt per request", "prompt")
-    raise APIError("prompt must be a string or a list of token ids (or a list of one of those)", "prompt")
+        raise APIError(str(e), str(e).split("=", 1)[0] or None) from None
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -123,29 +81,41 @@ def _encode(tokenizer, text: str) -> list[int]:
     try:
         return tokenizer.encode(text)
     except TokenizerError as e:
-        raise APIError(str(e), "prompt")
+        raise APIError(str(e), "prompt") from None
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[list[int], str | None]:
+    """(prompt ids, prompt text for echo: the string given, or None for token ids)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) > 1:
+            raise APIError("batched prompts are not supported: send one prompt per request (or use n)", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError("the prompt is empty: give at least one character", "prompt")
+        return _encode(tokenizer, p), p
+    return list(p), None
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     from spanllm.engine.tokenizer import TokenizerError
 
-    msgs = body.get("messages")
-    if isinstance(msgs, list):  # content given as a list of text parts (OpenAI's newer shape)
-        fixed = []
-        for m in msgs:
-            if isinstance(m, dict) and isinstance(m.get("content"), list):
-                parts = m["content"]
-                if all(isinstance(x, dict) and x.get("type") == "text" for x in parts):
-                    m = {**m, "content": "".join(x.get("text", "") for x in parts)}
-            fixed.append({"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m)
-        msgs = fixed
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     try:
         return tokenizer.apply_chat_template(msgs)
     except TokenizerError as e:
-        raise APIError(str(e), "messages")
+        raise APIError(str(e), "messages") from None
 
 
-# --- the app --------------------------------------------------------------------------------------------
+def refused_param(message: str) -> str:
+    """The field an engine refusal (validate_request's message) is about: the prompt unless it names another."""
+    for name in ("stop_token_ids", "logit_bias", "stop strings"):
+        if name in message:
+            return name.split()[0]
+    return "prompt"
+
+
 def usage(num_prompt: int, num_output: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
@@ -154,14 +124,69 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, metrics=None) -> FastAPI:
-    app = FastAPI(title="spanllm", docs_url=None, redoc_url=None)
-    vocab = engine.vocab_size
+class LogprobsFormatter:
+    """TokenLogprob lists -> OpenAI's shapes: completions' {tokens, token_logprobs, top_logprobs, text_offset}
+    and chat's {content: [{token, logprob, bytes, top_logprobs}]}. A token's text is tokenizer.decode([id])."""
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def token(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def format(self, lps, offset: int) -> dict:
+        """offset: characters of text before these tokens (completions' text_offset)."""
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp in lps]}
+        tokens = [self.token(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, lp) -> dict:
+        def one(tid: int, v: float) -> dict:
+            s = self.token(tid)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+
+
+def build_app(
+    engine: AsyncEngine,
+    tokenizer,
+    *,
+    model_name: str,
+    max_model_len: int,
+    metrics=None,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
+    limits = limits or ServerLimits()
+    app = FastAPI(title="spanllm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimitMiddleware, limits=limits)
     ctx_limit = min(max_model_len, engine.capacity_tokens)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        what = {
+            404: f"{request.url.path} is not a route of this server",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(e.status_code, str(e.detail))
+        return JSONResponse(
+            error_body(what, _HTTP_ERROR_TYPES.get(e.status_code, "APIError"), None, e.status_code),
+            e.status_code,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -197,24 +222,25 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
             ],
         }
 
-    async def parse(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}", None)
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object", None)
-        m = body.get("model")
-        if m is not None and m != model_name:
-            raise APIError(f"the model {m!r} does not exist: this server serves {model_name!r}", "model")
-        so = body.get("stream_options")
-        if so is not None and not isinstance(so, dict):
-            raise APIError("stream_options must be an object", "stream_options")
-        return body
+    async def parse(request: Request, chat: bool):
+        req = validate(
+            parse_body(await request.body()),
+            chat,
+            max_stop_strings=limits.max_stop_strings,
+            max_stop_length=limits.max_stop_string_length,
+        )
+        if req.model is not None and req.model != model_name:
+            raise APIError(
+                f"The model `{req.model}` does not exist: this server serves {model_name!r}",
+                "model",
+                404,
+                "NotFoundError",
+            )
+        return req
 
-    def submit(prompt_ids: list[int], params: SamplingParams, max_tokens: int | None, rid: str):
-        if max_tokens is None:  # chat without max_tokens: the rest of the context
+    def submit(prompt_ids: list[int], params: SamplingParams, rid: str, n: int, chat_default: bool) -> list:
+        """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in."""
+        if chat_default:  # chat without max_tokens: the rest of the context
             room = ctx_limit - len(prompt_ids)
             if room < 1:
                 raise APIError(
@@ -225,135 +251,192 @@ def build_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len:
             params = SamplingParams(
                 **{**params.__dict__, "max_tokens": room, "min_tokens": min(params.min_tokens, room)}
             )
+        queues = []
         try:
-            return engine.add(rid, prompt_ids, params, time.monotonic())
+            for i in range(n):
+                p = params
+                if i and params.seed is not None:
+                    p = SamplingParams(**{**params.__dict__, "seed": seed_for_choice(params.seed, i)})
+                queues.append(engine.add(f"{rid}-{i}", prompt_ids, p, time.monotonic()))
         except RequestError as e:
-            raise APIError(str(e), "prompt")
-        except QueueFull as e:
-            raise APIError(str(e), None, 503, "ServiceUnavailableError")
-        except EngineUnavailable as e:
-            raise APIError(str(e), None, 503, "ServiceUnavailableError")
+            _abort_all(rid, len(queues))
+            raise APIError(str(e), refused_param(str(e))) from None
+        except (QueueFull, EngineUnavailable) as e:
+            _abort_all(rid, len(queues))
+            raise APIError(str(e), None, 503, "ServiceUnavailableError") from None
+        return queues
 
-    async def next_event(q: asyncio.Queue, request: Request, state: dict):
-        """The next Delta; None if the client went away (checked every DISCONNECT_POLL_S, tokens or not)."""
-        while True:
-            now = time.monotonic()
-            if now - state.get("checked", now) >= DISCONNECT_POLL_S:
-                state["checked"] = now
-                if await request.is_disconnected():
-                    return None
-            state.setdefault("checked", now)
-            try:
-                return await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                continue
+    def _abort_all(rid: str, n: int) -> None:
+        for i in range(n):
+            engine.abort(f"{rid}-{i}")
+
+    async def merged(queues: list, request: Request | None):
+        """(choice index, event) from every choice's queue as they come; (None, None) if the client left
+        (non-streaming: checked every DISCONNECT_POLL_S; streaming: the response's cancellation ends us)."""
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i, q):
+            while True:
+                ev = await q.get()
+                await out.put((i, ev))
+                if not hasattr(ev, "finished") or ev.finished:
+                    return
+
+        tasks = [asyncio.create_task(forward(i, q)) for i, q in enumerate(queues)]
+        checked = time.monotonic()
+        try:
+            while True:
+                if request is not None and time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()  # checked by time, tokens or not
+                    if await request.is_disconnected():
+                        yield None, None
+                        return
+                try:
+                    yield await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def event_error(ev) -> APIError | None:
+        if isinstance(ev, EngineDead):
+            return APIError(ev.message, None, 500, "InternalServerError")
+        if isinstance(ev, Exception):
+            return APIError(str(ev), "prompt")
+        if getattr(ev, "error", None):
+            return APIError(f"handling this request failed: {ev.error}", None, 500, "InternalServerError")
+        return None
 
     async def handle(request: Request, chat: bool):
-        body = await parse(request)
-        params, max_tokens = sampling_params(body, None if chat else 16, chat)
+        req = await parse(request, chat)
+        params = sampling_params(req, chat)
+        echo_text = None
         if chat:
-            prompt_ids = chat_prompt(body, tokenizer)
+            prompt_ids = chat_prompt(req, tokenizer)
         else:
-            prompt_ids = completion_prompt(body, tokenizer, vocab)
-            max_tokens = params.max_tokens
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and stream
+            prompt_ids, echo_text = completion_prompt(req, tokenizer)
+            if req.echo and echo_text is None:
+                echo_text = tokenizer.decode(prompt_ids)
+            if not req.echo:
+                echo_text = None
+        chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        q = submit(prompt_ids, params, max_tokens, rid)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": rid, "object": obj, "created": created, "model": model_name}
-        if not stream:
-            return await complete(request, q, rid, base, chat, len(prompt_ids))
+        queues = submit(prompt_ids, params, rid, req.n, chat_default)
+        lp = LogprobsFormatter(tokenizer, chat) if params.logprobs is not None else None
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+        if not req.stream:
+            return await complete(request, queues, rid, base, chat, len(prompt_ids), echo_text, lp)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(
-            stream_gen(q, rid, base, chat, include_usage, len(prompt_ids)),
+            stream_gen(queues, rid, base, chat, include_usage, len(prompt_ids), echo_text, lp),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def complete(request, q, rid, base, chat, num_prompt):
-        finished = False
-        state: dict = {}
+    async def complete(request, queues, rid, base, chat, num_prompt, echo_text, lp):
+        n = len(queues)
+        last: dict[int, Any] = {}
+        lps: dict[int, list] = {i: [] for i in range(n)}
         try:
-            while True:
-                d = await next_event(q, request, state)
+            async for i, d in merged(queues, request):
                 if d is None:
                     return Response(status_code=499)  # the client is gone; nobody reads this
-                if isinstance(d, EngineDead):
-                    raise APIError(d.message, None, 500, "InternalServerError")
-                if isinstance(d, Exception):
-                    raise APIError(str(d), "prompt")
+                err = event_error(d)
+                if err is not None:
+                    raise err
+                if d.new_logprobs:
+                    lps[i] += d.new_logprobs
                 if d.finished:
-                    finished = True
-                    break
+                    last[i] = d
+                    if len(last) == n:
+                        break
         finally:
-            if not finished:
-                engine.abort(rid)
-        text = d.text or ""
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": d.finish_reason,
-            "stop_reason": d.stop_reason,
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        obj = "chat.completion" if chat else "text_completion"
-        return {**base, "object": obj, "choices": [choice], "usage": usage(num_prompt, d.num_output)}
-
-    async def stream_gen(q, rid, base, chat, include_usage, num_prompt):
-        finished = False
-        num_output = 0
-        try:
+            for i in range(n):
+                if i not in last:
+                    engine.abort(f"{rid}-{i}")
+        choices = []
+        for i in range(n):
+            d = last[i]
+            text = (echo_text or "") + (d.text or "")
+            choice: dict[str, Any] = {
+                "index": i,
+                "logprobs": None,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+            if lp is not None:
+                choice["logprobs"] = lp.format(lps[i], len(echo_text or ""))
             if chat:
-                yield sse(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            while True:
-                d = await q.get()
-                if isinstance(d, EngineDead):
-                    yield sse(error_body(d.message, "InternalServerError", None, 500))
-                    finished = True
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        obj = "chat.completion" if chat else "text_completion"
+        num_output = sum(last[i].num_output for i in range(n))
+        return {**base, "object": obj, "choices": choices, "usage": usage(num_prompt, num_output)}
+
+    async def stream_gen(queues, rid, base, chat, include_usage, num_prompt, echo_text, lp):
+        n = len(queues)
+        done: set[int] = set()
+        num_output = [0] * n
+        offset = [len(echo_text or "")] * n
+
+        def chunk(i: int, text: str | None, logprobs=None, finish=None, **extra) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}
+            else:
+                c = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish, **extra}
+            return sse({**base, "choices": [c]})
+
+        try:
+            for i in range(n):
+                if chat:
+                    yield sse(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                elif echo_text:
+                    yield chunk(i, echo_text)
+            async for i, d in merged(queues, None):
+                err = event_error(d)
+                if err is not None:
+                    yield sse(error_body(err.message, err.type, err.param, err.status))
                     break
-                if isinstance(d, Exception):
-                    yield sse(error_body(str(d), "BadRequestError", "prompt", 400))
-                    finished = True
-                    break
-                num_output = d.num_output
+                num_output[i] = d.num_output
                 if d.new_ids or d.new_text:  # one chunk per token step (text may be "": a partial character)
-                    if chat:
-                        choice = {"index": 0, "delta": {"content": d.new_text}, "logprobs": None, "finish_reason": None}
-                    else:
-                        choice = {"index": 0, "text": d.new_text, "logprobs": None, "finish_reason": None}
-                    yield sse({**base, "choices": [choice]})
-                if d.finished:  # OpenAI's last chunk: no new text, the finish reason
-                    if chat:
-                        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
-                    else:
-                        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": d.finish_reason}
-                    choice["stop_reason"] = d.stop_reason
-                    yield sse({**base, "choices": [choice]})
-                if d.finished:
-                    finished = True
-                    break
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(num_prompt, num_output)})
+                    logprobs = None
+                    if lp is not None and d.new_logprobs:
+                        logprobs = lp.format(d.new_logprobs, offset[i])
+                    offset[i] += len(d.new_text)
+                    yield chunk(i, d.new_text, logprobs)
+                if d.finished:  # OpenAI's last chunk of a choice: no new text, the finish reason
+                    done.add(i)
+                    yield chunk(i, None if chat else "", None, d.finish_reason, stop_reason=d.stop_reason)
+                    if len(done) == n:
+                        break
+            if include_usage and len(done) == n:
+                yield sse({**base, "choices": [], "usage": usage(num_prompt, sum(num_output))})
             yield "data: [DONE]\n\n"
         finally:  # also on cancellation (the client disconnected)
-            if not finished:
-                engine.abort(rid)
+            for i in range(n):
+                if i not in done:
+                    engine.abort(f"{rid}-{i}")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError, validate_request
+from spanllm.serve.stats_log import StatsLogger, logger
 
 # An idle engine thread sends the other TP ranks an empty plan this often (EngineCore.heartbeat), far below
 # any sensible collective timeout (--pg-timeout), so idle servers keep the normal timeout.
@@ -41,6 +42,8 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     text: str | None = None  # whole text, on the finished delta
+    new_logprobs: list | None = None  # TokenLogprob per new id (params.logprobs set)
+    error: str | None = None  # the engine ended this request because handling its data failed
 
 
 @dataclass
@@ -114,6 +117,7 @@ class AsyncEngine(FrontDoor):
         self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spanllm-engine", daemon=True)
+        self.stats_log = StatsLogger()
 
     # --- any thread -------------------------------------------------------------------------------------
     # The engine's fixed limits, which the HTTP handlers read (spanllm.serve.frontend_process.EngineClient has
@@ -144,8 +148,13 @@ class AsyncEngine(FrontDoor):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.core.config.max_num_seqs
+
     def num_waiting(self) -> int:
-        return self.core.num_waiting + self._pending_adds
+        core = self.core
+        return queued_estimate(core.num_waiting, core.num_running, self._pending_adds, self.max_num_seqs)
 
     def abort_all(self) -> None:
         """Stop admitting; abort every request (shutdown): their handlers end with finish_reason abort."""
@@ -186,6 +195,9 @@ class AsyncEngine(FrontDoor):
                 core.add_request(ids, params, request_id=rid, arrival=arrival, with_text=True)
             except (RequestError, ValueError) as e:  # validated already; a late refusal still reaches the client
                 return [(rid, e)]
+            except Exception as e:  # noqa: BLE001 - this request's data (its detokenizer, say): it alone fails
+                core.abort_request(rid)
+                return [(rid, Delta("", [], 0, True, "error", None, "", None, f"{type(e).__name__}: {e}"))]
             return []
         if kind == "abort":
             out = core.abort_request(cmd[1])
@@ -234,14 +246,17 @@ class AsyncEngine(FrontDoor):
                             self.metrics.observe_finished(out.finish_reason, out.metrics)
                 if self.metrics is not None:
                     self.metrics.update_engine(core, self._pending_adds)
+                self.stats_log.maybe_log(core, self._pending_adds)
                 if events:
                     self._deliver(events)
             self._deliver(self._abort_everything())
             if self.metrics is not None:
                 self.metrics.update_engine(core, 0)
             core.shutdown_workers()
+            self.stats_log.log_shutdown(core)
         except BaseException as e:  # noqa: BLE001 - a failed step (a dead TP rank): fail every request, stop
             self.error = f"the engine loop failed: {type(e).__name__}: {e}"
+            logger.error("%s", self.error, exc_info=e)
             dead = EngineDead(self.error)
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:
@@ -263,4 +278,14 @@ def _delta(out) -> Delta:
         out.finish_reason,
         out.stop_reason,
         out.text if out.finished else None,
+        getattr(out, "new_logprobs", None),
+        getattr(out, "error", None),
     )
+
+
+def queued_estimate(engine_waiting: int, running: int, in_transit: int, max_num_seqs: int) -> int:
+    """What --max-queued-requests counts: the requests waiting in the engine's queue, plus those still in transit
+    to the engine that will wait there when they arrive (beyond the free running slots); a request in transit
+    to a free slot does not wait."""
+    free = max(0, max_num_seqs - running - engine_waiting)
+    return engine_waiting + max(0, in_transit - free)

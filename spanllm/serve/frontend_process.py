@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError
-from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor
+from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor, queued_estimate
 
 
 @dataclass
@@ -156,6 +156,7 @@ class ProcessServer:
         model_name: str | None = None,
         max_queued_requests: int | None = None,
         log_level: str = "warning",
+        limits=None,
     ) -> None:
         core = llm.engine_core
         self.model_name = model_name or llm.config.name
@@ -170,10 +171,12 @@ class ProcessServer:
             "port": port,
             "log_level": log_level,
             "max_queued_requests": max_queued_requests,
+            "server_limits": limits,
             "limits": {
                 "vocab_size": core.vocab_size,
                 "capacity_tokens": core.blocks.capacity_tokens,
                 "max_model_len": core.config.max_model_len,
+                "max_num_seqs": core.config.max_num_seqs,
                 "has_tokenizer": core.tokenizer is not None,
             },
         }
@@ -242,11 +245,12 @@ class EngineClient(FrontDoor):
         self.vocab_size = limits["vocab_size"]
         self.capacity_tokens = limits["capacity_tokens"]
         self.max_model_len = limits["max_model_len"]
+        self.max_num_seqs = limits["max_num_seqs"]
         self.has_tokenizer = limits["has_tokenizer"]
         self.metrics = metrics
         self.on_dead, self.on_shutdown = on_dead, on_shutdown
         self._send_lock = threading.Lock()
-        self._waiting = 0  # the engine's waiting count, from its last snapshot
+        self._snap = {"waiting": 0, "engine_waiting": 0, "running": 0}  # the engine's last snapshot
         self._adds_sent = 0
         self._adds_received = 0  # by the engine, from its last snapshot
         self._reader = threading.Thread(target=self._read, name="spanllm-frontend-pipe", daemon=True)
@@ -259,7 +263,9 @@ class EngineClient(FrontDoor):
         return self.error is None and self._reader.is_alive() and self._accepting
 
     def num_waiting(self) -> int:
-        return self._waiting + (self._adds_sent - self._adds_received)
+        s = self._snap
+        in_transit = (s["waiting"] - s["engine_waiting"]) + (self._adds_sent - self._adds_received)
+        return queued_estimate(s["engine_waiting"], s["running"], in_transit, self.max_num_seqs)
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -314,7 +320,7 @@ class EngineClient(FrontDoor):
             kind = msg[0]
             if kind == "metrics":
                 snap = msg[1]
-                self._waiting = snap["waiting"]
+                self._snap = snap
                 self._adds_received = snap.get("adds_received", self._adds_received)
                 if self.metrics is not None:
                     self.metrics.apply(snap)
@@ -365,11 +371,21 @@ def frontend_main(conn, cfg: dict) -> None:
         on_shutdown=end,
     )
     app = build_app(
-        client, tokenizer, model_name=cfg["model_name"], max_model_len=cfg["limits"]["max_model_len"], metrics=metrics
+        client,
+        tokenizer,
+        model_name=cfg["model_name"],
+        max_model_len=cfg["limits"]["max_model_len"],
+        metrics=metrics,
+        limits=cfg["server_limits"],
     )
 
     uv = holder["uv"] = make_uvicorn(
-        app, host=cfg["host"], port=cfg["port"], log_level=cfg["log_level"], on_signal=client.abort_all
+        app,
+        host=cfg["host"],
+        port=cfg["port"],
+        log_level=cfg["log_level"],
+        on_signal=client.abort_all,
+        limits=cfg["server_limits"],
     )
     client.start()
 

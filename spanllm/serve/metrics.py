@@ -206,6 +206,7 @@ class MetricsRelay:
         snap = {
             "running": core.num_running,
             "waiting": core.num_waiting + extra_waiting,
+            "engine_waiting": core.num_waiting,
             "kv_usage": core.blocks.usage,
             "finished": self._finished,
             **{k: getattr(s, k) - v for k, v in self._base.items()},

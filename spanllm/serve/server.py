@@ -10,19 +10,36 @@ from __future__ import annotations
 
 import threading
 
+from spanllm.serve.limits import ServerLimits, header_timeout_protocol
 
-def make_uvicorn(app, *, host: str, port: int, log_level: str, on_signal):
+
+def make_uvicorn(app, *, host: str, port: int, log_level: str, on_signal, limits: ServerLimits | None = None):
     """The uvicorn server both modes run: on SIGINT / SIGTERM it first calls on_signal() (abort every request,
-    so open streams end now), then shuts down gracefully (5 s)."""
+    so open streams end now), then shuts down gracefully (5 s). A signal is a request to stop, and a clean stop
+    exits 0: uvicorn would re-raise the signal after its shutdown (exit status -15 / 143); it is not recorded.
+    The connection limits (ServerLimits): header timeout, keep-alive, concurrent connections (503 beyond)."""
     import uvicorn
+
+    limits = limits or ServerLimits()
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
             on_signal()
             super().handle_exit(sig, frame)
+            self._captured_signals.clear()
 
     return _Uvicorn(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            lifespan="off",
+            http=header_timeout_protocol(limits.header_timeout_s),
+            timeout_keep_alive=limits.keep_alive_s,
+            limit_concurrency=limits.max_connections,
+        )
     )
 
 
@@ -45,6 +62,7 @@ class Server:
         model_name: str | None = None,
         max_queued_requests: int | None = None,
         log_level: str = "warning",
+        limits: ServerLimits | None = None,
     ) -> None:
         from spanllm.serve.api import build_app
         from spanllm.serve.async_engine import AsyncEngine
@@ -63,8 +81,11 @@ class Server:
             model_name=self.model_name,
             max_model_len=core.config.max_model_len,
             metrics=self.metrics,
+            limits=limits,
         )
-        self._uv = make_uvicorn(self.app, host=host, port=port, log_level=log_level, on_signal=self.engine.abort_all)
+        self._uv = make_uvicorn(
+            self.app, host=host, port=port, log_level=log_level, on_signal=self.engine.abort_all, limits=limits
+        )
         self.host = host
         self._port = port
 

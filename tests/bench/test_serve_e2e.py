@@ -250,3 +250,33 @@ def test_progress_bar_and_ready_check(server, capsys):
             [SampleRequest("FAIL", 2, 2)],
             ServeBenchConfig(base_url=server.url, ready_check_timeout_s=1, show_progress=False),
         )
+
+
+def test_cli_sweep_writes_nothing_without_result_dir(server, tmp_path, monkeypatch, capsys):
+    """Files only where --result-dir says: a sweep without it prints its table and leaves the cwd as it was."""
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name: WordTokenizer())
+    data = tmp_path / "sharegpt.json"
+    _write_sharegpt(data, 12, truncate=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    args = ["bench", "serve", "--base-url", server.url, "--dataset-path", str(data), "--num-prompts", "6"]
+    rc = main([*args, "--request-rate", "50,inf", "--disable-tqdm"])
+    assert rc == 0 and list(cwd.iterdir()) == []
+    assert "no files written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--temperature", "3"], "--temperature 3.0: must be in [0.0, 2.0]"),
+        (["--top-p", "0"], "--top-p 0.0: must be in (0.0, 1.0]"),
+        (["--port", "0"], "--port 0: must be in [1, 65535]"),
+        (["--num-prompts", "0"], "--num-prompts 0: must be in [1,"),
+        (["--random-range-ratio", "1.5"], "--random-range-ratio 1.5: must be in [0, 1)"),
+        (["--save-result"], "--save-result writes into --result-dir"),
+    ],
+)
+def test_cli_numbers_are_checked(flags, words, capsys):
+    rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags])
+    assert rc == 2 and words in capsys.readouterr().err

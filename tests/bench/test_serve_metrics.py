@@ -96,8 +96,10 @@ def test_metrics_by_hand():
     assert m["mean_e2el_ms"] == pytest.approx(1000 * 0.65 / 3)
     # goodput: request 1 (ttft 100 <= 200, tpot 33 <= 50) and request 4 (50, 0) are good; 2 misses TTFT
     assert m["request_goodput"] == pytest.approx(1.0)
-    # all three in flight at t = 0.15; all 7 tokens in the first second
-    assert m["max_concurrent_requests"] == 3 and m["max_output_tokens_per_s"] == 7.0
+    # all three in flight at t = 0.15; the tokens span 0.5 s (first start to last token): one window of 0.5 s
+    # holds all 7, 14 tok/s; never below the average (7 tokens / 2 s)
+    assert m["max_concurrent_requests"] == 3 and m["max_output_tokens_per_s"] == pytest.approx(14.0)
+    assert m["max_output_tokens_per_s"] >= m["output_throughput"]
 
 
 def test_metrics_defaults_and_fallbacks():

@@ -1,0 +1,278 @@
+"""The OpenAI request bodies of /v1/completions and /v1/chat/completions as pydantic models (vLLM's names and
+ranges, vllm/entrypoints/openai/protocol.py), and how a raw body becomes one.
+
+Every field is typed strictly (a boolean is `true` / `false`, never `"false"` or `1`; an integer never `true`)
+and every integer the engine stores is bounded by the type that holds it (seed: int64, token ids, top_k,
+max_tokens: int32). A body is refused before validation if it is not UTF-8 JSON text, holds a lone surrogate
+(`"\\ud800"`: valid JSON, not text), or nests deeper than MAX_JSON_DEPTH. Every refusal is an `APIError` (status
+400 unless said) naming the field (`param`) and the allowed range; the app renders OpenAI's error body.
+
+Fields OpenAI defines that this server does not serve are refused by name (REFUSED), and so is any key neither
+model knows, except `user` (an end-user id for abuse tracking: it changes no output).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from spanllm.engine.sampler import INT32_MAX, INT64_MAX, INT64_MIN
+
+MAX_JSON_DEPTH = 32  # objects / arrays inside each other; OpenAI's deepest body (tools' JSON schemas) fits easily
+MAX_N = 16  # choices per request: each is an engine request of its own
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_MESSAGES = 4096
+
+
+class APIError(Exception):
+    """A request the server refuses: OpenAI's error body {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, type_: str = "BadRequestError"
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type_
+
+
+def error_body(message: str, type_: str = "BadRequestError", param: str | None = None, code: int = 400) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """`developer` is OpenAI's newer name for `system` (o1 and later); it reaches the template as system."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    user: str | None = None  # harmless: identifies the end user to OpenAI; no effect on output
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo with logprobs (the prompt's logprobs) is not supported; drop one")
+        return self
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
+
+
+def _absent_or(*allowed):
+    return lambda v: v is None or v in allowed
+
+
+# OpenAI fields this server does not serve: refused with a 400 naming them unless the value asks for nothing.
+REFUSED_COMPLETIONS = {
+    "best_of": (_absent_or(1), "best_of > 1 is not supported; use n"),
+    "suffix": (_absent_or(), "suffix (insertion) is not supported"),
+}
+REFUSED_CHAT = {
+    "response_format": (
+        _absent_or({"type": "text"}),
+        "response_format other than {'type': 'text'} (structured output) is not supported",
+    ),
+    "tools": (_absent_or([]), "tools (function calling) are not supported"),
+    "tool_choice": (_absent_or("none"), "tool_choice other than 'none' is not supported (no tools)"),
+    "parallel_tool_calls": (_absent_or(), "parallel_tool_calls is not supported (no tools)"),
+    "functions": (_absent_or([]), "functions (function calling) are not supported"),
+    "function_call": (_absent_or("none"), "function_call is not supported (no tools)"),
+    "audio": (_absent_or(), "audio output is not supported"),
+    "modalities": (_absent_or(["text"]), "modalities other than ['text'] are not supported"),
+    "prediction": (_absent_or(), "prediction (predicted outputs) is not supported"),
+    "reasoning_effort": (_absent_or(), "reasoning_effort is not supported (not a reasoning model)"),
+    "web_search_options": (_absent_or(), "web_search_options is not supported"),
+    "service_tier": (_absent_or("auto", "default"), "service_tier other than auto / default is not supported"),
+    "store": (_absent_or(False), "store=true is not supported (nothing is stored)"),
+    "metadata": (_absent_or(), "metadata is not supported (nothing is stored)"),
+    "verbosity": (_absent_or(), "verbosity is not supported"),
+}
+
+
+def parse_body(raw: bytes) -> dict:
+    """Raw bytes -> a JSON object of bounded depth whose strings are all valid text."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: dict) -> None:
+    """Depth and text, without recursion: a lone surrogate is valid JSON but no UTF-8 text."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while todo:
+        v, path, depth = todo.pop()
+        if isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _top(path))
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    _check_text(k, path)
+                child = (f"{path}.{k}" if path else k) if isinstance(k, str) else f"{path}[{k}]"
+                todo.append((x, child, depth + 1))
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(
+            f"{path or 'a key'}: not valid UTF-8 text (a lone surrogate {s[e.start]!r} at character {e.start})",
+            _top(path),
+        ) from None
+
+
+def _top(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
+
+
+def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int):
+    """A parsed body -> ChatCompletionRequest / CompletionRequest, or APIError naming the field and its range."""
+    refused = REFUSED_CHAT if chat else REFUSED_COMPLETIONS
+    for name, (ok, why) in refused.items():
+        if name in body and not ok(body[name]):
+            raise APIError(f"{name}: {why}", name)
+    model = ChatCompletionRequest if chat else CompletionRequest
+    body = {k: v for k, v in body.items() if k not in refused}
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        raise _as_api_error(e, model) from None
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > max_stop_strings:
+        raise APIError(f"stop: {len(stops)} strings; at most {max_stop_strings} (--max-stop-strings)", "stop")
+    for s in stops:
+        if len(s) > max_stop_length:
+            raise APIError(
+                f"stop: a string of {len(s)} characters; at most {max_stop_length} (--max-stop-string-length)", "stop"
+            )
+    if req.logit_bias:
+        for k in req.logit_bias:
+            if not k.isdigit() or int(k) > INT32_MAX:
+                raise APIError(f"logit_bias: key {k[:40]!r} is not a token id in [0, {INT32_MAX}]", "logit_bias")
+    return req
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
+
+
+def _as_api_error(e: ValidationError, model: type[BaseModel]) -> APIError:
+    errors = e.errors(include_url=False)
+    # a union (prompt, stop) reports one error per member: the deepest says most (which item, which bound)
+    err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
+    loc = [str(x) for x in err["loc"] if not _UNION_TAG.match(str(x))]
+    if err["type"] == "value_error":  # our own model validators: "field: reason"
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        return APIError(msg, msg.split(":", 1)[0])
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "the body"
+    if err["type"] == "extra_forbidden":
+        return APIError(f"{where}: unknown field (this server refuses what it would not honour)", param)
+    if err["type"] == "missing":
+        return APIError(f"{where}: required", param)
+    got = repr(err.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    bounds = None
+    if err["type"] in _BOUND_ERRORS:
+        bounds = _bounds(model, loc[0]) if len(loc) == 1 else _ITEM_RANGES.get(loc[0])
+    return APIError(f"{where}={got}: {f'must be in {bounds}' if bounds else err['msg']}", param)
+
+
+_ITEM_RANGES = {  # the range of each item of a list / dict field
+    "logit_bias": "[-100, 100]",
+    "stop_token_ids": f"[0, {INT32_MAX}]",
+    "prompt": f"[0, {INT32_MAX}] (token ids)",
+}
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _bounds(model: type[BaseModel], name: str) -> str | None:
+    """A field's allowed range as an interval, "[0, 2]" or "(0, 1]", from its Field constraints."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    lo, hi = "(-inf", "inf)"
+    for m in field.metadata:
+        for attr, side in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                if side in "[(":
+                    lo = f"{side}{v:g}" if isinstance(v, float) else f"{side}{v}"
+                else:
+                    hi = f"{v:g}{side}" if isinstance(v, float) else f"{v}{side}"
+    return None if (lo, hi) == ("(-inf", "inf)") else f"{lo}, {hi}"

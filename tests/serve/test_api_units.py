@@ -1,0 +1,88 @@
+"""The API's pure pieces: the logprobs shapes, the seeds of n choices, what --max-queued-requests counts, the
+refused-field and range messages of the request models."""
+
+from __future__ import annotations
+
+import pytest
+
+from spanllm.engine.sampler import INT64_MAX, INT64_MIN, TokenLogprob
+from spanllm.engine.tokenizer import ByteTokenizer
+from spanllm.serve.api import LogprobsFormatter, seed_for_choice
+from spanllm.serve.async_engine import queued_estimate
+from spanllm.serve.protocol import APIError, validate
+
+H, I = 75, 76  # "H", "I" under the byte tokenizer (byte + 3)
+LPS = [TokenLogprob(H, -0.5, ((H, -0.5), (I, -1.25))), TokenLogprob(I, -0.25, ((I, -0.25), (H, -2.0)))]
+
+
+def test_completion_logprobs_shape():
+    out = LogprobsFormatter(ByteTokenizer(), chat=False).format(LPS, offset=5)
+    assert out == {
+        "tokens": ["H", "I"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"H": -0.5, "I": -1.25}, {"I": -0.25, "H": -2.0}],
+        "text_offset": [5, 6],
+    }
+
+
+def test_chat_logprobs_shape():
+    out = LogprobsFormatter(ByteTokenizer(), chat=True).format(LPS[:1], offset=0)
+    assert out == {
+        "content": [
+            {
+                "token": "H",
+                "logprob": -0.5,
+                "bytes": [72],
+                "top_logprobs": [
+                    {"token": "H", "logprob": -0.5, "bytes": [72]},
+                    {"token": "I", "logprob": -1.25, "bytes": [73]},
+                ],
+            }
+        ]
+    }
+
+
+def test_seed_for_choice_stays_in_int64():
+    assert [seed_for_choice(7, i) for i in range(3)] == [7, 8, 9]
+    assert seed_for_choice(INT64_MAX, 1) == INT64_MIN and seed_for_choice(INT64_MIN, 0) == INT64_MIN
+
+
+@pytest.mark.parametrize(
+    "engine_waiting,running,in_transit,max_num_seqs,want",
+    [
+        (0, 0, 100, 256, 0),  # a burst on an idle server: every one has a slot
+        (0, 250, 10, 256, 4),  # six free slots
+        (3, 256, 5, 256, 8),  # full: all wait
+        (10, 0, 0, 256, 10),
+    ],
+)
+def test_queued_estimate(engine_waiting, running, in_transit, max_num_seqs, want):
+    assert queued_estimate(engine_waiting, running, in_transit, max_num_seqs) == want
+
+
+@pytest.mark.parametrize(
+    "body,chat,param,words",
+    [
+        ({"prompt": "x", "top_p": 0}, False, "top_p", "top_p=0: must be in (0, 1]"),
+        ({"prompt": "x", "presence_penalty": 3}, False, "presence_penalty", "[-2, 2]"),
+        ({"prompt": "x", "repetition_penalty": 0}, False, "repetition_penalty", "(0, 2]"),
+        ({"prompt": "x", "min_p": 1.5}, False, "min_p", "[0, 1]"),
+        ({"prompt": "x", "n": 17}, False, "n", "[1, 16]"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True},
+            True,
+            "top_logprobs",
+            "[0, 20]",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, True, "messages", "unknown field"),
+        ({"prompt": "x", "user": 5}, False, "user", "valid string"),
+    ],
+)
+def test_validation_messages(body, chat, param, words):
+    with pytest.raises(APIError) as e:
+        validate(body, chat, max_stop_strings=16, max_stop_length=256)
+    assert e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_user_is_accepted():
+    assert validate({"prompt": "x", "user": "alice"}, False, max_stop_strings=16, max_stop_length=256).user == "alice"
