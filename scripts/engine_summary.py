@@ -40,7 +40,7 @@ def main() -> int:
     res = Path(args.results)
     ar = json.loads((res / "allreduce_1x2_bf16.json").read_text())["rows"]
     print(
-        "| file | decode | model | workload | batch | AR bytes | TPOT nccl ms | TPOT nvrar ms | TPOT / weight bound (nccl) | "
+        "| file | decode | model | workload | batch | AR bytes | TPOT nccl ms | TPOT nvrar ms | TPOT / weight bound (nccl) | "  # noqa: E501
         "saved per AR in decode us | benchmark nccl - nvrar us | nccl AR share of TPOT | max gain, free AR |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -63,7 +63,7 @@ def main() -> int:
             bench = f"{bench_nccl - bench_nvrar:.2f}" if bench_nccl and bench_nvrar else "-"
             share = n_ar * bench_nccl / 1e3 / t_nccl if bench_nccl else None
             print(
-                f"| {path.stem.split('_')[0]} | {decode} | {model} | {by['nccl']['workload']} | {batch} | {nbytes // 1024} KiB | {t_nccl:.3f} | "
+                f"| {path.stem.split('_')[0]} | {decode} | {model} | {by['nccl']['workload']} | {batch} | {nbytes // 1024} KiB | {t_nccl:.3f} | "  # noqa: E501
                 f"{t_nvrar:.3f} | {t_nccl / bound_ms:.2f}x of {bound_ms:.2f} | {saved:.2f} | {bench} | "
                 + (f"{share:.1%} | {1 / (1 - share):.3f}x |" if share is not None else "- | - |")
             )

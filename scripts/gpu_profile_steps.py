@@ -6,7 +6,8 @@ Writes DIR/profile_steps.json:
 - `trace`: the offline throughput workload (the saved requests, ignore_eos, temperature 1) driven step by step
   through EngineCore with a CUDA event pair around each step's forward: per step the kind (decode-only or
   mixed), sequences, tokens, GPU forward time, and the host's wall time in step() (with async scheduling the
-  host does not wait for the forward, so the two overlap; synchronously the wall time holds the forward). Totals by kind, so the gap to a throughput goal splits
+  host does not wait for the forward, so the two overlap; synchronously the wall time holds the forward).
+  Totals by kind, so the gap to a throughput goal splits
   into "GPU forward" and "host".
 - `kernels`: torch.profiler tables (CUDA time per kernel name, summed over replays) of decode steps at batch
   1 and 256 replayed from their CUDA graphs, the same steps eager (graphs off: launch gaps show as the
@@ -323,7 +324,9 @@ def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
             for mt in (1, 2, 4, 8):
                 # `calls` back-to-back kernels in one graph (as a step's layers run): no host launch cost inside
                 graph = capture_graph(
-                    lambda: [kt.decode(q, kc, vc, tables, cl, splits, mt) for _ in range(calls)], kc.device, warmup=1
+                    lambda: [kt.decode(q, kc, vc, tables, cl, splits, mt) for _ in range(calls)],  # noqa: B023
+                    kc.device,
+                    warmup=1,
                 )
                 graph.replay()
                 a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

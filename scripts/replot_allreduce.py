@@ -1,6 +1,6 @@
 """Redraw the all-reduce latency plot from `spanllm bench allreduce --json` files.
 
-    python scripts/replot_allreduce.py results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
+python scripts/replot_allreduce.py results/h200x2/allreduce_*.json -o results/h200x2/allreduce_latency.png
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def _leading_globals(argv: list[str]) -> tuple[bool, float | None, list[str]]:
         try:
             timeout = float(value)
         except ValueError:
-            raise UsageError(f"--pg-timeout {value!r}: give the collective timeout in seconds, e.g. --pg-timeout 300")
+            raise UsageError(f"--pg-timeout {value!r}: give the collective timeout in seconds, e.g. --pg-timeout 300")  # noqa: B904
     return debug, timeout, argv
 
 

@@ -4,7 +4,8 @@ Each case starts `torchrun` (one process per GPU, a free port) on `scripts/gpu_a
 executes the same case bodies as the CPU tests (spanllm.comm.conformance) against nvrar and the baselines,
 then asserts that its JSON has every case and no wrong element; `scripts/gpu_nvrar_timeout.py` makes the last
 rank skip an nvrar call, and rank 0 must raise an error naming itself, the peer and the phase. Cases are
-parametrised over world sizes 2 and every GPU present (nvrar refuses a single rank); a case that needs more GPUs than the host has skips,
+parametrised over world sizes 2 and every GPU present (nvrar refuses a single rank); a case that needs more GPUs
+than the host has skips,
 saying so. The JSON files are a by-product: in $SPANLLM_GPU_OUT when set, else in pytest's tmp folder.
 The checkers are plain functions over the documents: tests/test_committed_results.py applies them to the
 committed results on any machine.

@@ -3,7 +3,8 @@
 The layers: neutral modules (`spanllm.dtypes`, `spanllm.cuda_graph`, `spanllm.measure`) import nothing of
 spanllm but each other; the kernels (`spanllm.kernels`: every @triton.jit) import nothing of spanllm but
 neutral modules; the libraries (every package but `commands`) import neither the command modules
-(`spanllm.commands`, `spanllm.cli`) nor argparse; the packages together have no import cycle. Imports inside functions count:
+(`spanllm.commands`, `spanllm.cli`) nor argparse; the packages together have no import cycle. Imports inside
+functions count:
 a lazy import is still a dependency. Top-level modules (`errors`, `checks`, `launch`) are shared plumbing,
 outside the package check: `errors` and `checks` look up the libraries' exception classes and tables lazily.
 """

@@ -169,8 +169,8 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
             n_samples = args.iters // rounds + (1 if rnd < args.iters % rounds else 0)
             for name, (comm, _) in runnable.items():
                 t = time_calls(
-                    lambda: comm.all_reduce_(x),
-                    reset=lambda: x.copy_(x0),
+                    lambda: comm.all_reduce_(x),  # noqa: B023
+                    reset=lambda: x.copy_(x0),  # noqa: B023
                     samples=n_samples,
                     warmup=args.warmup_iters,
                     calls_per_sample=K,

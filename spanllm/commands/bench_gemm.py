@@ -243,7 +243,7 @@ def fmt_row(r: dict) -> str:
 
 HEADER = (
     f"{'model':<13} {'layer':<8} {'N':>6} {'K':>6} {'M':>3} | {'F.linear':>8} {'TB/s':>5} | "
-    f"{'heur us':>8} {'TB/s':>5} {'heur cfg':<16} | {'best us':>8} {'TB/s':>5} {'best cfg':<16} | err: skinny F.linear (max abs / max |fp32 ref|)"
+    f"{'heur us':>8} {'TB/s':>5} {'heur cfg':<16} | {'best us':>8} {'TB/s':>5} {'best cfg':<16} | err: skinny F.linear (max abs / max |fp32 ref|)"  # noqa: E501
 )
 
 
@@ -376,7 +376,7 @@ def run(args) -> int:
     if copy:
         print(f"\nceiling: copy {copy['TBps_read_plus_write']:.2f} TB/s (read + write)")
     print(
-        "\nsuggested CONFIG_OVERRIDES (m_bucket, N, K, element bytes) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages):"
+        "\nsuggested CONFIG_OVERRIDES (m_bucket, N, K, element bytes) -> (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages):"  # noqa: E501
     )
     suggested = sorted(_suggested(rows, args.override_gain).items())
     print("CONFIG_OVERRIDES = {")

@@ -8,7 +8,8 @@ Layouts or backends that cannot run are listed with the reason, never dropped si
 
     spanllm bench study --model tiny --nprocs 4 --ranks-per-node 2 --batch-sizes 4 --prompt-len 32 --decode-len 16
     torchrun --nproc-per-node 2 -m spanllm.cli bench study --model llama3.1-405b:layers=8 \\
-        --allreduce nccl,nvrar --workload decode-heavy --batch-sizes 8 --json results/study.json --plot results/study.png
+        --allreduce nccl,nvrar --workload decode-heavy --batch-sizes 8 \\
+        --json results/study.json --plot results/study.png
 """
 
 from __future__ import annotations

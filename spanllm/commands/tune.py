@@ -133,8 +133,8 @@ def tune_rank(ctx: DistContext, args) -> dict:
                         )
                     continue
                 t = time_calls(
-                    lambda: comm.all_reduce_(x),
-                    reset=lambda: x.copy_(x0),
+                    lambda: comm.all_reduce_(x),  # noqa: B023
+                    reset=lambda: x.copy_(x0),  # noqa: B023
                     samples=args.iters,
                     warmup=3,
                     calls_per_sample=20 if gpu else 1,

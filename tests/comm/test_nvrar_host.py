@@ -113,7 +113,7 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
             g = topo.ranks_per_node
             assert (L.G, L.R) == (g, R)
             assert L.slot % 64 == 0 and L.slot > 0
-            shard_cells = -(-(-(-max_bytes // 4)) // g)
+            shard_cells = -(-(-(-max_bytes // 4)) // g)  # noqa: B002 (two nested ceiling divisions)
             assert L.slot >= shard_cells
             if g > 1:
                 assert L.slot >= -(-min(os_max, max_bytes) // 4)
@@ -132,7 +132,7 @@ def test_workspace_layout_disjoint_and_large_enough(topo):
                     (L.simple_gather, L.simple_gather + intra_slots * ss),
                 ]
             )
-            for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
+            for (a0, a1), (b0, b1) in zip(regions, regions[1:]):  # noqa: B007
                 assert a1 <= b0, (L, regions)
             assert regions[0][0] >= 0 and regions[-1][1] <= L.parity_cells
             assert L.parity_cells >= 64

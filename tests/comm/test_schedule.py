@@ -96,7 +96,8 @@ def test_recursive_doubling_round_counts_explicit():
 
 @pytest.mark.parametrize("world", range(1, 17))
 def test_elements_moved_totals(world):
-    """Ring moves 2(P-1) x length in total; recursive doubling log2(p2) x p2 x length plus the fold's 2 x (P-p2) x length."""
+    """Ring moves 2(P-1) x length in total; recursive doubling log2(p2) x p2 x length plus the fold's
+    2 x (P-p2) x length."""
     p2 = 1 << (world.bit_length() - 1)
     for n in (7, 37, 1000):
         ring = [ring_schedule(r, world, n) for r in range(world)]

@@ -369,7 +369,7 @@ def test_gpu_split_k_merge_in_a_cuda_graph():
         for _ in range(20):
             assert torch.equal(gemm.skinny_linear(xr, wr, config=cfg), ref)
         outs: list[torch.Tensor] = []
-        graph = capture_graph(lambda: outs.append(gemm.skinny_linear(xr, wr, config=cfg)), dev, warmup=1)
+        graph = capture_graph(lambda: outs.append(gemm.skinny_linear(xr, wr, config=cfg)), dev, warmup=1)  # noqa: B023
         for _ in range(20):
             outs[-1].zero_()
             graph.replay()

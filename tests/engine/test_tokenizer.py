@@ -49,7 +49,7 @@ def test_offset_detokenizer_holds_back_partial_characters():
 
 
 def test_hf_checkpoint_tokenizer(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

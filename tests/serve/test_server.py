@@ -13,9 +13,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")  # the official client (a test extra); absent on the GPU machine
 
-from serve_helpers import make_llm, start_server, stop_server
+from serve_helpers import make_llm, start_server, stop_server  # noqa: E402
 
-from spanllm.engine.sampler import SamplingParams
+from spanllm.engine.sampler import SamplingParams  # noqa: E402
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "abc"]
 

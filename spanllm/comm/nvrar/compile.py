@@ -9,7 +9,8 @@ cores idled.
 `precompile([(comm, pairs), ...])` compiles what a run will need up front (`launches_for_sizes` lists
 the (launch, dtype) pairs a communicator picks for given message sizes; `precompile_sizes` does both for
 any communicators, auto's nvrar backend included). SPANLLM_NVRAR_PRECOMPILE=0 turns it off. The ranks of one host
-that share a Triton cache directory (pinned: `pin_cache_dir`) split the union of their specialisations; each rank compiles its share in spawned
+that share a Triton cache directory (pinned: `pin_cache_dir`) split the union of their specialisations; each
+rank compiles its share in spawned
 worker processes (`Triton`'s `warmup`, from the very arguments `NvrarAllReduce.kernel_arguments`
 builds for a real launch, tensors replaced by their dtypes). The workers fill Triton's on-disk cache;
 the rank's own first launch then finds the cubin there and only loads it, and Triton's post-compile
@@ -94,7 +95,8 @@ def precompile_sizes(comms, sizes, dtypes) -> dict | None:
 
 # Done-markers: a worker that compiled a specialisation leaves an empty file named by a hash of what Triton's
 # cache key depends on (Triton's version, the GPU architecture, the kernel source and everything it calls,
-# the NVSHMEM device library, the specialisation). A later process on the host skips those specs without starting workers
+# the NVSHMEM device library, the specialisation). A later process on the host skips those specs without
+# starting workers
 # (~10-15 s per process for a pool that would only find cache hits). A marker whose cubin has since left
 # Triton's cache costs only an inline compile at the first call, as without this module.
 MARKER_DIR_NAME = "spanllm_nvrar_compiled"

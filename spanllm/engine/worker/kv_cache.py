@@ -32,7 +32,7 @@ class CacheSizing:
 
     def describe(self) -> str:
         return (
-            f"KV cache: {self.num_blocks - RESERVED_BLOCKS} blocks x {self.block_size} tokens = {self.capacity_tokens} tokens "
+            f"KV cache: {self.num_blocks - RESERVED_BLOCKS} blocks x {self.block_size} tokens = {self.capacity_tokens} tokens "  # noqa: E501
             f"({(self.num_blocks * self.bytes_per_block) / GIB:.2f} GiB; {self.how})"
         )
 
