@@ -119,20 +119,10 @@ def _parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
-def _tokenizer(checkpoint_dir: str):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise UsageError(
-            "--prompt needs the transformers package for the tokenizer: pip install transformers (or give --prompt-ids)"
-        ) from None
-    try:
-        return AutoTokenizer.from_pretrained(checkpoint_dir)
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"--prompt: no usable tokenizer in {checkpoint_dir!r} ({' '.join(str(e).split())[:200]}); "
-            "copy the tokenizer files next to config.json, or give --prompt-ids"
-        ) from None
+def _tokenizer(cfg):
+    from spanllm.engine.tokenizer import get_tokenizer
+
+    return get_tokenizer(cfg.name, cfg.checkpoint_dir)
 
 
 def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -140,7 +130,7 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[lis
     from spanllm.engine.llm import LLM
 
     cfg = resolve_model(args.model)
-    tokenizer = _tokenizer(cfg.checkpoint_dir) if args.prompt else None
+    tokenizer = _tokenizer(cfg) if args.prompt else None
     tp = args.tp or ctx.world_size // args.pp
     engine = EngineConfig(
         max_batch_size=len(prompts),
@@ -204,8 +194,8 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         f"--prompt-ids #{i} ({p!r})" if len(p) <= 40 else f"--prompt-ids #{i}" for i, p in enumerate(args.prompt_ids)
     ]
     if args.prompt:
-        tokenizer = _tokenizer(cfg.checkpoint_dir)
-        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+        tokenizer = _tokenizer(cfg)
+        prompts += [tokenizer.encode(p) for p in args.prompt]
         names += [f"--prompt #{i}" for i in range(len(args.prompt))]
     checks.token_ids(prompts, names, cfg.vocab_size, cfg.label)
     for ids, name in zip(prompts, names):
