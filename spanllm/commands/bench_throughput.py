@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from spanllm.bench.datasets import add_dataset_arguments, get_samples
-from spanllm.commands.generate import add_model_arguments, resolve_dtype
+from spanllm.commands.generate import add_model_arguments, check_model_arguments, resolve_dtype
 from spanllm.launch import DistContext, finish, launch
 
 
@@ -248,6 +248,11 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         from spanllm.errors import UsageError
 
         raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    # The model (a damaged checkpoint, an unknown architecture) and its layout (heads the TP degree divides).
+    world = checks.world_size(args.nprocs)
+    cfg, topo, _ = check_model_arguments(args, world)
+    tp = args.tp or world
+    checks.layout(tp, max(1, world // tp), world, cfg, topo)
 
 
 def run(args: argparse.Namespace) -> int:
