@@ -50,7 +50,7 @@ def topology(world: int, ranks_per_node: int | None):
 
 
 def engine_dtype(name: str) -> None:
-    from spanllm.engine.config import DTYPES
+    from spanllm.dtypes import MODEL_DTYPES as DTYPES
 
     if name != "auto" and name not in DTYPES:
         raise UsageError(f"--dtype {name!r} is not supported; choose one of auto, {', '.join(DTYPES)}")

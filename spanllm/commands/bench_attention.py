@@ -93,7 +93,7 @@ def _cell(b: int, n: int, args, device, dtype) -> dict:
 
 def _rank(ctx: DistContext, args) -> dict:
     from spanllm.commands.bench_throughput import machine_info
-    from spanllm.engine.config import parse_dtype
+    from spanllm.dtypes import model_dtype as parse_dtype
 
     dtype = parse_dtype(args.dtype)
     rows = []

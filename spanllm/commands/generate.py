@@ -12,7 +12,8 @@ import os
 import torch
 
 from spanllm import checks
-from spanllm.engine.config import COMPILE_SCOPES, DECODE_GEMMS, EngineConfig, parse_dtype
+from spanllm.dtypes import model_dtype as parse_dtype
+from spanllm.engine.config import COMPILE_SCOPES, DECODE_GEMMS, EngineConfig
 from spanllm.engine.sampler import SamplingParams
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
