@@ -291,7 +291,7 @@ def gguf_preset_path(name: str) -> str:
         if os.path.isfile(path):
             return path
     raise ModelConfigError(
-        f"--model {name}: its weights ({fname}) come in the pip package {package.replace('_', '-')}, which is "
+        f"preset {name!r}: its weights ({fname}) come in the pip package {package.replace('_', '-')}, which is "
         f"{'not installed' if spec is None else 'installed without that file'}; install it with: {install}"
     )
 
