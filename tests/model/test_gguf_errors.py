@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("gguf")
+from gguf_files import TINY, write_tiny_llama  # noqa: E402
+
 import spanllm.commands.bench_throughput  # noqa: E402
 import spanllm.commands.generate  # noqa: E402
 import spanllm.commands.serve  # noqa: E402
-from gguf_files import TINY, write_tiny_llama  # noqa: E402
 from spanllm.cli import main  # noqa: E402
 from spanllm.model.config import GGUF_PRESETS, ModelConfig, resolve_model  # noqa: E402
 from spanllm.model.gguf import GGUFError  # noqa: E402
