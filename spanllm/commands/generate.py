@@ -26,7 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N) or HF checkpoint dir",
+        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N, smollm2-135m-instruct), "
+        "HF checkpoint dir or .gguf file",
     )
     parser.add_argument(
         "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
