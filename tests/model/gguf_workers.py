@@ -8,6 +8,7 @@ import torch
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
+from spanllm.model.config import resolve_model
 from spanllm.model.parallel_dims import ParallelDims
 
 CHAT_QUESTIONS = (
@@ -24,9 +25,10 @@ NEW_TOKENS = 16
 
 
 def make_llm(model: str, world: int = 1) -> LLM:
+    cfg = resolve_model(model)
     return LLM(
-        model,
-        EngineConfig(dtype=torch.float32, max_num_seqs=8, max_model_len=1024, block_size=16),
+        cfg,
+        EngineConfig(dtype=torch.float32, max_num_seqs=8, max_model_len=min(1024, cfg.max_position_embeddings)),
         dims=ParallelDims.tp_only(world),
         device=torch.device("cpu"),
     )
@@ -43,6 +45,16 @@ def greedy_rank(ctx, model: str, prompts: list[list[int]], new_tokens: int = NEW
     try:
         out = greedy(llm, prompts, new_tokens)
         return out if ctx.rank == 0 else None
+    finally:
+        llm.close()
+
+
+def tokens_rank(ctx, model: str, prompts: list[list[int]], new_tokens: int):
+    """Exactly `new_tokens` greedy tokens per prompt (EOS ignored: random weights) at TP = the world size."""
+    llm = make_llm(model, ctx.world_size)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        return [list(o.output_ids) for o in outs] if ctx.rank == 0 else None
     finally:
         llm.close()
 
