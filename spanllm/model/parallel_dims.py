@@ -79,20 +79,34 @@ class ParallelDims:
         return f"TP={self.tp} x PP={self.pp}"
 
 
+def tp_degrees_for(cfg: ModelConfig) -> list[int]:
+    """Every TP degree that can shard `cfg` (check_tp_for_model's rule), up to the query heads."""
+    kv = cfg.num_kv_heads
+    return [
+        t
+        for t in range(1, cfg.num_heads + 1)
+        if cfg.num_heads % t == 0 and (kv % t == 0 or t % kv == 0) and cfg.intermediate_size % t == 0
+    ]
+
+
 def check_tp_for_model(tp: int, cfg: ModelConfig) -> None:
     """The standard rule: tp divides the query heads; KV heads are split (tp | kv) or replicated (kv | tp)."""
+    works = f"TP degrees that work for {cfg.label}: {', '.join(map(str, tp_degrees_for(cfg)))}"
     if cfg.num_heads % tp:
         raise ParallelLayoutError(
-            f"tp={tp} does not divide num_heads={cfg.num_heads} of {cfg.label}; use a tp that divides {cfg.num_heads}"
+            f"tp={tp} does not divide num_heads={cfg.num_heads} of {cfg.label} (each rank owns whole query "
+            f"heads); {works}"
         )
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         raise ParallelLayoutError(
             f"tp={tp} and num_kv_heads={kv} of {cfg.label}: tp must divide the KV heads (each rank owns some) or "
-            f"be a multiple of them (each KV head replicated on tp/kv ranks); pick tp in divisors or multiples of {kv}"
+            f"be a multiple of them (each KV head replicated on tp/kv ranks); {works}"
         )
     if cfg.intermediate_size % tp:
-        raise ParallelLayoutError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size} of {cfg.label}")
+        raise ParallelLayoutError(
+            f"tp={tp} does not divide intermediate_size={cfg.intermediate_size} of {cfg.label}; {works}"
+        )
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
