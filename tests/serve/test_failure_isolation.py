@@ -78,10 +78,10 @@ def test_sampling_fault_ends_only_its_request(llm, greedy):
     tok = llm.get_tokenizer()
     real = core.sampler.sample
 
-    def sample(logits, params, masks, gens):
+    def sample(logits, params, masks, gens, requests=None):
         if any(p.min_p == 0.5 for p in params):
             raise OverflowError("injected: this row's parameters")
-        return real(logits, params, masks, gens)
+        return real(logits, params, masks, gens, requests)
 
     core.sampler.sample = sample
     try:
