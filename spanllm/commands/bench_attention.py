@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.timing import time_calls
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,4,16,64,256")

@@ -47,6 +47,8 @@ from spanllm.model.config import resolve_model
 from spanllm.model.parallel_dims import ParallelDims
 from spanllm.workloads import WORKLOADS
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 @dataclass(frozen=True)
 class BenchSettings:
@@ -110,7 +112,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser)
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (default: world size / pp)",
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (1 = naive schedule)")
 

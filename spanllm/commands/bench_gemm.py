@@ -267,7 +267,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--models", default="llama3.1-8b,llama3.1-70b", help="comma list of Llama 3.1 presets (8b, 70b, 405b)"
     )
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU")
+    ap.add_argument(
+        "--tp", "--tensor-parallel-size", "-tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU"
+    )
     ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
     ap.add_argument("--layers", default="qkv,o,gate_up,down")
     ap.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (any model dtype name, spanllm.dtypes)")

@@ -25,6 +25,8 @@ from spanllm.bench.datasets import add_dataset_arguments, get_samples
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.launch import DistContext, finish, launch
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)

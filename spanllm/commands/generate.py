@@ -22,6 +22,8 @@ from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 from spanllm.model.config import resolve_model
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -40,7 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (default: world size / pp)",
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
     parser.add_argument(

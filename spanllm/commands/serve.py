@@ -1,6 +1,6 @@
 """`spanllm serve`: an OpenAI-compatible HTTP server on the serving engine (the server itself: spanllm.serve).
 
-    spanllm serve --model tiny --dtype float32 --port 8000                        # CPU, one process
+    spanllm serve tiny --dtype float32 --port 8000                                # CPU, one process (or --model)
     spanllm serve --model tiny --dtype float32 --nprocs 2                         # CPU, TP=2 over gloo
     torchrun --nproc-per-node 8 -m spanllm.cli serve --model llama3.1-70b          # one node, TP=8
 
@@ -34,13 +34,15 @@ import threading
 from spanllm.errors import UsageError
 from spanllm.serve.server import Server
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 WORKER_EXIT_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, positional=True)  # `spanllm serve MODEL`, as vLLM's, or --model
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
@@ -67,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     from spanllm import checks
-    from spanllm.commands.engine_args import check_engine_arguments
+    from spanllm.commands.engine_args import check_engine_arguments, model_from_args
 
+    model_from_args(args, "spanllm serve")
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
@@ -136,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)
+    if os.environ.get("RANK", "0") == "0":  # the rank that will serve: a port in use says so before the build
+        from spanllm import checks
+
+        checks.port_free(args.host, args.port)
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)
     else:  # one local process: no spawn, signals reach uvicorn directly

@@ -29,6 +29,8 @@ from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.report import machine_info, versions
 from spanllm.measure.timing import time_calls
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", default="1K")
