@@ -97,8 +97,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tuning", default=None, help="tuning table(s) from `spanllm tune` for nvrar / auto (comma-separated)"
     )
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each batch first")
+    parser.add_argument("--iters", type=int, default=3, help="timed runs of each batch (medians reported)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the eager per-op timing pass")
     parser.add_argument(
         "--breakdown-steps",

@@ -202,8 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="perlmutter",
         help="preset (h200x2, dgx-h100, dgx-h200, perlmutter, vista) or a .json/.toml cluster file",
     )
-    parser.add_argument("--nodes", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--nodes", type=int, default=8, help="nodes of the cluster to lay the model out on")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens per sequence")
     parser.add_argument("--decode", type=int, default=256, help="generated tokens per sequence")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="price decode launched eagerly")
