@@ -118,6 +118,10 @@ class ArgumentParser(argparse.ArgumentParser):
     """A command's parser: a mistake prints one usage line and `spanllm: error: ...` (exit code 2), not the
     full usage, which `--help` prints."""
 
+    def print_help(self, file=None) -> None:
+        # argparse drops a write error here; a closed pipe must reach main, which exits as for `spanllm -h`
+        (file or sys.stdout).write(self.format_help())
+
     def error(self, message: str):
         self.exit(2, f"usage: {self.prog} [options]   ({self.prog} --help lists them)\nspanllm: error: {message}\n")
 
