@@ -112,3 +112,15 @@ def test_help_prints_once_per_default(words, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: spanllm {words} ")
     assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_top_level_help_names_the_commands_that_take_pg_timeout():
+    """`spanllm -h` lists them without importing every command: the list must agree with USES_COLLECTIVES."""
+    text = " ".join(cli.GLOBAL_OPTIONS.split("--pg-timeout S", 1)[1].split(":", 1)[0].split())
+    named = set()
+    for part in text.removeprefix("commands that start ranks (").removesuffix(")").split(", "):
+        first, *rest = part.split(" / ")
+        group = first.split()[0] if len(first.split()) == 2 else None
+        named.add(first)
+        named.update(f"{group} {r}" for r in rest)
+    assert named == WITH_COLLECTIVES
