@@ -212,3 +212,44 @@ def host_memory(bytes_per_rank: int, ranks_here: int, what: str, fix: str) -> No
             f"{what} needs about {_gib(need)} of host memory ({ranks_here} ranks x "
             f"{_gib(bytes_per_rank)}) but {_gib(avail)} is available; {fix}"
         )
+
+
+def port_free(host: str, port: int) -> None:
+    """`--host H --port P` can be bound now, as uvicorn will bind it (SO_REUSEADDR, every address H resolves
+    to): checked before the engine is built, so a port in use costs one line, not a build and a traceback."""
+    import errno
+    import socket
+
+    if port == 0:
+        return  # any free port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(
+            f"--host {host!r}: cannot resolve it ({e.strerror}); give an address, e.g. 127.0.0.1"
+        ) from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                where = f"{addr[0]}:{port}" if family == socket.AF_INET else f"[{addr[0]}]:{port}"
+                if e.errno == errno.EADDRINUSE:
+                    raise UsageError(
+                        f"--port {port}: {where} is already in use (another server?); stop that process, or "
+                        "choose another port (--port 0 picks a free one)"
+                    ) from None
+                if e.errno == errno.EACCES:
+                    raise UsageError(
+                        f"--port {port}: binding {where} is not permitted (ports below 1024 need privileges); "
+                        "choose a port from 1024 up"
+                    ) from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise UsageError(
+                        f"--host {host}: {addr[0]} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
+                        "(every interface) or one of its own addresses"
+                    ) from None
+                raise UsageError(f"--host {host} --port {port}: cannot bind {where}: {e.strerror}") from None

@@ -1,10 +1,13 @@
 """The `spanllm` command. Each subcommand lives in its own module, imported only when it runs.
 
-A command module defines `add_arguments(parser: argparse.ArgumentParser)` and `run(args) -> int`. `run`
-checks every argument (and the checkpoint) before any rank starts; project errors (`spanllm.errors`)
-become one line, `spanllm: error: ...`, and exit code 2 (bad input) or 1 (the run failed). `--debug`
-(or SPANLLM_DEBUG=1) shows the traceback as well; `--pg-timeout S` (or SPANLLM_PG_TIMEOUT_S) sets the
-collective timeout of the ranks (spanllm.launch).
+A command module defines `add_arguments(parser: argparse.ArgumentParser)` and `run(args) -> int`, and
+`USES_COLLECTIVES = True` when it starts ranks joined by a process group (spanllm.launch): only those commands
+take `--pg-timeout S` (or SPANLLM_PG_TIMEOUT_S), the collective timeout of the ranks; the others refuse it.
+`run` checks every argument (and the checkpoint) before any rank starts; project errors (`spanllm.errors`)
+become one line, `spanllm: error: ...`, and exit code 2 (bad input) or 1 (the run failed); an argparse
+mistake is the one-line usage and that line (exit 2). `--debug` (or SPANLLM_DEBUG=1) shows the traceback as
+well. Output cut short by the reader (`spanllm -h | head -3`) ends quietly with exit code 141 (128 + SIGPIPE,
+the status of a command a shell saw die of SIGPIPE).
 """
 
 from __future__ import annotations
@@ -86,23 +89,64 @@ COMMANDS: list[tuple[str, str, str]] = [
 
 GLOBAL_OPTIONS = """global options (before or after COMMAND):
   --debug            show the traceback of an error (also SPANLLM_DEBUG=1)
-  --pg-timeout S     collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a rank
-                     that stops answering fails the job after S seconds, and the error names it"""
+  --pg-timeout S     commands that start ranks (demo, generate, serve, tune, bench allreduce / attention /
+                     batch / study / throughput): collective timeout of the ranks in seconds (also
+                     SPANLLM_PG_TIMEOUT_S; default 300): a rank that stops answering fails the job after S
+                     seconds, and the error names it"""
+
+USAGE = "usage: spanllm [--debug] [--pg-timeout S] COMMAND [options]   (spanllm COMMAND --help for its options)"
+PG_TIMEOUT_HELP = (
+    "collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a rank that stops "
+    "answering fails the job after S seconds, and the error names it"
+)
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a command that died of SIGPIPE
 
 
 def _usage() -> str:
     width = max(len(w) for w, _, _ in COMMANDS)
-    lines = [
-        "usage: spanllm [--debug] [--pg-timeout S] COMMAND [options]   (spanllm COMMAND --help for its options)",
-        "",
-        "commands:",
-    ]
+    lines = [USAGE, "", "commands:"]
     lines += [f"  {w.ljust(width)}  {h}" for w, _, h in COMMANDS]
     return "\n".join(lines + ["", GLOBAL_OPTIONS])
 
 
-def add_global_arguments(parser: argparse.ArgumentParser) -> None:
-    """--debug and --pg-timeout after the command too (unless the command defines an option of that name)."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's default said once: help text that mentions a default keeps its own words; otherwise
+    "(default: X)" is added, except for defaults that say nothing (None, False, '', [])."""
+
+    # Python < 3.14 appends this to every BooleanOptionalAction's help, whatever the help says already.
+    _BOOLEAN_SUFFIX = " (default: %(default)s)"
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").removesuffix(self._BOOLEAN_SUFFIX)
+        if "default" in text.lower() or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None or action.default is False or action.default in ("", []):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A command's parser: a mistake prints one usage line and `spanllm: error: ...` (exit code 2), not the
+    full usage, which `--help` prints."""
+
+    def print_help(self, file=None) -> None:
+        # argparse drops a write error here; a closed pipe must reach main, which exits as for `spanllm -h`
+        (file or sys.stdout).write(self.format_help())
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} [options]   ({self.prog} --help lists them)\nspanllm: error: {message}\n")
+
+
+def uses_collectives(module) -> bool:
+    """Whether a command module starts ranks joined by a process group (its USES_COLLECTIVES)."""
+    return getattr(module, "USES_COLLECTIVES", False) is True
+
+
+def add_global_arguments(parser: argparse.ArgumentParser, *, collectives: bool = True) -> None:
+    """--debug after the command too, and --pg-timeout for commands with collectives (unless the command
+    defines an option of that name). Without collectives --pg-timeout is parsed, hidden, and refused (_run)."""
     g = parser.add_argument_group("global options")
     taken = parser._option_string_actions
     if "--debug" not in taken:
@@ -113,9 +157,17 @@ def add_global_arguments(parser: argparse.ArgumentParser) -> None:
             type=float,
             default=None,
             metavar="S",
-            help="collective timeout of the ranks in seconds (also SPANLLM_PG_TIMEOUT_S; default 300): a "
-            "rank that stops answering fails the job after S seconds, and the error names it",
+            help=PG_TIMEOUT_HELP if collectives else argparse.SUPPRESS,
         )
+
+
+def build_parser(words: str, module) -> ArgumentParser:
+    """The parser of `spanllm WORDS` (module: the command's module), as `spanllm WORDS ...` parses."""
+    help_ = next(h for w, _, h in COMMANDS if w == words)
+    parser = ArgumentParser(prog=f"spanllm {words}", description=help_, formatter_class=HelpFormatter)
+    module.add_arguments(parser)
+    add_global_arguments(parser, collectives=uses_collectives(module))
+    return parser
 
 
 def _apply_global(debug: bool, pg_timeout: float | None) -> None:
@@ -144,7 +196,9 @@ def _leading_globals(argv: list[str]) -> tuple[bool, float | None, list[str]]:
         try:
             timeout = float(value)
         except ValueError:
-            raise UsageError(f"--pg-timeout {value!r}: give the collective timeout in seconds, e.g. --pg-timeout 300")  # noqa: B904
+            raise UsageError(
+                f"--pg-timeout {value!r}: give the collective timeout in seconds, e.g. --pg-timeout 300"
+            ) from None
     return debug, timeout, argv
 
 
@@ -169,16 +223,33 @@ def report_error(exc: BaseException, code: int) -> None:
     print(f"spanllm: error: {prefix}{' '.join(str(message).split())}{hint}", file=sys.stderr)
 
 
-def _run(words: str, module: str, help_: str, argv: list[str]) -> int:
+def _run(words: str, module: str, argv: list[str], leading_pg_timeout: float | None) -> int:
+    from spanllm.errors import UsageError
+
     mod = importlib.import_module(module)
-    parser = argparse.ArgumentParser(
-        prog=f"spanllm {words}", description=help_, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    mod.add_arguments(parser)
-    add_global_arguments(parser)
-    args = parser.parse_args(argv)
-    _apply_global(getattr(args, "debug", False) is True, getattr(args, "pg_timeout", None))
+    args = build_parser(words, mod).parse_args(argv)
+    pg_timeout = getattr(args, "pg_timeout", None)
+    if not uses_collectives(mod) and (pg_timeout is not None or leading_pg_timeout is not None):
+        raise UsageError(
+            f"--pg-timeout: `spanllm {words}` starts no ranks, so it has no collectives to time out; leave it out"
+        )
+    _apply_global(getattr(args, "debug", False) is True, pg_timeout)
     return int(mod.run(args) or 0)
+
+
+def _unknown_command(argv: list[str]) -> str:
+    """One line for a command that is not in COMMANDS: the group's commands, or the closest command."""
+    import difflib
+
+    given = " ".join(argv[:2]) if len(argv) > 1 and not argv[1].startswith("-") else argv[0]
+    group = [w.split()[1] for w, _, _ in COMMANDS if len(w.split()) == 2 and w.split()[0] == argv[0]]
+    if group and given == argv[0]:
+        return f"`spanllm {given}` needs one of: {', '.join(group)} (e.g. `spanllm {given} {group[0]} --help`)"
+    if group:
+        return f"unknown command {given!r}; `spanllm {argv[0]}` takes one of: {', '.join(group)}"
+    close = difflib.get_close_matches(given, [w for w, _, _ in COMMANDS], n=1)
+    hint = f"did you mean `spanllm {close[0]}`? " if close else ""
+    return f"unknown command {given!r}; {hint}`spanllm --help` lists the commands"
 
 
 GLOBAL_ENV = ("SPANLLM_DEBUG", "SPANLLM_PG_TIMEOUT_S")
@@ -187,13 +258,30 @@ GLOBAL_ENV = ("SPANLLM_DEBUG", "SPANLLM_PG_TIMEOUT_S")
 def main(argv: list[str] | None = None) -> int:
     saved = {k: os.environ.get(k) for k in GLOBAL_ENV}
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv))
+        finally:  # here, not at exit: a reader that left (`| head`) fails this flush, and it is caught
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT
     finally:  # a call in-process (tests) leaves the environment as it found it
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _silence_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null, so the interpreter's last flush at exit fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a test's capture): nothing to flush
+        pass
+    finally:
+        os.close(devnull)
 
 
 def _main(argv: list[str]) -> int:
@@ -210,10 +298,10 @@ def _main(argv: list[str]) -> int:
 
             print(__version__)
             return 0
-        for words, module, help_ in sorted(COMMANDS, key=lambda c: -len(c[0].split())):
+        for words, module, _ in sorted(COMMANDS, key=lambda c: -len(c[0].split())):
             n = len(words.split())
             if argv[:n] == words.split():
-                return _run(words, module, help_, argv[n:])
+                return _run(words, module, argv[n:], timeout)
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise  # argparse (--help: 0, a bad option: 2) and sys.exit(int) keep their codes
@@ -225,7 +313,7 @@ def _main(argv: list[str]) -> int:
             raise
         report_error(e, code)
         return code
-    print(f"spanllm: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
+    print(f"{USAGE}\nspanllm: error: {_unknown_command(argv)}", file=sys.stderr)
     return 2
 
 

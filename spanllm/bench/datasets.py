@@ -561,7 +561,7 @@ def add_dataset_arguments(
     """vLLM's dataset flags, shared by `bench serve` and `bench throughput` (seed=False: the caller's parser
     already has --seed, one seed for the engine and the sample, as in vLLM)."""
     g = parser.add_argument_group("dataset (vLLM's flags)")
-    g.add_argument("--dataset-name", choices=DATASET_NAMES, default=default_dataset)
+    g.add_argument("--dataset-name", choices=DATASET_NAMES, default=default_dataset, help="where requests come from")
     g.add_argument(
         "--dataset-path",
         default=None,
@@ -574,7 +574,7 @@ def add_dataset_arguments(
         help=f"requests (default {DEFAULT_NUM_PROMPTS}; generated-shared-prefix: groups x prompts per group)",
     )
     if seed:
-        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--seed", type=int, default=0, help="seed of the request sampling")
     g.add_argument(
         "--no-oversample",
         action="store_true",
@@ -586,8 +586,8 @@ def add_dataset_arguments(
         default=None,
         help="output length of every ShareGPT request, instead of the reply's length",
     )
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens of a random request")
+    g.add_argument("--random-output-len", type=int, default=128, help="output tokens of a random request")
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
     g.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt")
     g.add_argument("--gsp-num-groups", type=int, default=64, help="generated-shared-prefix: system prompts")

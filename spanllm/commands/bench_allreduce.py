@@ -25,6 +25,8 @@ from spanllm.launch import DistContext, finish, launch, under_launcher
 from spanllm.measure.report import algbw_GBps, allreduce_busbw_GBps, write_json
 from spanllm.measure.timing import Timing, time_calls
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def parse_size(text: str) -> int:
     """'8', '64K', '1M', '2G' (optionally with a trailing B) -> bytes."""

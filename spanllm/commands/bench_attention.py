@@ -23,17 +23,21 @@ import torch.nn.functional as F
 from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.timing import time_calls
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-sizes", default="1,4,16,64,256")
-    parser.add_argument("--context-lens", default="128,512,2048,8192")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,4,16,64,256", help="comma-separated sequences per step")
+    parser.add_argument(
+        "--context-lens", default="128,512,2048,8192", help="comma-separated cached tokens per sequence"
+    )
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of q and the KV cache")
     parser.add_argument("--reference-max-batch", type=int, default=64, help="time the reference up to this batch")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write settings, machine and every cell here")
 
 
 def random_decode_inputs(

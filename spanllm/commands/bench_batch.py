@@ -47,6 +47,8 @@ from spanllm.model.config import resolve_model
 from spanllm.model.parallel_dims import ParallelDims
 from spanllm.workloads import WORKLOADS
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 @dataclass(frozen=True)
 class BenchSettings:
@@ -95,8 +97,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tuning", default=None, help="tuning table(s) from `spanllm tune` for nvrar / auto (comma-separated)"
     )
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each batch first")
+    parser.add_argument("--iters", type=int, default=3, help="timed runs of each batch (medians reported)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the eager per-op timing pass")
     parser.add_argument(
         "--breakdown-steps",
@@ -110,7 +112,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_arguments(parser)
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (default: world size / pp)",
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (1 = naive schedule)")
 

@@ -267,16 +267,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--models", default="llama3.1-8b,llama3.1-70b", help="comma list of Llama 3.1 presets (8b, 70b, 405b)"
     )
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU")
+    ap.add_argument(
+        "--tp", "--tensor-parallel-size", "-tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU"
+    )
     ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
-    ap.add_argument("--layers", default="qkv,o,gate_up,down")
+    ap.add_argument("--layers", default="qkv,o,gate_up,down", help="comma list of projections to time")
     ap.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (any model dtype name, spanllm.dtypes)")
     ap.add_argument(
         "--weights", type=int, default=20, help="distinct weight tensors per graph (raised so that they total >= 3x L2)"
     )
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per method")
     ap.add_argument("--warmup", type=int, default=3, help="untimed graph replays first")
-    ap.add_argument("--sweep", default="small", choices=["none", "small", "full"])
+    ap.add_argument("--sweep", default="small", choices=["none", "small", "full"], help="explicit configs to try")
     ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth test (0: skip)")
     ap.add_argument(
         "--override-gain",

@@ -36,22 +36,22 @@ class _NoModel:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=600)
-    parser.add_argument("--prompt-len", type=int, default=230)
-    parser.add_argument("--output-len", type=int, default=150)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=600, help="requests, all queued at once")
+    parser.add_argument("--prompt-len", type=int, default=230, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=150, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--vocab", type=int, default=64, help="width of the fake logits (sampling cost scales with it)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs; the fastest is reported")
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the block manager's prefix cache (every prompt is distinct: its hashing cost with no hit)",
     )
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write settings and every run here")
 
 
 def _distinct_prompt(i: int, length: int, vocab: int) -> list[int]:

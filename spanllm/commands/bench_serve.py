@@ -342,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser, default_dataset="sharegpt")
     g = parser.add_argument_group("server and traffic (vLLM's bench serve flags)")
     g.add_argument("--base-url", default=None, help="server URL; default http://HOST:PORT")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="server host (without --base-url)")
+    g.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
     g.add_argument(
         "--endpoint",
         default=None,
@@ -374,9 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)",
     )
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="sent in every request (default: not sent)")
+    g.add_argument("--top-p", type=float, default=None, help="sent in every request (default: not sent)")
+    g.add_argument("--top-k", type=int, default=None, help="sent in every request (default: not sent)")
     g.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     g.add_argument("--num-warmups", type=int, default=0, help="copies of the first request sent before timing")
     g.add_argument(
@@ -386,7 +386,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="retry the first request until the server answers, up to this long (0: no check)",
     )
     g.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request counts as failed")
-    g.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-")
+    g.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-", help="request ids: PREFIX + index")
     g.add_argument(
         "--samples-file",
         default=None,

@@ -33,6 +33,8 @@ from spanllm.launch import DistContext, launch
 from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.parallel_dims import ParallelDims, ParallelLayoutError
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 COMPARED_WITH_DEFAULT = {"cuda": "nvrar", "cpu": "ref_ring"}  # without --allreduce: the group's collective vs this
 
 

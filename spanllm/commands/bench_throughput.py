@@ -1,7 +1,8 @@
 """`spanllm bench throughput`: offline throughput of the serving engine, with vLLM's `bench throughput`
 contract: requests from ShareGPT V3 (vLLM's sampling) or random lengths, every request with
 temperature 1.0, top_p 1.0, ignore_eos and max_tokens = its output length, all handed to the engine at
-once; prints "Throughput: X requests/s, Y total tokens/s, Z output tokens/s" and writes JSON.
+once; prints "Throughput: X requests/s, Y total tokens/s, Z output tokens/s" and writes JSON. On a terminal,
+rank 0 shows a progress bar on stderr while the requests run (spanllm.bench.progress).
 
     spanllm bench throughput --model tiny --dataset-name random --input-len 32 --output-len 16 --num-prompts 8
     spanllm bench throughput --model llama3.1-8b --num-prompts 1000 --json results/throughput.json     # GPU
@@ -22,8 +23,11 @@ import numpy as np
 import torch
 
 from spanllm.bench.datasets import add_dataset_arguments, get_samples
+from spanllm.bench.progress import RequestProgress
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.launch import DistContext, finish, launch
+
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,9 +97,10 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
         stats0 = dict(vars(core.stats))
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - t0
+        with RequestProgress(len(prompts)) as bar:  # a bar on a terminal only; its start and stop are not timed
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, on_output=bar.on_output)
+            elapsed = time.perf_counter() - t0
         prompt_tokens = sum(len(o.prompt_ids) for o in outs)
         output_tokens = sum(len(o.output_ids) for o in outs)
         expected = sum(r.output_len for r in samples)

@@ -19,6 +19,8 @@ import torch
 
 from spanllm.launch import DistContext, launch
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nprocs", type=int, default=4, help="local gloo ranks")

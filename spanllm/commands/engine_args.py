@@ -11,15 +11,19 @@ from spanllm import checks
 from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS
 from spanllm.errors import UsageError
 
+TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
+MODEL_HELP = (
+    "preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N, smollm2-135m-instruct), "
+    "HF checkpoint dir or .gguf file"
+)
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, its dtype and weights, the ranks that run it."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="preset (tiny, llama3.1-8b, llama3.1-70b, llama3.1-405b, NAME:layers=N, smollm2-135m-instruct), "
-        "HF checkpoint dir or .gguf file",
-    )
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """The model, its dtype and weights, the ranks that run it. positional=True: the model may also come first,
+    as in vLLM's `serve MODEL` (model_from_args reconciles the two)."""
+    if positional:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=f"{MODEL_HELP}; or --model")
+    parser.add_argument("--model", required=not positional, default=None, help=MODEL_HELP)
     parser.add_argument(
         "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
     )
@@ -87,8 +91,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         help="the host waits for each step's tokens before planning the next (default: it plans the next "
         "while the GPU runs, on a GPU at TP=1)",
     )
-    g.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the world size)")
+    g.add_argument(
+        *TP_FLAGS, dest="tp", type=int, default=None, help="tensor-parallel degree (default: the world size)"
+    )
     g.add_argument("--allreduce", default=None, help="registered all-reduce (default: nccl on GPU, gloo on CPU)")
+
+
+def model_from_args(args: argparse.Namespace, command: str) -> None:
+    """`COMMAND MODEL` or `--model MODEL` (add_model_arguments(positional=True)): one of them, or both alike."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise UsageError(f"the model is given twice, {tag!r} and --model {args.model!r}: give one of them")
+    args.model = args.model or tag
+    if args.model is None:
+        raise UsageError(f"no model: give one, `{command} MODEL` or `{command} --model MODEL` (e.g. tiny)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -22,6 +22,8 @@ from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 from spanllm.model.config import resolve_model
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -35,12 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="text prompt (needs a checkpoint dir with a tokenizer); repeat for a batch",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: world size / pp)")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel degree (default: world size / pp)",
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches")
     parser.add_argument(

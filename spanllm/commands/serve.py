@@ -1,6 +1,6 @@
 """`spanllm serve`: an OpenAI-compatible HTTP server on the serving engine (the server itself: spanllm.serve).
 
-    spanllm serve --model tiny --dtype float32 --port 8000                        # CPU, one process
+    spanllm serve tiny --dtype float32 --port 8000                                # CPU, one process (or --model)
     spanllm serve --model tiny --dtype float32 --nprocs 2                         # CPU, TP=2 over gloo
     torchrun --nproc-per-node 8 -m spanllm.cli serve --model llama3.1-70b          # one node, TP=8
 
@@ -40,6 +40,8 @@ from spanllm.errors import UsageError
 from spanllm.serve.limits import ServerLimits
 from spanllm.serve.server import Server
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 WORKER_EXIT_S = 5.0
 _log = logging.getLogger("spanllm.serve")
 
@@ -47,7 +49,7 @@ _log = logging.getLogger("spanllm.serve")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, positional=True)  # `spanllm serve MODEL`, as vLLM's, or --model
     add_engine_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
@@ -112,8 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     from spanllm import checks
-    from spanllm.commands.engine_args import check_engine_arguments
+    from spanllm.commands.engine_args import check_engine_arguments, model_from_args
 
+    model_from_args(args, "spanllm serve")
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
@@ -131,27 +134,6 @@ def check_args(args: argparse.Namespace) -> None:
     checks.at_least("--max-model-len", args.max_model_len, 1)
     if not INT64_MIN <= args.seed <= INT64_MAX:
         raise UsageError(f"--seed {args.seed}: give an integer in [{INT64_MIN}, {INT64_MAX}]")
-
-
-def check_port_free(host: str, port: int) -> None:
-    """One line before the engine is built (which can take minutes) rather than uvicorn's error after it."""
-    import socket
-
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise UsageError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise UsageError(
-                f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); choose another port (0: any free one)"
-            ) from None
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
@@ -243,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)
-    if not under_launcher() or int(os.environ.get("RANK", "0")) == 0:
-        check_port_free(args.host, args.port)
+    if os.environ.get("RANK", "0") == "0":  # the rank that will serve: a port in use says so before the build
+        from spanllm import checks
+
+        checks.port_free(args.host, args.port)
     _setup_logging()
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)

@@ -29,14 +29,18 @@ from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.report import machine_info, versions
 from spanllm.measure.timing import time_calls
 
+USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-b", "--minbytes", default="1K")
-    p.add_argument("-e", "--maxbytes", default="16M")
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    p.add_argument("-b", "--minbytes", default="1K", help="smallest message (bytes; K/M suffixes)")
+    p.add_argument("-e", "--maxbytes", default="16M", help="largest message")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplication factor")
     p.add_argument("-n", "--iters", type=int, default=7, help="timed samples per candidate")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", help="element type of the messages")
+    p.add_argument(
+        "--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE"
+    )
     p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer of the GPU backends (largest nvrar message)")
     p.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="nvrar program counts to try")
     p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")

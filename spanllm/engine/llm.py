@@ -472,10 +472,12 @@ class LLM:
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
 
-    def generate(self, prompts: list, params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts: list, params=None, on_output=None) -> list:
         """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one
         RequestOutput per prompt, in order. Collective: call it on every TP rank (rank 0 schedules and
-        returns the outputs; the others run the step plans it sends and return [])."""
+        returns the outputs; the others run the step plans it sends and return []). `on_output(out)`, if given,
+        is called on rank 0 with every RequestOutput of every step as it lands (new tokens, `finished`): a
+        progress bar's hook; it runs inside the engine loop, so keep it cheap."""
         from spanllm.engine.engine_core import RequestError
 
         core = self.engine_core
@@ -509,6 +511,8 @@ class LLM:
                     ids_of[seq.request_id] = i
                 while core.has_unfinished():
                     for out in core.step():
+                        if on_output is not None:
+                            on_output(out)
                         if out.finished and out.request_id in ids_of:
                             results[ids_of[out.request_id]] = out
             except BaseException:
