@@ -49,5 +49,5 @@ def test_port_in_use_is_one_line_before_the_engine(capsys):
         port = s.getsockname()[1]
         assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
     err = capsys.readouterr()
-    assert f"spanllm: error: --port {port}: cannot listen on 127.0.0.1:{port}" in err.err
+    assert f"spanllm: error: --port {port}: 127.0.0.1:{port} is already in use" in err.err
     assert "building the engine" not in err.out + err.err
