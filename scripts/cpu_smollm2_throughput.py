@@ -26,9 +26,9 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from spanllm.bench.datasets import get_samples  # noqa: E402
 from spanllm.bench.sample_file import load_samples, save_samples  # noqa: E402
 from spanllm.commands.bench_throughput import machine_info  # noqa: E402
+from spanllm.commands.dataset_args import get_samples  # noqa: E402
 from spanllm.engine.tokenizer import get_tokenizer  # noqa: E402
 from spanllm.model.config import resolve_model  # noqa: E402
 

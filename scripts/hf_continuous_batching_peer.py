@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from spanllm.bench.datasets import add_dataset_arguments, get_samples  # noqa: E402
 from spanllm.commands.bench_throughput import machine_info  # noqa: E402
+from spanllm.commands.dataset_args import add_dataset_arguments, get_samples  # noqa: E402
 from spanllm.engine.tokenizer import get_tokenizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -41,11 +41,12 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from spanllm.bench.datasets import SampleSet, add_dataset_arguments, get_samples
+from spanllm.bench.datasets import SampleSet
 from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cache_result
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
 from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
 from spanllm.bench.serve_report import rate_label
+from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
 from spanllm.errors import SpanllmError, UsageError
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from spanllm.bench.datasets import add_dataset_arguments, get_samples
 from spanllm.bench.progress import RequestProgress
+from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.launch import DistContext, finish, launch
 

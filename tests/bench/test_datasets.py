@@ -13,9 +13,7 @@ import pytest
 
 from spanllm.bench.datasets import (
     SampleRequest,
-    add_dataset_arguments,
     count_tokens,
-    get_samples,
     is_valid_sequence,
     load_sharegpt,
     recover_json_array,
@@ -24,6 +22,7 @@ from spanllm.bench.datasets import (
     sample_random,
     sample_sharegpt,
 )
+from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
 
 
 class WordTokenizer:
