@@ -23,7 +23,6 @@ LIBRARIES = ("comm", "engine", "perf", "model", "layers", "attention", "kernels"
 COMMANDS = ("commands", "cli")
 
 
-# Command-line modules still inside a library package (the argparse check exempts them):
 def unit(module: str) -> str | None:
     """spanllm.comm.nvrar.allreduce -> 'comm'; spanllm.launch -> 'launch'; other projects -> None."""
     parts = module.split(".")
