@@ -57,16 +57,18 @@ def test_greedy_featured_rows_match_the_cpu_path():
     for _ in range(6):
         logits = torch.randn(b, VOCAB, generator=g) * 4
         logits[:, :20] += 8.0  # a few strong tokens, so that penalties and the prompt's tokens matter
-        outs = {d: s.sample(logits.to(d), params, [()] * b, [None] * b, reqs) for d, s in samplers.items()}
+        outs = {d: s.sample(logits.clone().to(d), params, [()] * b, [None] * b, reqs) for d, s in samplers.items()}
         tokens = outs[CPU].tokens.tolist()
         assert outs[DEV].tokens.tolist() == tokens
         lp = {d: o.logprobs.token_logprobs(tokens) for d, o in outs.items()}
         for a, c in zip(lp[DEV], lp[CPU]):
             assert (a is None) == (c is None)
             if a is not None:
-                assert a.token_id == c.token_id and abs(a.logprob - c.logprob) < 1e-5
+                assert (
+                    a.token_id == c.token_id and abs(a.logprob - c.logprob) < 1e-4
+                )  # log-softmax over 128k: float32 sums
                 assert [t for t, _ in a.top] == [t for t, _ in c.top]
-                assert max((abs(x - y) for (_, x), (_, y) in zip(a.top, c.top)), default=0.0) < 1e-5
+                assert max((abs(x - y) for (_, x), (_, y) in zip(a.top, c.top)), default=0.0) < 1e-4
     n = samplers[CPU].counts.num_active
     assert n == samplers[DEV].counts.num_active == 24  # 3 of the 5 kinds ask for a penalty, 8 rows each
     assert torch.equal(samplers[DEV].counts.output[:n].cpu(), samplers[CPU].counts.output[:n])
