@@ -49,7 +49,8 @@ def _spanllm(*argv: str, **kw) -> subprocess.CompletedProcess:
         (["plan", "--nodes"], "argument --nodes: expected one argument"),
         (
             ["bench", "throughput", "--model", "tiny", "--dataset-name", "x"],
-            "argument --dataset-name: invalid choice: 'x' (choose from 'sharegpt', 'random')",
+            "argument --dataset-name: invalid choice: 'x' (choose from 'sharegpt', 'random', "
+            "'generated-shared-prefix', 'prefix_repetition')",
         ),
     ],
 )

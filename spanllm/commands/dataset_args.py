@@ -57,10 +57,16 @@ def add_dataset_arguments(
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="generated-shared-prefix: tokens")
     g.add_argument("--gsp-question-len", type=int, default=128, help="generated-shared-prefix: tokens")
     g.add_argument("--gsp-output-len", type=int, default=256, help="generated-shared-prefix: tokens to generate")
-    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument(
+        "--prefix-repetition-prefix-len", type=int, default=256, help="prefix_repetition: shared prefix tokens"
+    )
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="prefix_repetition: tokens after it")
+    g.add_argument(
+        "--prefix-repetition-num-prefixes", type=int, default=10, help="prefix_repetition: distinct prefixes"
+    )
+    g.add_argument(
+        "--prefix-repetition-output-len", type=int, default=128, help="prefix_repetition: tokens to generate"
+    )
     g.add_argument("--input-len", type=int, default=None, help="alias: sets --random-input-len")
     g.add_argument(
         "--output-len", type=int, default=None, help="alias: sets --random-output-len and --sharegpt-output-len"

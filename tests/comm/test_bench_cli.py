@@ -251,7 +251,7 @@ def test_help_from_the_console_entry_point():
         (
             ["bench", "nope"],
             "unknown command 'bench nope'; `spanllm bench` takes one of: allreduce, gemm, batch, study, throughput, "
-            "host, attention, serve",
+            "host, attention, serve, multi-turn",
         ),
         (
             ["perf"],

@@ -116,7 +116,7 @@ def test_exact_small_integers(interp, dtype, m, n, k, config):
 def test_split_k_forced_by_override_table(interp, monkeypatch):
     m, n, k = 5, 70, 200
     cfg = (32, 32, 3, 4, 2)
-    monkeypatch.setattr(interp, "CONFIG_OVERRIDES", {(interp.m_bucket(m), n, k, 2): cfg})
+    monkeypatch.setattr(interp, "measured_table", lambda: ({(interp.m_bucket(m), n, k, 2): cfg}, {}))
     assert interp.choose_config(m, n, k, 132) == cfg
     assert interp.effective_split_k(k, 32, 3) == 3
     x, w = _ints(m, k, dtype=torch.bfloat16, seed=1), _ints(n, k, dtype=torch.bfloat16, seed=2)
@@ -217,8 +217,8 @@ def test_without_triton():
 @pytest.mark.parametrize("num_sms", [132, 78])
 @pytest.mark.parametrize("m", [1, 8, 16])
 def test_choose_config_on_llama_shapes(m, num_sms, monkeypatch):
-    """The heuristic (the measured overrides set aside) fills the SMs with valid, non-empty splits."""
-    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {})
+    """The heuristic (the measured table set aside) fills the SMs with valid, non-empty splits."""
+    monkeypatch.setattr(gemm, "measured_table", lambda: ({}, {}))
     for n, k in SHAPES_TP2["70b"] + SHAPES_TP2["8b"]:
         cfg = gemm.choose_config(m, n, k, num_sms)
         assert cfg == gemm.choose_config(m, n, k, num_sms)  # a pure function
@@ -235,8 +235,9 @@ def test_choose_config_on_llama_shapes(m, num_sms, monkeypatch):
 def test_config_overrides_are_valid_and_used():
     """Every measured override launches (power-of-two tiles, non-empty splits, its bf16 pipeline fits in
     shared memory) and wins for bf16 only: the fp32 key is absent, so fp32 takes the heuristic."""
-    assert gemm.CONFIG_OVERRIDES
-    for (mb, n, k, elem), cfg in gemm.CONFIG_OVERRIDES.items():
+    configs = gemm.measured_table()[0]
+    assert configs
+    for (mb, n, k, elem), cfg in configs.items():
         assert elem == 2 and mb == gemm.m_bucket(mb) and (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"] + SHAPES_8B_TP1
         c = gemm._check_config(cfg)
         assert gemm.effective_split_k(k, c.block_k, c.split_k) == c.split_k
@@ -250,7 +251,7 @@ def test_table_lookup_takes_the_nearest_measured_bucket(monkeypatch):
     """Buckets without an entry take the nearest measured one of the same shape and element size (ties: the
     larger); another shape or dtype, or use_table=False, takes the heuristic."""
     a, b = (32, 128, 2, 4, 4), (64, 256, 1, 4, 5)
-    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {(1, 5120, 8192, 2): a, (8, 5120, 8192, 2): b})
+    monkeypatch.setattr(gemm, "measured_table", lambda: ({(1, 5120, 8192, 2): a, (8, 5120, 8192, 2): b}, {}))
     got = {m: tuple(gemm.table_config(m, 5120, 8192)) for m in (1, 2, 3, 4, 5, 8, 9, 16)}
     assert got == {1: a, 2: a, 3: b, 4: b, 5: b, 8: b, 9: b, 16: b}
     assert gemm.table_config(1, 5120, 8192, elem_bytes=4) is None and gemm.table_config(1, 5120, 4096) is None
@@ -258,15 +259,16 @@ def test_table_lookup_takes_the_nearest_measured_bucket(monkeypatch):
     assert gemm.choose_config(1, 5120, 8192, 132) == a and heuristic == gemm.choose_config(
         1, 5120, 4096 * 2, 132, 2, False
     )
-    monkeypatch.setattr(gemm, "CONFIG_OVERRIDES", {})
+    monkeypatch.setattr(gemm, "measured_table", lambda: ({}, {}))
     assert gemm.choose_config(1, 5120, 8192, 132) == heuristic
     assert gemm.table_id().startswith("0 entries, sha1 ")
 
 
 def test_measured_times_cover_the_table():
-    """decode_gemm="auto" decides from MEASURED_US: one (skinny, F.linear) pair of times for every entry."""
-    assert set(gemm.MEASURED_US) == set(gemm.CONFIG_OVERRIDES)
-    assert all(a > 0 and b > 0 for a, b in gemm.MEASURED_US.values())
+    """decode_gemm="auto" decides from the measured times: one (skinny, F.linear) pair for every entry."""
+    configs, times = gemm.measured_table()
+    assert set(times) == set(configs)
+    assert all(a > 0 and b > 0 for a, b in times.values())
 
 
 def test_prefer_skinny_follows_the_measured_times(monkeypatch):
@@ -294,7 +296,7 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
 def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
     """The engine's description of decode_gemm="auto": the 8B at TP=1 takes skinny for qkv, o and down at every
     row count; the 70B at TP=2 has o faster at bucket 1 (rows 1-2) and tied at bucket 8 (rows 3-16: F.linear); a
-    config pasted without its times (MEASURED_US) is never chosen."""
+    config without its measured times is never chosen."""
     if gemm.triton is None:
         pytest.skip("prefer_skinny is False everywhere without Triton")
     qkv, o, gate_up, down = SHAPES_8B_TP1
@@ -306,7 +308,9 @@ def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
         "1-2 rows: skinny qkv, o, down; F.linear gate_up | 3-16 rows: skinny qkv, down; F.linear o, gate_up"
     )
     gemm.prefer_skinny.cache_clear()
-    monkeypatch.setattr(gemm, "MEASURED_US", {k: v for k, v in gemm.MEASURED_US.items() if k[1:3] != qkv})
+    configs, times = gemm.measured_table()
+    kept = {k: v for k, v in times.items() if k[1:3] != qkv}
+    monkeypatch.setattr(gemm, "measured_table", lambda: (configs, kept))
     try:
         assert not gemm.prefer_skinny(1, *qkv) and gemm.prefer_skinny(1, *o)
     finally:
