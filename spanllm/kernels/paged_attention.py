@@ -35,7 +35,7 @@ MAX_SPLITS = 16
 # issued together (one trip to memory per tile instead of three in a row), which wins while the grid is small,
 # and without (both K and V tiles live at once cost occupancy on a full GPU). The first is taken while the grid
 # (batch x KV heads x splits) is at most PREFETCH_WAVES programs per SM: exactly the grids num_splits_for fills
-# by splitting. Measured on the H200: results/h200/engine_speed/README.md.
+# by splitting.
 PREFETCH_WAVES = 2
 DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up

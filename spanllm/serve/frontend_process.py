@@ -1,11 +1,10 @@
 """`spanllm serve` (the default, `--frontend-process`): the HTTP front end in a process of its own.
 
 With `--no-frontend-process` rank 0 runs uvicorn and the engine loop as two threads of one process, and they
-share one GIL: at rate inf that gave 0.717 of the offline rate in the first measurement
-(results/h200/serve/overhead_*.json) and 8,512 against this mode's 9,592 output tok/s later
-(results/h200/engine_speed/README.md, third session). Here rank 0 keeps the engine (it owns the GPU and the TP
-group) and spawns the front end: uvicorn,
-FastAPI, tokenization of prompts, chat templates, JSON and SSE, the Prometheus registry. They talk over one
+share one GIL: under load the HTTP work then takes host time from the engine loop, which must keep the GPU fed
+(measured: results/h200/engine_speed/README.md). Here rank 0 keeps the engine (it owns the GPU and the TP group)
+and spawns the front end: uvicorn, FastAPI, tokenization of prompts, chat templates, JSON and SSE, the Prometheus
+registry. They talk over one
 duplex multiprocessing pipe:
 
     front end -> engine   ("add", rid, prompt_ids, params, arrival)  ("abort", rid)  ("abort_all",)
