@@ -1,6 +1,6 @@
-"""The reference backend ("torch"): gather each sequence's keys from its blocks, then SDPA, one sequence at a
-time. Short and obvious on purpose: it runs anywhere (the CPU tests' oracle), and the Triton kernels are checked
-against it."""
+"""The reference backend ("torch"): gather each sequence's keys from its blocks, then SDPA (decodes in one padded
+batch, prefill chunks one at a time). Short and obvious on purpose: it runs anywhere (the CPU tests' oracle), and
+the Triton kernels are checked against it."""
 
 from __future__ import annotations
 
@@ -32,16 +32,18 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tens
 def reference_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: list[int]
 ) -> torch.Tensor:
-    """q [B, hq, d] -> [B, hq, d]; sequence i attends to its first context_lens[i] cached tokens."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    out = torch.empty_like(q)
-    for i, n in enumerate(context_lens):
-        k = gather(k_cache, block_tables[i], n).transpose(0, 1)  # [hkv, n, d]
-        v = gather(v_cache, block_tables[i], n).transpose(0, 1)
-        qi = q[i].reshape(hkv, hq // hkv, d)  # the g query heads of each KV head as g query rows
-        out[i] = F.scaled_dot_product_attention(qi, k, v).reshape(hq, d)
-    return out
+    """q [B, hq, d] -> [B, hq, d]; sequence i attends to its first context_lens[i] cached tokens. One SDPA for the
+    whole batch: each sequence's blocks gathered into [B, hkv, n_max, d], the keys past its context masked out."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    n_max = max(context_lens)
+    blocks = block_tables[:, : -(-n_max // bs)].long()  # [B, nb]: past a sequence's own blocks, block 0 (masked)
+    k = k_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2)  # [B, hkv, n_max, d]
+    v = v_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2)
+    lens = torch.tensor(context_lens, device=q.device)
+    keep = torch.arange(n_max, device=q.device)[None, :] < lens[:, None]  # [B, n_max]
+    qg = q.reshape(b, hkv, hq // hkv, d)  # the g query heads of each KV head as g query rows
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=keep[:, None, None, :]).reshape(b, hq, d)
 
 
 def reference_prefill(
