@@ -9,8 +9,8 @@ The prompt is checked against the model (vocabulary, context) by the engine's on
 Defaults: max_tokens 16 for completions (OpenAI's); for chat the rest of the context, i.e.
 min(max_model_len, KV pool tokens) - prompt tokens (vLLM's choice); max_completion_tokens wins over max_tokens.
 temperature absent: greedy (0). `n` choices are n engine requests; with a seed, choice i samples with
-seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are those of the distribution the
-token was sampled from after temperature (vLLM's default), for the sampled token and the top k.
+seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are the model's raw log-probabilities
+(before temperature and penalties: vLLM v1's default; spanllm.engine.sampler), for the sampled token and the top k.
 """
 
 from __future__ import annotations
