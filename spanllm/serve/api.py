@@ -146,9 +146,17 @@ class LogprobsFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.token(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [self._top_by_text(lp.top) for lp in lps],
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, top) -> dict[str, float]:
+        """Completions' {text: logprob} of the top ids (most likely first). Ids that decode to the same text (a
+        byte-level tokenizer's partial characters) share one key: it keeps the most likely one's logprob."""
+        out: dict[str, float] = {}
+        for t, v in top:
+            out.setdefault(self.token(t), v)
+        return out
 
     def _chat_entry(self, lp) -> dict:
         def one(tid: int, v: float) -> dict:

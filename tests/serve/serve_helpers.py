@@ -184,17 +184,3 @@ def offline_greedy(ctx, prompts: list[str], max_tokens: int):
         return [o.text for o in outs] if ctx.rank == 0 else None
     finally:
         llm.close()
-
-
-def engine_honours_sampling_fields() -> bool:
-    """Whether the real sampler applies the sampling branch's fields (penalties, min_p, logit_bias, logprobs):
-    a greedy row with logit_bias +100 on a token that is not the argmax must sample that token."""
-    from spanllm.engine.sampler import BatchSampler, SamplingParams
-
-    logits = torch.zeros(1, 8)
-    logits[0, 0] = 5.0
-    params = SamplingParams(max_tokens=1, logit_bias=((3, 100.0),))
-    try:
-        return BatchSampler(torch.device("cpu"), 0).sample(logits, [params], [()], [None]).tolist() == [3]
-    except Exception:  # noqa: BLE001 - a sampler that cannot take them does not honour them
-        return False
