@@ -110,3 +110,21 @@ def tp_scenarios(ctx, checkpoint: str) -> dict | None:
     res["preempt"] = run_scenario(llm2)
     res["abort"] = run_scenario(llm, aborts={3: 4, 0: 2})
     return res if ctx.rank == 0 else None
+
+
+def hf_greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (no EOS stop): the reference the engine tests compare with."""
+    out = []
+    with torch.no_grad():
+        for p, n in zip(prompts, max_tokens):
+            ids = torch.tensor([p])
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].tolist())
+    return out

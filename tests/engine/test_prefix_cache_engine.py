@@ -7,7 +7,6 @@ evictable after every run (run_scenario checks the accounting)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from prefix_cache_workers import (
     PREFIX_MAX_TOKENS,
     PREFIX_PROMPTS,
@@ -15,7 +14,7 @@ from prefix_cache_workers import (
     prefix_scenario,
     tp_prefix_scenarios,
 )
-from serving_workers import serving_config
+from serving_workers import hf_greedy, serving_config
 
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
@@ -24,21 +23,7 @@ from spanllm.launch import launch
 
 @pytest.fixture(scope="module")
 def hf_prefix_reference(hf_checkpoint):
-    _, _, model = hf_checkpoint
-    out = []
-    with torch.no_grad():
-        for p, n in zip(PREFIX_PROMPTS, PREFIX_MAX_TOKENS):
-            ids = torch.tensor([p])
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(g[0, len(p) :].tolist())
-    return out
+    return hf_greedy(hf_checkpoint[2], PREFIX_PROMPTS, PREFIX_MAX_TOKENS)
 
 
 def _check(res: dict, reference: list[list[int]], aborts: dict) -> None:

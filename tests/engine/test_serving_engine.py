@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serving_workers import SERVE_MAX_TOKENS, SERVE_PROMPTS, alone, run_scenario, serving_config, tp_scenarios
+from serving_workers import (
+    SERVE_MAX_TOKENS,
+    SERVE_PROMPTS,
+    alone,
+    hf_greedy,
+    run_scenario,
+    serving_config,
+    tp_scenarios,
+)
 
 from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -140,21 +148,7 @@ def test_abort_frees_blocks_from_either_queue():
 # --- the engine, TP=1 ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_serving_reference(hf_checkpoint):
-    _, _, model = hf_checkpoint
-    out = []
-    with torch.no_grad():
-        for p, n in zip(SERVE_PROMPTS, SERVE_MAX_TOKENS):
-            ids = torch.tensor([p])
-            g = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(g[0, len(p) :].tolist())
-    return out
+    return hf_greedy(hf_checkpoint[2], SERVE_PROMPTS, SERVE_MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
