@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from spanllm import checks
-from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS
+from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, QUANTIZATIONS
 from spanllm.errors import UsageError
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
@@ -26,6 +26,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = F
     parser.add_argument("--model", required=not positional, default=None, help=MODEL_HELP)
     parser.add_argument(
         "--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on GPU, fp32 on CPU)"
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the decoder layers' linear weights quantized at load to float8_e4m3fn with per-channel scales, "
+        "activations per token above 64 rows (W8A8 on FP8 tensor cores; W8A16 below); embedding and LM head stay "
+        "in --dtype. Default: none (weights in --dtype)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random-weight and sampling seed")
     parser.add_argument("--nprocs", type=int, default=1, help="local CPU ranks over gloo (ignored under torchrun)")
@@ -156,6 +165,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         cuda_graphs=not args.no_cuda_graphs,
         seed=args.seed,
         decode_gemm=args.decode_gemm,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
+from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 DECODE_GEMMS = ("auto", "torch", "skinny")
@@ -27,6 +28,9 @@ class EngineConfig:
     # says it beats F.linear, F.linear for the rest and on CPU. More rows always run F.linear. LLM.describe()
     # names the choice.
     decode_gemm: str = "auto"
+    # None: weights in `dtype`. "fp8": the decoder layers' linears quantized at load (spanllm.layers.fp8: e4m3
+    # weights with per-channel scales; x per token above 64 rows); embedding and LM head stay in `dtype`.
+    quantization: str | None = None
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences per step (and the largest decode CUDA-graph bucket)
     max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks)
@@ -61,5 +65,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; use None (weights in dtype) or one of "
+                f"{QUANTIZATIONS}"
+            )
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm={self.decode_gemm!r} must be one of {DECODE_GEMMS}")

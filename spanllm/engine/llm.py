@@ -33,6 +33,8 @@ from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto
+from spanllm.layers.fp8 import FP8_WEIGHT_ONLY_MAX_M, check_fp8_device
+from spanllm.layers.linear import quantize_fp8_
 from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.llama import LlamaForCausalLM
@@ -97,6 +99,8 @@ class LLM:
         # Per-op decode timers (bench batch's breakdown): attached to the model by hooks, off until enabled.
         self.timers = Timers(self.device, enabled=False, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
+        if self.engine.quantization == "fp8":
+            check_fp8_device(self.device)
         tp = TPContext(
             rank=self.groups.tp_rank,
             size=self.dims.tp,
@@ -113,6 +117,8 @@ class LLM:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
             random_init(self.model, self.engine.seed, self.rank)
+        if self.engine.quantization == "fp8":
+            quantize_fp8_(self.model)  # after loading: per-channel scales of the weights as loaded
         self._worker = None
         self._engine_core = None
         self._control_group = None
@@ -247,12 +253,24 @@ class LLM:
             line += f", prefix caching {'on' if core.blocks.enable_prefix_caching else 'off'}"
         if self.engine.min_admit > 1:
             line += f", min_admit {self.engine.min_admit}"
-        return line + f" | {self.describe_decode_gemm()}"
+        return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
+
+    def describe_quantization(self) -> str:
+        """The weights' format and, for FP8, which GEMM each row count runs."""
+        if self.engine.quantization is None:
+            return f"weights {self.engine.dtype}"
+        where = "FP8 kernels" if self.device.type == "cuda" else "dequantized on CPU"
+        return (
+            f"weights fp8 e4m3 per-channel ({where}): <= {FP8_WEIGHT_ONLY_MAX_M} rows W8A16, more rows W8A8 "
+            f"(activations per token); embedding and LM head {self.engine.dtype}"
+        )
 
     def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
         TPContext decides it, e.g. 'decode GEMMs auto ...: skinny qkv, o, down; F.linear gate_up, lm_head'."""
         mode = self.engine.decode_gemm
+        if self.engine.quantization is not None:
+            return "decode GEMMs: LM head by decode_gemm=" + mode + ", the rest FP8 (above)"
         if mode == "torch":
             return "decode GEMMs F.linear"
         if self.device.type != "cuda":

@@ -32,6 +32,14 @@ Why the last program sums, and no atomic adds
     change from run to run in its last bits; decode runs inside CUDA graphs and must be reproducible (a
     replay, a rerun and a TP peer must see bit-identical logits). The fixed order keeps it so.
 
+FP8 weights (W8A16)
+    With `weight_scale`, W is float8_e4m3fn [N, K] with one float32 scale per output row (per channel): the
+    kernel streams half the bytes, widens each tile to x's dtype in registers (every e4m3 value is exact in
+    bf16), and multiplies the fp32 sums by the row's scale once, in the epilogue (the scale of row n factors
+    out of its K sum). x stays in its dtype: no activation quantization, no extra pass. Decode batches past
+    16 rows still read W once, so this path takes up to FP8_MAX_M rows (BLOCK_M = 16, 32 or 64: the MMA tile
+    grows with M; the kernel stays memory-bound there, ~2*M flops per weight byte).
+
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
     measured table (skinny_gemm_configs.json beside this file): no benchmarking at call time, so
@@ -65,7 +73,8 @@ except ImportError:  # the CPU torch wheel comes without Triton
     triton = None
     tl = None
 
-MAX_M = 16  # rows of x the kernel handles: one MMA tile of 16 rows
+MAX_M = 16  # rows of x the kernel handles with a bf16/fp16/fp32 W: one MMA tile of 16 rows
+FP8_MAX_M = 64  # rows with an FP8 W (W8A16): BLOCK_M grows to 64
 BLOCK_M = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_NUM_SMS = 132  # H200; used when the tensors are not on a GPU (Triton's CPU interpreter)
@@ -202,7 +211,9 @@ def table_id() -> str:
     return f"{len(configs)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use_table: bool = True) -> SkinnyConfig:
+def choose_config(
+    m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use_table: bool = True, x_bytes: int | None = None
+) -> SkinnyConfig:
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for x [m, k] @ W[n, k]^T; deterministic.
 
     The measured table wins (`table_config`; use_table=False skips it, for benchmarks of the heuristic).
@@ -243,13 +254,22 @@ def choose_config(m: int, n: int, k: int, num_sms: int, elem_bytes: int = 2, use
             if best_key is None or key < best_key:
                 best, best_key = (block_n, block_k, split), key
     block_n, block_k, split = best
-    return SkinnyConfig(block_n, block_k, split, *launch_for_tile(block_n, block_k, elem_bytes))
+    return SkinnyConfig(
+        block_n, block_k, split, *launch_for_tile(block_n, block_k, elem_bytes, block_m_for(m), x_bytes)
+    )
 
 
-def launch_for_tile(block_n: int, block_k: int, elem_bytes: int) -> tuple[int, int]:
+def block_m_for(m: int) -> int:
+    """The MMA tile's rows for M rows of x: 16, 32 or 64 (rows >= M are masked zeros)."""
+    return max(BLOCK_M, 1 << max(0, m - 1).bit_length())
+
+
+def launch_for_tile(block_n: int, block_k: int, elem_bytes: int, block_m: int = BLOCK_M, x_bytes: int | None = None):
     """(num_warps, num_stages) the heuristic gives a tile: 8 warps from a 32 KiB W tile up, and as many
-    pipeline stages (2-4) as the W + x tiles of one stage fit in _SMEM_BUDGET."""
-    tile_bytes = (block_n + BLOCK_M) * block_k * elem_bytes  # W + x tile: shared memory per stage
+    pipeline stages (2-4) as the W + x tiles of one stage fit in _SMEM_BUDGET. x_bytes: x's element size
+    when it differs from W's (FP8 weights, bf16 x)."""
+    x_bytes = elem_bytes if x_bytes is None else x_bytes
+    tile_bytes = (block_n * elem_bytes + block_m * x_bytes) * block_k  # W + x tile: shared memory per stage
     num_warps = 8 if block_n * block_k * elem_bytes >= 32 * 1024 else 4
     return num_warps, max(2, min(4, _SMEM_BUDGET // tile_bytes))
 
@@ -263,6 +283,7 @@ if triton is not None:
         y_ptr,
         ws_ptr,
         cnt_ptr,
+        scale_ptr,
         M,
         N,
         K,
@@ -276,10 +297,12 @@ if triton is not None:
         SPLIT_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         IS_FP32: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
         """y[m, n] = sum over k of x[m, k] * w[n, k]; with SPLIT_K > 1 each program sums one K chunk into the fp32
-        workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...)."""
+        workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...).
+        HAS_SCALE: w is FP8, widened to x's dtype per tile, and y[m, n] = scale[n] * sum (FP8 weights)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -303,6 +326,8 @@ if triton is not None:
                 k_mask = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                 xt = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0, eviction_policy="evict_last")
+            if HAS_SCALE:
+                w = w.to(xt.dtype)  # e4m3 -> bf16 / fp16 / fp32: exact
             if IS_FP32:
                 # fp32 inputs: full-precision products, as F.linear (tf32 would lose 13 mantissa bits).
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
@@ -312,7 +337,11 @@ if triton is not None:
             x_ptrs += BLOCK_K
         out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if HAS_SCALE:
+            row_scale = tl.load(scale_ptr + rows)[None, :]  # [1, BLOCK_N] fp32, one per output channel
         if SPLIT_K == 1:
+            if HAS_SCALE:
+                acc = acc * row_scale
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
         else:
             # Partials [SPLIT_K, M, N] fp32, contiguous. The tile's last program to arrive sums them (protocol
@@ -328,6 +357,8 @@ if triton is not None:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
                     total += tl.load(ws_ptr + s * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_SCALE:
+                    total = total * row_scale
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
@@ -369,9 +400,17 @@ def skinny_gemm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """y = x @ weight^T for x [..., K] with at most 16 rows in all, weight [N, K] contiguous; y [..., N].
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, config: tuple | None = None, weight_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x @ weight^T for x [..., K], weight [N, K] contiguous; y [..., N] in x's dtype.
+
+    Without weight_scale: weight in x's dtype, at most MAX_M rows of x in all. With weight_scale (float32 [N],
+    one per output channel): weight is float8_e4m3fn and y = x @ (weight * weight_scale[:, None])^T, at most
+    FP8_MAX_M rows (W8A16: x is not quantized).
     `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
     Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture once one eager call
     has run (split-K's arrival counters are allocated outside any capture: arrival_counters).
@@ -382,7 +421,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
         raise ValueError(f"skinny_linear: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     if x.dim() < 1:
         raise ValueError("skinny_linear: x must have at least one dimension (its last is K)")
-    if x.dtype != weight.dtype:
+    fp8 = weight_scale is not None
+    if fp8:
+        if weight.dtype != FP8_WEIGHT_DTYPE:
+            raise ValueError(
+                f"skinny_linear: with weight_scale the weight must be {FP8_WEIGHT_DTYPE}, got {weight.dtype}"
+            )
+        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"skinny_linear: weight_scale must be float32 [N] = [{weight.shape[0]}], got "
+                f"{weight_scale.dtype} {tuple(weight_scale.shape)}"
+            )
+        if not weight_scale.is_contiguous() or weight_scale.device != weight.device:
+            raise ValueError("skinny_linear: weight_scale must be contiguous and on the weight's device")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"skinny_linear: dtype mismatch: x is {x.dtype}, weight is {weight.dtype}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"skinny_linear: dtype {x.dtype} not supported (bfloat16, float16, float32)")
@@ -401,10 +453,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
         raise ValueError(f"skinny_linear: x is on {x.device}, weight on {weight.device}")
     lead = x.shape[:-1]
     m = math.prod(lead)
-    if m > MAX_M:
+    max_m = FP8_MAX_M if fp8 else MAX_M
+    if m > max_m:
         raise ValueError(
-            f"skinny_linear: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {MAX_M}; "
-            "use torch.nn.functional.linear for larger batches"
+            f"skinny_linear: M={m} rows (x shape {tuple(x.shape)}) exceeds the limit M <= {max_m}"
+            f"{' (FP8 weights)' if fp8 else ''}; use {'torch._scaled_mm' if fp8 else 'torch.nn.functional.linear'} "
+            "for larger batches"
         )
     if m == 0 or n == 0 or k == 0:
         return (torch.zeros if k == 0 else torch.empty)((*lead, n), dtype=x.dtype, device=x.device)
@@ -412,7 +466,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     cfg = (
-        _check_config(config) if config is not None else choose_config(m, n, k, num_sms_of(x.device), x.element_size())
+        _check_config(config)
+        if config is not None
+        else choose_config(m, n, k, num_sms_of(x.device), weight.element_size(), x_bytes=x.element_size())
     )
     if x.device.type != "cuda" and not _interpreting():
         raise ValueError(
@@ -434,6 +490,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
         y,
         ws,
         counters,
+        weight_scale if fp8 else y,
         m,
         n,
         k,
@@ -441,12 +498,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = 
         x2.stride(0),
         weight.stride(0),
         n,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m_for(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split,
         EVEN_K=(k % cfg.block_k == 0),
         IS_FP32=(x.dtype == torch.float32),
+        HAS_SCALE=fp8,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -465,4 +523,12 @@ if triton is not None:
 
     @skinny_linear_op.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.custom_op("spanllm::fp8_weight_linear", mutates_args=())
+    def fp8_weight_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, weight, weight_scale=weight_scale)
+
+    @fp8_weight_linear_op.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))

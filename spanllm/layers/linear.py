@@ -2,6 +2,9 @@
 
 `RowParallelLinear` is the model's one call site of the injected communicator (`comm.all_reduce_`): two calls
 per decoder layer (attention output and MLP down projection) when tp > 1.
+
+Each holds its weight in the model dtype, or, after `quantize_fp8_()` (EngineConfig.quantization="fp8", once the
+weights are loaded), in float8_e4m3fn with per-channel scales (spanllm.layers.fp8).
 """
 
 from __future__ import annotations
@@ -9,21 +12,49 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spanllm.layers import fp8
 from spanllm.layers.tp import TPContext, divide
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """A weight [N, K] (nn.Linear layout) and the GEMM that applies it: the TP context's (model dtype) or FP8's."""
+
+    def __init__(self, tp: TPContext, out_local: int, in_local: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = tp.empty(out_local, in_local)
+        self.weight_scale: nn.Parameter | None = None  # float32 [N] once quantized to FP8
+        self.weight_dequantized: torch.Tensor | None = None  # FP8 on CPU: q * scale in the model dtype
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.weight_scale is None:
+            return self.tp.linear(x, self.weight)
+        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        """Replace the loaded weight by its FP8 quantization (the model-dtype copy is freed; on CPU the
+        dequantized values are kept instead, for the CPU path)."""
+        if self.weight_scale is not None:
+            raise RuntimeError("quantize_fp8_: this layer's weight is FP8 already")
+        q, scale = fp8.quantize_weight(self.weight)
+        dtype = self.weight.dtype
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if not q.is_cuda:
+            self.weight_dequantized = fp8.dequantize_weight(q, scale, dtype)
+
+
+class ColumnParallelLinear(_Linear):
     """y = x W^T with W split by output rows: each rank holds out_features/tp rows; no communication."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
-        super().__init__()
-        self.tp = tp
         self.in_features = in_features
         self.out_local = divide(out_features, tp.size, "out_features")
-        self.weight = tp.empty(self.out_local, in_features)  # [out/tp, in]
+        super().__init__(tp, self.out_local, in_features)  # W [out/tp, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/tp]
-        return self.tp.linear(x, self.weight)
+        return self.gemm(x)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -64,18 +95,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, 2 * intermediate, tp)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """y = sum over ranks of x_r W_r^T, W split by input columns. The model's one all-reduce call site."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
-        super().__init__()
-        self.tp = tp
         self.in_local = divide(in_features, tp.size, "in_features")
         self.in_start = tp.rank * self.in_local
-        self.weight = tp.empty(out_features, self.in_local)  # [out, in/tp]
+        super().__init__(tp, out_features, self.in_local)  # W [out, in/tp]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
-        y = self.tp.linear(x, self.weight)
+        y = self.gemm(x)
         if self.tp.size > 1:
             self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor
         return y
+
+
+def quantize_fp8_(model: nn.Module) -> int:
+    """Quantize every column- / row-parallel linear of `model` to FP8 in place (after its weights are loaded);
+    returns how many. The embedding and LM head (spanllm.layers.vocab) are not these classes: they stay."""
+    layers = [m for m in model.modules() if isinstance(m, _Linear)]
+    for layer in layers:
+        layer.quantize_fp8_()
+    return len(layers)

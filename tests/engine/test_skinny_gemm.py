@@ -153,9 +153,34 @@ def test_random_values_close_and_deterministic(interp):
     torch.testing.assert_close(y1, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
 
 
+def _fp8_case(m, n, k, seed):
+    """Small-integer x, FP8 weights of small integers, power-of-two channel scales: every product, sum and
+    scaling is exact in fp32, so the kernel's output equals the reference rounded once, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+    scale = torch.tensor([2.0 ** (i % 5 - 2) for i in range(n)])
+    return q, scale
+
+
+# FP8 weights (W8A16): rows up to FP8_MAX_M (BLOCK_M 16 / 32 / 64), split 1 and 3, K and N tails, the heuristic.
+FP8_CASES = [(70, 200, (32, 64, 1, 4, 3)), (70, 200, (32, 32, 3, 4, 2)), (64, 256, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("n,k,config", FP8_CASES)
+def test_fp8_weights_exact(interp, dtype, m, n, k, config):
+    x = _ints(m, k, dtype=dtype, seed=m)
+    q, scale = _fp8_case(m, n, k, seed=n + k)
+    y = interp.skinny_linear(x, q, config=config, weight_scale=scale)
+    assert y.shape == (m, n) and y.dtype == dtype
+    expect = ((x.float() @ q.float().T) * scale).to(dtype)
+    assert torch.equal(y, expect)
+
+
 # The tests that take the `interp` fixture, and how many cases they have in all.
-INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close"
-INTERPRETER_TESTS = 4 * 3 * 4 + 3
+INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close or fp8_weights_exact"
+INTERPRETER_TESTS = 4 * 3 * 4 + 3 + 2 * 4 * 3
 
 
 def test_interpreter_suite():
@@ -164,6 +189,18 @@ def test_interpreter_suite():
         pytest.skip("this is the child")
     _triton()
     run_child_suite(__file__, INTERPRETER_TESTS, INTERPRETER_SELECTION)
+
+
+def test_fp8_input_errors():
+    _triton()
+    x = torch.zeros(2, 32)
+    q = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="with weight_scale the weight must be torch.float8_e4m3fn"):
+        gemm.skinny_linear(x, q.float(), weight_scale=torch.ones(8))
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[N\] = \[8\]"):
+        gemm.skinny_linear(x, q, weight_scale=torch.ones(7))
+    with pytest.raises(ValueError, match="exceeds the limit M <= 64 \\(FP8 weights\\)"):
+        gemm.skinny_linear(torch.zeros(65, 32), q, weight_scale=torch.ones(8))
 
 
 def test_input_errors():

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
+from spanllm.engine.scoring import prompt_logits  # noqa: F401 (the tests import it from here)
 from spanllm.model.config import resolve_model
 from spanllm.model.parallel_dims import ParallelDims
 
@@ -57,22 +57,3 @@ def tokens_rank(ctx, model: str, prompts: list[list[int]], new_tokens: int):
         return [list(o.output_ids) for o in outs] if ctx.rank == 0 else None
     finally:
         llm.close()
-
-
-@torch.no_grad()
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits [len(ids), vocab] float32 of every position of one prompt: one prefill step through the engine's
-    own runner and paged KV cache, planned by plan_step, with every row asked for (the engine asks for the
-    last row only). The sequence's blocks come from (and go back to) the engine's block manager."""
-    from spanllm.engine.core.sequence import Sequence
-    from spanllm.engine.worker.model_runner import plan_step
-
-    core = llm.engine_core
-    seq = Sequence("prompt-logits", list(ids), SamplingParams())
-    core.blocks.grow(seq, len(ids))
-    try:
-        x = plan_step([(seq, len(ids))], 0, core.blocks.block_size)
-        x.logits_rows = np.arange(len(ids), dtype=np.int64)
-        return core.runner.execute(x).clone()
-    finally:
-        core.blocks.free(seq)

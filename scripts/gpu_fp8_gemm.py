@@ -1,0 +1,138 @@
+"""FP8 against bf16 GEMM time at the Llama 3.1 8B (TP=1) and 70B (TP=2, TP=8) layer shapes, M = 1 ... 8192, on one GPU.
+
+    PYTHONPATH=. python scripts/gpu_fp8_gemm.py OUTDIR [--models 8b,70b-tp2] [--ms 1,2,...]
+
+Methods, each a CUDA graph applying the GEMM to enough distinct weights to be 3x the L2 cache (every weight comes
+from HBM, as in a step that walks the layers), replayed and timed with CUDA events, microseconds per GEMM:
+- bf16: F.linear (cuBLAS) on bf16 weights; bf16_skinny: spanllm's skinny kernel (M <= 16)
+- fp8_w8a16: spanllm's skinny kernel on FP8 weights with channel scales (M <= 64; x stays bf16)
+- fp8_w8a8: per-token quantization of x (spanllm.kernels.fp8_quant) + torch._scaled_mm with row-wise scales,
+  i.e. what the engine runs above 64 rows; fp8_scaled_mm_only: _scaled_mm on pre-quantized x (the GEMM alone)
+- fp8_engine: spanllm.layers.fp8.fp8_linear, the engine's dispatch (W8A16 <= 64 rows, W8A8 above)
+Writes OUTDIR/fp8_gemm.json (machine, versions, settings, raw per-replay times) as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from spanllm.cuda_graph import capture_graph
+from spanllm.kernels import skinny_gemm as sg
+from spanllm.kernels.fp8_quant import quantize_per_token
+from spanllm.layers import fp8
+from spanllm.measure.report import versions
+
+SHAPES = {  # (N, K) per GPU
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "70b-tp2": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
+    "70b-tp8": {"qkv": (1280, 8192), "o": (8192, 1024), "gate_up": (7168, 8192), "down": (8192, 3584)},
+}
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def time_graph(fn, count: int, replays: int = 15) -> list[float]:
+    """Per-replay microseconds per call of a CUDA graph running fn(i) for i in range(count)."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = capture_graph(lambda: [fn(i) for i in range(count)], warmup=1)
+    for _ in range(3):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    del g
+    return [a.elapsed_time(b) * 1e3 / count for a, b in ev]
+
+
+def bench_shape(model: str, layer: str, n: int, k: int, ms: list[int], l2: int, doc: dict, out: str) -> None:
+    """Every method at every M for one (N, K); appends rows to doc and rewrites `out` after each."""
+    count = max(4, math.ceil(3 * l2 / (n * k)))  # fp8 bytes >= 3x L2 (the bf16 set is twice as large)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / math.sqrt(k) for _ in range(count)]
+    wq = [fp8.quantize_weight(w) for w in wb]
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        xq, xs = quantize_per_token(x)
+        row = {"model": model, "layer": layer, "n": n, "k": k, "m": m, "weights_in_graph": count}
+        methods = {
+            "bf16": lambda i, x=x: F.linear(x, wb[i]),
+            "fp8_engine": lambda i, x=x: fp8.fp8_linear(x, wq[i][0], wq[i][1], None),
+        }
+        if m <= sg.MAX_M:
+            methods["bf16_skinny"] = lambda i, x=x: sg.skinny_linear(x, wb[i])
+        if m <= sg.FP8_MAX_M:
+            methods["fp8_w8a16"] = lambda i, x=x: sg.skinny_linear(x, wq[i][0], weight_scale=wq[i][1])
+        if m >= 16:
+            methods["fp8_w8a8"] = lambda i, x=x: fp8.scaled_mm_linear(x, wq[i][0], wq[i][1])
+            methods["fp8_scaled_mm_only"] = lambda i, xq=xq, xs=xs: torch._scaled_mm(
+                xq, wq[i][0].t(), scale_a=xs, scale_b=wq[i][1].view(1, -1), out_dtype=torch.bfloat16
+            )
+        for name, fn in methods.items():
+            try:
+                us = time_graph(fn, count)
+                row[name] = {"median_us": statistics.median(us), "us": us}
+            except Exception as e:  # noqa: BLE001 - record and go on: one failing method must not end the run
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        # the engine's dispatch against the dequantized reference (x quantized too above 64 rows), on weight 0
+        wd = fp8.dequantize_weight(wq[0][0], wq[0][1], torch.float32)
+        ref = F.linear(xq.float() * xs if fp8.uses_activation_quant(m) else x.float(), wd)
+        y = fp8.fp8_linear(x, wq[0][0], wq[0][1], None).float()
+        row["fp8_engine_max_err_rel"] = ((y - ref).abs().max() / ref.abs().max()).item()
+        doc["rows"].append(row)
+        b = row["bf16"].get("median_us", float("nan"))
+        e = row["fp8_engine"].get("median_us", float("nan"))
+        print(f"{model:8s} {layer:8s} M={m:5d} bf16 {b:8.1f} us  fp8 {e:8.1f} us  x{b / e:5.2f}", flush=True)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--models", default="8b,70b-tp2,70b-tp8")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--deadline-s", type=float, default=240.0, help="stop starting new shapes after this")
+    args = ap.parse_args()
+    os.makedirs(args.outdir, exist_ok=True)
+    out = os.path.join(args.outdir, "fp8_gemm.json")
+    props = torch.cuda.get_device_properties(0)
+    doc = {
+        "machine": {"gpu": props.name, "sms": props.multi_processor_count, "memory_GiB": props.total_memory / 2**30},
+        "versions": versions(),
+        "settings": {
+            "dtype": "bfloat16",
+            "fp8": "float8_e4m3fn, weights per output channel, activations per token (row-wise _scaled_mm)",
+            "fp8_weight_only_max_m": fp8.FP8_WEIGHT_ONLY_MAX_M,
+            "timing": "CUDA graph over >= 3x L2 of distinct weights, 15 replays, us per GEMM",
+        },
+        "rows": [],
+    }
+    t0 = time.time()
+    l2 = getattr(props, "L2_cache_size", 60 << 20)
+    ms = [int(v) for v in args.ms.split(",")]
+    for model in args.models.split(","):
+        for layer, (n, k) in SHAPES[model].items():
+            if time.time() - t0 > args.deadline_s:
+                print(f"deadline: skipping {model} {layer}", flush=True)
+                continue
+            bench_shape(model, layer, n, k, ms, l2, doc, out)
+            torch.cuda.empty_cache()
+    doc["seconds"] = time.time() - t0
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

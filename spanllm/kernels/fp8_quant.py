@@ -1,0 +1,76 @@
+"""Dynamic per-token FP8 quantization of activations (Triton), the input side of the W8A8 GEMM.
+
+For each row x[m, :]: scale[m] = max(|x[m, :]|) / 448 (448 = the largest finite float8_e4m3fn), and
+q[m, k] = x[m, k] / scale[m] rounded to e4m3 (round to nearest even, saturating at +-448). The GEMM then
+computes (q_x @ q_w^T) * scale_x[m] * scale_w[n] in fp32 (torch._scaled_mm with row-wise scales).
+
+One program per row: the row's amax and its quantization in one pass over registers (a row of the 8B's
+widest input, 14,336 values, is 56 KiB in fp32: 8 warps hold it). The torch composition (abs, amax, div,
+clamp, cast) launches five kernels and reads the row three times.
+
+A row of zeros gets scale = MIN_SCALE (not 0): its q is 0 and no division by zero happens.
+
+Triton's interpreter rounds float32 -> float8 differently from the GPU (2026-12: 1.95 -> 1.0), so this
+kernel is checked on the GPU only (tests/kernels/test_fp8_gpu.py); `quantize_per_token_reference` is the
+CPU path and the GPU's reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU torch wheel comes without Triton
+    triton = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the scale of an all-zero row (vLLM's floor for dynamic scales)
+
+
+def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]) with x ~= q * scale; torch ops, any device."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        # div_rn: IEEE division, as torch's (Triton's `/` on fp32 may compile to an approximate divide), so that
+        # scale and q equal the reference bit for bit; the cast is round-to-nearest-even to e4m3.
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.full([], 448.0, tl.float32)), 1.0 / (448.0 * 512.0))
+        q = tl.clamp(tl.math.div_rn(x, tl.full([BLOCK], 1.0, tl.float32) * scale), -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) -> (q [M, K] e4m3, scale [M, 1] fp32); the Triton
+    kernel on CUDA tensors, the reference elsewhere. Graph-safe (allocations only)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_per_token: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if not x.is_cuda or triton is None:
+        return quantize_per_token_reference(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    _quantize_per_token_kernel[(m,)](
+        x, q, scale, x.stride(0), q.stride(0), k, BLOCK=block, num_warps=8 if block >= 4096 else 4
+    )
+    return q, scale

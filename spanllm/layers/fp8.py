@@ -1,0 +1,101 @@
+"""FP8 linear layers (`--quantization fp8`, vLLM's dynamic FP8): weights quantized at load, activations per token.
+
+Weights: every column- and row-parallel linear of the decoder layers (qkv, o, gate_up, down) becomes
+float8_e4m3fn [N, K] with one float32 scale per output channel, scale[n] = max_k |W[n, k]| / 448, computed
+on the rank's own shard (a row-parallel shard's channel max is over its own input columns). The embedding, the
+norms and the LM head stay in the model dtype (the LM head is 1 of the 8B's 8 GB in FP8, and the logits' quality
+is the sampler's). A weight-only FP8 model reads about half the bytes of a bf16 one per decode step.
+
+The GEMM, by the number of rows M of x (the same rule on every device, so the CPU path computes what the GPU runs):
+- M <= FP8_WEIGHT_ONLY_MAX_M (decode): W8A16. x stays in the model dtype, W is widened in registers, the
+  channel scale applied to the fp32 sums (spanllm.kernels.skinny_gemm with weight_scale): the halved bytes are
+  the whole gain at these sizes, and no activation-quantization pass is paid.
+- larger M (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
+  torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype.
+On CPU (and wherever the GPU kernels are missing) the same two computations run in torch: W dequantized once
+at quantization time (`dequantized`), x quantized and dequantized per token above the threshold. The GPU path
+is checked against it (tests/kernels/test_fp8_gpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spanllm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_reference
+from spanllm.kernels.skinny_gemm import FP8_MAX_M
+
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: None (the model dtype) or one of these
+FP8_WEIGHT_ONLY_MAX_M = FP8_MAX_M  # rows up to which the GEMM is W8A16 (above: W8A8 on FP8 tensor cores)
+MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q float8_e4m3fn [N, K], scale float32 [N]) with W ~= q * scale[:, None], per output channel.
+    An all-zero row gets scale 1 (its q is 0)."""
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight: W must be 2-D [N, K], got shape {tuple(w.shape)}")
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.contiguous()
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale[:, None] in `dtype` (the CPU path's weight; the GPU path's reference)."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def uses_activation_quant(rows: int) -> bool:
+    """Whether a GEMM of `rows` rows quantizes x (W8A8) or keeps it (W8A16)."""
+    return rows > FP8_WEIGHT_ONLY_MAX_M
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight_dequantized: torch.Tensor, weight_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The CPU path: x @ W^T with W already dequantized (in x's dtype), x quantized per token above the
+    W8A16 rows (fake quantization: the values the GPU's FP8 GEMM sees). weight_scale is unused (W carries it)."""
+    del weight_scale
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if uses_activation_quant(x2.shape[0]):
+        q, s = quantize_per_token_reference(x2)
+        x2 = (q.float() * s).to(x.dtype)
+    return F.linear(x2, weight_dequantized).reshape(*lead, weight_dequantized.shape[0])
+
+
+def scaled_mm_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 on FP8 tensor cores: x2 [M, K] quantized per token, then torch._scaled_mm (row-wise scales)."""
+    q, s = quantize_per_token(x2)
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), out_dtype=x2.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_dequantized: torch.Tensor | None
+) -> torch.Tensor:
+    """y = x @ (weight * weight_scale[:, None])^T in x's dtype, by the rule in the module docstring."""
+    if not x.is_cuda:
+        if weight_dequantized is None:
+            raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")
+        return fp8_linear_reference(x, weight_dequantized)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if uses_activation_quant(x2.shape[0]):
+        y = scaled_mm_linear(x2, weight, weight_scale)
+    else:
+        y = torch.ops.spanllm.fp8_weight_linear(x2, weight, weight_scale)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Refuse FP8 on a GPU without FP8 tensor cores (before any weight is read)."""
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_FP8_CAPABILITY:
+        raise ValueError(
+            f"quantization='fp8' needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. Run without --quantization"
+        )

@@ -1,0 +1,188 @@
+"""FP8 (`--quantization fp8`, spanllm.layers.fp8): the quantization itself, the CPU path's GEMM rule, the engine
+with FP8 weights, the flag's checks; on a GPU, the FP8 kernels against the CPU path.
+
+Exactness on CPU: an FP8 model at <= 64 rows per GEMM is the unquantized model with every decoder linear's weight
+replaced by q * scale (the dequantized values): greedy tokens equal bit for bit. Above 64 rows x is quantized per
+token too; that is checked against an explicit computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spanllm.engine.config import EngineConfig
+from spanllm.engine.llm import LLM
+from spanllm.engine.sampler import SamplingParams
+from spanllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE, quantize_per_token, quantize_per_token_reference
+from spanllm.layers import fp8
+from spanllm.layers.linear import _Linear
+
+CPU = torch.device("cpu")
+
+
+def test_quantize_weight_per_channel():
+    w = torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0], [-448.0, 3.0, 1.0, 2.0]])
+    q, scale = fp8.quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    four_over_448 = torch.tensor(4.0, dtype=torch.float32) / FP8_MAX
+    assert scale.tolist() == [four_over_448.item(), 1.0, 1.0]  # amax / 448; an all-zero row keeps scale 1
+    assert q[0].float().abs().max().item() == FP8_MAX  # the row's largest value maps to 448 exactly
+    assert q[1].float().tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert q[2].float().tolist() == [-448.0, 3.0, 1.0, 2.0]  # already e4m3 values, scale 1: exact
+    # every value within e4m3's rounding (3 mantissa bits: half an ulp is 2^-4 relative)
+    back = fp8.dequantize_weight(q, scale, torch.float32)
+    assert ((back - w).abs() <= w.abs() * 2.0**-4 + 1e-7).all()
+
+
+def test_quantize_per_token_reference():
+    x = torch.tensor([[1.0, -7.0, 2.0], [0.0, 0.0, 0.0], [448.0, 224.0, -112.0]])
+    q, s = quantize_per_token_reference(x)
+    assert s.shape == (3, 1)
+    assert s[:, 0].tolist() == [torch.tensor(7.0 / 448.0).item(), MIN_SCALE_F32, 1.0]
+    assert q[1].float().tolist() == [0.0, 0.0, 0.0]
+    assert q[2].float().tolist() == [448.0, 224.0, -112.0]
+    assert q[0].float()[1].item() == -448.0
+
+
+MIN_SCALE_F32 = torch.tensor(MIN_SCALE, dtype=torch.float32).item()
+
+
+def test_cpu_gemm_rule_w8a16_then_w8a8():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g)
+    q, scale = fp8.quantize_weight(w)
+    wd = fp8.dequantize_weight(q, scale, torch.float32)
+    for rows in (1, 64):  # W8A16: x as it is
+        x = torch.randn(rows, 96, generator=g)
+        assert torch.equal(fp8.fp8_linear(x, q, scale, wd), F.linear(x, wd))
+    for rows in (65, 200):  # W8A8: x through its per-token quantization first
+        x = torch.randn(rows, 96, generator=g)
+        xq, xs = quantize_per_token_reference(x)
+        assert torch.equal(fp8.fp8_linear(x, q, scale, wd), F.linear(xq.float() * xs, wd))
+    assert fp8.uses_activation_quant(65) and not fp8.uses_activation_quant(64)
+    x3 = torch.randn(2, 3, 96, generator=g)  # leading dims are rows: 6 of them
+    assert torch.equal(fp8.fp8_linear(x3, q, scale, wd), F.linear(x3, wd))
+    with pytest.raises(RuntimeError, match="needs the dequantized weight"):
+        fp8.fp8_linear(x3, q, scale, None)
+
+
+def _linears(llm):
+    return [m for m in llm.model.modules() if isinstance(m, _Linear)]
+
+
+def test_engine_fp8_equals_the_model_with_dequantized_weights():
+    """Greedy tokens of the FP8 engine (prefill in chunks of <= 64 tokens, decode: every GEMM W8A16) equal the
+    unquantized engine's whose decoder linears were given q * scale by hand; the embedding and LM head untouched."""
+    prompts = [[1, 5, 17, 42, 8, 90, 3, 61] * 5, [1, 7, 7, 20]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = dict(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64)
+    quant = LLM("tiny", EngineConfig(quantization="fp8", **engine), device=CPU)
+    plain = LLM("tiny", EngineConfig(**engine), device=CPU)
+    try:
+        layers = _linears(quant)
+        assert len(layers) == 4 * quant.config.num_layers
+        for a, b in zip(layers, _linears(plain), strict=True):
+            assert a.weight.dtype == torch.float8_e4m3fn and a.weight_scale.shape == (a.weight.shape[0],)
+            with torch.no_grad():
+                b.weight.copy_(fp8.dequantize_weight(a.weight, a.weight_scale, torch.float32))
+        assert quant.model.lm_head.weight.dtype == torch.float32
+        assert torch.equal(quant.model.lm_head.weight, plain.model.lm_head.weight)
+        got = [list(o.output_ids) for o in quant.generate(prompts, params)]
+        want = [list(o.output_ids) for o in plain.generate(prompts, params)]
+        assert got == want
+        assert "weights fp8 e4m3 per-channel (dequantized on CPU)" in quant.describe()
+        assert "weights torch.float32" in plain.describe()
+    finally:
+        quant.close()
+        plain.close()
+
+
+def test_quantization_refused_when_unknown_and_layers_quantized_once():
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; use None .* \('fp8',\)"):
+        EngineConfig(quantization="int4")
+    layer = _Linear.__new__(_Linear)
+    torch.nn.Module.__init__(layer)
+    layer.weight = torch.nn.Parameter(torch.ones(4, 8), requires_grad=False)
+    layer.weight_scale = None
+    layer.weight_dequantized = None
+    layer.quantize_fp8_()
+    with pytest.raises(RuntimeError, match="FP8 already"):
+        layer.quantize_fp8_()
+
+
+def test_every_command_that_builds_a_model_takes_quantization():
+    import importlib
+
+    from spanllm import cli
+
+    with_model = []
+    for words, module, _ in cli.COMMANDS:
+        parser = cli.build_parser(words, importlib.import_module(module))
+        options = parser._option_string_actions
+        if "--model" in options and "--dtype" in options:  # the model-building flags (engine_args)
+            with_model.append(words)
+            assert options["--quantization"].choices == ("fp8",) and options["--quantization"].default is None
+    assert {"generate", "serve", "bench batch", "bench study", "bench throughput"} <= set(with_model)
+    parser = cli.build_parser("generate", importlib.import_module("spanllm.commands.generate"))
+    assert parser.parse_args(["--model", "tiny", "--quantization", "fp8"]).quantization == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "tiny", "--quantization", "int8"])
+
+
+# --- GPU: the FP8 kernels against the CPU path ----------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_quantize_per_token_equals_reference():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k in [(1, 4096), (7, 14336), (300, 4096), (3, 100)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+        x[0, :5] = 0
+        q, s = quantize_per_token(x)
+        rq, rs = quantize_per_token_reference(x)
+        assert torch.equal(s, rs)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    z = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_per_token(z)
+    assert (s == MIN_SCALE_F32).all() and (q.float() == 0).all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 65, 256, 1000])
+def test_gpu_fp8_linear_matches_the_cpu_path(m):
+    """The GPU's FP8 GEMM (W8A16 Triton at <= 64 rows, quantized x + torch._scaled_mm above) against the CPU path
+    on the same q, scale and x: within bf16 output rounding plus fp32 summation-order differences."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in [(6144, 4096), (4096, 14336), (1000, 1024)]:
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        q, scale = fp8.quantize_weight(w)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = fp8.fp8_linear(x, q, scale, None)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        ref = fp8.fp8_linear_reference(x.cpu().float(), fp8.dequantize_weight(q.cpu(), scale.cpu(), torch.float32))
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fp8_linear_in_a_cuda_graph():
+    from spanllm.cuda_graph import capture_graph
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, scale = fp8.quantize_weight(torch.randn(4096, 14336, device=dev, generator=g) / 100)
+    for m in (8, 300):
+        x = torch.randn(m, 14336, device=dev, dtype=torch.bfloat16, generator=g)
+        eager = fp8.fp8_linear(x, q, scale, None)
+        outs: list[torch.Tensor] = []
+        graph = capture_graph(lambda: outs.append(fp8.fp8_linear(x, q, scale, None)), dev, warmup=1)  # noqa: B023
+        for _ in range(5):
+            outs[-1].zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[-1], eager)
