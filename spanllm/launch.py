@@ -1,9 +1,11 @@
 """Run a function on every rank: under a launcher (torchrun, srun, mpiexec) or as local gloo processes.
 
 `launch(fn, *args, nprocs=N)` spawns N local CPU processes joined by gloo when no launcher set RANK;
-under a launcher it runs `fn` in this process with the launcher's rank. `fn(ctx, *args)` gets a
-`DistContext`; whatever it returns is collected per rank and handed back to the caller of `launch`
-(for spawned processes, through pickles in a private temporary folder).
+under a launcher it runs `fn` in this process with the launcher's rank. One rank on a machine with a GPU and no
+launcher runs in this process on the GPU (a one-rank NCCL group): `spanllm bench throughput --model X` on a GPU
+machine uses the GPU, as a user expects; several local ranks still need torchrun for GPUs (said once on stderr).
+`fn(ctx, *args)` gets a `DistContext`; whatever it returns is collected per rank and handed back to the caller of
+`launch` (for spawned processes, through pickles in a private temporary folder).
 
 Rendezvous of spawned processes goes through a file store in that folder: no port is chosen, so
 concurrent jobs on one machine never collide.
@@ -452,9 +454,38 @@ def launch(
         return [fn(ctx, *args)]
     if not isinstance(nprocs, int) or nprocs < 1:
         raise UsageError(f"--nprocs {nprocs}: the number of local ranks must be >= 1")
+    if nprocs == 1 and backend in (None, "nccl") and torch.cuda.is_available():
+        return [fn(_init_single_gpu(timeout_s), *args)]
     if backend not in (None, "gloo"):
         raise UsageError(f"backend={backend!r}: local spawning uses gloo; start GPU jobs with torchrun")
+    if torch.cuda.is_available():
+        print(
+            f"spanllm: {nprocs} local ranks run on CPU over gloo; for {nprocs} GPUs start the command with "
+            f"torchrun --nproc-per-node {nprocs} -m spanllm.cli ...",
+            file=sys.stderr,
+        )
     return _launch_local(fn, args, nprocs, timeout_s)
+
+
+_single_gpu = False  # this process runs the one rank of launch() on its GPU (no launcher)
+
+
+def _init_single_gpu(timeout_s: float) -> DistContext:
+    """A one-rank NCCL group in this process, on the current GPU (an in-memory store: no port, no file)."""
+    global _single_gpu
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device,
+        )
+    _single_gpu = True
+    return DistContext(0, 1, device.index, 1, "nccl", device)
 
 
 def finish(code: int) -> int:
@@ -463,7 +494,7 @@ def finish(code: int) -> int:
     Processes that captured NCCL calls in CUDA graphs were seen hanging in interpreter teardown until
     an outer timeout killed them (minutes of a GPU lease); results are written before this is called.
     """
-    if under_launcher() and torch.cuda.is_available() and dist.is_initialized():
+    if (under_launcher() or _single_gpu) and torch.cuda.is_available() and dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
         dist.barrier()

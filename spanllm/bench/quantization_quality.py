@@ -4,7 +4,7 @@ Measures, on the engine's own runner: the text's mean negative log-likelihood pe
 perplexity) in both, the relative change of the log-likelihood, and how often the quantized model's top-1 next
 token equals the unquantized one's over every position. Two prefill shapes, because FP8 runs two GEMMs
 (spanllm.layers.fp8): the whole text in one step (W8A8: activations quantized per token, as a prompt's prefill
-runs) and chunks of 64 tokens (W8A16: the decode GEMM, x unquantized).
+runs) and chunks of 16 tokens (W8A16: the decode GEMM, x unquantized).
 
 The text is fixed (written for this check: plain English prose, no dataset download), so a run is
 reproducible and the test's thresholds (tests/model/test_fp8_quality.py) hold exact meaning.
@@ -16,6 +16,7 @@ import torch
 
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.scoring import prompt_logits, token_logprobs
+from spanllm.kernels.skinny_gemm import FP8_ALWAYS_WEIGHT_ONLY_M
 
 FIXED_TEXT = (
     "The village sat at the bottom of a wide valley, where two rivers met before running together to the sea. "
@@ -36,7 +37,7 @@ FIXED_TEXT = (
     "of the new bridge, although the dates do not quite match. Whatever its origin, the festival has become the "
     "one day of the year when the whole valley feels full again, and when the lights in every window stay on."
 )
-W8A16_CHUNK = 64  # prefill chunks of this many tokens run every linear at <= 64 rows: the W8A16 GEMM
+W8A16_CHUNK = FP8_ALWAYS_WEIGHT_ONLY_M  # chunks of this many tokens run every linear W8A16 (the decode GEMM)
 
 
 def _score(llm, ids: list[int], chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,8 @@ from spanllm.engine.sampler import BatchSampler, SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
-from spanllm.kernels.skinny_gemm import describe_auto
-from spanllm.layers.fp8 import FP8_WEIGHT_ONLY_MAX_M, check_fp8_device
+from spanllm.kernels.skinny_gemm import describe_auto, table_id
+from spanllm.layers.fp8 import check_fp8_device, describe_dispatch
 from spanllm.layers.linear import quantize_fp8_
 from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
@@ -261,8 +261,8 @@ class LLM:
             return f"weights {self.engine.dtype}"
         where = "FP8 kernels" if self.device.type == "cuda" else "dequantized on CPU"
         return (
-            f"weights fp8 e4m3 per-channel ({where}): <= {FP8_WEIGHT_ONLY_MAX_M} rows W8A16, more rows W8A8 "
-            f"(activations per token); embedding and LM head {self.engine.dtype}"
+            f"weights fp8 e4m3 per-channel ({where}): {describe_dispatch()} (activations per token); "
+            f"embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
         )
 
     def describe_decode_gemm(self) -> str:

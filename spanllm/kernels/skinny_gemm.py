@@ -37,8 +37,9 @@ FP8 weights (W8A16)
     kernel streams half the bytes, widens each tile to x's dtype in registers (every e4m3 value is exact in
     bf16), and multiplies the fp32 sums by the row's scale once, in the epilogue (the scale of row n factors
     out of its K sum). x stays in its dtype: no activation quantization, no extra pass. Decode batches past
-    16 rows still read W once, so this path takes up to FP8_MAX_M rows (BLOCK_M = 16, 32 or 64: the MMA tile
-    grows with M; the kernel stays memory-bound there, ~2*M flops per weight byte).
+    16 rows still read W once, so this path takes up to FP8_MAX_M rows (BLOCK_M = 16 ... 128: the MMA tile
+    grows with M). Whether it or W8A8 (x quantized, torch._scaled_mm) is faster past 16 rows depends on the
+    shape: `fp8_weight_only` asks the measured table.
 
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
@@ -74,7 +75,8 @@ except ImportError:  # the CPU torch wheel comes without Triton
     tl = None
 
 MAX_M = 16  # rows of x the kernel handles with a bf16/fp16/fp32 W: one MMA tile of 16 rows
-FP8_MAX_M = 64  # rows with an FP8 W (W8A16): BLOCK_M grows to 64
+FP8_MAX_M = 128  # rows with an FP8 W (W8A16): BLOCK_M grows to 128
+FP8_ALWAYS_WEIGHT_ONLY_M = 16  # up to here W8A16 always (one MMA tile); above, only where the table measured it faster
 BLOCK_M = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_NUM_SMS = 132  # H200; used when the tensors are not on a GPU (Triton's CPU interpreter)
@@ -90,27 +92,44 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-# The measured table (spanllm/kernels/skinny_gemm_configs.json, written from `spanllm bench gemm --sweep small`):
-# (m_bucket, n, k, element bytes) -> config, and the same runs' times (skinny, F.linear) in microseconds per GEMM
-# inside a CUDA graph. An M whose bucket has no entry takes the nearest measured bucket of the same (n, k, element
+# The measured table (spanllm/kernels/skinny_gemm_configs.json, written from `spanllm bench gemm --sweep small` and,
+# for FP8 weights (element bytes 1), `scripts/gpu_fp8_gemm.py --sweep`): (m_bucket, n, k, element bytes) -> config,
+# and the same runs' times in microseconds per GEMM inside a CUDA graph: (skinny, the alternative), the alternative
+# being F.linear for bf16 entries and W8A8 (per-token quantization + torch._scaled_mm) for FP8 entries.
+# SPANLLM_SKINNY_GEMM_TABLE names another file of the same format (a sweep's output, before it is committed).
+# An M whose bucket has no entry takes the nearest measured bucket of the same (n, k, element
 # bytes) (`table_config`): the kernel always computes 16 rows, so a config's time hardly depends on M. Shapes and
 # dtypes without any entry take the heuristic (a bf16 tile pipeline can overflow shared memory in fp32).
 _TABLE_FILE = os.path.join(os.path.dirname(__file__), "skinny_gemm_configs.json")
+TABLE_ENV = "SPANLLM_SKINNY_GEMM_TABLE"
+
+
+def table_path() -> str:
+    return os.environ.get(TABLE_ENV) or _TABLE_FILE
 
 
 @functools.cache
 def measured_table() -> tuple[dict, dict]:
-    """(configs, times): key -> config, key -> (skinny_us, torch_us), read once."""
-    with open(_TABLE_FILE) as f:
-        entries = json.load(f)["entries"]
+    """(configs, times): key -> config, key -> (skinny_us, alternative_us), read once."""
+    path = table_path()
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+    except (OSError, ValueError, KeyError) as e:
+        origin = f" (set by {TABLE_ENV})" if path != _TABLE_FILE else ""
+        raise RuntimeError(f"skinny GEMM table {path}{origin}: {e}") from e
     key = lambda e: (e["m_bucket"], e["n"], e["k"], e["elem_bytes"])
     configs = {key(e): tuple(e["config"]) for e in entries}
-    times = {key(e): (e["skinny_us"], e["torch_us"]) for e in entries if "skinny_us" in e}
+    times = {
+        key(e): (e["skinny_us"], e["torch_us"] if "torch_us" in e else e["w8a8_us"])
+        for e in entries
+        if "skinny_us" in e and ("torch_us" in e or "w8a8_us" in e)
+    }
     return configs, times
 
 
 def m_bucket(m: int) -> int:
-    """The table's bucket of M: the next power of two (1, 2, 4, 8, 16)."""
+    """The table's bucket of M: the next power of two (1, 2, 4, ... 128)."""
     return 1 << max(0, m - 1).bit_length()
 
 
@@ -183,6 +202,21 @@ def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     return times is not None and times[0] < times[1]
 
 
+@functools.cache
+def fp8_weight_only(m: int, n: int, k: int) -> bool:
+    """Whether x [m, k] @ W[n, k]^T with FP8 W runs W8A16 (this kernel, x kept in its dtype) rather than W8A8.
+
+    Up to FP8_ALWAYS_WEIGHT_ONLY_M rows: always (the GEMM only streams W; quantizing x would add a pass and
+    _scaled_mm is slower than bf16 there). Up to FP8_MAX_M: where the table measured this shape at m's own bucket
+    and W8A16 was faster. Otherwise W8A8. A pure function of the table, so the CPU path follows the GPU's rule."""
+    if m <= FP8_ALWAYS_WEIGHT_ONLY_M:
+        return True
+    if m > FP8_MAX_M:
+        return False
+    times = measured_table()[1].get((m_bucket(m), n, k, 1))
+    return times is not None and times[0] < times[1]
+
+
 def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
     """What decode_gemm="auto" runs for named GEMMs (name, N, K, element bytes) at 1..MAX_M rows, runs of row
     counts with the same choice together, e.g. '1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head'."""
@@ -208,7 +242,8 @@ def table_id() -> str:
 
     configs, times = measured_table()
     text = repr(sorted(configs.items())) + repr(sorted(times.items()))
-    return f"{len(configs)} entries, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
+    where = "" if table_path() == _TABLE_FILE else f" from {table_path()}"
+    return f"{len(configs)} entries{where}, sha1 {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
 def choose_config(
@@ -260,7 +295,7 @@ def choose_config(
 
 
 def block_m_for(m: int) -> int:
-    """The MMA tile's rows for M rows of x: 16, 32 or 64 (rows >= M are masked zeros)."""
+    """The MMA tile's rows for M rows of x: 16, 32, 64 or 128 (rows >= M are masked zeros)."""
     return max(BLOCK_M, 1 << max(0, m - 1).bit_length())
 
 

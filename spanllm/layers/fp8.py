@@ -7,10 +7,11 @@ norms and the LM head stay in the model dtype (the LM head is 1 of the 8B's 8 GB
 is the sampler's). A weight-only FP8 model reads about half the bytes of a bf16 one per decode step.
 
 The GEMM, by the number of rows M of x (the same rule on every device, so the CPU path computes what the GPU runs):
-- M <= FP8_WEIGHT_ONLY_MAX_M (decode): W8A16. x stays in the model dtype, W is widened in registers, the
-  channel scale applied to the fp32 sums (spanllm.kernels.skinny_gemm with weight_scale): the halved bytes are
-  the whole gain at these sizes, and no activation-quantization pass is paid.
-- larger M (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
+- M <= 16 (decode), and up to 128 rows where the measured table (skinny_gemm.fp8_weight_only) found it faster for
+  the shape: W8A16. x stays in the model dtype, W is widened in registers, the channel scale applied to the fp32
+  sums (spanllm.kernels.skinny_gemm with weight_scale): the halved bytes are the whole gain at these sizes, and no
+  activation-quantization pass is paid.
+- otherwise (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
   torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype.
 On CPU (and wherever the GPU kernels are missing) the same two computations run in torch: W dequantized once
 at quantization time (`dequantized`), x quantized and dequantized per token above the threshold. The GPU path
@@ -23,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from spanllm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_reference
-from spanllm.kernels.skinny_gemm import FP8_MAX_M
+from spanllm.kernels.skinny_gemm import FP8_ALWAYS_WEIGHT_ONLY_M, FP8_MAX_M, fp8_weight_only
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: None (the model dtype) or one of these
-FP8_WEIGHT_ONLY_MAX_M = FP8_MAX_M  # rows up to which the GEMM is W8A16 (above: W8A8 on FP8 tensor cores)
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 
 
@@ -47,9 +47,17 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def uses_activation_quant(rows: int) -> bool:
-    """Whether a GEMM of `rows` rows quantizes x (W8A8) or keeps it (W8A16)."""
-    return rows > FP8_WEIGHT_ONLY_MAX_M
+def uses_activation_quant(rows: int, n: int, k: int) -> bool:
+    """Whether a GEMM of `rows` rows with W [n, k] quantizes x (W8A8) or keeps it (W8A16)."""
+    return not fp8_weight_only(rows, n, k)
+
+
+def describe_dispatch() -> str:
+    """The rule in words, for the engine's description line."""
+    return (
+        f"<= {FP8_ALWAYS_WEIGHT_ONLY_M} rows W8A16, up to {FP8_MAX_M} where the measured table says W8A16 is faster, "
+        "else W8A8"
+    )
 
 
 def fp8_linear_reference(
@@ -60,7 +68,7 @@ def fp8_linear_reference(
     del weight_scale
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if uses_activation_quant(x2.shape[0]):
+    if uses_activation_quant(x2.shape[0], *weight_dequantized.shape):
         q, s = quantize_per_token_reference(x2)
         x2 = (q.float() * s).to(x.dtype)
     return F.linear(x2, weight_dequantized).reshape(*lead, weight_dequantized.shape[0])
@@ -82,7 +90,7 @@ def fp8_linear(
         return fp8_linear_reference(x, weight_dequantized)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if uses_activation_quant(x2.shape[0]):
+    if uses_activation_quant(x2.shape[0], *weight.shape):
         y = scaled_mm_linear(x2, weight, weight_scale)
     else:
         y = torch.ops.spanllm.fp8_weight_linear(x2, weight, weight_scale)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
+from spanllm.kernels import skinny_gemm
 from spanllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE, quantize_per_token, quantize_per_token_reference
 from spanllm.layers import fp8
 from spanllm.layers.linear import _Linear
@@ -49,19 +50,26 @@ def test_quantize_per_token_reference():
 MIN_SCALE_F32 = torch.tensor(MIN_SCALE, dtype=torch.float32).item()
 
 
-def test_cpu_gemm_rule_w8a16_then_w8a8():
+def test_cpu_gemm_rule_w8a16_then_w8a8(monkeypatch):
+    # The table measured W8A16 faster for this shape at 32 rows, slower at 64; nothing at 128.
+    table = {(32, 48, 96, 1): (9.0, 10.0), (64, 48, 96, 1): (12.0, 11.0)}
+    monkeypatch.setattr(skinny_gemm, "measured_table", lambda: ({}, table))
+    skinny_gemm.fp8_weight_only.cache_clear()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 96, generator=g)
     q, scale = fp8.quantize_weight(w)
     wd = fp8.dequantize_weight(q, scale, torch.float32)
-    for rows in (1, 64):  # W8A16: x as it is
+    for rows in (1, 16, 17, 32):  # W8A16: x as it is
         x = torch.randn(rows, 96, generator=g)
         assert torch.equal(fp8.fp8_linear(x, q, scale, wd), F.linear(x, wd))
-    for rows in (65, 200):  # W8A8: x through its per-token quantization first
+    for rows in (33, 64, 65, 128, 200):  # W8A8: x through its per-token quantization first
         x = torch.randn(rows, 96, generator=g)
         xq, xs = quantize_per_token_reference(x)
         assert torch.equal(fp8.fp8_linear(x, q, scale, wd), F.linear(xq.float() * xs, wd))
-    assert fp8.uses_activation_quant(65) and not fp8.uses_activation_quant(64)
+    assert not fp8.uses_activation_quant(16, 4096, 4096)  # <= 16 rows: W8A16 whatever the table says
+    assert fp8.uses_activation_quant(17, 4096, 4096)  # a shape the table never measured: W8A8 past 16 rows
+    assert fp8.uses_activation_quant(129, 48, 96)
+    skinny_gemm.fp8_weight_only.cache_clear()
     x3 = torch.randn(2, 3, 96, generator=g)  # leading dims are rows: 6 of them
     assert torch.equal(fp8.fp8_linear(x3, q, scale, wd), F.linear(x3, wd))
     with pytest.raises(RuntimeError, match="needs the dequantized weight"):
@@ -73,11 +81,11 @@ def _linears(llm):
 
 
 def test_engine_fp8_equals_the_model_with_dequantized_weights():
-    """Greedy tokens of the FP8 engine (prefill in chunks of <= 64 tokens, decode: every GEMM W8A16) equal the
+    """Greedy tokens of the FP8 engine (prefill in chunks of <= 16 tokens, decode: every GEMM W8A16) equal the
     unquantized engine's whose decoder linears were given q * scale by hand; the embedding and LM head untouched."""
     prompts = [[1, 5, 17, 42, 8, 90, 3, 61] * 5, [1, 7, 7, 20]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    engine = dict(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = dict(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=16)
     quant = LLM("tiny", EngineConfig(quantization="fp8", **engine), device=CPU)
     plain = LLM("tiny", EngineConfig(**engine), device=CPU)
     try:
@@ -153,10 +161,11 @@ def test_gpu_quantize_per_token_equals_reference():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 65, 256, 1000])
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64, 65, 128, 256, 1000])
 def test_gpu_fp8_linear_matches_the_cpu_path(m):
-    """The GPU's FP8 GEMM (W8A16 Triton at <= 64 rows, quantized x + torch._scaled_mm above) against the CPU path
-    on the same q, scale and x: within bf16 output rounding plus fp32 summation-order differences."""
+    """The GPU's FP8 GEMM (W8A16 Triton or quantized x + torch._scaled_mm, by skinny_gemm.fp8_weight_only) against
+    the CPU path on the same q, scale and x: within bf16 output rounding plus fp32 summation-order differences; and
+    the W8A16 kernel itself at every row count it takes, whichever the dispatch picks."""
     g = torch.Generator(device="cuda").manual_seed(m)
     for n, k in [(6144, 4096), (4096, 14336), (1000, 1024)]:
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
@@ -166,6 +175,10 @@ def test_gpu_fp8_linear_matches_the_cpu_path(m):
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         ref = fp8.fp8_linear_reference(x.cpu().float(), fp8.dequantize_weight(q.cpu(), scale.cpu(), torch.float32))
         torch.testing.assert_close(y.float().cpu(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+        if m <= skinny_gemm.FP8_MAX_M:
+            w16 = skinny_gemm.skinny_linear(x, q, weight_scale=scale).float().cpu()
+            exact = x.cpu().float() @ fp8.dequantize_weight(q.cpu(), scale.cpu(), torch.float32).T
+            torch.testing.assert_close(w16, exact, rtol=1.6e-2, atol=1.6e-2 * exact.abs().max().item())
 
 
 @pytest.mark.gpu

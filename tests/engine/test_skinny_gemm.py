@@ -162,12 +162,12 @@ def _fp8_case(m, n, k, seed):
     return q, scale
 
 
-# FP8 weights (W8A16): rows up to FP8_MAX_M (BLOCK_M 16 / 32 / 64), split 1 and 3, K and N tails, the heuristic.
+# FP8 weights (W8A16): rows up to FP8_MAX_M (BLOCK_M 16 / 32 / 64 / 128), split 1 and 3, K and N tails, the heuristic.
 FP8_CASES = [(70, 200, (32, 64, 1, 4, 3)), (70, 200, (32, 32, 3, 4, 2)), (64, 256, None)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m", [1, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 128])
 @pytest.mark.parametrize("n,k,config", FP8_CASES)
 def test_fp8_weights_exact(interp, dtype, m, n, k, config):
     x = _ints(m, k, dtype=dtype, seed=m)
@@ -180,7 +180,7 @@ def test_fp8_weights_exact(interp, dtype, m, n, k, config):
 
 # The tests that take the `interp` fixture, and how many cases they have in all.
 INTERPRETER_SELECTION = "exact_small_integers or split_k_forced or 3d_input or random_values_close or fp8_weights_exact"
-INTERPRETER_TESTS = 4 * 3 * 4 + 3 + 2 * 4 * 3
+INTERPRETER_TESTS = 4 * 3 * 4 + 3 + 2 * 5 * 3
 
 
 def test_interpreter_suite():
@@ -199,8 +199,8 @@ def test_fp8_input_errors():
         gemm.skinny_linear(x, q.float(), weight_scale=torch.ones(8))
     with pytest.raises(ValueError, match=r"weight_scale must be float32 \[N\] = \[8\]"):
         gemm.skinny_linear(x, q, weight_scale=torch.ones(7))
-    with pytest.raises(ValueError, match="exceeds the limit M <= 64 \\(FP8 weights\\)"):
-        gemm.skinny_linear(torch.zeros(65, 32), q, weight_scale=torch.ones(8))
+    with pytest.raises(ValueError, match="exceeds the limit M <= 128 \\(FP8 weights\\)"):
+        gemm.skinny_linear(torch.zeros(129, 32), q, weight_scale=torch.ones(8))
 
 
 def test_input_errors():

@@ -1,5 +1,5 @@
 """FP8's quality on the real model (SmolLM2-135M-Instruct, CPU path: weights quantized then dequantized, x per
-token above 64 rows), on the fixed text of spanllm.bench.quantization_quality.
+token above 16 rows), on the fixed text of spanllm.bench.quantization_quality.
 
 Thresholds: the issue's (log-likelihood within 2% of bf16's) and a top-1 agreement floor of 0.88. Measured on
 this path (results/cpu_smollm2/fp8_quality.json): -0.32% / -0.37% and 0.915 / 0.940 (one step / chunks of 64); bf16
