@@ -38,6 +38,15 @@ class Quantization:
         return model.num_layers * self.layer_weight_bytes(model) + 2 * self.head_weight_bytes(model)
 
 
+W8A16_MAX_ROWS = 64
+"""Rows up to which spanllm's FP8 GEMM is W8A16 (spanllm.layers.fp8.FP8_WEIGHT_ONLY_MAX_M): bf16 math."""
+
+
+def gemm_speedup(quant: Quantization, rows: int, fp8_gemm_speedup: float) -> float:
+    """The layer GEMMs' rate over bf16's at `rows` tokens: FP8 tensor cores above W8A16_MAX_ROWS, else 1."""
+    return fp8_gemm_speedup if quant.fp8_gemm and rows > W8A16_MAX_ROWS else 1.0
+
+
 BF16 = Quantization("bf16", DTYPE_BYTES, False)
 FP8 = Quantization("fp8", 1, True)
 QUANTIZATIONS = {"bf16": BF16, "fp8": FP8}
