@@ -175,7 +175,8 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         return 0 if b else 1
     table = Table(
         title=f"{model.name} ({quant.name}) on {args.nodes} x {cluster.name} "
-        f"({cluster.gpus_per_node} x {cluster.gpu}), batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}"
+        f"({cluster.gpus_per_node} x {cluster.gpu}), batch {workload.batch}, prompt {workload.prompt_len}, "
+        f"decode {workload.decode_len}"
     )
     ranged = any(r.e2e_range for r in rows)
     cols = [
