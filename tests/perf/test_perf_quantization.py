@@ -84,3 +84,21 @@ def test_cli_quantization(tmp_path, capsys):
     assert main([*argv, "--quantization", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--quantization 'int4': only fp8 is modelled" in err and len(err.splitlines()) == 1
+
+
+def test_fp8_roofline_of_a_step():
+    from spanllm.perf.roofline import model_costs, step_costs
+    from spanllm.perf.step_cost import Step
+
+    cfg = get_model("8b")
+    layers, head = 32 * 218_103_808, 525_336_576
+    assert model_costs(cfg, FP8)["weight_bytes"] == layers + 2 * head == 8_029_995_008  # LM head bf16
+    bw, fl = 4e12, 800e12
+    # one decode: weight-bound, about half of bf16's 15.0 GB
+    c = step_costs([Step(1, 1000, (), 1)], cfg, bw, fl, FP8, 1.7)
+    kv = 1000 * 2 * 2 * 8 * 128 * 32
+    assert c["sequential_s"] == pytest.approx((layers + 2 * head) / bw + kv / bw)
+    # a 4096-token prompt: the layers' GEMMs at 1.7x the rate, the LM head at bf16's
+    c = step_costs([Step(0, 0, ((0, 4096),), 1)], cfg, bw, fl, FP8, 1.7)
+    attn = 4 * 32 * 128 * 32 * (4096 * 4097 // 2)
+    assert c["sequential_s"] == pytest.approx((2 * layers * 4096 / 1.7 + 2 * head) / fl + attn / fl)
