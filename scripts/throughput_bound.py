@@ -2,7 +2,7 @@
 
     python3 scripts/throughput_bound.py --samples-file results/h200/inputs/sharegpt_llama3_seed0_n1000.json \
         [--max-num-seqs 192,256,512 --max-num-batched-tokens 8192 --rates 750:4.28,989:4.8]
-        [--orders fcfs,longest-first] [--json OUT]
+        [--orders fcfs,longest-first] [--quantization fp8] [--json OUT]
 
 A thin command over the library: spanllm.perf.serving.replay_steps replays spanllm's Scheduler and BlockManager
 on the saved requests with no model (ignore_eos: the plan depends on the lengths only); spanllm.perf.roofline
@@ -11,6 +11,8 @@ docstring says how), sums them `sequential` and `overlapped`, and adds the sched
 synchronous; the engine's async scheduling takes a step or so more (1,722 against 1,721 at 256 sequences).
 `longest-first` replays the requests sorted by output length (not FCFS: it needs every output length in
 advance). `spanllm plan --serve` prices the same plan with the engine's measured efficiencies instead.
+`--quantization fp8`: the FP8 roofline of the same schedule: layer weights one byte a parameter (the LM head
+bf16), the layers' GEMMs of steps above 64 rows at the H200 preset's fp8_gemm_speedup x the bf16 rate given.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 
 from spanllm.bench.sample_file import load_samples
 from spanllm.model.config import resolve_model
+from spanllm.perf.hardware import PRESETS
+from spanllm.perf.quantization import get_quantization
 from spanllm.perf.roofline import bound_row, model_costs, schedule_free
 from spanllm.perf.serving import EngineLimits, replay_steps
 
@@ -46,8 +50,13 @@ def main() -> int:
         default="fcfs,longest-first",
         help="comma list: fcfs (the samples' order: the engine's) and/or longest-first (sorted by output length)",
     )
+    p.add_argument("--quantization", default=None, metavar="fp8", help="fp8: the FP8 roofline (default: bf16)")
     p.add_argument("--json")
     a = p.parse_args()
+    if a.quantization not in (None, "fp8"):
+        raise SystemExit(f"--quantization {a.quantization!r}: only fp8 is modelled; leave it out for bf16")
+    quant = get_quantization(a.quantization)
+    fp8_speedup = PRESETS["h200x2"].fp8_gemm_speedup
     orders = [v for v in a.orders.split(",") if v]
     if not orders or any(o not in ("fcfs", "longest-first") for o in orders):
         raise SystemExit(f"--orders {a.orders!r}: expected fcfs and/or longest-first")
@@ -75,7 +84,7 @@ def main() -> int:
         reqs = lengths if order == "fcfs" else sorted(lengths, key=lambda r: -r[1])
         steps = replay_steps(reqs, EngineLimits(n, a.max_num_batched_tokens, a.num_blocks, a.block_size))
         for tflops, tbs in rates:
-            rows.append({"order": order, **bound_row(steps, cfg, n, tflops, tbs, out_tokens)})
+            rows.append({"order": order, **bound_row(steps, cfg, n, tflops, tbs, out_tokens, quant, fp8_speedup)})
             r = rows[-1]
             print(
                 f"{order}, {tflops:g} TFLOPS, {tbs:g} TB/s, max_num_seqs {n:5d}: {r['steps']} steps "
@@ -98,10 +107,12 @@ def main() -> int:
             "num_blocks": a.num_blocks,
             "block_size": a.block_size,
             "rates": a.rates,
+            "quantization": quant.name,
+            "fp8_gemm_speedup": fp8_speedup if quant.fp8_gemm else None,
         },
-        "weight_bytes": model_costs(cfg)["weight_bytes"],
+        "weight_bytes": model_costs(cfg, quant)["weight_bytes"],
         "rows": rows,
-        "schedule_free": [schedule_free(lengths, cfg, t, b) for t, b in rates],
+        "schedule_free": [schedule_free(lengths, cfg, t, b, quant, fp8_speedup) for t, b in rates],
     }
     for f in result["schedule_free"]:
         print(

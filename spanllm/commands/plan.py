@@ -24,6 +24,7 @@ from spanllm.perf.hardware import PRESETS, ClusterSpecError, load_cluster
 from spanllm.perf.inference import Workload, tp_group_shape
 from spanllm.perf.model_shape import MODELS, get_model
 from spanllm.perf.plan import PREFILL_ALGO, PlanRow, best, plan, robustness, row_to_dict
+from spanllm.perf.quantization import get_quantization
 
 MAX_NODES = 4096  # a bound on typos, far above any cluster the presets describe
 
@@ -40,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, default=2048, help="static batch: prompt tokens per sequence")
     parser.add_argument("--decode", type=int, default=256, help="static batch: generated tokens per sequence")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="static batch: price decode launched eagerly")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        metavar="fp8",
+        help="static batch: FP8 linear-layer weights (1 byte; embedding, LM head and KV cache stay bf16) and FP8 "
+        "GEMMs at the cluster's fp8_gemm_speedup (default: bf16)",
+    )
     parser.add_argument("--top", type=int, default=0, help="show only the best N rows (0: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row to this JSON file ('-': stdout)")
     parser.add_argument("--plot", type=Path, default=None, help="static batch: a PNG of TTFT + decode time per row")
@@ -87,6 +95,10 @@ def check_args(args: argparse.Namespace):
     fix = "" if cluster.has_network else f"cluster {cluster.name} is one host without a network"
     _positive_int("--nodes", args.nodes, 1, high, fix)
     _positive_int("--top", args.top, 0)
+    if args.quantization is not None and args.quantization != "fp8":
+        raise UsageError(f"--quantization {args.quantization!r}: only fp8 is modelled; leave it out for bf16")
+    if args.quantization is not None and args.serve:
+        raise UsageError("--quantization fp8 prices the static batch; --serve prices bf16 only (drop one of them)")
     for flag in ("--json", "--plot"):
         path = getattr(args, flag[2:])
         if path is not None and str(path) != "-" and not Path(path).parent.is_dir():
@@ -139,7 +151,8 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
     from rich.table import Table
 
     workload = Workload(args.batch, args.prompt, args.decode)
-    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not args.no_ranges)
+    quant = get_quantization(args.quantization)
+    rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not args.no_ranges, quant)
     console = Console(width=170) if not Console().is_terminal else Console()
     if not rows:
         console.print(f"no layout of {model.name} fits the rules on {args.nodes} x {cluster.gpus_per_node} GPUs")
@@ -152,6 +165,7 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         "workload": asdict(workload),
         "cuda_graphs": not args.no_cuda_graphs,
         "prefill_allreduce": PREFILL_ALGO,
+        "quantization": quant.name,
         "rows": [row_to_dict(r, cluster) for r in rows],
     }
     b = best(rows)
@@ -160,8 +174,9 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         print(json.dumps(doc, indent=2))
         return 0 if b else 1
     table = Table(
-        title=f"{model.name} on {args.nodes} x {cluster.name} ({cluster.gpus_per_node} x {cluster.gpu}), "
-        f"batch {workload.batch}, prompt {workload.prompt_len}, decode {workload.decode_len}"
+        title=f"{model.name} ({quant.name}) on {args.nodes} x {cluster.name} "
+        f"({cluster.gpus_per_node} x {cluster.gpu}), batch {workload.batch}, prompt {workload.prompt_len}, "
+        f"decode {workload.decode_len}"
     )
     ranged = any(r.e2e_range for r in rows)
     cols = [

@@ -12,7 +12,10 @@ cluster's constants (`time_from_terms_us`):
         + local_bytes / (hbm_GBps * hbm_efficiency)
 
 Schedules (bytes on the critical path of one GPU):
-  nccl ring       2(P-1) steps, 2(N-1) of them over the network; 2(P-1)/P * w M per GPU, and across hosts
+  nccl ring       2(P-1) steps; a chunk walks 2(P-1) consecutive edges of a ring whose P edges include N
+                  network edges, so the critical path crosses the network ceil(2(P-1) N / P) times
+                  (2N - 1 or 2N with several GPUs per node, as NCCL <= 2.18's tuner counts; 2(N-1) with
+                  one GPU per node); 2(P-1)/P * w M per GPU, and across hosts
                   that traffic is spread over the node's g NICs (NCCL runs one ring per NIC and splits
                   the data among rings): 2(P-1)/P * w M / g on each per-GPU NIC
   nccl tree       2(g-1) NVLink steps + 2 ceil(log2 N) network steps; 2 w M through the node's g NICs
@@ -187,9 +190,16 @@ def _bytes(b: float, over_network: bool) -> CostTerms:
     return CostTerms(net_wire_bytes=b) if over_network else CostTerms(nvlink_wire_bytes=b)
 
 
+def ring_network_steps(world: int, nodes: int) -> int:
+    """Network edges on the critical path of a ring all-reduce over `world` ranks on `nodes` hosts (node-major).
+
+    The slowest chunk travels 2(world-1) consecutive ring edges, `nodes` of every `world` cross the network."""
+    return math.ceil(2 * (world - 1) * nodes / world)
+
+
 def ring_terms(nbytes: float, pl: Placement, wire: float, launch: NvrarLaunch | None = None) -> CostTerms:
     p, n = pl.world, pl.physical_nodes
-    inter = 2 * (n - 1)
+    inter = ring_network_steps(p, n) if pl.over_network else 0
     nics = pl.physical_ranks_per_node if pl.over_network else 1  # rings share the data, one NIC each
     return CostTerms(nvlink_steps=2 * (p - 1) - inter, net_steps=inter) + _bytes(
         2 * (p - 1) / p * nbytes * wire / nics, pl.over_network

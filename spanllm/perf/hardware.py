@@ -157,6 +157,9 @@ class ClusterSpec:
     nic_latency_us: float  # one-way small put GPU -> remote GPU, through the transport actually used
     graph_node_us: float  # one kernel node inside a replayed CUDA graph
     kernel_launch_us: float  # one eager kernel launch from Python
+    # FP8 (e4m3) GEMM rate / bf16 GEMM rate at large M (prefill; W8A8 on FP8 tensor cores); 1.0: no FP8 tensor
+    # cores, FP8 weights only halve the bytes read
+    fp8_gemm_speedup: float = 1.0
     algos: Mapping[str, AlgoCost] = field(default_factory=dict)
     engine: EngineCost = EngineCost()  # the spanllm engine's costs on this cluster (zeros: an ideal engine)
     transport: Transport = TRANSPORTS["ibgda"]  # NVSHMEM's remote transport (unused without a network)
@@ -185,6 +188,11 @@ class ClusterSpec:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ClusterSpecError(f"{self.name}: {name}={v!r} must be a finite number > 0")
+        if not (isinstance(self.fp8_gemm_speedup, (int, float)) and 1.0 <= self.fp8_gemm_speedup <= 2.0):
+            raise ClusterSpecError(
+                f"{self.name}: fp8_gemm_speedup={self.fp8_gemm_speedup!r} must lie in [1, 2] "
+                "(FP8 / bf16 tensor-core rate; 1 without FP8 tensor cores)"
+            )
         for name in ("hbm_efficiency", "gemm_efficiency"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
@@ -499,6 +507,7 @@ _NCCL_RANGES = {
     "algos.nccl_tree/LL.net_step_us": (5.0, 13.0),
 }
 _DGX_RANGES = {
+    "fp8_gemm_speedup": (1.6, 1.8),  # [measured] 1.6-1.8x at M >= 256 on the H200
     **_KERNEL_RANGES_HOPPER,
     **_LAUNCH_RANGES,
     **_NCCL_RANGES,
@@ -558,6 +567,7 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_GBps_per_gpu=0.0,  # [measured] no network card on this host (only rdma_cm)
         nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
         graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
+        fp8_gemm_speedup=1.7,  # [measured] _scaled_mm / bf16 GEMM, 8B shapes, M >= 256 (1.6-1.8x)
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
         algos={
             **default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL),
@@ -566,7 +576,7 @@ PRESETS: dict[str, ClusterSpec] = {
         },
         engine=_HOST_ENGINE_FIT,
         kernel=H200_KERNEL,  # [fit] this host's sweep (above)
-        ranges={"kernel_launch_us": (3.0, 10.0)},
+        ranges={"kernel_launch_us": (3.0, 10.0), "fp8_gemm_speedup": (1.6, 1.8)},
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100",
@@ -583,6 +593,7 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_GBps_per_gpu=50.0,  # [datasheet] one ConnectX-7 400 Gb/s NDR per GPU
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] range below
         graph_node_us=0.5,  # [assumed] as measured on H200
+        fp8_gemm_speedup=1.7,  # [assumed] as measured on H200 (same FP8 tensor cores)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
         transport=TRANSPORTS["ibgda"],  # [assumed] IBGDA enabled (NVSHMEM_IB_ENABLE_IBGDA=1); NVSHMEM's default is ibrc
@@ -604,6 +615,7 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_GBps_per_gpu=50.0,  # [datasheet] 8 x 400 Gb/s NDR, one per GPU
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] as DGX H100
         graph_node_us=0.5,  # [measured] on the H200 host
+        fp8_gemm_speedup=1.7,  # [measured] _scaled_mm / bf16 GEMM, 8B shapes, M >= 256 (1.6-1.8x)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
         transport=TRANSPORTS["ibgda"],  # [assumed] as DGX H100
@@ -665,11 +677,13 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_GBps_per_gpu=50.0,  # [datasheet] one NDR 400 Gb/s port per node
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] one switch tier, transport apart
         graph_node_us=0.5,  # [assumed] as measured on H200
+        fp8_gemm_speedup=1.7,  # [assumed] as measured on H200 (same FP8 tensor cores)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibrc"]),
         transport=TRANSPORTS["ibrc"],  # [source] NVSHMEM_REMOTE_TRANSPORT's default; which one the paper ran: unknown
         kernel=H200_KERNEL,  # [measured on H200] carried: same kernel on GH200
         ranges={
+            "fp8_gemm_speedup": (1.6, 1.8),  # [measured on H200] carried: same FP8 tensor cores
             **_KERNEL_RANGES_HOPPER,
             **_LAUNCH_RANGES,
             **_NCCL_RANGES,
@@ -743,7 +757,7 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
     merged = {**base, **d}
-    missing = sorted(known - set(merged) - {"algos", "engine", "transport", "kernel", "ranges"})
+    missing = sorted(known - set(merged) - {"algos", "engine", "transport", "kernel", "ranges", "fp8_gemm_speedup"})
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}; give them or set base = one of {list(PRESETS)}")
     merged["transport"] = _transport_from(d.get("transport"), base.get("transport"), source)

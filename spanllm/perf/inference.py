@@ -3,6 +3,7 @@
 Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
   GEMMs       max(FLOPs / (peak x eff), (weights + activations) bytes / (HBM x hbm_eff))
               FLOPs = 2 * tokens * layer_params / tp                         (roofline)
+              weights in bf16 or FP8 (spanllm.perf.quantization); FP8 above 64 rows: peak x fp8_gemm_speedup
               eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set, scaled by the
               layer's parameters per GPU (EngineCost.prefill_size_exponent: larger GEMMs run nearer peak)
   attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x positions x 2 x kv_heads/tp x head_dim x 2 B,
@@ -32,6 +33,7 @@ from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import allreduce_cost, transfer_us
 from spanllm.perf.hardware import ClusterSpec
 from spanllm.perf.model_shape import DTYPE_BYTES, embedding_params, kv_bytes_per_token_layer, layer_params
+from spanllm.perf.quantization import BF16, Quantization, gemm_speedup
 
 KERNELS_PER_LAYER = 12  # [assumed] 2 norms, qkv, rope, attention, o-proj, 2 residual adds, gate_up, act, down, + comm
 P2P_OVERHEAD_US = 10.0  # [assumed] one pipeline send/recv pair through torch.distributed, beyond the wire time
@@ -109,11 +111,14 @@ class Estimate:
 # --- small pure pieces --------------------------------------------------------------------------------
 
 
-def gemm_time_us(flops: float, nbytes: float, cluster: ClusterSpec, efficiency: float | None = None) -> float:
+def gemm_time_us(
+    flops: float, nbytes: float, cluster: ClusterSpec, efficiency: float | None = None, speedup: float = 1.0
+) -> float:
     """Roofline: compute-bound or HBM-bound, whichever is slower (1 TFLOP/s = 1e6 FLOP per us).
-    `efficiency`: achieved / peak FLOP/s (default: the cluster's gemm_efficiency)."""
+    `efficiency`: achieved / peak bf16 FLOP/s (default: the cluster's gemm_efficiency); `speedup`: the GEMM's
+    rate over bf16's (FP8 tensor cores: ClusterSpec.fp8_gemm_speedup)."""
     return max(
-        flops / (cluster.bf16_TFLOPs * 1e6 * (efficiency or cluster.gemm_efficiency)),
+        flops / (cluster.bf16_TFLOPs * 1e6 * (efficiency or cluster.gemm_efficiency) * speedup),
         nbytes / (cluster.hbm_GBps * 1e3 * cluster.hbm_efficiency),
     )
 
@@ -154,14 +159,20 @@ def kv_heads_per_gpu(model: ModelConfig, tp: int) -> int:
 
 
 def layer_gemm_us(
-    model: ModelConfig, tokens: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+    model: ModelConfig,
+    tokens: int,
+    tp: int,
+    cluster: ClusterSpec,
+    efficiency: float | None = None,
+    quant: Quantization = BF16,
 ) -> float:
     h, f, d = model.hidden_size, model.intermediate_size, DTYPE_BYTES
     kvd = kv_heads_per_gpu(model, tp) * model.head_dim
-    weights = layer_params(model) / tp * d
+    weights = quant.layer_weight_bytes(model) / tp
     # inputs + outputs of qkv, o, gate_up, down on this GPU
     acts = tokens * d * (h + (h / tp + 2 * kvd) + h / tp + h + h + 2 * f / tp + f / tp + h)
-    return gemm_time_us(2 * tokens * layer_params(model) / tp, weights + acts, cluster, efficiency)
+    speedup = gemm_speedup(quant, tokens, cluster.fp8_gemm_speedup)
+    return gemm_time_us(2 * tokens * layer_params(model) / tp, weights + acts, cluster, efficiency, speedup)
 
 
 def decode_attention_us(model: ModelConfig, batch: int, positions: float, tp: int, cluster: ClusterSpec) -> float:
@@ -218,11 +229,14 @@ def pp_transfer_us(nbytes: float, over_network: bool, cluster: ClusterSpec) -> f
     return P2P_OVERHEAD_US + cluster.nvlink_latency_us + transfer_us(nbytes, cluster.nvlink_GBps)
 
 
-def memory_per_gpu(model: ModelConfig, layout: Layout, workload: Workload, cluster: ClusterSpec) -> Memory:
-    """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache + one layer's activations."""
+def memory_per_gpu(
+    model: ModelConfig, layout: Layout, workload: Workload, cluster: ClusterSpec, quant: Quantization = BF16
+) -> Memory:
+    """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache + one layer's activations
+    (the KV cache and the activations are bf16 in every quantization)."""
     layers = math.ceil(model.num_layers / layout.pp)
-    emb = embedding_params(model) / layout.tp * (2 if layout.pp == 1 else 1)
-    weights = (layers * layer_params(model) / layout.tp + emb) * DTYPE_BYTES
+    emb = quant.head_weight_bytes(model) / layout.tp * (2 if layout.pp == 1 else 1)
+    weights = layers * quant.layer_weight_bytes(model) / layout.tp + emb
     kv = (
         workload.batch
         * (workload.prompt_len + workload.decode_len)
@@ -237,14 +251,16 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, workload: Workload, clust
 # --- the estimate -------------------------------------------------------------------------------------
 
 
-def _layer_ms(model, cluster, layout, rows, attention_us, algo, graph, decode, efficiency=None) -> dict[str, float]:
+def _layer_ms(
+    model, cluster, layout, rows, attention_us, algo, graph, decode, efficiency=None, quant=BF16
+) -> dict[str, float]:
     """One layer's GPU time by component (decode in a graph: + its fixed kernel time; eager decode: + the
     host time the GPU work does not hide). Eager prefill's host time is priced per stage (`_prefill_ms`)."""
     nodes, rpn = tp_group_shape(layout, cluster)
     ar = 0.0
     if layout.tp > 1:
         ar = 2 * allreduce_cost(algo, rows * model.hidden_size * DTYPE_BYTES, cluster, nodes, rpn, graph)[0]
-    gemm = layer_gemm_us(model, rows, layout.tp, cluster, efficiency)
+    gemm = layer_gemm_us(model, rows, layout.tp, cluster, efficiency, quant)
     parts = {"gemm": gemm / 1e3, "attention": attention_us / 1e3, "allreduce": ar / 1e3}
     if decode and graph:
         parts["fixed"] = (KERNELS_PER_LAYER * cluster.graph_node_us + cluster.engine.decode_layer_us) / 1e3
@@ -307,11 +323,12 @@ def estimate(
     algo: str = "nccl",
     cuda_graphs: bool = True,
     prefill_algo: str | None = None,
+    quant: Quantization = BF16,
 ) -> Estimate:
     """TTFT, time per output token and batch latency of `workload` on `layout` with all-reduce `algo`.
 
     `prefill_algo` (default: the same as `algo`) prices prefill's all-reduces separately, e.g. NCCL
-    for prefill as YALIS does.
+    for prefill as YALIS does. `quant`: the weights' bytes and the layer GEMMs' rate (spanllm.perf.quantization).
     """
     b, m = workload.batch, layout.micro_batches
     if b % m:
@@ -348,6 +365,7 @@ def estimate(
         False,
         False,
         eff,
+        quant,
     )
     stage = {k: v * layers for k, v in layer.items()}
     ttft, prefill_parts = _prefill_ms(
@@ -368,6 +386,7 @@ def estimate(
         algo,
         cuda_graphs,
         True,
+        quant=quant,
     )
     stage = {k: v * layers for k, v in layer.items()}
     xfer = sum(hops_ms(mb))
@@ -388,5 +407,5 @@ def estimate(
         decode_ms=decode_parts,
         decode_idle_fraction=idle,
         allreduce_variant=variant,
-        memory=memory_per_gpu(model, layout, workload, cluster),
+        memory=memory_per_gpu(model, layout, workload, cluster, quant),
     )

@@ -25,6 +25,7 @@ from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import place, supports
 from spanllm.perf.hardware import ClusterSpec
 from spanllm.perf.inference import Estimate, Layout, Workload, estimate, tp_group_shape
+from spanllm.perf.quantization import BF16, Quantization
 from spanllm.perf.uncertainty import Range, predict_range, scenarios
 
 PLAN_ALGOS = ("nccl", "nvrar", "torch_one_shot", "torch_two_shot")
@@ -76,9 +77,11 @@ def plan(
     workload: Workload,
     cuda_graphs: bool = True,
     ranges: bool = True,
+    quant: Quantization = BF16,
 ) -> list[PlanRow]:
     """Every layout x algorithm, fitting rows first; each group by the high end of its E2E range (module
-    docstring), then by nominal E2E. `ranges=False` (or a cluster without guessed constants): nominal only."""
+    docstring), then by nominal E2E. `ranges=False` (or a cluster without guessed constants): nominal only.
+    `quant`: the weights' bytes per parameter and the layer GEMMs' rate (spanllm.perf.quantization)."""
     cases = [
         (layout, algo)
         for layout in candidate_layouts(model, cluster, nodes, workload.batch)
@@ -87,7 +90,14 @@ def plan(
 
     def price(c: ClusterSpec, layout: Layout, algo: str) -> Estimate:
         return estimate(
-            model, c, layout, workload, "nccl" if algo == "none" else algo, cuda_graphs, prefill_algo=PREFILL_ALGO
+            model,
+            c,
+            layout,
+            workload,
+            "nccl" if algo == "none" else algo,
+            cuda_graphs,
+            prefill_algo=PREFILL_ALGO,
+            quant=quant,
         )
 
     rows = [PlanRow(layout, algo, price(cluster, layout, algo)) for layout, algo in cases]

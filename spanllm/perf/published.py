@@ -15,13 +15,14 @@ or page (its source_url); a point whose `unexplained` field says why the model i
 The hop model (`HopModel`): NCCL's small-message time is a per-call cost plus a cost per step on the critical
 path, the step counts from the schedule NCCL's tuner picks on the point's cluster (allreduce_model.cost_terms):
 
-    t = call_us + nvlink_steps * nvlink_hop_us + net_steps * net_hop_us[network] + wire bytes / link bandwidth
+    t = call_us + nvlink_steps * nvlink_hop_us + net_steps * net_hop_us + wire bytes / link bandwidth
 
-one net_hop_us per network kind (InfiniBand / RoCE: 'ib'; AWS EFA through aws-ofi-nccl: 'efa'); relative least
-squares with every source weighing the same, a negative constant held at 0. A record's range is cross-validated
-inside the training sources: each of them predicted by the fit on the others, the smallest and the largest of
-those relative errors turned into the band the measured value should fall in (the error the model makes on a
-source it has not seen, as far as the training sources show it).
+one net_hop_us for every network (InfiniBand, RoCE, EFA: split per fabric, each fabric's constant rests on one or
+two sources and the held-out predictions get worse); relative least squares with every source weighing the same,
+a negative constant held at 0. A record's range is cross-validated inside the training sources: each of them
+predicted by the fit on the others, one median log error per source, and the 80% Student-t prediction interval
+of a new source's log error from those (mean +- t(0.90, n-1) * sd * sqrt(1 + 1/n)), turned into the band the
+measured value should fall in. Sources, not rows, are the samples: the rows of one source move together.
 
 To add a point: append it to published_points.json with its source, setup and network.
 """
@@ -29,7 +30,7 @@ To add a point: append it to published_points.json with its source, setup and ne
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,20 +128,15 @@ def point_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
 
 # --- leave one source out -------------------------------------------------------------------------------------
 
-NETWORKS = ("ib", "efa")
-
-
-def network_kind(pt: PublishedPoint) -> str:
-    """'efa' for AWS EFA, else 'ib' (InfiniBand and RoCE: NCCL's IB verbs transport)."""
-    return "efa" if pt.network.startswith("efa") else "ib"
+T_90 = {1: 3.078, 2: 1.886, 3: 1.638, 4: 1.533, 5: 1.476, 6: 1.440, 7: 1.415, 8: 1.397, 9: 1.383, 10: 1.372}
+"""Student-t 0.90 quantile by degrees of freedom (two-sided 80% interval); above 10, the value at 10 (wider)."""
 
 
 @dataclass(frozen=True)
 class HopModel:
     call_us: float
     nvlink_hop_us: float
-    net_hop_us: dict[str, float] = field(default_factory=dict)
-    residuals: tuple[float, float] = (0.0, 0.0)  # smallest and largest relative residual on the fitted rows
+    net_hop_us: float
 
     def predict_us(self, pt: PublishedPoint, nbytes: int) -> float:
         bw, x = hop_features(pt, nbytes)
@@ -148,19 +144,18 @@ class HopModel:
 
     @property
     def vector(self) -> list[float]:
-        return [self.call_us, self.nvlink_hop_us, *(self.net_hop_us.get(n, 0.0) for n in NETWORKS)]
+        return [self.call_us, self.nvlink_hop_us, self.net_hop_us]
 
 
 def hop_features(pt: PublishedPoint, nbytes: int) -> tuple[float, np.ndarray]:
-    """(the bandwidth time, [1, NVLink steps, network steps per network kind]) of the schedule NCCL's tuner picks."""
+    """(the bandwidth time, [1, NVLink steps, network steps]) of the schedule NCCL's tuner picks."""
     variant = allreduce_cost(pt.algo, nbytes, pt.cluster, pt.nodes, pt.ranks_per_node, pt.graph)[1]
     c, pl = pt.cluster, place(pt.cluster, pt.nodes, pt.ranks_per_node)
     terms = cost_terms(variant, nbytes, c, pl)
     eff = c.algo(variant).bw_efficiency
     bw = transfer_us(terms.nvlink_wire_bytes, c.nvlink_GBps * eff) if terms.nvlink_wire_bytes else 0.0
     bw += transfer_us(terms.net_wire_bytes, c.nic_GBps_per_gpu * eff) if terms.net_wire_bytes else 0.0
-    net = [terms.net_steps if network_kind(pt) == n else 0.0 for n in NETWORKS]
-    return bw, np.array([1.0, terms.nvlink_steps, *net])
+    return bw, np.array([1.0, terms.nvlink_steps, terms.net_steps])
 
 
 def fit_hops(points: list[PublishedPoint]) -> HopModel:
@@ -185,14 +180,7 @@ def fit_hops(points: list[PublishedPoint]) -> HopModel:
         if not neg:
             break
         cols.remove(min(neg, key=lambda j: coef[j]))
-    pred = X @ coef + bw
-    rel = (pred - meas) / meas
-    return HopModel(
-        float(coef[0]),
-        float(coef[1]),
-        {n: float(coef[2 + i]) for i, n in enumerate(NETWORKS) if 2 + i in cols},
-        (float(rel.min()), float(rel.max())),
-    )
+    return HopModel(float(coef[0]), float(coef[1]), float(coef[2]))
 
 
 def loso_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
@@ -207,13 +195,10 @@ def loso_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
         if not train:
             continue
         model = fit_hops(train)
-        kind = network_kind(pt)
-        note = "" if kind in model.net_hop_us else f"; no other source on {kind}: its network hop is 0"
-        lo_r, hi_r = inner_errors(train)
+        lo_f, hi_f = prediction_band(source_residuals(train))
         for nbytes, measured in pt.rows:
             pred = float(model.predict_us(pt, nbytes))
-            # measured = pred / (1 + residual): the band of the training residuals, turned around
-            lo, hi = pred / (1 + hi_r), pred / (1 + lo_r) if lo_r > -1 else float("inf")
+            lo, hi = pred * lo_f, pred * hi_f
             records.append(
                 {
                     "category": "published/unexplained" if pt.unexplained else "published/loso",
@@ -224,13 +209,13 @@ def loso_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
                     "source": pt.source_url,
                     "network": pt.network,
                     "fitted_on": f"hop model on the {len({p.source_url for p in train})} other sources of "
-                    f"{len(sources)}{note}",
+                    f"{len(sources)}",
                     "range": [lo, hi],
                     "in_range": lo <= measured <= hi,
                     "constants": {
                         "call_us": model.call_us,
                         "nvlink_hop_us": model.nvlink_hop_us,
-                        **{f"net_hop_us[{k}]": v for k, v in model.net_hop_us.items()},
+                        "net_hop_us": model.net_hop_us,
                     },
                     "unexplained": pt.unexplained,
                     "setup": pt.setup,
@@ -239,16 +224,30 @@ def loso_records(points: list[PublishedPoint]) -> list[dict[str, Any]]:
     return records
 
 
-def inner_errors(train: list[PublishedPoint]) -> tuple[float, float]:
-    """Smallest and largest relative error of each training source's rows predicted by the fit on the others."""
-    errs = []
-    for src in {p.source_url for p in train}:
+def source_residuals(train: list[PublishedPoint]) -> list[float]:
+    """Per training source: the median relative error of its rows predicted by the hop model fitted to the others."""
+    out = []
+    for src in sorted({p.source_url for p in train}):
         rest = [p for p in train if p.source_url != src]
         if not rest:
             continue
         m = fit_hops(rest)
-        errs += [(m.predict_us(p, b) - t) / t for p in train if p.source_url == src for b, t in p.rows]
-    return (min(errs), max(errs)) if errs else (0.0, 0.0)
+        errs = [(m.predict_us(p, b) - t) / t for p in train if p.source_url == src for b, t in p.rows]
+        out.append(float(np.median(errs)))
+    return out
+
+
+def prediction_band(residuals: list[float]) -> tuple[float, float]:
+    """(low, high) factors on a prediction that hold a new source's measurement 80% of the time, from the training
+    sources' relative errors: measured = predicted / (1 + error), the Student-t prediction interval of
+    log(1 + error). Fewer than two sources: (0, inf)."""
+    n = len(residuals)
+    if n < 2:
+        return 0.0, float("inf")
+    logs = np.log1p(residuals)
+    half = T_90[min(n - 1, 10)] * float(np.std(logs, ddof=1)) * float(np.sqrt(1 + 1 / n))
+    mean = float(np.mean(logs))
+    return float(np.exp(-mean - half)), float(np.exp(-mean + half))
 
 
 def per_source(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

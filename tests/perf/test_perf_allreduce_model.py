@@ -57,10 +57,11 @@ def test_flat_recursive_doubling_hand_computed(round_cluster):
 
 def test_nccl_ring_and_tree_hand_computed(round_cluster):
     c = round_cluster
-    # ring LL, 4 nodes x 4: 30 steps, 6 over the network; 2*15/16 MB x 2 wire, spread over the node's 4 NICs
-    # (one ring per NIC), at 10 GB/s x 0.5 each: 0.5 + 6.6 + 14.4 + 16.2 + 187.5
-    assert t("nccl_ring/LL", MB, c, 4) == pytest.approx(0.5 + 6.6 + 24 * 0.6 + 6 * 2.7 + 2 * 15 / 16 * MB * 2 / 4 / 5e3)
-    assert t("nccl_ring/LL", MB, c, 4) == pytest.approx(225.2)
+    # ring LL, 4 nodes x 4: 30 steps; the slowest chunk walks 30 edges of a 16-edge ring with 4 network edges:
+    # ceil(30 * 4 / 16) = 8 over the network; 2*15/16 MB x 2 wire, spread over the node's 4 NICs
+    # (one ring per NIC), at 10 GB/s x 0.5 each: 0.5 + 6.6 + 13.2 + 21.6 + 187.5
+    assert t("nccl_ring/LL", MB, c, 4) == pytest.approx(0.5 + 6.6 + 22 * 0.6 + 8 * 2.7 + 2 * 15 / 16 * MB * 2 / 4 / 5e3)
+    assert t("nccl_ring/LL", MB, c, 4) == pytest.approx(229.4)
     # tree LL: 2*(4-1) NVLink steps + 2*log2(4) network steps; 2 MB x 2 wire over 4 NICs at 10 GB/s x 0.5
     assert t("nccl_tree/LL", MB, c, 4) == pytest.approx(0.5 + 6.8 + 6 * 0.6 + 4 * 5.0 + 2 * MB * 2 / 4 / 5e3)
     assert t("nccl_tree/LL", MB, c, 4) == pytest.approx(230.9)

@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 from spanllm.cli import main
@@ -48,3 +49,17 @@ def test_plan_prints_ranges_and_accepts_a_calibrated_file(tmp_path, capsys):
     highs = [r["e2e_ms_range"][1] for r in doc["rows"] if r["fits"]]
     assert highs == sorted(highs)
     assert "Ranges in brackets" in capsys.readouterr().out
+
+
+def test_prediction_band_is_the_student_t_interval_of_the_log_errors():
+    from spanllm.perf.published import prediction_band
+
+    # errors +10% and -10%: log(1.1), log(0.9); mean m, sd s; 80% interval with t(0.90, 1) = 3.078
+    logs = np.log([1.1, 0.9])
+    m, s = logs.mean(), logs.std(ddof=1)
+    half = 3.078 * s * np.sqrt(1 + 1 / 2)
+    lo, hi = prediction_band([0.1, -0.1])
+    assert lo == pytest.approx(np.exp(-m - half)) and hi == pytest.approx(np.exp(-m + half))
+    assert prediction_band([0.2]) == (0.0, float("inf"))
+    # every source over-predicted by 25%: the band is centred on measured = predicted / 1.25 and has no width
+    assert prediction_band([0.25, 0.25, 0.25]) == pytest.approx((0.8, 0.8))

@@ -1,0 +1,61 @@
+"""Weight bytes per parameter and the GEMM rate the performance model prices (`--quantization`).
+
+spanllm's FP8 (spanllm/layers/fp8.py): the decoder layers' linear weights (q/k/v/o, gate/up/down) are e4m3, one
+byte per parameter (the per-output-channel fp32 scales add 4 bytes per row: under 0.1% of a layer, not counted);
+the embedding and the LM head stay bf16, and so do the KV cache and the activations. Decode (M <= 64 rows) runs
+W8A16 weight-streaming GEMVs: half the weight bytes, no faster math. Larger M runs W8A8 on FP8 tensor cores at
+`ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without them: weight-only FP8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spanllm.model.config import ModelConfig
+from spanllm.perf.model_shape import DTYPE_BYTES, embedding_params, layer_params
+
+
+class QuantizationError(ValueError):
+    """A quantization the performance model does not price."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    name: str
+    linear_weight_bytes: float  # per parameter of the decoder layers' linear weights
+    fp8_gemm: bool  # layer GEMMs run on FP8 tensor cores (at ClusterSpec.fp8_gemm_speedup) where M is large
+
+    def layer_weight_bytes(self, model: ModelConfig) -> float:
+        """One decoder layer's linear weights (whole, before any TP split)."""
+        return layer_params(model) * self.linear_weight_bytes
+
+    def head_weight_bytes(self, model: ModelConfig) -> float:
+        """The embedding or the LM head: bf16 in every quantization."""
+        return embedding_params(model) * DTYPE_BYTES
+
+    def weight_bytes(self, model: ModelConfig) -> float:
+        """Every weight of the model: its layers, the embedding and the LM head."""
+        return model.num_layers * self.layer_weight_bytes(model) + 2 * self.head_weight_bytes(model)
+
+
+W8A16_MAX_ROWS = 64
+"""Rows up to which spanllm's FP8 GEMM is W8A16 (spanllm.layers.fp8.FP8_WEIGHT_ONLY_MAX_M): bf16 math."""
+
+
+def gemm_speedup(quant: Quantization, rows: int, fp8_gemm_speedup: float) -> float:
+    """The layer GEMMs' rate over bf16's at `rows` tokens: FP8 tensor cores above W8A16_MAX_ROWS, else 1."""
+    return fp8_gemm_speedup if quant.fp8_gemm and rows > W8A16_MAX_ROWS else 1.0
+
+
+BF16 = Quantization("bf16", DTYPE_BYTES, False)
+FP8 = Quantization("fp8", 1, True)
+QUANTIZATIONS = {"bf16": BF16, "fp8": FP8}
+
+
+def get_quantization(name: str | None) -> Quantization:
+    """None or 'bf16': the model dtype; 'fp8': spanllm's FP8 (module docstring)."""
+    if name is None:
+        return BF16
+    if name not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization {name!r} is not modelled; choose one of {', '.join(QUANTIZATIONS)}")
+    return QUANTIZATIONS[name]

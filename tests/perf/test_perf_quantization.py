@@ -1,0 +1,104 @@
+"""Weight bytes per parameter (spanllm.perf.quantization) in the memory fit, the step costs and `spanllm plan`."""
+
+from dataclasses import replace
+
+import pytest
+
+from spanllm.cli import main
+from spanllm.perf.hardware import PRESETS
+from spanllm.perf.inference import Layout, Workload, estimate, layer_gemm_us, memory_per_gpu
+from spanllm.perf.model_shape import get_model
+from spanllm.perf.plan import best, plan
+from spanllm.perf.quantization import BF16, FP8, QuantizationError, get_quantization
+
+DECODE_HEAVY = Workload(16, 128, 512)
+
+
+@pytest.mark.parametrize(
+    "name, bf16, fp8",
+    [
+        # layers x (q, k, v, o, gate, up, down) at 2 / 1 byte + embedding and LM head (vocab x hidden) at 2 bytes
+        ("llama3.1-8b", 16_059_990_016, 9_080_668_160),  # 32 x 218,103,808 + 2 x 525,336,576
+        ("llama3.1-70b", 141_104_775_168, 72_653_733_888),  # 80 x 855,638,016 + 2 x 1,050,673,152
+        ("llama3.1-405b", 811_698_487_296, 410_051_936_256),  # 126 x 3,187,671,040 + 2 x 2,101,346,304
+    ],
+)
+def test_weight_bytes(name, bf16, fp8):
+    m = get_model(name)
+    assert BF16.weight_bytes(m) == bf16 and FP8.weight_bytes(m) == fp8
+    # the bf16 embedding and LM head are what keeps FP8 above half
+    assert FP8.weight_bytes(m) - BF16.weight_bytes(m) / 2 == 2 * m.vocab_size * m.hidden_size
+
+
+def test_get_quantization():
+    assert get_quantization(None) is BF16 and get_quantization("fp8") is FP8
+    with pytest.raises(QuantizationError, match="'int4' is not modelled"):
+        get_quantization("int4")
+
+
+def test_405b_memory_per_gpu_on_one_node():
+    m, layout = get_model("405b"), Layout(8, 1)
+    h200, h100 = PRESETS["dgx-h200"], PRESETS["dgx-h100"]
+    bf16, fp8 = memory_per_gpu(m, layout, DECODE_HEAVY, h200), memory_per_gpu(m, layout, DECODE_HEAVY, h200, FP8)
+    assert bf16.weights_GB == pytest.approx(811.698487296 / 8) and fp8.weights_GB == pytest.approx(410.051936256 / 8)
+    assert bf16.kv_cache_GB == fp8.kv_cache_GB and bf16.activations_GB == fp8.activations_GB  # both stay bf16
+    # 8 x H200 (141 GB, 90% usable: 126.9 GB): bf16 fits at this batch too; 8 x H100 (72 GB usable): only FP8
+    assert bf16.fits and fp8.fits and bf16.total_GB == pytest.approx(102.5, abs=0.05)
+    assert not memory_per_gpu(m, layout, DECODE_HEAVY, h100).fits
+    assert memory_per_gpu(m, layout, DECODE_HEAVY, h100, FP8).fits
+    # prefill-heavy batch 64: bf16 TP8 spills out of an H200 (activations of 131k prompt rows), FP8 fits
+    big = Workload(64, 2048, 32)
+    assert not memory_per_gpu(m, layout, big, h200).fits and memory_per_gpu(m, layout, big, h200, FP8).fits
+
+
+def test_layer_gemm_decode_reads_half_the_bytes_prefill_runs_at_the_fp8_rate():
+    m, c = get_model("8b"), PRESETS["h200x2"]
+    # decode (16 rows, W8A16): weight-bound, the time follows the bytes (activations are bf16 in both)
+    d_bf16, d_fp8 = layer_gemm_us(m, 16, 1, c), layer_gemm_us(m, 16, 1, c, quant=FP8)
+    acts = 16 * 2 * (4096 + (4096 + 2 * 1024) + 4096 + 4096 + 4096 + 2 * 14336 + 14336 + 4096)
+    bw = c.hbm_GBps * 1e3 * c.hbm_efficiency
+    assert d_bf16 == pytest.approx((218_103_808 * 2 + acts) / bw) and d_fp8 == pytest.approx((218_103_808 + acts) / bw)
+    # prefill (8192 rows): compute-bound, 1.7x the rate
+    p_bf16, p_fp8 = layer_gemm_us(m, 8192, 1, c), layer_gemm_us(m, 8192, 1, c, quant=FP8)
+    assert p_bf16 / p_fp8 == pytest.approx(1.7)
+    no_fp8_cores = replace(c, fp8_gemm_speedup=1.0, ranges={})  # weight-only FP8 (an A100)
+    assert layer_gemm_us(m, 8192, 1, no_fp8_cores, quant=FP8) == pytest.approx(p_bf16)
+
+
+def test_fp8_estimate_and_plan_405b():
+    m, c = get_model("405b"), PRESETS["dgx-h200"]
+    b, f = (estimate(m, c, Layout(8, 1), DECODE_HEAVY, "nccl", quant=q) for q in (BF16, FP8))
+    assert f.tpot_ms < b.tpot_ms and f.ttft_ms < b.ttft_ms
+    h100 = PRESETS["dgx-h100"]
+    assert best(plan(m, h100, 1, DECODE_HEAVY, ranges=False)) is None  # bf16 fits no layout of one H100 node
+    row = best(plan(m, h100, 1, DECODE_HEAVY, ranges=False, quant=FP8))
+    assert row is not None and row.layout.gpus == 8
+
+
+def test_cli_quantization(tmp_path, capsys):
+    argv = ["plan", "--model", "405b", "--cluster", "dgx-h100", "--nodes", "1", "--batch", "16", "--prompt", "128"]
+    out = tmp_path / "plan.json"
+    assert main([*argv, "--decode", "512", "--no-ranges", "--quantization", "fp8", "--json", str(out)]) == 0
+    assert '"quantization": "fp8"' in out.read_text()
+    capsys.readouterr()
+    assert main([*argv, "--quantization", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--quantization 'int4': only fp8 is modelled" in err and len(err.splitlines()) == 1
+
+
+def test_fp8_roofline_of_a_step():
+    from spanllm.perf.roofline import model_costs, step_costs
+    from spanllm.perf.step_cost import Step
+
+    cfg = get_model("8b")
+    layers, head = 32 * 218_103_808, 525_336_576
+    assert model_costs(cfg, FP8)["weight_bytes"] == layers + 2 * head == 8_029_995_008  # LM head bf16
+    bw, fl = 4e12, 800e12
+    # one decode: weight-bound, about half of bf16's 15.0 GB
+    c = step_costs([Step(1, 1000, (), 1)], cfg, bw, fl, FP8, 1.7)
+    kv = 1000 * 2 * 2 * 8 * 128 * 32
+    assert c["sequential_s"] == pytest.approx((layers + 2 * head) / bw + kv / bw)
+    # a 4096-token prompt: the layers' GEMMs at 1.7x the rate, the LM head at bf16's
+    c = step_costs([Step(0, 0, ((0, 4096),), 1)], cfg, bw, fl, FP8, 1.7)
+    attn = 4 * 32 * 128 * 32 * (4096 * 4097 // 2)
+    assert c["sequential_s"] == pytest.approx((2 * layers * 4096 / 1.7 + 2 * head) / fl + attn / fl)
