@@ -21,6 +21,10 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(sweep gemm tests decode1 throughput batch1)
 SAMPLES="${SAMPLES:-results/h200/inputs/sharegpt_llama3_seed0_n1000.json}"
 TR="torchrun --standalone --nproc-per-node 1"
+# The Llama 3 presets tokenize with quicktok-v1; the GPU image lacks it: its wheel (carried in .whl/) goes to /tmp/site.
+if ! python3 -c 'import quicktok' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/quicktok_v1-*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 log() { echo "=== $(date +%H:%M:%S) $*"; }
 use_table() {
   local t="${FP8_TABLE:-$OUTDIR/skinny_gemm_configs.json}"

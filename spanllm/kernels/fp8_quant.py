@@ -33,7 +33,10 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the scale of an all-zero row (vLLM's floo
 def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]) with x ~= q * scale; torch ops, any device."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # A tensor divisor, not the Python scalar: torch on CUDA divides by a scalar as a multiply by its reciprocal,
+    # which differs from IEEE division (the kernel's div_rn) in the last bit for some values.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

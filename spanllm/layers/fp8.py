@@ -27,6 +27,7 @@ from spanllm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_per_token, qu
 from spanllm.kernels.skinny_gemm import FP8_ALWAYS_WEIGHT_ONLY_M, FP8_MAX_M, fp8_weight_only
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: None (the model dtype) or one of these
+FP8_SHAPE_MULTIPLE = 16  # torch._scaled_mm needs N and K of W multiples of 16 (checked at quantization, any device)
 MIN_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 
 

@@ -37,6 +37,13 @@ class _Linear(nn.Module):
         dequantized values are kept instead, for the CPU path)."""
         if self.weight_scale is not None:
             raise RuntimeError("quantize_fp8_: this layer's weight is FP8 already")
+        n, k = self.weight.shape
+        if n % fp8.FP8_SHAPE_MULTIPLE or k % fp8.FP8_SHAPE_MULTIPLE:
+            raise ValueError(
+                f"quantization='fp8': a linear layer of this model (per rank) is [{n}, {k}]; FP8 GEMMs "
+                f"(torch._scaled_mm) need both sizes multiples of {fp8.FP8_SHAPE_MULTIPLE}. Run without "
+                "--quantization, or at a tensor-parallel degree that keeps the shards multiples of 16"
+            )
         q, scale = fp8.quantize_weight(self.weight)
         dtype = self.weight.dtype
         self.weight = nn.Parameter(q, requires_grad=False)

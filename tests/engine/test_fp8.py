@@ -112,11 +112,16 @@ def test_quantization_refused_when_unknown_and_layers_quantized_once():
         EngineConfig(quantization="int4")
     layer = _Linear.__new__(_Linear)
     torch.nn.Module.__init__(layer)
-    layer.weight = torch.nn.Parameter(torch.ones(4, 8), requires_grad=False)
+    layer.weight = torch.nn.Parameter(torch.ones(16, 32), requires_grad=False)
     layer.weight_scale = None
     layer.weight_dequantized = None
     layer.quantize_fp8_()
     with pytest.raises(RuntimeError, match="FP8 already"):
+        layer.quantize_fp8_()
+    layer.weight, layer.weight_scale = torch.nn.Parameter(torch.ones(24, 32), requires_grad=False), None
+    with pytest.raises(
+        ValueError, match=r"is \[24, 32\]; FP8 GEMMs \(torch._scaled_mm\) need both sizes multiples of 16"
+    ):
         layer.quantize_fp8_()
 
 
@@ -167,7 +172,7 @@ def test_gpu_fp8_linear_matches_the_cpu_path(m):
     the CPU path on the same q, scale and x: within bf16 output rounding plus fp32 summation-order differences; and
     the W8A16 kernel itself at every row count it takes, whichever the dispatch picks."""
     g = torch.Generator(device="cuda").manual_seed(m)
-    for n, k in [(6144, 4096), (4096, 14336), (1000, 1024)]:
+    for n, k in [(6144, 4096), (4096, 14336), (1008, 1024)]:
         w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
         q, scale = fp8.quantize_weight(w)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
