@@ -320,7 +320,8 @@ def _plot(results: dict, path: str, device: str | None) -> None:
     ax.set_ylabel("TFLOPS (causal pairs x 4 x head_dim x heads)")
     ax.set_title(f"prefill attention, 32q/8kv heads x 128, bf16 ({device or 'unknown device'})")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
