@@ -200,3 +200,19 @@ def test_pure_triton_backend_tiles_with_its_config():
     assert "the default" in TritonBackend(8, 2, 16, torch.device("cpu")).describe(torch.bfloat16)
     with pytest.raises(ValueError, match="power of two"):
         TritonBackend(8, 2, 16, torch.device("cpu"), PrefillConfig(block_q=2, block_n=64, num_warps=4, num_stages=2))
+
+
+def test_pure_cli_flag_loads_the_tiling(tmp_path):
+    import argparse
+
+    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, engine_config_from_args
+
+    c = PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=2)
+    path = tmp_path / "best_prefill_config.json"
+    path.write_text(json.dumps({"config": c.to_dict(), "name": "paged q16xn128 w8 s2"}))
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    args = ap.parse_args(["--model", "tiny", "--prefill-tiling", str(path)])
+    assert engine_config_from_args(args, torch.device("cpu")).prefill_tiling == c
+    assert engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).prefill_tiling is None
