@@ -150,3 +150,18 @@ def test_long_context_records_a_failed_stage_and_goes_on(tmp_path):
     assert lc.main([str(tmp_path / "b"), *args, "--prefill-config", str(tmp_path / "missing.json")]) == 0
     doc = json.loads((tmp_path / "b" / "long_context.json").read_text())
     assert doc["errors"][0]["stage"] == "prefill_config" and "chunk32/ttft40" in doc["stages"]
+
+
+def test_prefill_reference_is_bottom_right_causal_over_the_paged_values(monkeypatch):
+    """The check's reference (float32, per head) on a small problem: equal to SDPA with the explicit
+    bottom-right mask on the same gathered values, at prefixes that end mid-block."""
+    pa = _script("gpu_prefill_attention")
+    for name, value in (("Q_LEN", 40), ("HQ", 8), ("HKV", 2), ("HEAD_DIM", 16)):
+        monkeypatch.setattr(pa, name, value)
+    p = pa.Problem(56, 16, torch.device("cpu"))
+    for prefix in (0, 23, 56):
+        q, k, v = p.contiguous_kv(prefix)
+        n = prefix + 40
+        mask = torch.arange(n)[None, :] <= (prefix + torch.arange(40))[:, None]
+        sd = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        torch.testing.assert_close(pa.reference_output(p, prefix), sd[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
