@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from spanllm.attention.metadata import AttentionMetadata
+from spanllm.kernels.prefill_config import PrefillConfig
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -37,6 +38,10 @@ class AttentionBackend(ABC):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.device = device
+
+    def describe(self, dtype: torch.dtype) -> str:
+        """The backend (and its kernels' settings) for LLM.describe()."""
+        return self.name
 
     @abstractmethod
     def build_metadata(
@@ -78,9 +83,15 @@ def triton_available() -> bool:
 
 
 def resolve_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    prefill_config: PrefillConfig | None = None,
 ) -> AttentionBackend:
-    """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner."""
+    """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
+    prefill_config: the Triton prefill kernel's tiling (None: its default); an error for the reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
     has_triton = triton_available()
@@ -94,7 +105,12 @@ def resolve_backend(
             )
         from spanllm.attention.triton import TritonBackend
 
-        return TritonBackend(num_heads, num_kv_heads, head_dim, device)
+        return TritonBackend(num_heads, num_kv_heads, head_dim, device, prefill_config)
+    if prefill_config is not None:
+        raise ValueError(
+            f"prefill_tiling={prefill_config.label()} tiles the Triton prefill kernel, but this runner uses the "
+            f"{name} attention backend (on {device}); leave prefill_tiling unset there"
+        )
     from spanllm.attention.reference import ReferenceBackend
 
     return ReferenceBackend(num_heads, num_kv_heads, head_dim, device)

@@ -23,6 +23,7 @@ from spanllm.attention.backend import AttentionBackend, HostToDevice, write_kv
 from spanllm.attention.metadata import AttentionMetadata
 from spanllm.kernels import paged_attention as kernels
 from spanllm.kernels.fused_ops import rope_and_cache
+from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
 from spanllm.layers.rope import apply_rotary
 
 
@@ -39,16 +40,34 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        prefill_config: PrefillConfig | None = None,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
+        # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
+        if prefill_config is not None:
+            prefill_config.check_group(self.group)
+        self.prefill_config = prefill_config
+        self.block_q = prefill_block_q(self.group) if prefill_config is None else prefill_config.block_q
         self._decode: dict[str, torch.Tensor] | None = None
         self._mixed: dict[str, torch.Tensor] | None = None
+
+    def describe(self, dtype: torch.dtype) -> str:
+        if self.prefill_config is None:
+            return f"triton (prefill tiling {prefill_config(self.group, dtype).label()}, the default)"
+        return f"triton (prefill tiling {self.prefill_config.label()}, set by prefill_tiling)"
 
     def num_splits(self, batch: int) -> int:
         return kernels.num_splits_for(batch, self.num_kv_heads, self.device)
 
-    def tiles(self, q_lens: list[int], first_chunk: int = 0) -> np.ndarray:
-        return np.asarray(kernels.prefill_tiles(q_lens, self.group, first_chunk), dtype=np.int32).reshape(-1, 2)
+    def tiles(self, q_lens: list[int], context_lens: list[int], first_chunk: int = 0) -> np.ndarray:
+        tiles = kernels.prefill_tiles(q_lens, self.group, first_chunk, context_lens=context_lens, block_q=self.block_q)
+        return np.asarray(tiles, dtype=np.int32).reshape(-1, 2)
 
     def build_metadata(
         self,
@@ -74,7 +93,7 @@ class TritonBackend(AttentionBackend):
             meta.prefill_cu_q = h2d(cu)
             meta.prefill_context_lens = ctx[nd:]
             meta.prefill_block_tables = tables[nd:]
-            meta.prefill_tiles = h2d(self.tiles(chunk_lens.tolist()))
+            meta.prefill_tiles = h2d(self.tiles(chunk_lens.tolist(), context_lens[nd:].tolist()))
         return meta
 
     def forward(
@@ -91,8 +110,9 @@ class TritonBackend(AttentionBackend):
             write_kv(k_cache, v_cache, qk[:, hq:], v.view(n, hkv, d), meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta).reshape(n, hq * d)
 
-    @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata
+    ) -> torch.Tensor:
         """q [N, hq, d] against the cache, which already holds this step's K/V -> [N, hq, d]."""
         nd = meta.num_decode
         if nd == q.shape[0]:
@@ -112,14 +132,14 @@ class TritonBackend(AttentionBackend):
                 meta.num_splits,
                 out=out[:r],
             )
-            return kernels.prefill(q, k_cache, v_cache, *prefill, out=out)
+            return kernels.prefill(q, k_cache, v_cache, *prefill, out=out, config=self.prefill_config)
         if nd == 0:
-            return kernels.prefill(q, k_cache, v_cache, *prefill)
+            return kernels.prefill(q, k_cache, v_cache, *prefill, config=self.prefill_config)
         out = torch.empty_like(q)
         out[:nd] = kernels.decode(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
         )
-        out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill)
+        out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill, config=self.prefill_config)
         return out
 
     # --- decode graphs ----------------------------------------------------------------------------------
@@ -141,7 +161,7 @@ class TritonBackend(AttentionBackend):
         }
 
     def max_tiles(self, tokens: int) -> int:
-        return self.max_num_seqs + -(-tokens // kernels.prefill_block_q(self.group))
+        return self.max_num_seqs + -(-tokens // self.block_q)
 
     def decode_graph_metadata(
         self, bucket: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
@@ -203,7 +223,7 @@ class TritonBackend(AttentionBackend):
         cu = np.zeros(s + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         tiles = np.empty((self.max_tiles(bucket), 2), dtype=np.int32)
-        real = self.tiles(q_lens[nd:].tolist(), nd)
+        real = self.tiles(q_lens[nd:].tolist(), context_lens[nd:].tolist(), nd)
         tiles[: len(real)] = real
         tiles[len(real) :, 0], tiles[len(real) :, 1] = self.max_num_seqs, 0
         w = block_tables.shape[1]

@@ -80,6 +80,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         default="auto",
         help="triton on CUDA (auto), torch = the reference (gather + SDPA)",
     )
+    g.add_argument(
+        "--prefill-tiling",
+        default=None,
+        metavar="JSON",
+        help="the Triton prefill attention kernel's tiling: a PrefillConfig JSON such as the "
+        "best_prefill_config.json of scripts/gpu_prefill_attention.py (default: the kernel's own)",
+    )
     if not serving:
         return
     g.add_argument(
@@ -181,6 +188,10 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["async_scheduling"] = False
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
+    if getattr(args, "prefill_tiling", None):
+        from spanllm.kernels.prefill_config import load_prefill_config
+
+        fields["prefill_tiling"] = load_prefill_config(args.prefill_tiling)
     return EngineConfig(**{**fields, **overrides})
 
 

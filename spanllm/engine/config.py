@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
+from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
@@ -42,6 +43,9 @@ class EngineConfig:
     # hash of their prefix and shared by later requests that start with the same tokens (vLLM's default: on)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto (triton on CUDA), torch (the reference), triton
+    # The Triton prefill attention kernel's tiling (spanllm.kernels.prefill_config; e.g. the best of
+    # scripts/gpu_prefill_attention.py's sweep, load_prefill_config); None: its default. LLM.describe() names it.
+    prefill_tiling: PrefillConfig | None = None
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
     async_scheduling: bool | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if self.prefill_tiling is not None and not isinstance(self.prefill_tiling, PrefillConfig):
+            raise ValueError(f"prefill_tiling={self.prefill_tiling!r} must be a PrefillConfig (or None)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported; use None (weights in dtype) or one of "

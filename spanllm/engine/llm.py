@@ -243,7 +243,8 @@ class LLM:
         line = (
             f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
-            f"all-reduce {self.allreduce_name} | attention {r.backend.name} | CUDA graphs {graphs}{timers} | "
+            f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
+            f"CUDA graphs {graphs}{timers} | "
             f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
@@ -327,7 +328,12 @@ class LLM:
             )
         qkv = next(iter(self.model.model.layers.values())).self_attn.qkv_proj
         backend = resolve_backend(
-            e.attention_backend, qkv.num_heads_local, qkv.num_kv_heads_local, cfg.head_dim, self.device
+            e.attention_backend,
+            qkv.num_heads_local,
+            qkv.num_kv_heads_local,
+            cfg.head_dim,
+            self.device,
+            e.prefill_tiling,
         )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype

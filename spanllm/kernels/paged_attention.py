@@ -14,6 +14,11 @@ and count themselves in on a per-(sequence, head) counter; the last to arrive me
 kernel (no second launch: at batch 1 that launch cost more than the attention) and resets the counter
 (the protocol and its memory ordering: spanllm.kernels.arrival_counters).
 
+Prefill, long prefixes: a program owns PrefillConfig.block_q queries of one chunk x the g query heads of one KV
+head (spanllm.kernels.prefill_config) and walks its keys in two loops: every key tile wholly before the tile's
+first query (cached prefix and earlier chunks: no causal mask, no bounds mask, block ids one tile ahead), then
+the few tiles on the diagonal with the causal mask. The host lists tiles heaviest first (prefill_tiles).
+
 Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
 value dtype for the second dot, fp32 accumulation, one rounding at the store.
 """
@@ -27,6 +32,7 @@ import triton
 import triton.language as tl
 
 from spanllm.kernels.arrival_counters import arrival_counters
+from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
 from spanllm.kernels.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
@@ -41,6 +47,9 @@ DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
 # to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
 MIN_TILES_PER_SPLIT = 2
+# Prefill with PrefillConfig.lazy_rescale: the running maximum is moved only when some row's grew by more than this
+# (log2 units), so p stays <= 2^8 (FA-4's conditional rescaling).
+RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -256,6 +265,32 @@ def decode(
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, scale_log2, PREC: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+    """One key tile of the online softmax. s [ROWS, BLOCK_N] raw scores (-inf where masked), v [BLOCK_N, D].
+    The scale goes into the exponent as one FMA per score (s * scale - m) rather than into q: q * scale rounded
+    to 16 bits would perturb every score, and the FMA costs what the subtraction alone would."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    if LAZY_RESCALE:
+        # Keep the stale maximum while no row's grew by more than RESCALE_THRESHOLD: p is then at most
+        # 2^RESCALE_THRESHOLD, which fp32 l / acc and a 16-bit p hold as exactly as p <= 1, and every row's
+        # final acc / l is the same ratio (any reference maximum cancels). One decision per tile (uniform).
+        if tl.max(m_new - m_i, 0) > RESCALE_THRESHOLD:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s * scale_log2 - m_i[:, None])
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -274,17 +309,22 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     scale_log2,
+    HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     BLOCK_Q: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
+    # One program per (tile, KV head), heads fastest: programs start in the tile list's order, which the host
+    # sorts heaviest first (the tiles with the most keys), so the longest programs do not start last.
     pid = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.load(tiles_ptr + 2 * pid)  # the chunk
-    qs = tl.load(tiles_ptr + 2 * pid + 1)  # its first query in this tile
+    tile = pid // HKV
+    h = pid % HKV
+    j = tl.load(tiles_ptr + 2 * tile)  # the chunk
+    qs = tl.load(tiles_ptr + 2 * tile + 1)  # its first query in this tile
     q0 = tl.load(cuq_ptr + j)
     q_len = tl.load(cuq_ptr + j + 1) - q0
     n = tl.load(cl_ptr + j)
@@ -302,47 +342,68 @@ def _prefill_kernel(
             mask=row_ok[:, None],
             other=0.0,
         )
-        pos = first_pos + tok
+        pos = first_pos + tok  # padding rows (past the chunk) get positions >= n; they are never stored
         m_i = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * G], tl.float32)
         acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
-        kv_end = tl.minimum(n, first_pos + qs + BLOCK_Q)  # the tile's last query sees keys < this
-        for start in range(0, kv_end, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        p0 = first_pos + qs  # the tile's first query: every row sees keys [0, p0]
+        full_end = ((p0 + 1) // BLOCK_N) * BLOCK_N  # key tiles below this need no mask at all
+        kv_end = tl.minimum(n, p0 + BLOCK_Q)  # the tile's last query sees keys < this
+        bt_row = bt_ptr + j.to(tl.int64) * stride_btb
+        offs_n = tl.arange(0, BLOCK_N)
+        # Block ids are loaded one key tile ahead, clamped to the sequence's last key: entries of the table past
+        # its blocks are holes (never read), and keys past n are masked in the diagonal loop.
+        blk = tl.load(bt_row + tl.minimum(offs_n, n - 1) // CACHE_BLOCK)
+        # The first key tile starts at key 0, which every row sees, so each row's maximum is finite from the
+        # first iteration on: no -inf - -inf, and l > 0 at the end.
+        for start in range(0, full_end, BLOCK_N):
+            offs = start + offs_n
+            kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :])  # [BLOCK_N, D]
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :])
+            blk = tl.load(bt_row + tl.minimum(offs + BLOCK_N, n - 1) // CACHE_BLOCK)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [ROWS, BLOCK_N]
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, scale_log2, PREC, LAZY_RESCALE)
+        for start in range(full_end, kv_end, BLOCK_N):  # the diagonal: causal mask, keys past n masked
+            offs = start + offs_n
             ok = offs < kv_end
-            blk = tl.load(bt_ptr + j * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
             kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
             k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            causal = (offs[None, :] <= pos[:, None]) & ok[None, :]
-            scores = tl.where(causal, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows of padding queries see no key
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            blk = tl.load(bt_row + tl.minimum(offs + BLOCK_N, n - 1) // CACHE_BLOCK)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            # a real row's pos < n, so pos excludes the masked keys too; padding rows may see zeros (not stored)
+            s = tl.where(offs[None, :] <= pos[:, None], s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, scale_log2, PREC, LAZY_RESCALE)
         tl.store(
             out_ptr + (q0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
+            (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None],
         )
 
 
-def prefill_block_q(group: int) -> int:
-    """Queries per prefill tile: about 64-128 rows of (query, head) for the dot."""
-    return max(1, 64 // group) if group <= 8 else 1
-
-
-def prefill_tiles(q_lens: list[int], group: int, first_chunk: int = 0) -> list[tuple[int, int]]:
-    """(chunk, first query) of every prefill tile, for the host to send with the step; chunk indices start at
-    first_chunk (a mixed-step graph numbers its decodes' one-query chunks first and leaves them to the decode
-    kernel)."""
-    bq = prefill_block_q(group)
-    return [(first_chunk + j, s) for j, t in enumerate(q_lens) for s in range(0, t, bq)]
+def prefill_tiles(
+    q_lens: list[int],
+    group: int,
+    first_chunk: int = 0,
+    *,
+    context_lens: list[int] | None = None,
+    block_q: int | None = None,
+) -> list[tuple[int, int]]:
+    """(chunk, first query) of every prefill tile, for the host to send with the step, heaviest first (most keys:
+    a tile of chunk j starting at query s sees context_lens[j] - q_lens[j] + min(s + block_q, q_lens[j]) keys;
+    without context_lens, chunks without a prefix). Chunk indices start at first_chunk (a mixed-step graph
+    numbers its decodes' one-query chunks first and leaves them to the decode kernel). block_q: the kernel's
+    (PrefillConfig.block_q; default prefill_block_q(group))."""
+    bq = prefill_block_q(group) if block_q is None else block_q
+    ctx = q_lens if context_lens is None else context_lens
+    keyed = [
+        (int(ctx[j]) - t + min(s + bq, t), first_chunk + j, s)
+        for j, t in enumerate(int(x) for x in q_lens)
+        for s in range(0, t, bq)
+    ]
+    keyed.sort(key=lambda e: -e[0])  # stable: equal tiles keep chunk and query order
+    return [(c, s) for _, c, s in keyed]
 
 
 def prefill(
@@ -354,22 +415,20 @@ def prefill(
     context_lens: torch.Tensor,
     tiles: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """q [T, hq, d] packed chunks -> [T, hq, d]. tiles [n_tiles, 2] int32 from prefill_tiles(): only the
-    chunks some tile names are computed (rows of other chunks are left as they were in `out`, default a
-    new tensor)."""
+    """q [T, hq, d] packed chunks -> [T, hq, d]. tiles [n_tiles, 2] int32 from prefill_tiles() with this
+    config's block_q: only the chunks some tile names are computed (rows of other chunks are left as they were
+    in `out`, default a new tensor). config: the tiling (default prefill_config(group, dtype))."""
     t, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
-    rows = prefill_block_q(g) * g
-    if rows & (rows - 1):
-        raise ValueError(
-            f"prefill tiles of {rows} rows (queries x {g} heads per KV head) are not a power of two; "
-            "the Triton prefill kernel needs query heads per KV head in 1, 2, 4, 8, 16, ..."
-        )
+    cfg = prefill_config(g, q.dtype) if config is None else config
+    cfg.check_group(g)
     out = torch.empty_like(q) if out is None else out
     scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
-    _prefill_kernel[(tiles.shape[0], hkv)](
+    _prefill_kernel[(tiles.shape[0] * hkv,)](
         q,
         k_cache,
         v_cache,
@@ -387,12 +446,15 @@ def prefill(
         out.stride(0),
         out.stride(1),
         scale_log2,
+        HKV=hkv,
         G=g,
         D=d,
         CACHE_BLOCK=cache_block,
-        BLOCK_Q=prefill_block_q(g),
-        BLOCK=BLOCK_N,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
         PREC=_precision(q),
-        num_warps=4,
+        LAZY_RESCALE=cfg.lazy_rescale,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

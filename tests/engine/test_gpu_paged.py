@@ -271,3 +271,26 @@ def test_fused_ops_match_their_references(dtype):
     torch.testing.assert_close(q, rot[:, :hq], **tol)
     torch.testing.assert_close(kc.view(-1, hkv, d)[slots], rot[:, hq:], **tol)
     assert torch.equal(vc.view(-1, hkv, d)[slots], v.reshape(n, hkv, d))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        kt.PrefillConfig(block_q=32, block_n=128, num_warps=8, num_stages=2),
+        kt.PrefillConfig(block_q=32, block_n=64, num_warps=8, num_stages=3, lazy_rescale=True),
+        kt.PrefillConfig(block_q=16, block_n=64, num_warps=4, num_stages=3),
+    ],
+    ids=lambda c: "default" if c is None else c.label(),
+)
+def test_prefill_kernel_long_prefix_tilings(config):
+    """The tilings scripts/gpu_prefill_attention.py sweeps, at a long prefix ending mid-block, in bf16."""
+    q_lens, ctx = [300, 1, 77], [300 + 20011, 4097, 77]
+    kc, vc, tables = _pool(ctx, 16, 8, 128, torch.bfloat16, seed=3)
+    q = torch.randn(sum(q_lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 300, 301, 378], dtype=torch.int32, device=DEV)
+    bq = None if config is None else config.block_q
+    tiles = torch.tensor(kt.prefill_tiles(q_lens, 4, context_lens=ctx, block_q=bq), dtype=torch.int32, device=DEV)
+    ref = pa.reference_prefill(q.float(), kc.float(), vc.float(), tables, q_lens, ctx)
+    out = kt.prefill(q, kc, vc, tables, cu, torch.tensor(ctx, dtype=torch.int32, device=DEV), tiles, config=config)
+    assert (out.float() - ref).abs().max().item() < TOL[torch.bfloat16]
