@@ -73,7 +73,7 @@ def poll(url: str, interval_s: float, stop, out) -> None:
 
 def summary(polls: list, limit_ms: float) -> dict:
     ms = [m for m, _ in polls]
-    q = statistics.quantiles(ms, n=100) if len(ms) > 1 else ms
+    q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms
     return {
         "polls": len(ms),
         "median_ms": round(statistics.median(ms), 2),
