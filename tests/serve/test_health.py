@@ -1,7 +1,8 @@
 """`--health-port`: /health from a process of its own, reading the engine's and the front end's heartbeats.
 
-The verdict over plain snapshots; the health process beside an in-process server, whose engine step is made to
-hang (503 naming the engine loop, then 200 again once it moves); `spanllm serve --health-port` as a user runs
+The verdict over plain snapshots; the health process beside an in-process server whose engine step is made to
+hang (503 naming the engine loop, then 200 again once it moves) or whose event loop is blocked by a handler (503
+naming the front end, answered at once); `spanllm serve --health-port` as a user runs
 it, ended by SIGTERM (exit 0, no process left behind, the heartbeats' file removed); its flags refused with one
 line before any engine is built."""
 
@@ -130,6 +131,50 @@ def test_engine_stall_answers_503_naming_the_engine_then_200(llm):
         proc.close()
         beats.close()
     assert h.status_code == 503 and "shutting down" in h.json()["error"]["message"], h.text
+
+
+def test_frontend_stall_answers_503_naming_the_front_end_at_once(llm):
+    """A handler that blocks the front end's event loop (here: tokenizing one marked prompt takes 2.5 s): the main
+    port cannot answer meanwhile; the health port answers at once, 503 naming the front end's event loop."""
+    beats = Heartbeats.create()
+    proc = HealthProcess(beats, host="127.0.0.1", port=0, stall_timeout_s=0.5)
+    r = start_server(llm, model_name="tiny", heartbeats=beats)
+    tok = llm.get_tokenizer()
+    real_encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if text == "block the event loop":
+            time.sleep(2.5)
+        return real_encode(text, *a, **kw)
+
+    try:
+        url = f"http://127.0.0.1:{proc.start()}/health"
+        deadline = time.monotonic() + 10
+        while httpx.get(url, timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, httpx.get(url).text
+            time.sleep(0.05)
+        tok.encode = slow_encode
+        answer: list = []
+        body = {"prompt": "block the event loop", "max_tokens": 2}
+        t = threading.Thread(
+            target=lambda: answer.append(httpx.post(r.base_url + "/v1/completions", json=body, timeout=60))
+        )
+        t.start()
+        time.sleep(1.2)
+        t0 = time.monotonic()
+        h = httpx.get(url, timeout=5)
+        took = time.monotonic() - t0
+        assert h.status_code == 503, h.text
+        assert "the HTTP front end's event loop has not run" in h.json()["error"]["message"], h.text
+        assert took < 0.5, f"the health port took {took:.2f} s while the front end was blocked"
+        t.join(30)
+        assert answer and answer[0].status_code == 200, answer
+        assert httpx.get(url, timeout=5).status_code == 200
+    finally:
+        tok.encode = real_encode
+        stop_server(r)
+        proc.close()
+        beats.close()
 
 
 def _free_port() -> int:
