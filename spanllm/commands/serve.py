@@ -37,7 +37,7 @@ import threading
 
 from spanllm.engine.sampler import INT64_MAX, INT64_MIN
 from spanllm.errors import UsageError
-from spanllm.serve.health import DEFAULT_STALL_TIMEOUT_S
+from spanllm.serve.health import DEFAULT_STALL_TIMEOUT_S, HealthPort
 from spanllm.serve.limits import ServerLimits
 from spanllm.serve.server import Server
 
@@ -218,7 +218,8 @@ def _rank(ctx, args: argparse.Namespace):
             server_cls = ProcessServer
         else:
             server_cls = Server
-        with HealthPort(args) as beats:
+        stall = args.health_stall_timeout if args.health_stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S
+        with HealthPort(args.host, args.health_port, stall) as beats:
             server = server_cls(
                 llm,
                 host=args.host,
@@ -238,38 +239,6 @@ def _rank(ctx, args: argparse.Namespace):
         return None
     finally:
         llm.close()
-
-
-class HealthPort:
-    """`--health-port`: the heartbeats and the health process, for the server's lifetime (a context manager:
-    the process ends and the heartbeats' file is removed however the server ends). Without the flag: None."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.beats = self.proc = None
-
-    def __enter__(self):
-        from spanllm.serve.health import HealthProcess, Heartbeats
-
-        a = self.args
-        if a.health_port is None:
-            return None
-        self.beats = Heartbeats.create()
-        stall = a.health_stall_timeout if a.health_stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S
-        self.proc = HealthProcess(self.beats, host=a.host, port=a.health_port, stall_timeout_s=stall)
-        try:
-            port = self.proc.start()
-        except BaseException:
-            self.__exit__()
-            raise
-        print(f"spanllm serve: /health also on http://{a.host}:{port}/health (stall timeout {stall:g} s)", flush=True)
-        return self.beats
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.close()
-        if self.beats is not None:
-            self.beats.close()
 
 
 def _setup_logging() -> None:

@@ -14,10 +14,10 @@ commands when idle) and the HTTP front end on each of uvicorn's ticks (every 0.1
 A stale engine heartbeat means a step (or the loop) is stuck; a stale front-end heartbeat, that its event loop
 has not run for that long (or its process is gone).
 
-Lifetime: rank 0 starts it with the server (`HealthProcess`) and ends it after the server stopped: it exits on
-SIGTERM (status 0) or when rank 0 closes its stdin (rank 0 ended, however it ended), so it is never left
-behind. It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and /health keeps answering 503
-("shutting down") while the server drains. Only the standard library is imported here.
+Lifetime: rank 0 starts it with the server (`HealthPort`, `HealthProcess`) and ends it after the server
+stopped: it exits on SIGTERM (status 0) or when rank 0 closes its stdin (rank 0 ended, however it ended), so it
+is never left behind. It ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and /health keeps
+answering 503 ("shutting down") while the server drains. Only the standard library is imported here.
 """
 
 from __future__ import annotations
@@ -190,6 +190,39 @@ class HealthProcess:
             p.terminate()
             p.wait(timeout_s)
         p.stdout.close()
+
+
+class HealthPort:
+    """`--health-port` for the server's lifetime, as a context manager: the heartbeats and the health process,
+    ended and removed however the server ends. `port` None (the flag left out): nothing, and `with` gives None."""
+
+    def __init__(self, host: str, port: int | None, stall_timeout_s: float) -> None:
+        self.host, self.port, self.stall_timeout_s = host, port, stall_timeout_s
+        self.beats: Heartbeats | None = None
+        self.proc: HealthProcess | None = None
+
+    def __enter__(self) -> Heartbeats | None:
+        if self.port is None:
+            return None
+        self.beats = Heartbeats.create()
+        self.proc = HealthProcess(self.beats, host=self.host, port=self.port, stall_timeout_s=self.stall_timeout_s)
+        try:
+            port = self.proc.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        print(
+            f"spanllm serve: /health also on http://{self.host}:{port}/health "
+            f"(stall timeout {self.stall_timeout_s:g} s)",
+            flush=True,
+        )
+        return self.beats
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.close()
+        if self.beats is not None:
+            self.beats.close()
 
 
 def _readline(f, timeout_s: float) -> str:
