@@ -118,9 +118,13 @@ class Heartbeats:
                 pass
 
 
-def _unavailable(message: str) -> tuple[int, dict]:
+def _error(status: int, type_: str, message: str) -> tuple[int, dict]:
     # OpenAI's error shape, as spanllm.serve.protocol.error_body (not imported: it brings pydantic).
-    return 503, {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+    return status, {"error": {"message": message, "type": type_, "param": None, "code": status}}
+
+
+def _unavailable(message: str) -> tuple[int, dict]:
+    return _error(503, "ServiceUnavailableError", message)
 
 
 def verdict(s: Snapshot, now: float, stall_timeout_s: float) -> tuple[int, dict]:
@@ -243,17 +247,7 @@ class _Handler(BaseHTTPRequestHandler):
             srv = self.server
             status, body = verdict(srv.beats.read(), time.monotonic(), srv.stall_timeout_s)
         else:
-            status, body = (
-                404,
-                {
-                    "error": {
-                        "message": f"{self.path} is not a route of the health port (GET /health)",
-                        "type": "NotFoundError",
-                        "param": None,
-                        "code": 404,
-                    }
-                },
-            )
+            status, body = _error(404, "NotFoundError", f"{self.path} is not a route of the health port (GET /health)")
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
