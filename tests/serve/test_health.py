@@ -194,6 +194,8 @@ def test_cli_health_port_answers_and_exits_with_the_server(frontend):
         h = httpx.get(f"http://127.0.0.1:{hport}/health", timeout=5)
         assert h.status_code == 200 and h.json()["status"] == "ok", h.text
         assert httpx.get(base + "/health", timeout=5).status_code == 200  # the main port's, as before
+        nope = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=5)
+        assert nope.status_code == 404 and nope.json()["error"]["type"] == "NotFoundError", nope.text
         below = descendants(proc.pid)
         cmdlines = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\0") for p in below}
         (health_pid,) = [p for p, c in cmdlines.items() if b"spanllm.serve.health" in c]
