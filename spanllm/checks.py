@@ -214,9 +214,10 @@ def host_memory(bytes_per_rank: int, ranks_here: int, what: str, fix: str) -> No
         )
 
 
-def port_free(host: str, port: int) -> None:
+def port_free(host: str, port: int, flag: str = "--port") -> None:
     """`--host H --port P` can be bound now, as uvicorn will bind it (SO_REUSEADDR, every address H resolves
-    to): checked before the engine is built, so a port in use costs one line, not a build and a traceback."""
+    to): checked before the engine is built, so a port in use costs one line, not a build and a traceback.
+    `flag` names the port's option in the message (--port, --health-port)."""
     import errno
     import socket
 
@@ -239,12 +240,12 @@ def port_free(host: str, port: int) -> None:
                 where = f"{addr[0]}:{port}" if family == socket.AF_INET else f"[{addr[0]}]:{port}"
                 if e.errno == errno.EADDRINUSE:
                     raise UsageError(
-                        f"--port {port}: {where} is already in use (another server?); stop that process, or "
-                        "choose another port (--port 0 picks a free one)"
+                        f"{flag} {port}: {where} is already in use (another server?); stop that process, or "
+                        f"choose another port ({flag} 0 picks a free one)"
                     ) from None
                 if e.errno == errno.EACCES:
                     raise UsageError(
-                        f"--port {port}: binding {where} is not permitted (ports below 1024 need privileges); "
+                        f"{flag} {port}: binding {where} is not permitted (ports below 1024 need privileges); "
                         "choose a port from 1024 up"
                     ) from None
                 if e.errno == errno.EADDRNOTAVAIL:
@@ -252,4 +253,4 @@ def port_free(host: str, port: int) -> None:
                         f"--host {host}: {addr[0]} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
                         "(every interface) or one of its own addresses"
                     ) from None
-                raise UsageError(f"--host {host} --port {port}: cannot bind {where}: {e.strerror}") from None
+                raise UsageError(f"--host {host} {flag} {port}: cannot bind {where}: {e.strerror}") from None

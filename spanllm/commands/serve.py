@@ -37,6 +37,7 @@ import threading
 
 from spanllm.engine.sampler import INT64_MAX, INT64_MIN
 from spanllm.errors import UsageError
+from spanllm.serve.health import DEFAULT_STALL_TIMEOUT_S, HealthPort
 from spanllm.serve.limits import ServerLimits
 from spanllm.serve.server import Server
 
@@ -99,6 +100,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_stop_string_length,
         help="characters per stop string",
     )
+    g.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also answer GET /health on this port, from a small process of its own that reads the engine's and "
+        "the front end's heartbeats: it answers within milliseconds however busy the server is (0: any free "
+        "port, printed at start; default: off, /health on --port only)",
+    )
+    g.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=None,
+        help=f"seconds without a heartbeat from the engine loop or the front end's event loop after which "
+        f"--health-port answers 503 (default {DEFAULT_STALL_TIMEOUT_S:g})",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request and decode-graph capture")
     g.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
     g.add_argument(
@@ -119,6 +135,18 @@ def check_args(args: argparse.Namespace) -> None:
     check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
+    if args.health_port is not None:
+        if not 0 <= args.health_port <= 65535:
+            raise UsageError(f"--health-port {args.health_port}: give a TCP port in [0, 65535]")
+        if args.health_port == args.port != 0:
+            raise UsageError(
+                f"--health-port {args.health_port}: the same port as --port; give it another one (0: any free port)"
+            )
+    if args.health_stall_timeout is not None:
+        if args.health_port is None:
+            raise UsageError("--health-stall-timeout: applies to --health-port only; give --health-port too")
+        if not 0 < args.health_stall_timeout <= 3600:  # nan fails too
+            raise UsageError(f"--health-stall-timeout {args.health_stall_timeout}: give seconds in (0, 3600]")
     checks.at_least("--max-queued-requests", args.max_queued_requests, 1, " (leave it out: unbounded)")
     for flag in ("max_body_bytes", "max_connections", "max_stop_string_length"):
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
@@ -190,20 +218,24 @@ def _rank(ctx, args: argparse.Namespace):
             server_cls = ProcessServer
         else:
             server_cls = Server
-        server = server_cls(
-            llm,
-            host=args.host,
-            port=args.port,
-            model_name=args.served_model_name or args.model,
-            max_queued_requests=args.max_queued_requests,
-            log_level=args.log_level,
-            limits=server_limits(args),
-        )
-        server.run(
-            on_started=lambda s: print(
-                f"spanllm serve: {s.model_name!r} on http://{s.host}:{s.port} (world {ctx.world_size})", flush=True
+        stall = args.health_stall_timeout if args.health_stall_timeout is not None else DEFAULT_STALL_TIMEOUT_S
+        with HealthPort(args.host, args.health_port, stall) as beats:
+            server = server_cls(
+                llm,
+                host=args.host,
+                port=args.port,
+                model_name=args.served_model_name or args.model,
+                max_queued_requests=args.max_queued_requests,
+                log_level=args.log_level,
+                limits=server_limits(args),
+                heartbeats=beats,
             )
-        )
+            server.run(
+                on_started=lambda s: print(
+                    f"spanllm serve: {s.model_name!r} on http://{s.host}:{s.port} (world {ctx.world_size})",
+                    flush=True,
+                )
+            )
         return None
     finally:
         llm.close()
@@ -228,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         from spanllm import checks
 
         checks.port_free(args.host, args.port)
+        if args.health_port is not None:
+            checks.port_free(args.host, args.health_port, "--health-port")
     _setup_logging()
     if under_launcher() or args.nprocs > 1:
         launch(_rank, args, nprocs=args.nprocs)

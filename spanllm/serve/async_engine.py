@@ -108,11 +108,14 @@ class FrontDoor:
 
 
 class AsyncEngine(FrontDoor):
-    def __init__(self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None) -> None:
+    def __init__(
+        self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None, heartbeats=None
+    ) -> None:
         super().__init__(max_queued_requests)
         self.core = core
         self.metrics = metrics
         self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
+        self.heartbeats = heartbeats  # spanllm.serve.health.Heartbeats (--health-port): one beat per pass
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
         self._stop = threading.Event()
@@ -220,10 +223,18 @@ class AsyncEngine(FrontDoor):
         return events
 
     def _run(self) -> None:
+        from spanllm.serve import health
+
         core = self.core
+        beats = self.heartbeats
         last_broadcast = time.monotonic()
+        if beats is not None:
+            beats.beat_engine()
+            beats.set_engine(health.ENGINE_RUNNING)
         try:
             while not self._stop.is_set():
+                if beats is not None:
+                    beats.beat_engine()
                 if not core.has_unfinished() and time.monotonic() - last_broadcast > HEARTBEAT_S:
                     core.heartbeat()  # idle: keep the TP workers' collective wait under its timeout
                     last_broadcast = time.monotonic()
@@ -252,11 +263,15 @@ class AsyncEngine(FrontDoor):
             self._deliver(self._abort_everything())
             if self.metrics is not None:
                 self.metrics.update_engine(core, 0)
+            if beats is not None:
+                beats.set_engine(health.ENGINE_STOPPED)
             core.shutdown_workers()
             self.stats_log.log_shutdown(core)
         except BaseException as e:  # noqa: BLE001 - a failed step (a dead TP rank): fail every request, stop
             self.error = f"the engine loop failed: {type(e).__name__}: {e}"
             logger.error("%s", self.error, exc_info=e)
+            if beats is not None:
+                beats.set_engine(health.ENGINE_FAILED, self.error)
             dead = EngineDead(self.error)
             self._deliver([(rid, dead) for rid in list(self._streams)])
             if self.on_dead is not None:

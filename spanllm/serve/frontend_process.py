@@ -49,13 +49,15 @@ class Refusal:
 class PipeEngine(AsyncEngine):
     """AsyncEngine's loop, fed by the front end's pipe and reporting through it."""
 
-    def __init__(self, core, conn, *, on_dead=None) -> None:
+    def __init__(self, core, conn, *, on_dead=None, heartbeats=None) -> None:
         from spanllm.serve.metrics import MetricsRelay
 
         self.conn = conn
         self._send_lock = threading.Lock()
         self._user_on_dead = on_dead
-        super().__init__(core, max_queued_requests=None, metrics=MetricsRelay(self._send), on_dead=self._dead)
+        super().__init__(
+            core, max_queued_requests=None, metrics=MetricsRelay(self._send), on_dead=self._dead, heartbeats=heartbeats
+        )
         self.metrics.baseline(core)
         self.adds_received = 0
         self.metrics.counts = self._counts
@@ -156,6 +158,7 @@ class ProcessServer:
         max_queued_requests: int | None = None,
         log_level: str = "warning",
         limits=None,
+        heartbeats=None,
     ) -> None:
         core = llm.engine_core
         self.model_name = model_name or llm.config.name
@@ -171,6 +174,7 @@ class ProcessServer:
             "log_level": log_level,
             "max_queued_requests": max_queued_requests,
             "server_limits": limits,
+            "heartbeats": heartbeats.path if heartbeats is not None else None,
             "limits": {
                 "vocab_size": core.vocab_size,
                 "capacity_tokens": core.blocks.capacity_tokens,
@@ -181,7 +185,7 @@ class ProcessServer:
         }
         self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
         self._child = child
-        self.engine = PipeEngine(core, self._conn)
+        self.engine = PipeEngine(core, self._conn, heartbeats=heartbeats)
         self._stop_requested = threading.Event()  # stop() or a signal: the front end ends because we asked
 
     @property
@@ -349,8 +353,11 @@ def frontend_main(conn, cfg: dict) -> None:
     the engine's ("shutdown",), or the engine's death."""
     from spanllm.engine.tokenizer import get_tokenizer
     from spanllm.serve.api import build_app
+    from spanllm.serve.health import Heartbeats
     from spanllm.serve.metrics import ServerMetrics
     from spanllm.serve.server import bound_port, make_uvicorn
+
+    beats = Heartbeats.attach(cfg["heartbeats"]) if cfg["heartbeats"] else None
 
     tokenizer = get_tokenizer(cfg["model"], cfg["checkpoint_dir"])
     metrics = ServerMetrics(cfg["model_name"])
@@ -385,6 +392,7 @@ def frontend_main(conn, cfg: dict) -> None:
         log_level=cfg["log_level"],
         on_signal=client.abort_all,
         limits=cfg["server_limits"],
+        heartbeats=beats,
     )
     client.start()
 
@@ -400,3 +408,5 @@ def frontend_main(conn, cfg: dict) -> None:
     finally:
         client.stop()
         conn.close()
+        if beats is not None:
+            beats.close()

@@ -13,20 +13,41 @@ import threading
 from spanllm.serve.limits import ServerLimits, header_timeout_protocol
 
 
-def make_uvicorn(app, *, host: str, port: int, log_level: str, on_signal, limits: ServerLimits | None = None):
+def make_uvicorn(
+    app,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    on_signal,
+    limits: ServerLimits | None = None,
+    heartbeats=None,
+):
     """The uvicorn server both modes run: on SIGINT / SIGTERM it first calls on_signal() (abort every request,
     so open streams end now), then shuts down gracefully (5 s). A signal is a request to stop, and a clean stop
     exits 0: uvicorn would re-raise the signal after its shutdown (exit status -15 / 143); it is not recorded.
-    The connection limits (ServerLimits): header timeout, keep-alive, concurrent connections (503 beyond)."""
+    The connection limits (ServerLimits): header timeout, keep-alive, concurrent connections (503 beyond).
+    heartbeats (spanllm.serve.health.Heartbeats, --health-port): the front end's heartbeat, on each of
+    uvicorn's ticks (every 0.1 s while its event loop runs), and its state."""
     import uvicorn
+
+    from spanllm.serve import health
 
     limits = limits or ServerLimits()
 
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if heartbeats is not None:
+                heartbeats.set_frontend(health.FRONTEND_STOPPING)
             on_signal()
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
+        async def on_tick(self, counter: int) -> bool:
+            if heartbeats is not None:
+                heartbeats.beat_frontend()
+                heartbeats.set_frontend(health.FRONTEND_STOPPING if self.should_exit else health.FRONTEND_SERVING)
+            return await super().on_tick(counter)
 
     return _Uvicorn(
         uvicorn.Config(
@@ -63,6 +84,7 @@ class Server:
         max_queued_requests: int | None = None,
         log_level: str = "warning",
         limits: ServerLimits | None = None,
+        heartbeats=None,
     ) -> None:
         from spanllm.serve.api import build_app
         from spanllm.serve.async_engine import AsyncEngine
@@ -73,7 +95,11 @@ class Server:
         self.metrics = ServerMetrics(self.model_name)
         self.metrics.baseline(core)
         self.engine = AsyncEngine(
-            core, max_queued_requests=max_queued_requests, metrics=self.metrics, on_dead=self._on_dead
+            core,
+            max_queued_requests=max_queued_requests,
+            metrics=self.metrics,
+            on_dead=self._on_dead,
+            heartbeats=heartbeats,
         )
         self.app = build_app(
             self.engine,
@@ -84,7 +110,13 @@ class Server:
             limits=limits,
         )
         self._uv = make_uvicorn(
-            self.app, host=host, port=port, log_level=log_level, on_signal=self.engine.abort_all, limits=limits
+            self.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            on_signal=self.engine.abort_all,
+            limits=limits,
+            heartbeats=heartbeats,
         )
         self.host = host
         self._port = port
