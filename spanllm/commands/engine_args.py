@@ -9,6 +9,7 @@ import torch
 
 from spanllm import checks
 from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, QUANTIZATIONS
+from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.errors import UsageError
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
@@ -102,6 +103,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         help="admission batching: while decoding, admit only once this many slots are free (1 = off)",
     )
     g.add_argument(
+        "--long-prefill-attention-budget",
+        type=int,
+        default=DEFAULT_LONG_PREFILL_ATTENTION_BUDGET,
+        metavar="PAIRS",
+        help="while decodes run, the query-key pairs a step's prefill chunks may attend, so that a long prompt "
+        "does not stall them (0 = no limit)",
+    )
+    g.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="the host waits for each step's tokens before planning the next (default: it plans the next "
@@ -149,6 +158,8 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     if hasattr(args, "min_admit"):
         checks.at_least("--min-admit", args.min_admit, 1)
+    if hasattr(args, "long_prefill_attention_budget"):
+        checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise UsageError(
@@ -182,6 +193,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
     )
     if hasattr(args, "min_admit"):
         fields["min_admit"] = args.min_admit
+    if hasattr(args, "long_prefill_attention_budget"):
+        fields["long_prefill_attention_budget"] = args.long_prefill_attention_budget
     if hasattr(args, "enable_prefix_caching"):
         fields["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "no_async_scheduling", False):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
+from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
@@ -47,6 +48,9 @@ class EngineConfig:
     # scripts/gpu_prefill_attention.py's sweep, load_prefill_config); None: its default. LLM.describe() names it.
     prefill_tiling: PrefillConfig | None = None
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
+    # Query-key pairs a step's prefill chunks may attend while decodes share the step, so that a long prompt's
+    # chunks do not stall the running decodes (spanllm.engine.core.scheduler); 0 = no limit
+    long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
     async_scheduling: bool | None = None
 
@@ -69,6 +73,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        v = self.long_prefill_attention_budget
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
         if self.prefill_tiling is not None and not isinstance(self.prefill_tiling, PrefillConfig):
             raise ValueError(f"prefill_tiling={self.prefill_tiling!r} must be a PrefillConfig (or None)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

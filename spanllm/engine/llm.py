@@ -254,6 +254,8 @@ class LLM:
             line += f", prefix caching {'on' if core.blocks.enable_prefix_caching else 'off'}"
         if self.engine.min_admit > 1:
             line += f", min_admit {self.engine.min_admit}"
+        budget = self.engine.long_prefill_attention_budget
+        line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
 
     def describe_quantization(self) -> str:
@@ -414,7 +416,13 @@ class LLM:
                 else dist.new_group(dist.get_process_group_ranks(self.groups.tp_group), backend="gloo")
             )
         blocks = BlockManager(runner.cache.num_blocks, e.block_size, e.enable_prefix_caching)
-        sched = SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, self.max_model_len, min_admit=e.min_admit)
+        sched = SchedulerConfig(
+            e.max_num_seqs,
+            e.max_num_batched_tokens,
+            self.max_model_len,
+            min_admit=e.min_admit,
+            long_prefill_attention_budget=e.long_prefill_attention_budget,
+        )
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(
             runner,

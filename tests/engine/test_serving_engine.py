@@ -18,7 +18,7 @@ from serving_workers import (
 )
 
 from spanllm.engine.core.block_manager import BlockManager
-from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig, chunk_pairs, chunk_within_pairs
 from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 from spanllm.engine.engine_core import RequestError
 from spanllm.engine.llm import LLM
@@ -104,6 +104,53 @@ def test_decode_never_starved_by_a_long_prompt():
         _run(sched, b)
 
 
+def test_chunk_within_pairs_is_the_largest_chunk_in_the_budget():
+    assert chunk_within_pairs(0, 10) == 4  # 1+2+3+4 = 10
+    assert chunk_within_pairs(100, 1000) == 9  # 9*100 + 45 = 945; 10 tokens: 1055
+    assert chunk_within_pairs(5, 0) == 0 and chunk_within_pairs(200, 100) == 0
+    for context in (0, 1, 7, 1000, 131071):
+        for pairs in (0, 1, 2, 3, 999, 1 << 26, (1 << 40) + 3):
+            n = chunk_within_pairs(context, pairs)
+            assert chunk_pairs(context, n) <= pairs < chunk_pairs(context, n + 1), (context, pairs, n)
+
+
+def test_long_prefill_attention_budget_caps_chunks_only_beside_decodes():
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, long_prefill_attention_budget=100
+    )
+    sched = Scheduler(cfg, BlockManager(200, 4))
+    for s in (_seq("s0", 2, max_tokens=40), _seq("s1", 2, max_tokens=40)):
+        sched.add(s)
+    _run(sched, sched.schedule())
+    sched.add(_seq("long", 60, max_tokens=2))
+    chunks = []
+    for _ in range(4):
+        b = sched.schedule()
+        assert [(s.request_id, n) for s, n in b.entries][:2] == [("s0", 1), ("s1", 1)]
+        chunks.append(b.entries[2][1])
+        _run(sched, b)
+    # context 0: 13 tokens (91 pairs); 13: 6 (99); 19: 4 (86); 23: 3 (75)
+    assert chunks == [13, 6, 4, 3]
+    # a context whose one next token alone exceeds the budget still gets one token (the step's first prefill)
+    sched2 = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, long_prefill_attention_budget=10),
+        BlockManager(200, 4),
+    )
+    sched2.add(_seq("d", 2, max_tokens=40))
+    _run(sched2, sched2.schedule())
+    sched2.add(_seq("p", 30, max_tokens=2))
+    sizes = []
+    for _ in range(3):
+        b = sched2.schedule()
+        sizes.append(b.entries[1][1])
+        _run(sched2, b)
+    assert sizes == [4, 1, 1]  # 1+2+3+4 = 10 pairs; then 4 keys + 1 = 5 <= 10, two tokens would be 11
+    # an idle engine (no decodes) keeps the whole token budget
+    idle = Scheduler(cfg, BlockManager(200, 4))
+    idle.add(_seq("alone", 60))
+    assert [(s.request_id, n) for s, n in idle.schedule().entries] == [("alone", 60)]
+
+
 def test_fcfs_head_of_line_blocks_admission():
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128), BlockManager(5, 4)
@@ -165,7 +212,10 @@ def test_alone_equals_transformers(tp1_llm, hf_serving_reference):
     assert alone(tp1_llm) == hf_serving_reference
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"block_size": 16, "num_kv_blocks": 20}])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 5}, {"block_size": 16, "num_kv_blocks": 20}, {"long_prefill_attention_budget": 40}],
+)
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_reference, kw, async_scheduling):
     llm = LLM(hf_checkpoint[0], serving_config(**kw, async_scheduling=async_scheduling))

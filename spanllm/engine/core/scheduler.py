@@ -12,6 +12,13 @@ Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
    allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
    Admission never preempts, and a step that preempted admits nothing.
 
+Long prefills beside decodes: a prefill chunk's attention costs (chunk) x (keys before it + chunk / 2) query-key
+pairs, so at 100k tokens of context one 8,192-token chunk takes most of a second, and every decode in that step
+waits for it. When a step has decodes, its prefill chunks together get at most `long_prefill_attention_budget`
+pairs (0: no limit); the first prefill of a step always gets at least one token, so a prompt always progresses.
+A step without decodes (an idle engine) keeps the whole token budget: its TTFT is unchanged. Short contexts are
+not affected (8,192 tokens at 4k of context are 4e7 pairs, under the default 2^26).
+
 Prefix caching: an admitted sequence first takes the longest run of cached full blocks its tokens start
 with (BlockManager.lookup: never its last token, so a fully cached prompt still runs one token to sample
 from), and only the rest counts in the step's budget and needs new blocks. The blocks a step's prefill
@@ -27,12 +34,29 @@ appears once per step; the KV of positions [0, num_computed + n) has blocks befo
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+
+DEFAULT_LONG_PREFILL_ATTENTION_BUDGET = 1 << 26  # pairs: ~35 TFLOP of attention in the 8B, ~0.1 s on an H100
+
+
+def chunk_within_pairs(context: int, pairs: int) -> int:
+    """The most tokens n of a prefill chunk after `context` computed tokens whose causal attention,
+    n * context + n * (n + 1) / 2 query-key pairs, stays within `pairs` (0 if not even one token)."""
+    b = 2 * context + 1
+    n = (math.isqrt(b * b + 8 * pairs) - b) // 2
+    while n > 0 and n * context + n * (n + 1) // 2 > pairs:  # isqrt rounds down; this only guards the edge
+        n -= 1
+    return n
+
+
+def chunk_pairs(context: int, n: int) -> int:
+    return n * context + n * (n + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -45,12 +69,17 @@ class SchedulerConfig:
     # steps are pure decode (CUDA-graph replays). A request never waits more than admit_max_wait_steps steps.
     min_admit: int = 1
     admit_max_wait_steps: int = 16
+    # Query-key pairs the prefill chunks of a step with decodes may attend (module docstring); 0 = no limit.
+    long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_admit", "admit_max_wait_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
+        v = self.long_prefill_attention_budget
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
 
 
 @dataclass
@@ -137,14 +166,16 @@ class Scheduler:
         out.num_decode = len(out.entries)
 
         # 2. running sequences part-way through a chunked prefill
+        pairs = self.config.long_prefill_attention_budget if out.num_decode else 0
+        pairs_left = pairs if pairs else None  # None: no limit on this step's prefill attention
         for seq in self.running:
             if budget == 0:
                 break
             if id(seq) in scheduled or seq.num_uncomputed <= 1:
                 continue
-            n = self._chunk_that_fits(seq, budget)
+            n, pairs_left = self._capped(seq, self._chunk_that_fits(seq, budget), seq.num_computed, pairs_left, out)
             if n == 0:
-                break  # no blocks: later prefills would not fit either (FCFS among them)
+                break  # no blocks (or no attention budget): later prefills would not fit either (FCFS among them)
             self.blocks.grow(seq, seq.num_computed + n)
             out.entries.append((seq, n))
             self._prefilled.append(seq)
@@ -163,6 +194,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.blocks.lookup(seq)
             n = self._chunk_that_fits(seq, budget, hits)
+            n, pairs_left = self._capped(seq, n, len(hits) * bs, pairs_left, out)
             if n == 0:
                 break
             self.waiting.popleft()
@@ -182,6 +214,14 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
         return out
+
+    def _capped(self, seq: Sequence, n: int, context: int, pairs_left: int | None, out: ScheduledBatch):
+        """(chunk, pairs left): n cut to the step's attention budget; the step's first prefill gets >= 1 token."""
+        if pairs_left is None or n == 0:
+            return n, pairs_left
+        first_prefill = len(out.entries) == out.num_decode
+        n = max(min(n, chunk_within_pairs(context, pairs_left)), 1 if first_prefill else 0)
+        return n, max(0, pairs_left - chunk_pairs(context, n))
 
     def _admission_open(self, num_decode: int) -> bool:
         c = self.config
