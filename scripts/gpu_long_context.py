@@ -3,11 +3,13 @@ the TTFT of a 36,402- and a 111,352-token prompt (16 output tokens) per chunk si
 8192 / 16384 / 32768, a fresh engine each); the inter-token latency of 64 running decodes while a 111k prompt
 prefills; and a kernel trace (torch.profiler) of one 111k prefill, summarized by kernel class.
 
-    python scripts/gpu_long_context.py OUTDIR [--prefill-config OUTDIR0/best_prefill_config.json] [--quick]
+    python scripts/gpu_long_context.py OUTDIR [--prefill-config OUTDIR0/best_prefill_config.json]
+        [--prefill-attention {triton,cudnn-cascade,flash-cascade}] [--quick]
 
 --prefill-config: a PrefillConfig JSON (scripts/gpu_prefill_attention.py's best_prefill_config.json) applied
 through EngineConfig.prefill_tiling; the engine's describe() line, recorded per engine, names the tiling that
-ran. Prompts are random token ids, new ones for every request (no prefix-cache hits). Each stage catches its
+ran. --prefill-attention: EngineConfig.prefill_attention (the cascade for long-prefix chunks; describe() names
+it too). Prompts are random token ids, new ones for every request (no prefix-cache hits). Each stage catches its
 own failure, records it in OUTDIR/long_context.json and goes on; past --budget-s the rest are skipped.
 """
 
@@ -27,6 +29,7 @@ NUM_DECODES = 64
 DECODE_PROMPT_LEN = 128
 OUTPUT_TOKENS = 16
 TIME_BUDGET_S = 420.0
+PREFILL_ATTENTION = ("triton", "cudnn-cascade", "flash-cascade")  # spanllm.attention.cascade's (checked in a test)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -99,6 +102,7 @@ class Bench:
             max_num_seqs=min(256, chunk),
             num_kv_blocks=-(-int(need * 1.25) // 16) + 1 if args.kv_blocks is None else args.kv_blocks,
             prefill_tiling=tiling,
+            prefill_attention=args.prefill_attention,
             max_model_len=args.max_model_len,
         )
         self.llm = LLM(args.model, cfg, device=device)
@@ -308,6 +312,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("outdir")
     ap.add_argument("--prefill-config", default=None, help="PrefillConfig JSON (best_prefill_config.json)")
+    ap.add_argument(
+        "--prefill-attention",
+        choices=PREFILL_ATTENTION,
+        default="triton",
+        help="EngineConfig.prefill_attention: the Triton kernel, or the cascade for long-prefix chunks",
+    )
     ap.add_argument("--quick", action="store_true", help="chunk 8192 only, the 36k prompt only, 16 decodes")
     ap.add_argument("--model", default="llama3.1-8b")
     ap.add_argument("--prompt-lens", type=_ints, default=PROMPT_LENS, help="TTFT prompts (comma-separated)")

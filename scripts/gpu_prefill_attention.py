@@ -12,6 +12,11 @@ against the exact answer (float32, one head at a time, no library kernel) at pre
 max abs error exceeds MAX_ABS_ERR is measured but cannot be the best. Each entry and shape catches its own
 failure, records it and goes on; past the time budget the remaining ones are recorded as skipped.
 
+Also measured: the engine's cascade prefill (spanllm.attention.cascade, --prefill-attention cudnn-cascade /
+flash-cascade): the prefix K/V gathered from the paged pool, torch's cuDNN (or flash) attention of the chunk over
+the prefix without a mask and over its own keys square-causal, merged by log-sum-exp; gather, both attentions
+and the merge all inside the timed call.
+
 Not measured: Triton's fused-attention tutorial kernel, which has no causal mask for a chunk after a prefix
 (its causal case needs as many queries as keys).
 
@@ -197,6 +202,24 @@ def sdpa_entry(problem: Problem, backend: str) -> Callable:
     return make
 
 
+def cascade_entry(problem: Problem, attention: str) -> Callable:
+    """The engine's cascade prefill (attention: a key of spanllm.attention.cascade.CASCADE_ATTENTION) on the
+    paged pool: make(prefix) -> (fn, to_thd); fn gathers, attends (two parts) and merges."""
+    from spanllm.attention.cascade import CASCADE_ATTENTION, cascade_prefill
+
+    attn = CASCADE_ATTENTION[attention]
+
+    def make(prefix: int):
+        p = problem
+
+        def fn():
+            return cascade_prefill(p.q, p.k_cache, p.v_cache, p.tables[0], prefix, attn)
+
+        return fn, lambda o: o
+
+    return make
+
+
 def cuda_timer(fn: Callable, warmup: int, reps: int) -> list[float]:
     """Each rep's milliseconds from CUDA events (after warmup calls)."""
     import torch
@@ -229,7 +252,8 @@ def run_sweep(
     deadline: float,
     log=print,
 ) -> dict:
-    """entries: name -> {"make": make(prefix) -> (fn, to_thd), "kind": "kernel"|"sdpa", "config": dict|None}.
+    """entries: name -> {"make": make(prefix) -> (fn, to_thd), "kind": "kernel"|"sdpa"|"cascade", "config":
+    dict|None}.
     reference: the [Q_LEN, HQ, d] output every entry is checked against at CHECK_PREFIX (None: no check).
     Returns name -> {kind, config, check: {max_abs_err, ok} | {error}, rows: [{prefix, times_ms, median_ms,
     tflops} | {prefix, error} | {prefix, skipped}]}."""
@@ -381,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None, help="timed reps per shape (default 7; quick 3)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="stop starting new measurements after")
-    ap.add_argument("--no-sdpa", action="store_true", help="the kernel's tilings only")
+    ap.add_argument("--no-sdpa", action="store_true", help="the kernel's tilings only (no SDPA, no cascade)")
     return ap.parse_args(argv)
 
 
@@ -411,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_err": MAX_ABS_ERR,
         "flops": "4 * head_dim * heads * (q * prefix + q(q+1)/2)",
         "sdpa_kv": "contiguous, each KV head repeated for its 4 query heads",
+        "cascade": "gather of the paged prefix + chunk K/V, prefix part unmasked (GQA: the 4 query heads of a KV "
+        "head as 4x the query rows, no K/V copy), chunk part square causal (chunk K/V repeated per query head), "
+        "LSE merge in float32; all timed",
         "tutorial_kernel": "not measured: no causal mask for queries after a prefix",
     }
     if not torch.cuda.is_available():
@@ -428,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_sdpa:
         for b in ("flash", "cudnn", "efficient"):
             entries[f"sdpa {b}"] = {"make": sdpa_entry(problem, b), "kind": "sdpa", "config": None}
+        for a in ("cudnn-cascade", "flash-cascade"):
+            entries[a] = {"make": cascade_entry(problem, a), "kind": "cascade", "config": None}
     reference = None
     try:
         reference = reference_output(problem, CHECK_PREFIX)

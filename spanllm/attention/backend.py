@@ -43,6 +43,10 @@ class AttentionBackend(ABC):
         """The backend (and its kernels' settings) for LLM.describe()."""
         return self.name
 
+    def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
+        """Whether this step (host arrays, decodes first) must run eagerly even where graphs are on."""
+        return False
+
     @abstractmethod
     def build_metadata(
         self,
@@ -89,9 +93,13 @@ def resolve_backend(
     head_dim: int,
     device: torch.device,
     prefill_config: PrefillConfig | None = None,
+    prefill_attention: str = "triton",
+    cascade_min_prefix: int | None = None,
 ) -> AttentionBackend:
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
-    prefill_config: the Triton prefill kernel's tiling (None: its default); an error for the reference."""
+    prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and
+    cascade_min_prefix, None: its default): the Triton backend's prefill attention
+    (spanllm.attention.cascade.PREFILL_ATTENTION). Either set for the reference is an error."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
     has_triton = triton_available()
@@ -105,11 +113,17 @@ def resolve_backend(
             )
         from spanllm.attention.triton import TritonBackend
 
-        return TritonBackend(num_heads, num_kv_heads, head_dim, device, prefill_config)
+        extra = {} if cascade_min_prefix is None else {"cascade_min_prefix": cascade_min_prefix}
+        return TritonBackend(num_heads, num_kv_heads, head_dim, device, prefill_config, prefill_attention, **extra)
     if prefill_config is not None:
         raise ValueError(
             f"prefill_tiling={prefill_config.label()} tiles the Triton prefill kernel, but this runner uses the "
             f"{name} attention backend (on {device}); leave prefill_tiling unset there"
+        )
+    if prefill_attention != "triton":
+        raise ValueError(
+            f"prefill_attention={prefill_attention!r} is an option of the Triton attention backend, but this runner "
+            f"uses the {name} attention backend (on {device}); leave prefill_attention='triton' there"
         )
     from spanllm.attention.reference import ReferenceBackend
 

@@ -20,6 +20,14 @@ import numpy as np
 import torch
 
 from spanllm.attention.backend import AttentionBackend, HostToDevice, write_kv
+from spanllm.attention.cascade import (
+    CASCADE_ATTENTION,
+    DEFAULT_CASCADE_MIN_PREFIX,
+    PREFILL_ATTENTION,
+    CascadeChunk,
+    attend_long_chunks,
+    plan_cascade,
+)
 from spanllm.attention.metadata import AttentionMetadata
 from spanllm.kernels import paged_attention as kernels
 from spanllm.kernels.fused_ops import rope_and_cache
@@ -34,6 +42,8 @@ class TritonMetadata(AttentionMetadata):
     # Mixed-step graphs: the decode kernel runs over rows [0, decode_rows), whose decode_context_lens are a
     # decode's context or 0 (not a decode: the kernel skips the row); 0: not such a graph.
     decode_rows: int = 0
+    # Eager steps with the cascade on: the prefill chunks it runs (prefill_tiles leave them out)
+    cascade: list[CascadeChunk] | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -47,8 +57,22 @@ class TritonBackend(AttentionBackend):
         head_dim: int,
         device: torch.device,
         prefill_config: PrefillConfig | None = None,
+        prefill_attention: str = "triton",
+        cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
+        if prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention={prefill_attention!r} must be one of {PREFILL_ATTENTION}")
+        if cascade_min_prefix < 1:
+            raise ValueError(
+                f"cascade_min_prefix={cascade_min_prefix} must be >= 1 (a chunk without a prefix is "
+                "one causal attention: the Triton kernel's)"
+            )
+        # prefill chunks with at least cascade_min_prefix cached keys run the cascade (spanllm.attention.cascade)
+        # with this attention for its parts; None: every chunk on the Triton prefill kernel
+        self.prefill_attention = prefill_attention
+        self.cascade = CASCADE_ATTENTION.get(prefill_attention)
+        self.cascade_min_prefix = cascade_min_prefix
         # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
         if prefill_config is not None:
             prefill_config.check_group(self.group)
@@ -59,8 +83,19 @@ class TritonBackend(AttentionBackend):
 
     def describe(self, dtype: torch.dtype) -> str:
         if self.prefill_config is None:
-            return f"triton (prefill tiling {prefill_config(self.group, dtype).label()}, the default)"
-        return f"triton (prefill tiling {self.prefill_config.label()}, set by prefill_tiling)"
+            tiling = f"prefill tiling {prefill_config(self.group, dtype).label()}, the default"
+        else:
+            tiling = f"prefill tiling {self.prefill_config.label()}, set by prefill_tiling"
+        if self.cascade is not None:
+            tiling += f"; prefill {self.prefill_attention} for prefixes >= {self.cascade_min_prefix} keys, eager"
+        return f"triton ({tiling})"
+
+    def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
+        """A step with a chunk for the cascade runs eagerly (no graph holds its gathers' sizes)."""
+        if self.cascade is None:
+            return False
+        prefix = context_lens[num_decode:] - q_lens[num_decode:]
+        return bool((prefix >= self.cascade_min_prefix).any())
 
     def num_splits(self, batch: int) -> int:
         return kernels.num_splits_for(batch, self.num_kv_heads, self.device)
@@ -93,7 +128,12 @@ class TritonBackend(AttentionBackend):
             meta.prefill_cu_q = h2d(cu)
             meta.prefill_context_lens = ctx[nd:]
             meta.prefill_block_tables = tables[nd:]
-            meta.prefill_tiles = h2d(self.tiles(chunk_lens.tolist(), context_lens[nd:].tolist()))
+            tile_lens = chunk_lens.tolist()
+            if self.cascade is not None:
+                meta.cascade = plan_cascade(tile_lens, context_lens[nd:].tolist(), self.cascade_min_prefix)
+                for ch in meta.cascade:
+                    tile_lens[ch.chunk] = 0  # no tiles: the kernel leaves its rows to the cascade
+            meta.prefill_tiles = h2d(self.tiles(tile_lens, context_lens[nd:].tolist()))
         return meta
 
     def forward(
@@ -120,6 +160,24 @@ class TritonBackend(AttentionBackend):
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
             )
         prefill = (meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_context_lens, meta.prefill_tiles)
+        if meta.cascade:
+            out = torch.empty_like(q)
+            if nd:
+                kernels.decode(
+                    q[:nd],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    meta.num_splits,
+                    out=out[:nd],
+                )
+            if meta.prefill_tiles.shape[0]:  # the chunks the cascade does not run
+                kernels.prefill(q[nd:], k_cache, v_cache, *prefill, out=out[nd:], config=self.prefill_config)
+            attend_long_chunks(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.cascade, self.cascade, out[nd:]
+            )
+            return out
         if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
             out = torch.empty_like(q)
             r = meta.decode_rows

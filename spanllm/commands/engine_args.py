@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from spanllm import checks
-from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, QUANTIZATIONS
+from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, PREFILL_ATTENTION, QUANTIZATIONS
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.errors import UsageError
 
@@ -87,6 +87,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         metavar="JSON",
         help="the Triton prefill attention kernel's tiling: a PrefillConfig JSON such as the "
         "best_prefill_config.json of scripts/gpu_prefill_attention.py (default: the kernel's own)",
+    )
+    g.add_argument(
+        "--prefill-attention",
+        choices=PREFILL_ATTENTION,
+        default="triton",
+        help="prefill chunks with a long cached prefix (EngineConfig.cascade_min_prefix keys): the Triton kernel, "
+        "or a cascade of torch's cuDNN / flash attention over the gathered prefix merged with the chunk's causal "
+        "part (eager steps; triton backend only)",
     )
     if not serving:
         return
@@ -201,6 +209,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["async_scheduling"] = False
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
+    if getattr(args, "prefill_attention", "triton") != "triton":
+        fields["prefill_attention"] = args.prefill_attention
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
+from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, PREFILL_ATTENTION
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
@@ -47,6 +48,12 @@ class EngineConfig:
     # The Triton prefill attention kernel's tiling (spanllm.kernels.prefill_config; e.g. the best of
     # scripts/gpu_prefill_attention.py's sweep, load_prefill_config); None: its default. LLM.describe() names it.
     prefill_tiling: PrefillConfig | None = None
+    # The Triton backend's prefill attention (spanllm.attention.cascade): "triton" (the paged kernel for every
+    # chunk), or a cascade (cudnn-cascade, flash-cascade: torch's fused attention over the gathered prefix, no
+    # mask, merged with the chunk's square causal part) for chunks with >= cascade_min_prefix cached keys,
+    # whose steps then run eagerly. LLM.describe() names it.
+    prefill_attention: str = "triton"
+    cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
     # Query-key pairs a step's prefill chunks may attend while decodes share the step, so that a long prompt's
     # chunks do not stall the running decodes (spanllm.engine.core.scheduler); 0 = no limit
@@ -76,6 +83,10 @@ class EngineConfig:
         v = self.long_prefill_attention_budget
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION}")
+        if self.cascade_min_prefix < 1:
+            raise ValueError(f"cascade_min_prefix={self.cascade_min_prefix} must be >= 1")
         if self.prefill_tiling is not None and not isinstance(self.prefill_tiling, PrefillConfig):
             raise ValueError(f"prefill_tiling={self.prefill_tiling!r} must be a PrefillConfig (or None)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

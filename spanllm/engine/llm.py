@@ -336,6 +336,8 @@ class LLM:
             cfg.head_dim,
             self.device,
             e.prefill_tiling,
+            e.prefill_attention,
+            e.cascade_min_prefix,
         )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype

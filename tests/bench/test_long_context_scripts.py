@@ -150,6 +150,10 @@ def test_long_context_records_a_failed_stage_and_goes_on(tmp_path):
     assert lc.main([str(tmp_path / "b"), *args, "--prefill-config", str(tmp_path / "missing.json")]) == 0
     doc = json.loads((tmp_path / "b" / "long_context.json").read_text())
     assert doc["errors"][0]["stage"] == "prefill_config" and "chunk32/ttft40" in doc["stages"]
+    if not torch.cuda.is_available():
+        assert lc.main([str(tmp_path / "c"), *args, "--prefill-attention", "flash-cascade"]) == 0
+        doc = json.loads((tmp_path / "c" / "long_context.json").read_text())
+        assert "leave prefill_attention='triton'" in doc["stages"]["chunk32/build"]["error"]
 
 
 def test_prefill_reference_is_bottom_right_causal_over_the_paged_values(monkeypatch):
@@ -165,3 +169,35 @@ def test_prefill_reference_is_bottom_right_causal_over_the_paged_values(monkeypa
         mask = torch.arange(n)[None, :] <= (prefix + torch.arange(40))[:, None]
         sd = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         torch.testing.assert_close(pa.reference_output(p, prefix), sd[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_entry_matches_the_check_reference(monkeypatch):
+    """The script's cascade entries on a small problem, their attention swapped for the float32 reference one
+    (cuDNN / flash need CUDA): within the check's tolerance of the exact answer, at prefixes ending mid-block;
+    the best tiling is chosen among kernel entries only."""
+    from spanllm.attention import cascade
+
+    pa = _script("gpu_prefill_attention")
+    for name, value in (("Q_LEN", 40), ("HQ", 8), ("HKV", 2), ("HEAD_DIM", 16)):
+        monkeypatch.setattr(pa, name, value)
+    monkeypatch.setitem(cascade.CASCADE_ATTENTION, "cudnn-cascade", cascade.reference_attention)
+    p = pa.Problem(56, 16, torch.device("cpu"))
+    make = pa.cascade_entry(p, "cudnn-cascade")
+    for prefix in (0, 23, 56):
+        fn, to_thd = make(prefix)
+        err = (to_thd(fn()).float() - pa.reference_output(p, prefix)).abs().max().item()
+        assert err <= pa.MAX_ABS_ERR, (prefix, err)
+    rows = [{"prefix": 0, "median_ms": 0.1, "tflops": 1.0}]
+    assert pa.best_kernel({"cudnn-cascade": {"kind": "cascade", "check": {"ok": True}, "rows": rows}}) is None
+
+
+def test_long_context_prefill_attention_flag():
+    """--prefill-attention takes the engine's choices (the CPU refusal: the failed-stage test above)."""
+    from spanllm.attention.cascade import PREFILL_ATTENTION
+
+    lc = _script("gpu_long_context")
+    assert lc.PREFILL_ATTENTION == PREFILL_ATTENTION
+    assert lc.parse_args(["out"]).prefill_attention == "triton"
+    assert lc.parse_args(["out", "--prefill-attention", "cudnn-cascade"]).prefill_attention == "cudnn-cascade"
+    with pytest.raises(SystemExit):
+        lc.parse_args(["out", "--prefill-attention", "sdpa"])

@@ -13,7 +13,7 @@ pool. The runner keeps the static token ids, positions and slots (padded tokens:
 in reserved block 0, computing garbage nobody reads; every op outside attention is row-wise) and the logits
 rows; the attention backend keeps its own static metadata (spanllm.attention.triton). The all-reduces of the
 row-parallel layers are captured inside. Every step on CPU, on a pipeline stage, or with graphs off runs
-eagerly.
+eagerly, and so does a step the backend asks to (`eager_only`: the cascade prefill's long chunks).
 """
 
 from __future__ import annotations
@@ -224,7 +224,12 @@ class ModelRunner:
         self.staging.begin_step()
         if self.use_cuda_graphs and x.num_decode == x.num_tokens and x.num_decode <= self.max_num_seqs:
             return self._replay(x, prev_tokens)
-        if self.use_cuda_graphs and x.num_tokens <= self.max_tokens and len(x.q_lens) <= self.max_num_seqs:
+        if (
+            self.use_cuda_graphs
+            and x.num_tokens <= self.max_tokens
+            and len(x.q_lens) <= self.max_num_seqs
+            and not self.backend.eager_only(x.num_decode, x.q_lens, x.context_lens)
+        ):
             return self._replay_mixed(x, prev_tokens)
         h2d = self.staging.tensor
         positions = h2d(x.positions)

@@ -1,0 +1,137 @@
+"""Cascade prefill: a prefill chunk with a long cached prefix as two dense attentions merged by their
+log-sum-exp, so each part runs on a fused SDPA kernel at its best shape (no mask tensor):
+
+    o1, lse1 = attn(q_chunk, K_prefix, V_prefix)                 every prefix key, no mask
+    o2, lse2 = attn(q_chunk, K_chunk, V_chunk, causal=True)      the chunk's own keys, square causal
+    out = (exp(lse1 - m) o1 + exp(lse2 - m) o2) / (exp(lse1 - m) + exp(lse2 - m)),  m = max(lse1, lse2)
+
+The keys are gathered from the paged cache (its block table) into dense tensors per chunk per layer. The
+Triton backend runs this for the prefill chunks whose prefix is at least `min_prefix` keys (`plan_cascade`),
+on CUDA, in eager steps only (the gather's sizes are the step's, not a graph's); the rest of the step keeps
+the paged kernels. The attention of each part is one `Attention` function; on CPU the tests use
+`reference_attention` (float32 math) through the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spanllm.attention.reference import gather
+
+# --prefill-attention: the Triton prefill kernel for every chunk, or the cascade for long-prefix chunks with
+# the parts on torch's cuDNN attention or on its flash attention (both through the aten op that returns the LSE)
+PREFILL_ATTENTION = ("triton", "cudnn-cascade", "flash-cascade")
+DEFAULT_CASCADE_MIN_PREFIX = 4096
+
+# attention(q [1, H, Lq, d], k [1, H, Lk, d], v [1, H, Lk, d], causal) -> (out [1, H, Lq, d] in q's dtype,
+# lse [1, H, Lq] float32, natural log of the softmax denominator of the scaled scores). causal: Lq == Lk,
+# query i sees keys [0, i].
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """The Attention contract in float32 math (CPU tests)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5  # [1, H, Lq, Lk]
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """torch's cuDNN attention: aten::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias,
+    compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale) -> (output, logsumexp, ...). Its
+    logsumexp is [B, H, L, 1] float32 in recent torch ([B, H, L] in older): reshaped to [B, H, L]."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """torch's flash attention: aten::_scaled_dot_product_flash_attention(query, key, value, dropout_p,
+    is_causal, return_debug_mask, *, scale) -> (output, logsumexp [B, H, L] float32, ...)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+CASCADE_ATTENTION: dict[str, Attention] = {"cudnn-cascade": cudnn_attention, "flash-cascade": flash_attention}
+
+
+@dataclass(frozen=True)
+class CascadeChunk:
+    """A prefill chunk the cascade runs (host ints)."""
+
+    chunk: int  # index among the step's prefill chunks: its row of the prefill block tables
+    q_start: int  # its first row among the step's prefill tokens
+    q_len: int
+    prefix: int  # cached keys before it
+
+
+def plan_cascade(q_lens: list[int], context_lens: list[int], min_prefix: int) -> list[CascadeChunk]:
+    """The prefill chunks (q_lens, context_lens: the step's prefill chunks, in order) with a prefix of at least
+    min_prefix keys."""
+    plan, start = [], 0
+    for j, (t, n) in enumerate(zip(q_lens, context_lens)):
+        if n - t >= min_prefix:
+            plan.append(CascadeChunk(j, start, t, n - t))
+        start += t
+    return plan
+
+
+def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint keys -> the attention over both. o [..., d], lse [...]
+    (natural log) -> [..., d] float32."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
+    return (w1 * o1.float() + w2 * o2.float()) / (w1 + w2)
+
+
+def cascade_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix: int,
+    attention: Attention,
+) -> torch.Tensor:
+    """q [c, hq, d]: one chunk at positions [prefix, prefix + c), whose K/V (and its prefix's) are in the cache
+    at block_table [W] -> [c, hq, d]."""
+    c, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    k = gather(k_cache, block_table, prefix + c)  # [prefix + c, hkv, d]
+    v = gather(v_cache, block_table, prefix + c)
+    # The chunk's own keys, square causal: K/V repeated per query head (c keys: cheap).
+    kc = k[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, hq, c, d]
+    vc = v[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    o2, lse2 = attention(q.transpose(0, 1)[None], kc, vc, True)  # [1, hq, c, d], [1, hq, c]
+    o2, lse2 = o2[0].transpose(0, 1), lse2[0].transpose(0, 1)  # [c, hq, d], [c, hq]
+    if prefix == 0:
+        return o2.to(q.dtype)
+    # The prefix, no mask: GQA without copying the prefix's K/V, the g query heads of a KV head as g*c rows.
+    qf = q.view(c, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * c, d)
+    kp = k[:prefix].transpose(0, 1)[None]  # [1, hkv, prefix, d] (a strided view of the gather)
+    vp = v[:prefix].transpose(0, 1)[None]
+    o1, lse1 = attention(qf, kp, vp, False)  # [1, hkv, g*c, d], [1, hkv, g*c]
+    o1 = o1.view(hkv, g, c, d).permute(2, 0, 1, 3).reshape(c, hq, d)
+    lse1 = lse1.view(hkv, g, c).permute(2, 0, 1).reshape(c, hq)
+    return merge(o1, lse1, o2, lse2).to(q.dtype)
+
+
+def attend_long_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    plan: list[CascadeChunk],
+    attention: Attention,
+    out: torch.Tensor,
+) -> None:
+    """q, out [T, hq, d]: the step's prefill tokens; the rows of each planned chunk of out get its cascade
+    (block_tables [P, W]: the prefill chunks')."""
+    for ch in plan:
+        rows = slice(ch.q_start, ch.q_start + ch.q_len)
+        out[rows] = cascade_prefill(q[rows], k_cache, v_cache, block_tables[ch.chunk], ch.prefix, attention)

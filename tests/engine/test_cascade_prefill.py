@@ -1,0 +1,145 @@
+"""The cascade prefill (spanllm.attention.cascade) on CPU, its parts on the float32 `reference_attention`,
+against the gather + SDPA reference backend: prefixes shorter than / equal to / longer than a block, chunks that
+start mid-block, block tables whose unused entries point at a block of NaNs, GQA; a whole step (decodes, two
+long-prefix chunks, a short one) split the way the Triton backend splits it (its metadata on CPU); the
+configuration, CLI flag and describe() line. The same code on CUDA with cuDNN / flash: tests/engine/test_gpu_paged.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from spanllm.attention import reference as ref
+from spanllm.attention.cascade import (
+    attend_long_chunks,
+    cascade_prefill,
+    merge,
+    plan_cascade,
+    reference_attention,
+)
+
+BLOCK = 16
+
+
+def _paged(ctx: list[int], hkv: int, d: int, seed: int):
+    """A shuffled pool holding one sequence per context length; block 0 unused; every unused table entry (a hole)
+    points at a block of NaNs (a gather past the context would return NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-c // BLOCK) for c in ctx]
+    poison = sum(nblk) + 1
+    kc = torch.randn(poison + 1, BLOCK, hkv, d, generator=g)
+    vc = torch.randn(poison + 1, BLOCK, hkv, d, generator=g)
+    kc[poison] = float("nan")
+    vc[poison] = float("nan")
+    tables = torch.full((len(ctx), max(nblk) + 3), poison, dtype=torch.int32)
+    perm = (torch.randperm(poison - 1, generator=g) + 1).to(torch.int32)
+    i = 0
+    for r, nb in enumerate(nblk):
+        tables[r, :nb] = perm[i : i + nb]
+        i += nb
+    return kc, vc, tables
+
+
+# (prefix, chunk): shorter than a block, exactly a block, longer (the chunk starting mid-block), no prefix,
+# a chunk of one query, a long prefix ending mid-block
+CASES = [(5, 9), (16, 16), (37, 21), (0, 13), (300, 1), (1000, 45)]
+
+
+@pytest.mark.parametrize("prefix,c", CASES)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_cascade_equals_reference(prefix, c, hq, hkv):
+    d = 16
+    kc, vc, tables = _paged([prefix + c], hkv, d, seed=prefix + c)
+    q = torch.randn(c, hq, d, generator=torch.Generator().manual_seed(1))
+    out = cascade_prefill(q, kc, vc, tables[0], prefix, reference_attention)
+    want = ref.reference_prefill(q, kc, vc, tables, [c], [prefix + c])
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_merge_of_a_split_equals_one_attention():
+    """Any split of the keys: the merged halves are the whole (and the LSE is the natural log's)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 7, 8, generator=g) for _ in range(3))
+    k, v = torch.randn(1, 3, 20, 8, generator=g), torch.randn(1, 3, 20, 8, generator=g)
+    o, lse = reference_attention(q, k, v, False)
+    o1, l1 = reference_attention(q, k[:, :, :13], v[:, :, :13], False)
+    o2, l2 = reference_attention(q, k[:, :, 13:], v[:, :, 13:], False)
+    torch.testing.assert_close(merge(o1, l1, o2, l2), o, atol=1e-6, rtol=1e-5)
+    s = (q @ k.transpose(-1, -2)) / 8**0.5
+    torch.testing.assert_close(lse, torch.log(torch.exp(s).sum(-1)))
+
+
+def test_plan_picks_the_long_prefixes():
+    plan = plan_cascade([10, 3, 7], [10 + 5000, 3, 7 + 4096], 4096)
+    assert [(p.chunk, p.q_start, p.q_len, p.prefix) for p in plan] == [(0, 0, 10, 5000), (2, 13, 7, 4096)]
+    assert plan_cascade([10], [4105], 4096) == []
+
+
+def test_a_step_of_decodes_long_and_short_chunks_split_as_the_triton_backend_splits_it():
+    """Two decodes, two long-prefix chunks, a short one: the backend's metadata (built on CPU) leaves the long
+    chunks out of the kernel's tiles and plans them for the cascade; the decodes and the short chunk on the
+    reference, the long ones through attend_long_chunks -> every row equals the reference step."""
+    pytest.importorskip("triton")
+    from spanllm.attention.triton import TritonBackend
+
+    hq, hkv, d, min_prefix = 8, 2, 16, 64
+    q_lens = np.array([1, 1, 21, 9, 40], dtype=np.int32)  # decodes first
+    context_lens = np.array([50, 7, 100 + 21, 30 + 9, 64 + 40], dtype=np.int32)
+    kc, vc, tables = _paged(context_lens.tolist(), hkv, d, seed=3)
+    nd = 2
+    for r in range(nd):  # the batched reference decode reads past a row's blocks (masked): block 0 there, not NaN
+        tables[r, -(-int(context_lens[r]) // BLOCK) :] = 0
+    b = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="cudnn-cascade", cascade_min_prefix=min_prefix)
+    assert b.eager_only(nd, q_lens, context_lens)
+    assert not b.eager_only(nd, q_lens[[0, 1, 3]], context_lens[[0, 1, 3]])  # decodes and the short chunk
+    assert "prefill cudnn-cascade for prefixes >= 64 keys" in b.describe(torch.bfloat16)
+    cos = sin = torch.zeros(int(q_lens.sum()), 1, d)
+    meta = b.build_metadata(nd, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy)
+    assert [(p.chunk, p.q_start, p.prefix) for p in meta.cascade] == [(0, 0, 100), (2, 30, 64)]
+    assert set(meta.prefill_tiles[:, 0].tolist()) == {1}  # the kernel runs the short chunk only
+    assert not TritonBackend(hq, hkv, d, torch.device("cpu")).eager_only(nd, q_lens, context_lens)
+
+    q = torch.randn(int(q_lens.sum()), hq, d, generator=torch.Generator().manual_seed(4))
+    rmeta = ref.ReferenceBackend(hq, hkv, d, torch.device("cpu")).build_metadata(
+        nd, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy
+    )
+    want = ref.reference_attend(q, kc, vc, rmeta)
+    out = torch.full_like(q, float("nan"))
+    out[:nd] = ref.reference_decode(q[:nd], kc, vc, meta.decode_block_tables, context_lens[:nd].tolist())
+    short = [j for j in range(3) if j not in {p.chunk for p in meta.cascade}]
+    cu = np.concatenate([[0], np.cumsum(q_lens[nd:])])
+    for j in short:  # what the Triton kernel's tiles cover
+        rows = slice(nd + cu[j], nd + cu[j + 1])
+        out[rows] = ref.reference_prefill(
+            q[rows], kc, vc, meta.prefill_block_tables[j : j + 1], [int(q_lens[nd + j])], [int(context_lens[nd + j])]
+        )
+    attend_long_chunks(q[nd:], kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out[nd:])
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_configuration_and_cli_flag():
+    from spanllm.attention.backend import resolve_backend
+    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, engine_config_from_args
+    from spanllm.engine.config import EngineConfig
+
+    assert EngineConfig().prefill_attention == "triton"
+    with pytest.raises(ValueError, match="must be one of"):
+        EngineConfig(prefill_attention="sdpa")
+    with pytest.raises(ValueError, match="cascade_min_prefix"):
+        EngineConfig(cascade_min_prefix=0)
+    with pytest.raises(ValueError, match="leave prefill_attention='triton'"):
+        resolve_backend("torch", 8, 2, 16, torch.device("cpu"), prefill_attention="flash-cascade")
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    args = ap.parse_args(["--model", "tiny", "--prefill-attention", "flash-cascade"])
+    assert engine_config_from_args(args, torch.device("cpu")).prefill_attention == "flash-cascade"
+    assert (
+        engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).prefill_attention == "triton"
+    )
