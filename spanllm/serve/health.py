@@ -22,11 +22,9 @@ answering 503 ("shutting down") while the server drains. Only the standard libra
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -165,7 +163,7 @@ class HealthProcess:
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 30.0) -> int:
-        cmd = [sys.executable, "-m", "spanllm.serve.health", "--state", self.beats.path, "--host", self.host]
+        cmd = [sys.executable, "-m", "spanllm.commands.serve_health", "--state", self.beats.path, "--host", self.host]
         cmd += ["--port", str(self._port), "--stall-timeout", repr(self.stall_timeout_s)]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = _readline(self._proc.stdout, timeout_s)
@@ -240,7 +238,7 @@ def _readline(f, timeout_s: float) -> str:
 # --- the health process ---------------------------------------------------------------------------------------
 class _Handler(BaseHTTPRequestHandler):
     timeout = 5  # seconds a connection may take to send its request
-    server: _HealthHTTPServer
+    server: HealthHTTPServer
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?", 1)[0] == "/health":
@@ -259,44 +257,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-class _HealthHTTPServer(ThreadingHTTPServer):
+class HealthHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, host: str, port: int, beats: Heartbeats, stall_timeout_s: float) -> None:
         self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self.beats, self.stall_timeout_s = beats, stall_timeout_s
         super().__init__((host, port), _Handler)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="spanllm serve's health process (started by `spanllm serve --health-port`)")
-    p.add_argument("--state", required=True, help="the heartbeats' file (Heartbeats.create())")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S)
-    a = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def on_term(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
-    beats = Heartbeats.attach(a.state)
-    try:
-        httpd = _HealthHTTPServer(a.host, a.port, beats, a.stall_timeout)
-    except OSError as e:
-        print(f"error: cannot bind {a.host}:{a.port}: {e.strerror or e}", flush=True)
-        return 2
-    threading.Thread(target=httpd.serve_forever, args=(0.1,), name="spanllm-health", daemon=True).start()
-    print(f"port {httpd.server_address[1]}", flush=True)
-    try:
-        sys.stdin.buffer.read()  # until rank 0 closes it (or ends)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        beats.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -198,7 +198,7 @@ def test_cli_health_port_answers_and_exits_with_the_server(frontend):
         assert nope.status_code == 404 and nope.json()["error"]["type"] == "NotFoundError", nope.text
         below = descendants(proc.pid)
         cmdlines = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\0") for p in below}
-        (health_pid,) = [p for p, c in cmdlines.items() if b"spanllm.serve.health" in c]
+        (health_pid,) = [p for p, c in cmdlines.items() if b"spanllm.commands.serve_health" in c]
         state = cmdlines[health_pid][cmdlines[health_pid].index(b"--state") + 1].decode()
         assert os.path.exists(state)
     except BaseException:
