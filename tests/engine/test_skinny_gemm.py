@@ -270,16 +270,22 @@ def test_choose_config_on_llama_shapes(m, num_sms, monkeypatch):
 
 
 def test_config_overrides_are_valid_and_used():
-    """Every measured override launches (power-of-two tiles, non-empty splits, its bf16 pipeline fits in
-    shared memory) and wins for bf16 only: the fp32 key is absent, so fp32 takes the heuristic."""
-    configs = gemm.measured_table()[0]
-    assert configs
+    """Every measured override launches (power-of-two tiles, non-empty splits, its pipeline of W tiles and bf16 x
+    tiles fits in shared memory) and is the config chosen for its key; bf16 entries (2 bytes) win for bf16 only
+    (the fp32 key is absent, so fp32 takes the heuristic); FP8 entries (1 byte) carry their W8A8 time too."""
+    configs, times = gemm.measured_table()
+    assert configs and any(key[3] == 1 for key in configs)
     for (mb, n, k, elem), cfg in configs.items():
-        assert elem == 2 and mb == gemm.m_bucket(mb) and (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"] + SHAPES_8B_TP1
+        assert elem in (1, 2) and mb == gemm.m_bucket(mb)
+        assert (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"] + SHAPES_8B_TP1
         c = gemm._check_config(cfg)
         assert gemm.effective_split_k(k, c.block_k, c.split_k) == c.split_k
-        assert (c.block_n + 16) * c.block_k * elem * c.num_stages <= 227 * 1024
-        assert gemm.choose_config(mb, n, k, 132) == c
+        assert (c.block_n * elem + gemm.block_m_for(mb) * 2) * c.block_k * c.num_stages <= 227 * 1024
+        assert gemm.choose_config(mb, n, k, 132, elem_bytes=elem) == c
+        if elem == 1:
+            assert (mb, n, k, elem) in times and mb <= gemm.FP8_MAX_M
+        if elem == 1:
+            continue
         heuristic = gemm.choose_config(mb, n, k, 132, elem_bytes=4)
         assert (heuristic.block_n + 16) * heuristic.block_k * 4 * heuristic.num_stages <= 227 * 1024
 
