@@ -288,17 +288,12 @@ class Run:
 
 
 def machine_info() -> dict:
-    import platform
-
+    """spanllm.measure.report's host and versions, and the GPU's name (device_name)."""
     import torch
 
-    info = {"host": platform.node(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import triton
+    from spanllm.measure import report
 
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    info = {**report.machine_info(), "versions": report.versions()}
     if torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name()
     return info

@@ -12,6 +12,7 @@ import argparse
 import numpy as np
 import pytest
 import torch
+from paged_pools import poisoned_paged_pool
 
 from spanllm.attention import reference as ref
 from spanllm.attention.cascade import (
@@ -25,25 +26,6 @@ from spanllm.attention.cascade import (
 BLOCK = 16
 
 
-def _paged(ctx: list[int], hkv: int, d: int, seed: int):
-    """A shuffled pool holding one sequence per context length; block 0 unused; every unused table entry (a hole)
-    points at a block of NaNs (a gather past the context would return NaN)."""
-    g = torch.Generator().manual_seed(seed)
-    nblk = [-(-c // BLOCK) for c in ctx]
-    poison = sum(nblk) + 1
-    kc = torch.randn(poison + 1, BLOCK, hkv, d, generator=g)
-    vc = torch.randn(poison + 1, BLOCK, hkv, d, generator=g)
-    kc[poison] = float("nan")
-    vc[poison] = float("nan")
-    tables = torch.full((len(ctx), max(nblk) + 3), poison, dtype=torch.int32)
-    perm = (torch.randperm(poison - 1, generator=g) + 1).to(torch.int32)
-    i = 0
-    for r, nb in enumerate(nblk):
-        tables[r, :nb] = perm[i : i + nb]
-        i += nb
-    return kc, vc, tables
-
-
 # (prefix, chunk): shorter than a block, exactly a block, longer (the chunk starting mid-block), no prefix,
 # a chunk of one query, a long prefix ending mid-block
 CASES = [(5, 9), (16, 16), (37, 21), (0, 13), (300, 1), (1000, 45)]
@@ -53,7 +35,7 @@ CASES = [(5, 9), (16, 16), (37, 21), (0, 13), (300, 1), (1000, 45)]
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
 def test_cascade_equals_reference(prefix, c, hq, hkv):
     d = 16
-    kc, vc, tables = _paged([prefix + c], hkv, d, seed=prefix + c)
+    kc, vc, tables = poisoned_paged_pool([prefix + c], BLOCK, hkv, d, seed=prefix + c)
     q = torch.randn(c, hq, d, generator=torch.Generator().manual_seed(1))
     out = cascade_prefill(q, kc, vc, tables[0], prefix, reference_attention)
     want = ref.reference_prefill(q, kc, vc, tables, [c], [prefix + c])
@@ -90,7 +72,7 @@ def test_a_step_of_decodes_long_and_short_chunks_split_as_the_triton_backend_spl
     hq, hkv, d, min_prefix = 8, 2, 16, 64
     q_lens = np.array([1, 1, 21, 9, 40], dtype=np.int32)  # decodes first
     context_lens = np.array([50, 7, 100 + 21, 30 + 9, 64 + 40], dtype=np.int32)
-    kc, vc, tables = _paged(context_lens.tolist(), hkv, d, seed=3)
+    kc, vc, tables = poisoned_paged_pool(context_lens.tolist(), BLOCK, hkv, d, seed=3)
     nd = 2
     for r in range(nd):  # the batched reference decode reads past a row's blocks (masked): block 0 there, not NaN
         tables[r, -(-int(context_lens[r]) // BLOCK) :] = 0

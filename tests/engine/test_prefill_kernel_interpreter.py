@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from paged_pools import poisoned_paged_pool
 from triton_interpreter import interpreted_module, run_child_suite, widen_bf16_dot
 
 from spanllm.kernels.prefill_config import PrefillConfig, load_prefill_config, prefill_block_q, prefill_config
@@ -27,34 +28,10 @@ def kernels(monkeypatch):
     return mod
 
 
-def _paged(ctx: list[int], block: int, hkv: int, d: int, seed: int, spikes: bool = False):
-    """A shuffled pool holding one sequence per context length; block 0 unused, and one extra block of NaNs that
-    every unused table entry (a hole: past a sequence's blocks) points at. spikes: a few late keys with large
-    scores, so the running maximum grows by more than the lazy rescale's threshold mid-sequence."""
-    g = torch.Generator().manual_seed(seed)
-    nblk = [-(-c // block) for c in ctx]
-    poison = sum(nblk) + 1
-    kc = torch.randn(poison + 1, block, hkv, d, generator=g)
-    vc = torch.randn(poison + 1, block, hkv, d, generator=g)
-    kc[poison] = float("nan")
-    vc[poison] = float("nan")
-    tables = torch.full((len(ctx), max(nblk) + 3), poison, dtype=torch.int32)
-    perm = (torch.randperm(poison - 1, generator=g) + 1).to(torch.int32)
-    i = 0
-    for r, nb in enumerate(nblk):
-        tables[r, :nb] = perm[i : i + nb]
-        i += nb
-    if spikes:
-        flat = kc[1:poison].view(-1, hkv, d)
-        idx = torch.randint(0, flat.shape[0], (max(1, flat.shape[0] // 200),), generator=g)
-        flat[idx] *= 12.0
-    return kc, vc, tables
-
-
 def _run(kernels, q_lens, ctx, hq, hkv, d, dtype, config, seed=0, spikes=False):
     from spanllm.attention import reference as pa
 
-    kc, vc, tables = _paged(ctx, 16, hkv, d, seed, spikes)
+    kc, vc, tables = poisoned_paged_pool(ctx, 16, hkv, d, seed, spikes)
     q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(seed + 1))
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     bq = None if config is None else config.block_q
@@ -106,7 +83,7 @@ def test_a_tile_order_does_not_change_the_result(kernels):
     from spanllm.attention import reference as pa
 
     q_lens, ctx = [30, 9], [30 + 300, 9 + 17]
-    kc, vc, tables = _paged(ctx, 16, 2, 16, seed=4)
+    kc, vc, tables = poisoned_paged_pool(ctx, 16, 2, 16, seed=4)
     q = torch.randn(sum(q_lens), 8, 16, generator=torch.Generator().manual_seed(8))
     cu = torch.tensor([0, 30, 39], dtype=torch.int32)
     cl = torch.tensor(ctx, dtype=torch.int32)

@@ -49,10 +49,7 @@ def chunk_within_pairs(context: int, pairs: int) -> int:
     """The most tokens n of a prefill chunk after `context` computed tokens whose causal attention,
     n * context + n * (n + 1) / 2 query-key pairs, stays within `pairs` (0 if not even one token)."""
     b = 2 * context + 1
-    n = (math.isqrt(b * b + 8 * pairs) - b) // 2
-    while n > 0 and n * context + n * (n + 1) // 2 > pairs:  # isqrt rounds down; this only guards the edge
-        n -= 1
-    return n
+    return (math.isqrt(b * b + 8 * pairs) - b) // 2  # the root of n^2 + b n - 2 pairs, rounded down
 
 
 def chunk_pairs(context: int, n: int) -> int:
@@ -166,8 +163,8 @@ class Scheduler:
         out.num_decode = len(out.entries)
 
         # 2. running sequences part-way through a chunked prefill
-        pairs = self.config.long_prefill_attention_budget if out.num_decode else 0
-        pairs_left = pairs if pairs else None  # None: no limit on this step's prefill attention
+        # the attention budget of this step's prefill chunks; None: no limit (no decodes, or the budget is off)
+        pairs_left = (self.config.long_prefill_attention_budget or None) if out.num_decode else None
         for seq in self.running:
             if budget == 0:
                 break
