@@ -74,7 +74,7 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[lis
     """`prompts`: the token ids run() checked (from --prompt-ids, then the tokenized --prompt texts)."""
 
     cfg = resolve_model(args.model)
-    tokenizer = _tokenizer(cfg.checkpoint_dir) if args.prompt else None
+    tokenizer = _tokenizer(cfg) if args.prompt else None
     llm = build_llm(ctx, args, pp=args.pp)
     try:
         params = SamplingParams(

@@ -77,3 +77,23 @@ def test_log_likelihood_equals_transformers(llm, hf_model):
         ref = loglik(model(torch.tensor([ids])).logits[0].float())
     assert ours == pytest.approx(ref, rel=1e-4)
     assert ref < 0
+
+
+def test_generate_command_takes_a_text_prompt(llm, capfd):
+    """`spanllm generate --prompt TEXT` tokenizes with the model's tokenizer and prints the greedy continuation
+    the serving engine gives for the same ids."""
+    from spanllm import cli
+
+    assert (
+        cli.main(["generate", "--model", REAL_MODEL, "--prompt", "The capital of France is", "--max-new-tokens", "4"])
+        == 0
+    )
+    lines = capfd.readouterr().out.splitlines()
+    ids = {
+        k: [int(t) for t in line.split(": ", 1)[1].split(",")]
+        for line in lines
+        for k in ("prompt", "generated")
+        if line.startswith(f"[0] {k} ids: ")
+    }
+    assert ids["prompt"] == llm.get_tokenizer().encode("The capital of France is", add_special_tokens=False)
+    assert ids["generated"] == greedy(llm, [ids["prompt"]], 4)[0]
