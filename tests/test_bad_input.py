@@ -55,7 +55,15 @@ STUDY = ["bench", "study", "--model", "tiny", "--nprocs", "2"]
 AR = ["bench", "allreduce", "--nprocs", "2"]
 TUNE = ["tune", "--out", os.path.join(os.path.dirname(__file__), "never-written.json")]
 
+MISSING_TILING = os.path.join(os.path.dirname(__file__), "no-such-tiling.json")
+
 CASES = [
+    # engine flags read from files: before any rank starts
+    (
+        ["bench", "throughput", "--model", "tiny", "--prefill-tiling", MISSING_TILING],
+        f"--prefill-tiling {MISSING_TILING}: {MISSING_TILING}: [Errno 2] No such file or directory",
+    ),
+    (["bench", "throughput", "--model", "tiny", "--long-prefill-attention-budget", "-1"], "must be >= 0 (0: no limit)"),
     # generate: token ids, lengths, sampling
     (
         ["generate", "--model", "tiny", "--prompt-ids", "1,2,600"],

@@ -169,6 +169,13 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
     if hasattr(args, "long_prefill_attention_budget"):
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if getattr(args, "prefill_tiling", None):
+        from spanllm.kernels.prefill_config import load_prefill_config
+
+        try:
+            load_prefill_config(args.prefill_tiling)
+        except ValueError as e:
+            raise UsageError(f"--prefill-tiling {args.prefill_tiling}: {e}") from None
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise UsageError(
             f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "

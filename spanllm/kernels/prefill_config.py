@@ -9,7 +9,7 @@ iteration of its key loop. The host's tile list (prefill_tiles) and the kernel m
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 
@@ -71,6 +71,9 @@ class PrefillConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown PrefillConfig fields {unknown}; known: {sorted(names)}")
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
+        if missing:
+            raise ValueError(f"PrefillConfig fields {missing} are missing; known: {sorted(names)}")
         return cls(**d)
 
 
@@ -91,8 +94,11 @@ def prefill_config(group: int, dtype: torch.dtype) -> PrefillConfig:
 def load_prefill_config(path: str) -> PrefillConfig:
     """A PrefillConfig from a JSON file: its fields at the top level, or under "config" (the file
     scripts/gpu_prefill_attention.py writes as best_prefill_config.json)."""
-    with open(path) as f:
-        d = json.load(f)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a JSON object with PrefillConfig fields, got {type(d).__name__}")
     return PrefillConfig.from_dict(d.get("config", d))

@@ -127,3 +127,16 @@ def test_from_hf_config_rejects(change, match):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ModelConfigError, match="no config.json"):
         ModelConfig.from_hf_config(tmp_path)
+
+
+def test_prefill_tiling_file_errors_name_the_problem(tmp_path):
+    from spanllm.kernels.prefill_config import load_prefill_config
+
+    partial = tmp_path / "partial.json"
+    partial.write_text('{"block_q": 32}')
+    with pytest.raises(ValueError, match=r"fields \['block_n', 'num_stages', 'num_warps'\] are missing"):
+        load_prefill_config(str(partial))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match=r"broken.json: Expecting property name"):
+        load_prefill_config(str(broken))
