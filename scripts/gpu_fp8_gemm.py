@@ -226,6 +226,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sweep the W8A16 launch configs (module docstring)")
     ap.add_argument("--sweep-ms", default="1,64,32,128,16", help="row counts of the sweep, in the order run")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("scripts/gpu_fp8_gemm.py needs a CUDA GPU (FP8 tensor cores: compute capability 8.9+)")
     os.makedirs(args.outdir, exist_ok=True)
     out = os.path.join(args.outdir, "fp8_gemm.json")
     props = torch.cuda.get_device_properties(0)

@@ -345,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from spanllm.kernels.prefill_config import load_prefill_config
 
+    if not torch.cuda.is_available():
+        from spanllm.model.config import resolve_model
+
+        cfg = resolve_model(args.model)
+        if 12 * cfg.num_layers * cfg.hidden_size**2 > 1e9:  # ~parameters; a real model on CPU: minutes, tens of GB
+            print(f"{args.model} needs a CUDA GPU (CPU runs take a small model: --model tiny)", file=sys.stderr)
+            return 2
     t_start = time.monotonic()
     run = Run(t_start + args.budget_s, log=lambda s: print(s, flush=True))
     doc = run.doc
