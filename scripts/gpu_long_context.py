@@ -103,6 +103,7 @@ class Bench:
             num_kv_blocks=-(-int(need * 1.25) // 16) + 1 if args.kv_blocks is None else args.kv_blocks,
             prefill_tiling=tiling,
             prefill_attention=args.prefill_attention,
+            cascade_min_prefix=args.cascade_min_prefix,
             max_model_len=args.max_model_len,
         )
         self.llm = LLM(args.model, cfg, device=device)
@@ -313,6 +314,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="triton",
         help="EngineConfig.prefill_attention: the Triton kernel, or the cascade for long-prefix chunks",
     )
+    ap.add_argument(
+        "--cascade-min-prefix",
+        type=int,
+        default=4096,
+        help="EngineConfig.cascade_min_prefix (0: every chunk, a prompt's first included)",
+    )
+    ap.add_argument("--ttft-reps", type=int, default=1, help="TTFT requests per prompt length (fresh prompts each)")
+    ap.add_argument("--no-itl", action="store_true", help="skip the decodes-beside-a-long-prefill stage")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled prefill")
     ap.add_argument("--quick", action="store_true", help="chunk 8192 only, the 36k prompt only, 16 decodes")
     ap.add_argument("--model", default="llama3.1-8b")
     ap.add_argument("--prompt-lens", type=_ints, default=PROMPT_LENS, help="TTFT prompts (comma-separated)")
@@ -389,9 +399,12 @@ def engine_stages(run: Run, args: argparse.Namespace, b: Bench, chunk: int) -> N
     try:
         run.stage(f"{tag}/warmup", b.warm_up)
         for n in args.prompt_lens:
-            run.stage(f"{tag}/ttft{n}", lambda n=n: b.ttft(n))
-        run.stage(f"{tag}/itl_during_prefill{args.itl_prompt}", lambda: b.itl_during_prefill(args.itl_prompt))
-        if chunk == args.profile_chunk:
+            for rep in range(args.ttft_reps):  # rep 0 is the first prompt of its length this engine saw
+                name = f"{tag}/ttft{n}" + (f"/rep{rep}" if rep else "")
+                run.stage(name, lambda n=n: b.ttft(n))
+        if not args.no_itl:
+            run.stage(f"{tag}/itl_during_prefill{args.itl_prompt}", lambda: b.itl_during_prefill(args.itl_prompt))
+        if chunk == args.profile_chunk and not args.no_profile:
             run.stage(f"{tag}/profile{args.itl_prompt}", lambda: b.profile(args.itl_prompt))
     finally:
         run.stage(f"{tag}/close", lambda: (b.close(), _memory())[1])

@@ -5,6 +5,8 @@
 #   2. the same workload (GSP_SERVE_FLAGS: 16 groups by default, to fit the time) through `spanllm serve` at a request
 #      rate above what caching off sustains (1.25 x the offline off run's requests/s unless SERVE_RATE is given):
 #      median and p99 TTFT, on vs off, and the server's hit rate from /metrics;
+#      With SHARED_PREFIX_ABLATION=1 (default) also caching on with --shared-prefix-attention off (what the
+#      shared-prefix decode attention adds);
 #   3. multi-turn ShareGPT (`bench multi-turn`, the 48 conversations of results/h200/inputs/
 #      sharegpt_multiturn_seed0_c48_t6.json): TTFT per turn number, on vs off (same servers as 2);
 #   4. the committed 1000-request ShareGPT sample (almost no shared prefix) offline: output tok/s on vs off.
@@ -32,7 +34,7 @@
 # (results/h200/inputs/sharegpt_llama3_seed0_n1000.json), SHAREGPT_NUM_PROMPTS (all of it), SHAREGPT_OUTPUT_LEN
 # (unset: the sample's), MT_CONVERSATIONS (results/h200/inputs/sharegpt_multiturn_seed0_c48_t6.json), MT_FLAGS
 # (--num-conversations 48 --max-turns 6 --max-output-len 128 --request-rate 4 --max-active-conversations 16),
-# BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
+# SHARED_PREFIX_ABLATION (1), SKIP_SERVE (0: 1 skips steps 2-3), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
 # SAMPLE_TIMEOUT (120), GSP_OFF_TIMEOUT (200), GSP_ON_TIMEOUT (150), SHAREGPT_TIMEOUT (100), SERVER_START_TIMEOUT
 # (150), SERVE_TIMEOUT (150), MT_TIMEOUT (150).
 set -u
@@ -123,6 +125,11 @@ if [ -f "$WORK/gsp.json" ]; then
   run_step gsp_offline_on "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
     --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --samples-file "$WORK/gsp.json" \
     --json "$OUT_DIR/gsp_offline_on.json"
+  if [ "${SHARED_PREFIX_ABLATION:-1}" = 1 ]; then  # caching on, each decode reading its whole context
+    run_step gsp_offline_on_no_shared_prefix "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput \
+      --model "$MODEL" --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --shared-prefix-attention off \
+      --samples-file "$WORK/gsp.json" --json "$OUT_DIR/gsp_offline_on_no_shared_prefix.json"
+  fi
 fi
 
 # --- 4. the committed ShareGPT sample offline, on vs off ----------------------------------------------------------
@@ -176,7 +183,9 @@ wait_healthy() {  # $1 port, $2 timeout s
     sleep 2
   done
 }
-if [ "$SERVE_OK" = 1 ]; then
+if [ "${SKIP_SERVE:-0}" = 1 ]; then
+  status serve "skipped: SKIP_SERVE=1"
+elif [ "$SERVE_OK" = 1 ]; then
   for mode in on off; do
     left=$(( BUDGET_S - ($(date +%s) - T0) ))
     if [ "$left" -lt 60 ]; then status "serve_$mode" "skipped: ${left}s of the ${BUDGET_S}s budget left"; continue; fi
@@ -214,6 +223,9 @@ def load(name):
 def ratio(a, b):
     return a / b if a is not None and b else None
 s = {"status": dict(l.strip().split("=", 1) for l in open(status_file) if "=" in l)}
+plain = load("gsp_offline_on_no_shared_prefix.json")
+s["gsp_offline_on_no_shared_prefix"] = plain and {"output_tok_s": plain["output_tokens_per_second"],
+                                                  "hit_rate": plain["prefix_cache"]["hit_rate"]}
 for name in ("gsp_offline", "sharegpt_offline"):
     on, off = load(f"{name}_on.json"), load(f"{name}_off.json")
     tok = lambda r: r and r["output_tokens_per_second"]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from spanllm.attention.metadata import AttentionMetadata
+from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.kernels.prefill_config import PrefillConfig
 
 BACKENDS = ("auto", "torch", "triton")
@@ -95,13 +96,19 @@ def resolve_backend(
     prefill_config: PrefillConfig | None = None,
     prefill_attention: str = "triton",
     cascade_min_prefix: int | None = None,
+    shared_prefix: str = "auto",
+    block_size: int = 16,
 ) -> AttentionBackend:
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
     prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and
     cascade_min_prefix, None: its default): the Triton backend's prefill attention
-    (spanllm.attention.cascade.PREFILL_ATTENTION). Either set for the reference is an error."""
+    (spanllm.attention.cascade.PREFILL_ATTENTION). Either set for the reference is an error. shared_prefix:
+    the Triton backend's shared-prefix decode attention (spanllm.attention.shared_prefix; auto: on there, off
+    on the reference, which has none: "on" there is an error); block_size: the KV cache's."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
+    if shared_prefix not in SHARED_PREFIX_ATTENTION:
+        raise ValueError(f"shared_prefix_attention={shared_prefix!r} must be one of {SHARED_PREFIX_ATTENTION}")
     has_triton = triton_available()
     if name == "auto":
         name = "triton" if device.type == "cuda" and has_triton else "torch"
@@ -114,7 +121,22 @@ def resolve_backend(
         from spanllm.attention.triton import TritonBackend
 
         extra = {} if cascade_min_prefix is None else {"cascade_min_prefix": cascade_min_prefix}
-        return TritonBackend(num_heads, num_kv_heads, head_dim, device, prefill_config, prefill_attention, **extra)
+        return TritonBackend(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            device,
+            prefill_config,
+            prefill_attention,
+            shared_prefix=shared_prefix != "off",
+            block_size=block_size,
+            **extra,
+        )
+    if shared_prefix == "on":
+        raise ValueError(
+            f"shared_prefix_attention='on' is a feature of the Triton attention backend, but this runner uses the "
+            f"{name} attention backend (on {device}); use 'auto' or 'off' here"
+        )
     if prefill_config is not None:
         raise ValueError(
             f"prefill_tiling={prefill_config.label()} tiles the Triton prefill kernel, but this runner uses the "

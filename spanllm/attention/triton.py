@@ -29,6 +29,13 @@ from spanllm.attention.cascade import (
     plan_cascade,
 )
 from spanllm.attention.metadata import AttentionMetadata
+from spanllm.attention.shared_prefix import (
+    DEFAULT_MIN_SHARED_KEYS,
+    SharedPrefixPlan,
+    max_units,
+    members_per_group,
+    plan_shared_prefix,
+)
 from spanllm.kernels import paged_attention as kernels
 from spanllm.kernels.fused_ops import rope_and_cache
 from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
@@ -44,6 +51,9 @@ class TritonMetadata(AttentionMetadata):
     decode_rows: int = 0
     # Eager steps with the cascade on: the prefill chunks it runs (prefill_tiles leave them out)
     cascade: list[CascadeChunk] | None = None
+    # The decodes' shared-prefix plan on the device (spanllm.attention.shared_prefix); None: every decode reads
+    # its whole context
+    shared: kernels.SharedPrefixTensors | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -59,17 +69,26 @@ class TritonBackend(AttentionBackend):
         prefill_config: PrefillConfig | None = None,
         prefill_attention: str = "triton",
         cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX,
+        shared_prefix: bool = True,
+        min_shared_keys: int = DEFAULT_MIN_SHARED_KEYS,
+        block_size: int = 16,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
+        # Decodes sharing at least min_shared_keys cached keys read them once per group (shared_prefix.py);
+        # only where a group holds two or more members (g query heads each fill GROUP_ROWS rows)
+        self.members = members_per_group(self.group)
+        self.shared_prefix = shared_prefix and self.members >= 2
+        self.min_shared_keys = min_shared_keys
+        self.block_size = block_size  # the KV cache's: shared prefixes are whole blocks
+        sms = kernels.num_sms_of(device) if device.type == "cuda" else 8
+        self.target_units = max(1, 2 * sms // num_kv_heads)
         if prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={prefill_attention!r} must be one of {PREFILL_ATTENTION}")
-        if cascade_min_prefix < 1:
-            raise ValueError(
-                f"cascade_min_prefix={cascade_min_prefix} must be >= 1 (a chunk without a prefix is "
-                "one causal attention: the Triton kernel's)"
-            )
+        if cascade_min_prefix < 0:
+            raise ValueError(f"cascade_min_prefix={cascade_min_prefix} must be >= 0 (0: every prefill chunk)")
         # prefill chunks with at least cascade_min_prefix cached keys run the cascade (spanllm.attention.cascade)
-        # with this attention for its parts; None: every chunk on the Triton prefill kernel
+        # with this attention for its parts (0: every chunk; one without a prefix is its square causal part
+        # alone); None: every chunk on the Triton prefill kernel
         self.prefill_attention = prefill_attention
         self.cascade = CASCADE_ATTENTION.get(prefill_attention)
         self.cascade_min_prefix = cascade_min_prefix
@@ -86,8 +105,11 @@ class TritonBackend(AttentionBackend):
             tiling = f"prefill tiling {prefill_config(self.group, dtype).label()}, the default"
         else:
             tiling = f"prefill tiling {self.prefill_config.label()}, set by prefill_tiling"
+        if self.shared_prefix:
+            tiling += f"; decodes sharing >= {self.min_shared_keys} cached keys read them once per group"
         if self.cascade is not None:
-            tiling += f"; prefill {self.prefill_attention} for prefixes >= {self.cascade_min_prefix} keys, eager"
+            which = "every chunk" if self.cascade_min_prefix == 0 else f"prefixes >= {self.cascade_min_prefix} keys"
+            tiling += f"; prefill {self.prefill_attention} for {which}, eager"
         return f"triton ({tiling})"
 
     def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
@@ -121,6 +143,11 @@ class TritonBackend(AttentionBackend):
         meta = TritonMetadata(cos, sin, slot_mapping, nd, tables[:nd], ctx[:nd])
         if nd:
             meta.num_splits = self.num_splits(nd)
+            plan = self.plan_shared(context_lens[:nd], block_tables[:nd])
+            if plan is not None:
+                meta.shared = kernels.SharedPrefixTensors(
+                    h2d(plan.group_rows), h2d(plan.units), h2d(plan.row_prefix), h2d(plan.row_splits)
+                )
         if nd < len(q_lens):
             chunk_lens = q_lens[nd:]
             cu = np.zeros(len(chunk_lens) + 1, dtype=np.int32)
@@ -157,7 +184,13 @@ class TritonBackend(AttentionBackend):
         nd = meta.num_decode
         if nd == q.shape[0]:
             return kernels.decode(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                meta.num_splits,
+                shared=meta.shared,
             )
         prefill = (meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_context_lens, meta.prefill_tiles)
         if meta.cascade:
@@ -171,6 +204,7 @@ class TritonBackend(AttentionBackend):
                     meta.decode_context_lens,
                     meta.num_splits,
                     out=out[:nd],
+                    shared=meta.shared,
                 )
             if meta.prefill_tiles.shape[0]:  # the chunks the cascade does not run
                 kernels.prefill(q[nd:], k_cache, v_cache, *prefill, out=out[nd:], config=self.prefill_config)
@@ -194,8 +228,15 @@ class TritonBackend(AttentionBackend):
         if nd == 0:
             return kernels.prefill(q, k_cache, v_cache, *prefill, config=self.prefill_config)
         out = torch.empty_like(q)
-        out[:nd] = kernels.decode(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.num_splits
+        kernels.decode(
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.num_splits,
+            out=out[:nd],
+            shared=meta.shared,
         )
         out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill, config=self.prefill_config)
         return out
@@ -208,6 +249,12 @@ class TritonBackend(AttentionBackend):
         self._decode = {
             "tables": torch.zeros(n, max_blocks, dtype=torch.int32, device=dev),
             "ctx": torch.ones(n, dtype=torch.int32, device=dev),
+            # the shared-prefix variant's plan (groups never exceed half the rows; units past a step's own are
+            # padding: t0 = t1, nothing to do)
+            "group_rows": torch.full((max(1, n // 2), self.members), -1, dtype=torch.int32, device=dev),
+            "units": torch.zeros(max_units(n, self.target_units), 5, dtype=torch.int32, device=dev),
+            "row_prefix": torch.zeros(n, dtype=torch.int32, device=dev),
+            "row_splits": torch.zeros(n, dtype=torch.int32, device=dev),
         }
         self._mixed = {
             # chunk n (one past the last real one) is the empty chunk the padding tiles point at
@@ -221,21 +268,54 @@ class TritonBackend(AttentionBackend):
     def max_tiles(self, tokens: int) -> int:
         return self.max_num_seqs + -(-tokens // self.block_q)
 
+    def decode_graph_variants(self) -> tuple[bool, ...]:
+        """The decode graphs of a bucket: plain, and with shared-prefix attention where it is on (a step whose
+        plan has no group replays the plain one: it pays nothing for the feature)."""
+        return (False, True) if self.shared_prefix else (False,)
+
     def decode_graph_metadata(
-        self, bucket: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
+        self, bucket: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, shared: bool = False
     ) -> TritonMetadata:
         st = self._decode
-        return TritonMetadata(
+        meta = TritonMetadata(
             cos, sin, slots, bucket, st["tables"][:bucket], st["ctx"][:bucket], num_splits=self.num_splits(bucket)
         )
+        if shared:  # the grid of stage 1 is this bucket's unit count, fixed; padding units do nothing
+            meta.shared = kernels.SharedPrefixTensors(
+                st["group_rows"][: max(1, bucket // 2)],
+                st["units"][: max_units(bucket, self.target_units)],
+                st["row_prefix"][:bucket],
+                st["row_splits"][:bucket],
+            )
+        return meta
 
     def reset_decode_graph(self) -> None:
-        """Padding-only inputs for a capture: every row context 1 over block 0."""
-        self._decode["tables"].zero_()
-        self._decode["ctx"].fill_(1)
+        """Padding-only inputs for a capture: every row context 1 over block 0, no shared prefix."""
+        st = self._decode
+        st["tables"].zero_()
+        st["ctx"].fill_(1)
+        for name in ("units", "row_prefix", "row_splits"):
+            st[name].zero_()
+        st["group_rows"].fill_(-1)
 
-    def prepare_decode_replay(self, bucket: int, context_lens: np.ndarray, block_tables: np.ndarray, put) -> None:
-        """Copy a step's rows into the decode graph's buffers (padding rows: context 1 over block 0)."""
+    def plan_shared(self, context_lens: np.ndarray, block_tables: np.ndarray) -> SharedPrefixPlan | None:
+        """The decodes' shared-prefix groups (host arrays, decodes only); None: off, or no group this step."""
+        if not self.shared_prefix or len(context_lens) < 2:
+            return None
+        plan = plan_shared_prefix(
+            block_tables,
+            context_lens,
+            self.block_size,
+            kernels.BLOCK_N,
+            min_keys=self.min_shared_keys,
+            members=self.members,
+            target_units=self.target_units,
+        )
+        return plan if plan.num_groups else None
+
+    def prepare_decode_replay(self, bucket: int, context_lens: np.ndarray, block_tables: np.ndarray, put) -> bool:
+        """Copy a step's rows into the decode graph's buffers (padding rows: context 1 over block 0); with a
+        shared-prefix plan, its arrays too. Returns whether the step replays the shared-prefix variant."""
         st, b = self._decode, len(context_lens)
         pad = bucket - b
         w = block_tables.shape[1]
@@ -243,6 +323,16 @@ class TritonBackend(AttentionBackend):
         tables[:b] = block_tables
         put(st["ctx"][:bucket], np.concatenate([context_lens, np.ones(pad, np.int32)]))
         put(st["tables"][:bucket, :w], tables)
+        plan = self.plan_shared(context_lens, block_tables)
+        if plan is None:
+            return False
+        units = np.zeros((max_units(bucket, self.target_units), 5), np.int32)
+        units[: len(plan.units)] = plan.units
+        put(st["units"][: len(units)], units)
+        put(st["group_rows"][: plan.num_groups], plan.group_rows)
+        put(st["row_prefix"][:bucket], np.concatenate([plan.row_prefix, np.zeros(pad, np.int32)]))
+        put(st["row_splits"][:bucket], np.concatenate([plan.row_splits, np.zeros(pad, np.int32)]))
+        return True
 
     # --- mixed graphs -----------------------------------------------------------------------------------
     def mixed_graph_metadata(

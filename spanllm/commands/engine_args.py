@@ -8,6 +8,8 @@ import argparse
 import torch
 
 from spanllm import checks
+from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX
+from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, PREFILL_ATTENTION, QUANTIZATIONS
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.errors import UsageError
@@ -82,6 +84,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         help="triton on CUDA (auto), torch = the reference (gather + SDPA)",
     )
     g.add_argument(
+        "--shared-prefix-attention",
+        choices=SHARED_PREFIX_ATTENTION,
+        default="auto",
+        help="decodes that share cached prompt blocks (prefix caching) read those keys once per group, not once "
+        "per sequence: auto = on with the triton attention backend (the only one that has it)",
+    )
+    g.add_argument(
         "--prefill-tiling",
         default=None,
         metavar="JSON",
@@ -95,6 +104,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         help="prefill chunks with a long cached prefix (EngineConfig.cascade_min_prefix keys): the Triton kernel, "
         "or a cascade of torch's cuDNN / flash attention over the gathered prefix merged with the chunk's causal "
         "part (eager steps; triton backend only)",
+    )
+    g.add_argument(
+        "--cascade-min-prefix",
+        type=int,
+        default=DEFAULT_CASCADE_MIN_PREFIX,
+        metavar="KEYS",
+        help="with a cascade --prefill-attention: the cached keys a chunk needs before it runs the cascade "
+        f"(default {DEFAULT_CASCADE_MIN_PREFIX}; 0: every chunk, a prompt's first included)",
     )
     if not serving:
         return
@@ -169,6 +186,13 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
     if hasattr(args, "long_prefill_attention_budget"):
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
+    checks.at_least("--cascade-min-prefix", min_prefix, 0, " (0: every prefill chunk)")
+    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX and getattr(args, "prefill_attention", "triton") == "triton":
+        raise UsageError(
+            f"--cascade-min-prefix {min_prefix} chooses the chunks that run a cascade, but --prefill-attention is "
+            "triton (no cascade); add --prefill-attention cudnn-cascade (or flash-cascade), or drop the flag"
+        )
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
 
@@ -205,6 +229,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         attention_backend=args.attention_backend,
+        shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
     )
     if hasattr(args, "min_admit"):
         fields["min_admit"] = args.min_admit
@@ -218,6 +243,9 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["max_model_len"] = args.max_model_len
     if getattr(args, "prefill_attention", "triton") != "triton":
         fields["prefill_attention"] = args.prefill_attention
+    min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
+    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX:
+        fields["cascade_min_prefix"] = min_prefix
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
 

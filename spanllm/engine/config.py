@@ -9,6 +9,7 @@ import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, PREFILL_ATTENTION
+from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
@@ -51,9 +52,13 @@ class EngineConfig:
     # The Triton backend's prefill attention (spanllm.attention.cascade): "triton" (the paged kernel for every
     # chunk), or a cascade (cudnn-cascade, flash-cascade: torch's fused attention over the gathered prefix, no
     # mask, merged with the chunk's square causal part) for chunks with >= cascade_min_prefix cached keys,
-    # whose steps then run eagerly. LLM.describe() names it.
+    # whose steps then run eagerly (0: every chunk, a prompt's first included, whose cascade is the square causal
+    # part alone). LLM.describe() names it.
     prefill_attention: str = "triton"
     cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX
+    # Decodes whose block tables start with the same cached blocks (prefix caching's shared prompts) read those
+    # keys once per group (spanllm.attention.shared_prefix): auto (on with the Triton backend), on, off
+    shared_prefix_attention: str = "auto"
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
     # Query-key pairs a step's prefill chunks may attend while decodes share the step, so that a long prompt's
     # chunks do not stall the running decodes (spanllm.engine.core.scheduler); 0 = no limit
@@ -85,8 +90,13 @@ class EngineConfig:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION}")
-        if self.cascade_min_prefix < 1:
-            raise ValueError(f"cascade_min_prefix={self.cascade_min_prefix} must be >= 1")
+        v = self.cascade_min_prefix
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"cascade_min_prefix={v!r} must be an integer >= 0 (0: every prefill chunk)")
+        if self.shared_prefix_attention not in SHARED_PREFIX_ATTENTION:
+            raise ValueError(
+                f"shared_prefix_attention={self.shared_prefix_attention!r} must be one of {SHARED_PREFIX_ATTENTION}"
+            )
         if self.prefill_tiling is not None and not isinstance(self.prefill_tiling, PrefillConfig):
             raise ValueError(f"prefill_tiling={self.prefill_tiling!r} must be a PrefillConfig (or None)")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

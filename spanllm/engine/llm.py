@@ -338,6 +338,8 @@ class LLM:
             e.prefill_tiling,
             e.prefill_attention,
             e.cascade_min_prefix,
+            e.shared_prefix_attention,
+            e.block_size,
         )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype

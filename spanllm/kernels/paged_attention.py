@@ -26,11 +26,13 @@ value dtype for the second dot, fp32 accumulation, one rounding at the store.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from spanllm.attention.shared_prefix import MAX_PREFIX_SPLITS
 from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
 from spanllm.kernels.skinny_gemm import num_sms_of
@@ -70,6 +72,101 @@ def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
 
 
 @triton.jit
+def _fold_prefix_partials(m_i, l_i, acc, rs_ptr, pm_ptr, pl_ptr, pacc_ptr, b, h, g, g_ok, d, G, D, PS):
+    """(m, l, acc) of row b, KV head h's query heads, merged with the row's stage-1 partials (its group's
+    splits of the shared prefix; none when rs[b] = 0). Partials [B, PS, hq(, D)] float32, written by
+    _shared_prefix_kernel in an earlier launch (stream order makes them visible). m is finite on both sides:
+    every split owns keys, and every row keeps at least one key of its own."""
+    hq = tl.num_programs(1) * G
+    for j in range(0, tl.load(rs_ptr + b)):
+        rows = (b * PS + j) * hq + h * G + g
+        m_j = tl.load(pm_ptr + rows, mask=g_ok, other=0.0)
+        l_j = tl.load(pl_ptr + rows, mask=g_ok, other=0.0)
+        a_j = tl.load(pacc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m_j)
+        c_old = tl.exp2(m_i - m_new)
+        c_j = tl.exp2(m_j - m_new)
+        l_i = l_i * c_old + l_j * c_j
+        acc = acc * c_old[:, None] + a_j * c_j[:, None]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    grp_ptr,
+    unit_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_btb,
+    scale_log2,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    MEMBERS: tl.constexpr,
+    D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Stage 1 of shared-prefix decode (spanllm.attention.shared_prefix): program (u, h) takes unit u = (group,
+    split, key tiles [t0, t1), prefix keys P) and KV head h: the g query heads of every member of the group as
+    MEMBERS x G_PAD rows of one tile, against the split's prefix keys (read once for all of them, through the
+    first member's block table: the members' first P / CACHE_BLOCK block ids are equal), and stores each real
+    row's partial (m, l, acc). A padding unit (t0 = t1) does nothing: a graph's grid is the buffer's size."""
+    u = tl.program_id(0)
+    h = tl.program_id(1)
+    gi = tl.load(unit_ptr + u * 5)
+    split = tl.load(unit_ptr + u * 5 + 1)
+    t0 = tl.load(unit_ptr + u * 5 + 2)
+    t1 = tl.load(unit_ptr + u * 5 + 3)
+    prefix = tl.load(unit_ptr + u * 5 + 4)
+    if t1 > t0:
+        r = tl.arange(0, MEMBERS * G_PAD)
+        member = tl.load(grp_ptr + gi * MEMBERS + r // G_PAD)  # -1 past the group's last member
+        head = h * G + r % G_PAD
+        ok_r = (member >= 0) & (r % G_PAD < G)
+        row = tl.where(ok_r, member, 0)
+        first = tl.load(grp_ptr + gi * MEMBERS)
+        d = tl.arange(0, D)
+        q_rows = q_ptr + row[:, None] * stride_qb + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_rows, mask=ok_r[:, None], other=0.0)
+        m_i = tl.full([MEMBERS * G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([MEMBERS * G_PAD], tl.float32)
+        acc = tl.zeros([MEMBERS * G_PAD, D], tl.float32)
+        for t in range(t0, t1):
+            offs = t * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < prefix
+            blk = tl.load(bt_ptr + first * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+            kv = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+            k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # log2 units, as the decode kernel
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        hq = tl.num_programs(1) * G
+        dst = (row * PS + split) * hq + head
+        tl.store(pm_ptr + dst, m_i, mask=ok_r)
+        tl.store(pl_ptr + dst, l_i, mask=ok_r)
+        tl.store(pacc_ptr + dst[:, None] * D + d[None, :], acc, mask=ok_r[:, None])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -81,6 +178,11 @@ def _decode_kernel(
     l_ptr,
     acc_ptr,
     sem_ptr,
+    rp_ptr,
+    rs_ptr,
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -99,12 +201,19 @@ def _decode_kernel(
     MIN_TILES: tl.constexpr,
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     n = tl.load(cl_ptr + b)
-    n_tiles = tl.cdiv(n, BLOCK)
+    # HAS_PREFIX: keys [0, start) are the row's group's shared prefix, attended by _shared_prefix_kernel (its
+    # partials are folded in before the store); this kernel walks keys [start, n) (start 0: not in a group).
+    start = 0
+    if HAS_PREFIX:
+        start = tl.load(rp_ptr + b)
+    n_tiles = tl.cdiv(n - start, BLOCK)
     per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), MIN_TILES)  # short contexts: fewer splits, maybe no merge
     n_active = tl.cdiv(n_tiles, per_split)  # splits that own at least one key tile (0 when n = 0: not a decode)
     if s < n_active:
@@ -122,10 +231,10 @@ def _decode_kernel(
         if PREFETCH:
             # Each tile's block ids are loaded one iteration ahead, so a tile costs one trip to memory (its K and
             # V, issued together) instead of three in a row (block ids, then K, then V after the scores).
-            nxt = t0 * BLOCK + tl.arange(0, BLOCK)
+            nxt = start + t0 * BLOCK + tl.arange(0, BLOCK)
             blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
             for t in range(t0, t1):
-                offs = t * BLOCK + tl.arange(0, BLOCK)
+                offs = start + t * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < n
                 row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
                 k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
@@ -142,7 +251,7 @@ def _decode_kernel(
                 m_i = m_new
         else:
             for t in range(t0, t1):
-                offs = t * BLOCK + tl.arange(0, BLOCK)
+                offs = start + t * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < n
                 blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
                 row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
@@ -158,6 +267,10 @@ def _decode_kernel(
                 m_i = m_new
         out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
         if n_active == 1:  # the whole context in this split: no partials, no merge
+            if HAS_PREFIX:
+                m_i, l_i, acc = _fold_prefix_partials(
+                    m_i, l_i, acc, rs_ptr, pm_ptr, pl_ptr, pacc_ptr, b, h, g, g_ok, d, G, D, PREFIX_SPLITS
+                )
             tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
         else:
             # Partials [B, H, SPLITS, G_PAD(, D)], contiguous; only the G real rows are written and read.
@@ -194,6 +307,10 @@ def _decode_kernel(
                     l_sum = l_sum * c_old + l_j * c_j
                     acc_sum = acc_sum * c_old[:, None] + a_j * c_j[:, None]
                     m_max = m_new
+                if HAS_PREFIX:
+                    m_max, l_sum, acc_sum = _fold_prefix_partials(
+                        m_max, l_sum, acc_sum, rs_ptr, pm_ptr, pl_ptr, pacc_ptr, b, h, g, g_ok, d, G, D, PREFIX_SPLITS
+                    )
                 tl.store(out_rows, (acc_sum / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
                 tl.atomic_xchg(sem_ptr + b * tl.num_programs(1) + h, 0)
 
@@ -209,18 +326,28 @@ def decode(
     *,
     prefetch: bool | None = None,
     out: torch.Tensor | None = None,
+    shared: SharedPrefixTensors | None = None,
 ) -> torch.Tensor:
     """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
     a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
     kernel over rows that are decodes in one step and prefill tokens in the next). out: where to write (a
     [B, hq, d] view; default a new tensor). min_tiles and prefetch (default: MIN_TILES_PER_SPLIT, and the key loop
-    the grid's size selects) let the tests reach every split and both key loops on small inputs."""
+    the grid's size selects) let the tests reach every split and both key loops on small inputs. shared: the
+    step's shared-prefix plan on the device (spanllm.attention.shared_prefix): stage 1 runs first, over its
+    units, then this kernel over each row's own keys, folding the row's stage-1 partials in."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
     out = torch.empty_like(q) if out is None else out
     scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
+    prefix_args = (context_lens,) * 5  # unused without a plan
+    if shared is not None:
+        pm = torch.empty(b, MAX_PREFIX_SPLITS, hq, device=q.device, dtype=torch.float32)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(b, MAX_PREFIX_SPLITS, hq, d, device=q.device, dtype=torch.float32)
+        prefix_args = (shared.row_prefix, shared.row_splits, pm, pl, pacc)
+        _shared_prefix(q, k_cache, v_cache, block_tables, shared, pm, pl, pacc, scale_log2)
     if num_splits > 1:
         m = torch.empty(b, hkv, num_splits, g_pad, device=q.device, dtype=torch.float32)
         l = torch.empty_like(m)
@@ -240,6 +367,7 @@ def decode(
         l,
         acc,
         sem,
+        *prefix_args,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -258,10 +386,64 @@ def decode(
         MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
         PREC=_precision(q),
         PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
+        HAS_PREFIX=shared is not None,
+        PREFIX_SPLITS=MAX_PREFIX_SPLITS,
         num_warps=4,
         num_stages=DECODE_NUM_STAGES,
     )
     return out
+
+
+@dataclass
+class SharedPrefixTensors:
+    """A step's SharedPrefixPlan (spanllm.attention.shared_prefix) on the device, int32: group_rows [G, members],
+    units [U, 5] (a graph's buffers: U fixed, padding units empty), row_prefix and row_splits [B]."""
+
+    group_rows: torch.Tensor
+    units: torch.Tensor
+    row_prefix: torch.Tensor
+    row_splits: torch.Tensor
+
+
+def _shared_prefix(q, k_cache, v_cache, block_tables, shared: SharedPrefixTensors, pm, pl, pacc, scale_log2) -> None:
+    """Stage 1: grid (units, KV heads); the partials it writes are read by the decode kernel launched next."""
+    b, hq, d = q.shape
+    _, cache_block, hkv, _ = k_cache.shape
+    g = hq // hkv
+    members = shared.group_rows.shape[1]
+    g_pad = triton.next_power_of_2(g)
+    if members * g_pad < 16:
+        raise ValueError(f"shared-prefix groups of {members} members x {g_pad} query heads: tl.dot needs >= 16 rows")
+    if shared.units.shape[0] == 0:
+        return
+    _shared_prefix_kernel[(shared.units.shape[0], hkv)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        shared.group_rows,
+        shared.units,
+        pm,
+        pl,
+        pacc,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale_log2,
+        G=g,
+        G_PAD=g_pad,
+        MEMBERS=members,
+        D=d,
+        CACHE_BLOCK=cache_block,
+        BLOCK=BLOCK_N,
+        PS=MAX_PREFIX_SPLITS,
+        PREC=_precision(q),
+        num_warps=4,
+        num_stages=DECODE_NUM_STAGES,
+    )
 
 
 @triton.jit

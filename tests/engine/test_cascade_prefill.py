@@ -60,6 +60,9 @@ def test_plan_picks_the_long_prefixes():
     plan = plan_cascade([10, 3, 7], [10 + 5000, 3, 7 + 4096], 4096)
     assert [(p.chunk, p.q_start, p.q_len, p.prefix) for p in plan] == [(0, 0, 10, 5000), (2, 13, 7, 4096)]
     assert plan_cascade([10], [4105], 4096) == []
+    # min_prefix 0: every chunk, a prompt's first (no prefix) included
+    plan = plan_cascade([10, 3], [10, 3 + 8], 0)
+    assert [(p.chunk, p.q_start, p.q_len, p.prefix) for p in plan] == [(0, 0, 10, 0), (1, 10, 3, 8)]
 
 
 def test_a_step_of_decodes_long_and_short_chunks_split_as_the_triton_backend_splits_it():
@@ -113,8 +116,9 @@ def test_configuration_and_cli_flag():
     assert EngineConfig().prefill_attention == "triton"
     with pytest.raises(ValueError, match="must be one of"):
         EngineConfig(prefill_attention="sdpa")
-    with pytest.raises(ValueError, match="cascade_min_prefix"):
-        EngineConfig(cascade_min_prefix=0)
+    with pytest.raises(ValueError, match="cascade_min_prefix=-1 must be an integer >= 0"):
+        EngineConfig(cascade_min_prefix=-1)
+    assert EngineConfig(cascade_min_prefix=0).cascade_min_prefix == 0  # every chunk
     with pytest.raises(ValueError, match="leave prefill_attention='triton'"):
         resolve_backend("torch", 8, 2, 16, torch.device("cpu"), prefill_attention="flash-cascade")
     ap = argparse.ArgumentParser()
@@ -125,3 +129,25 @@ def test_configuration_and_cli_flag():
     assert (
         engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).prefill_attention == "triton"
     )
+
+
+def test_cascade_min_prefix_flag():
+    """--cascade-min-prefix reaches the config (0 included); refused below 0 and without a cascade attention."""
+    from spanllm.commands.engine_args import (
+        add_engine_arguments,
+        add_model_arguments,
+        check_engine_arguments,
+        engine_config_from_args,
+    )
+    from spanllm.errors import UsageError
+
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    args = ap.parse_args(["--model", "tiny", "--prefill-attention", "cudnn-cascade", "--cascade-min-prefix", "0"])
+    check_engine_arguments(args, serving=False)
+    assert engine_config_from_args(args, torch.device("cpu")).cascade_min_prefix == 0
+    with pytest.raises(UsageError, match="--cascade-min-prefix -5: must be >= 0"):
+        check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "-5"]), serving=False)
+    with pytest.raises(UsageError, match="--prefill-attention is triton"):
+        check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)

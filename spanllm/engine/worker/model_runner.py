@@ -7,7 +7,8 @@ chunks; `logits_rows` picks the rows that sample (every decode, and each chunk t
 sequence).
 
 CUDA graphs (a whole-model runner whose attention backend supports them): one graph per padded batch size of
-the bucket ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs) for decode-only steps, and one per padded
+the bucket ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs) for decode-only steps (per variant the
+backend names: with shared-prefix attention on, a second graph per bucket runs its stage), and one per padded
 token count of the token ladder for mixed steps (any prefill chunk), captured on first use into one memory
 pool. The runner keeps the static token ids, positions and slots (padded tokens: token 0 at position 0, slot 0
 in reserved block 0, computing garbage nobody reads; every op outside attention is row-wise) and the logits
@@ -187,7 +188,8 @@ class ModelRunner:
         self.ladder = bucket_ladder(max_num_seqs)
         self.max_tokens = max_num_batched_tokens
         self.token_ladder = token_ladder(max_num_batched_tokens)
-        self._graphs: dict[int, _Graph] = {}
+        # decode graphs by (bucket, variant): the backend's decode_graph_variants (e.g. with shared-prefix attention)
+        self._graphs: dict[tuple[int, object], _Graph] = {}
         self._mixed_graphs: dict[int, _Graph] = {}
         self._static: dict[str, torch.Tensor] | None = None
         self._pool = None
@@ -277,11 +279,11 @@ class ModelRunner:
         bucket = next(s for s in self.ladder if s >= b)
         st = self._static_buffers()
         self._put_tokens(x, bucket)
-        self.backend.prepare_decode_replay(bucket, x.context_lens, x.block_tables, self.staging.copy_)
+        variant = self.backend.prepare_decode_replay(bucket, x.context_lens, x.block_tables, self.staging.copy_)
         self._fill_prev(st["ids"], x, prev_tokens)
-        g = self._graphs.get(bucket)
+        g = self._graphs.get((bucket, variant))
         if g is None:
-            g = self._graphs[bucket] = self._capture_with(lambda: self._decode_forward(bucket))
+            g = self._graphs[bucket, variant] = self._capture_with(lambda: self._decode_forward(bucket, variant))
         g.graph.replay()
         return g.logits[:b]
 
@@ -292,10 +294,10 @@ class ModelRunner:
             )
         return self._logits[:rows]
 
-    def _decode_forward(self, bucket: int) -> torch.Tensor:
+    def _decode_forward(self, bucket: int, variant: bool = False) -> torch.Tensor:
         st = self._static_buffers()
         cos, sin = self.rope.lookup(st["positions"][:bucket])
-        meta = self.backend.decode_graph_metadata(bucket, cos, sin, st["slots"][:bucket])
+        meta = self.backend.decode_graph_metadata(bucket, cos, sin, st["slots"][:bucket], variant)
         return self.model(st["ids"][:bucket], meta, self.cache, logits_out=self._logits_buffer(bucket))
 
     def _mixed_forward(self, bucket: int) -> torch.Tensor:
@@ -345,12 +347,15 @@ class ModelRunner:
         before = torch.cuda.memory_reserved(self.device)
         st = self._static_buffers()
         for bucket in self.ladder:
-            if bucket in self._graphs:
-                continue
-            for name in ("ids", "positions", "slots"):
-                st[name].zero_()
-            self.backend.reset_decode_graph()
-            self._graphs[bucket] = self._capture_with(lambda b=bucket: self._decode_forward(b))
+            for variant in self.backend.decode_graph_variants():
+                if (bucket, variant) in self._graphs:
+                    continue
+                for name in ("ids", "positions", "slots"):
+                    st[name].zero_()
+                self.backend.reset_decode_graph()
+                self._graphs[bucket, variant] = self._capture_with(
+                    lambda b=bucket, v=variant: self._decode_forward(b, v)
+                )
         for bucket in self.token_ladder:
             if bucket in self._mixed_graphs:
                 continue
@@ -364,7 +369,7 @@ class ModelRunner:
 
     @property
     def captured_buckets(self) -> list[int]:
-        return sorted(self._graphs)
+        return sorted({bucket for bucket, _ in self._graphs})
 
     @property
     def captured_token_buckets(self) -> list[int]:
