@@ -8,8 +8,9 @@ each tile in registers with `w.to(bf16)`. On an H100 that reached ~60% of HBM ba
 25 MB qkv weight at M=1) where bf16 F.linear reaches ~80%. Triton 3.x on sm_90 lowers e4m3 -> bf16 as
 `cvt.rn.f16x2.e4m3x2` (two elements) followed by one `cvt.bf16.f16` per element (PTX has no e4m3x2 -> bf16x2
 cvt before sm_100; third_party/nvidia/lib/TritonNVIDIAGPUToLLVM/ElementwiseOpToLLVM.cpp, Fp8E4M3Nv_to_Bf16):
-~1.5 conversion-pipe instructions per weight byte, a budget an SM streaming its HBM share (~10 bytes per clock)
-barely has. The variants below widen with fewer or cheaper instructions.
+1.5 conversion-pipe instructions (F2FP, F2F: 16 per clock per SM on sm_90) per weight byte, which caps an SM at
+~10.7 weight bytes per clock against an HBM share of ~13-15 bytes per clock (3.35 TB/s / 132 SMs / 1.7-2.0 GHz),
+before any imperfect overlap. The variants below widen with fewer conversions or none.
 
 Variants (all but `baseline` are one kernel of this file, `_w8a16_kernel`: the production kernel's structure, tiling,
 split-K and in-kernel split merge, copied; only the widening differs, chosen by the constexpr WIDEN, each widening its
@@ -28,6 +29,9 @@ own @triton.jit helper). W is passed as int8 bytes (a view), so every variant lo
   value times 2^-120 (e4m3 exponent bias 7, bf16 bias 127), with integer ops (here: sign-extend to int16, << 4,
   & 0x87F0), then times 2^120 in bf16. The product is exact: every e4m3 value, denormals (which land on bf16
   subnormals) included, is representable in bf16 and PTX's bf16 multiply keeps subnormals (no .ftz for bf16).
+  This is the numerically safe way to fix the bias. (Written in Triton, the shift/mask costs ~3 integer
+  instructions per weight and, on Triton 3.6, the multiply stops the widening from being hoisted into the MMA
+  operand registers: an extra shared-memory round trip. The asm_ variants do the same arithmetic on packed words.)
 - bits_bf16_fold: the same bits without the multiply; the 2^120 goes into the per-row scale (Marlin's skip_flop path
   with vLLM's fp8_fused_exponent_bias_into_scales). NOT numerically safe in bf16, which is why it is measured, not
   proposed: every product x * w reaches the fp32 accumulator 2^120 too small, so |x * w| < 2^-6 lands below fp32's
@@ -37,7 +41,7 @@ own @triton.jit helper). W is passed as int8 bytes (a view), so every variant lo
 - bits_f16_fold_xpre: the fp16 analogue (sign to bit 15, 7 bits to bits 13..7: value * 2^-8, e4m3 denormals on
   fp16 subnormals), 2^8 folded into the scale, x cast to fp16 before the launch. The fold is harmless here: 2^-8
   keeps every product far inside fp32's normal range; only fp16-subnormal weights (e4m3 denormals) depend on the
-  MMA keeping fp16 subnormals (it does on NVIDIA tensor cores, the codes check verifies it).
+  MMA keeping fp16 subnormals (expected of NVIDIA tensor cores; the codes check verifies it).
 - asm_bf16_mul: the bits_bf16_mul arithmetic as inline PTX on packed registers, 4 weights per asm: two
   `prmt` (bytes to sign-extended 16-bit halves), two `shl`, two `and`, two `mul.rn.bf16x2` by 2^120 (the same shape
   as Triton's own sm_90 E5M2 -> bf16 conversion, which multiplies by 2^112). 2 instructions per weight, none on the
@@ -63,12 +67,22 @@ calls, median over replays. Bandwidth = FP8 weight bytes (N * K) / time; `copy_G
 
 Budget: no new measurement starts once the elapsed time plus the longest measurement so far would pass
 --budget-s; what is left is recorded as skipped. Order: M = 1 for every layer first, then M = 4, then M = 16.
-Compiling is most of the time (one compile per variant and launch config; ~6 configs); a full run of all variants,
-layers and Ms takes a few minutes on a fresh machine: raise --budget-s or narrow --variants / --ms to fit.
+Compiling is most of the time (~0.5 s per variant and launch config: ~60 kernels for all variants, layers and Ms, 6
+launch configs); the measurements themselves take well under a second each. A full run should take 1-2 minutes on a
+fresh machine; if the budget cuts it, raise --budget-s or narrow --variants / --ms.
 
 Writes OUTDIR/fp8_widen.json (machine, versions, settings, every replay time, bandwidths, errors, the codes check,
-per-variant PTX instruction counts) after every (layer, M) group, OUTDIR/ptx/<variant>.ptx (the qkv M=1 kernel of
-each variant), and prints a table. Exits non-zero with one line when there is no CUDA GPU or no Triton.
+and per compiled kernel its registers, spills and its K loop's SASS instruction mix, disassembled with Triton's
+bundled cuobjdump) after every measurement, OUTDIR/ptx/<variant>.ptx (the first kernel of each variant), and prints a
+table and a summary (geometric-mean speedup over the baseline per variant). Exits non-zero with one line when there is
+no CUDA GPU or no Triton.
+
+--static needs no GPU: it compiles every variant for sm_<--arch> (default 90) at the layers' launch configs with
+Triton's bundled ptxas and prints each K loop's instruction mix per weight, conversion-pipe instructions (F2F, F2FP)
+apart; writes OUTDIR/fp8_widen_static.json. On Triton 3.6 / sm_90, per weight: cvt_bf16 1.5 conversions (one
+F2FP.F16.E4M3.UNPACK_B per two weights, one F2F.BF16.F16 per weight), cvt_f16_xpre 0.5, cvt_f16 1.0-1.5 (the x tile
+cast adds F2FPs every trip), every bit-trick and PTX variant 0; bits_bf16_mul alone is not hoisted into the MMA
+operand registers (an extra shared-memory round trip).
 """
 
 from __future__ import annotations
@@ -102,7 +116,6 @@ except ImportError:  # the CPU torch wheel comes without Triton
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K), 8B TP1
 MS = (1, 4, 16)
 TOL = 2e-2  # max |y - ref| / max |ref|: bf16 output rounding is ~4e-3; far above means a wrong kernel
-FP8_MAX = 448.0
 
 # The bit patterns (constants shared by the Triton helpers, the inline PTX and the CPU tests' emulation of the PTX).
 BF16_BITS_MASK = 0x87F0  # sign-extended e4m3 byte << 4: sign at bit 15, exponent+mantissa at bits 10..4
@@ -171,12 +184,22 @@ VARIANTS = [
     Variant("cvt_f16", CVT_F16, False, 1.0, True, True, "w.to(fp16), x tile cast to fp16 in the loop, fp16 MMA"),
     Variant("cvt_f16_xpre", CVT_F16, True, 1.0, True, True, "w.to(fp16), x cast to fp16 before the launch"),
     Variant("bits_bf16_mul", BITS_BF16_MUL, False, 1.0, True, True, "int ops -> bf16 bits (w*2^-120), *2^120 in bf16"),
-    Variant("bits_bf16_fold", BITS_BF16_FOLD, False, BF16_BIAS_FIX, True, False, "int ops -> bf16 bits, 2^120 in scale"),
     Variant(
-        "bits_f16_fold_xpre", BITS_F16_FOLD, True, F16_BIAS_FIX, True, True, "int ops -> fp16 bits, 2^8 in scale, x fp16"
+        "bits_bf16_fold", BITS_BF16_FOLD, False, BF16_BIAS_FIX, True, False, "int ops -> bf16 bits, 2^120 in scale"
+    ),
+    Variant(
+        "bits_f16_fold_xpre",
+        BITS_F16_FOLD,
+        True,
+        F16_BIAS_FIX,
+        True,
+        True,
+        "int ops -> fp16 bits, 2^8 in scale, x fp16",
     ),
     Variant("asm_bf16_mul", ASM_BF16_MUL_MODE, False, 1.0, False, True, "PTX prmt/shl/and + mul.rn.bf16x2 2^120"),
-    Variant("asm_bf16_fold", ASM_BF16_FOLD_MODE, False, BF16_BIAS_FIX, False, False, "PTX prmt/shl/and, 2^120 in scale"),
+    Variant(
+        "asm_bf16_fold", ASM_BF16_FOLD_MODE, False, BF16_BIAS_FIX, False, False, "PTX prmt/shl/and, 2^120 in scale"
+    ),
 ]
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -188,6 +211,12 @@ if triton is not None:
     _BF16_2_120 = tl.constexpr(BF16_2_120)
     _F16_MASK = tl.constexpr(_i16(F16_BITS_MASK))
     _F16_SHIFT = tl.constexpr(F16_BITS_SHIFT)
+
+    # Fixing the exponent bias of the bf16 bit trick (value * 2^-120): multiply the tile by 2^120 in bf16 (exact, and
+    # the accumulator sees the true products), or fold 2^120 into the row scale (one instruction fewer per pair of
+    # weights, Marlin's choice). The fold is not safe in bf16: the MMA then accumulates x * w * 2^-120, so every
+    # product with |x * w| < 2^-6 is an fp32 subnormal (and e4m3 denormal weights are bf16 subnormal operands) that
+    # the tensor cores may flush; the fp16 trick's 2^-8 keeps every product normal, so its fold is safe.
 
     @triton.jit
     def _widen_cvt_bf16(w):
@@ -417,22 +446,146 @@ def quantized_weight(n: int, k: int, device, generator: torch.Generator) -> tupl
     return quantize_weight(w)
 
 
-_PTX_SKIP = re.compile(r"^(\.|//|\{|\}|\$L|@?\$|[A-Za-z_$][\w$]*:)")
+def cuobjdump_path() -> str | None:
+    """Triton's bundled cuobjdump (disassembles a cubin on any machine), or None."""
+    if triton is None:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
 
 
-def ptx_op_counts(ptx: str) -> dict[str, int]:
-    """Instruction mnemonics (with their type suffixes) in a PTX listing, most frequent first (static counts)."""
-    counts: collections.Counter = collections.Counter()
-    for line in ptx.splitlines():
-        s = line.strip()
-        if not s or _PTX_SKIP.match(s):
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+
+
+def sass_loop_mix(sass: str) -> dict | None:
+    """The K loop of a disassembled kernel: the shortest backward-branch range holding an HMMA; its instruction
+    count, opcode families (the mnemonic before the first '.') and the conversion-pipe instructions (F2F, F2FP:
+    16 per clock per SM on sm_90, a quarter of the integer / FMA pipes). Static counts, one loop trip."""
+    ins = []
+    for line in sass.splitlines():
+        mt = _SASS_LINE.search(line)
+        if mt:
+            toks = mt.group(2).split()
+            if toks and toks[0].startswith("@"):
+                toks = toks[1:]
+            if toks:
+                ins.append((int(mt.group(1), 16), toks[0], toks[-1]))
+    best = None
+    for addr, op, last in ins:
+        if op != "BRA":
             continue
-        tok = s.split()
-        if tok[0].startswith("@"):  # predicated
-            tok = tok[1:]
-        if tok:
-            counts[tok[0].rstrip(";")] += 1
-    return dict(counts.most_common())
+        try:
+            target = int(last, 16)
+        except ValueError:
+            continue
+        if target >= addr:
+            continue
+        body = [o for a, o, _ in ins if target <= a <= addr]
+        if any(o.startswith("HMMA") for o in body) and (best is None or len(body) < len(best)):
+            best = body
+    if best is None:
+        return None
+    fam = collections.Counter(o.split(".")[0] for o in best)
+    return {
+        "instructions": len(best),
+        "conversions": fam["F2F"] + fam["F2FP"] + fam["I2F"] + fam["F2I"],
+        "ops": dict(fam.most_common()),
+    }
+
+
+def kernel_loop_mix(cubin: bytes) -> dict | None:
+    """sass_loop_mix of a compiled kernel's cubin (None without cuobjdump)."""
+    tool = cuobjdump_path()
+    if tool is None or not cubin:
+        return None
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, timeout=60)
+    return sass_loop_mix(out.stdout) if out.returncode == 0 else None
+
+
+def compile_static(v: Variant, cfg: tuple, arch: int = 90):
+    """Compile a variant's kernel for sm_<arch> without a GPU (Triton's ASTSource; x bf16 or fp16, W int8,
+    pointers and N, K, strides 16-divisible as at the 8B shapes, M unspecialized, BLOCK_M 16, EVEN_K)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = sg._check_config(cfg)
+    fn = _w8a16_kernel
+    names = list(fn.arg_names)
+    ptrs = {
+        "x_ptr": "*fp16" if v.x_fp16 else "*bf16",
+        "w_ptr": "*i8",
+        "y_ptr": "*bf16",
+        "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32",
+        "scale_ptr": "*fp32",
+    }
+    const = {
+        "BLOCK_M": 16,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "SPLIT_K": cfg.split_k,
+        "EVEN_K": True,
+        "WIDEN": v.widen,
+        "NUM_STAGES": cfg.num_stages,
+    }
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+    aligned = [*ptrs, "N", "K", "k_chunk", "stride_xm", "stride_wn", "stride_ym"]
+    src = ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(n),): val for n, val in const.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    )
+
+
+def static_report(args) -> None:
+    """--static: every variant's K loop (SASS instruction mix) at the layers' production configs, compiled for
+    sm_<arch> on this machine (no GPU needed); writes OUTDIR/fp8_widen_static.json."""
+    if triton is None:
+        raise SystemExit("scripts/gpu_fp8_widen.py: needs Triton (not installed)")
+    configs = []
+    for m in [int(v) for v in args.ms.split(",")]:
+        for layer in args.layers.split(","):
+            cfg = tuple(production_config(m, *LAYERS[layer], torch.device("cpu")))
+            if cfg not in configs:
+                configs.append(cfg)
+    doc = {"arch": args.arch, "triton": triton.__version__, "configs": configs, "loops": {}}
+    print(
+        f"sm_{args.arch}, triton {triton.__version__}: K loop per config (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages),"
+        " one trip; conv = F2F/F2FP (conversion pipe)"
+    )
+    for v in VARIANTS[1:]:
+        for cfg in configs:
+            key = f"{v.name} {list(cfg)}"
+            try:
+                k = compile_static(v, cfg, args.arch)
+                mix = kernel_loop_mix(k.asm.get("cubin", b""))
+                doc["loops"][key] = {"shared_bytes": k.metadata.shared, "loop": mix}
+                w = cfg[0] * cfg[1]  # weights per loop trip per program
+                top = ", ".join(f"{o} {c}" for o, c in list(mix["ops"].items())[:7]) if mix else "?"
+                per = ""
+                if mix:  # per weight: loop instructions x 32 threads x warps / weights of one trip
+                    threads = 32 * cfg[3]
+                    ins, conv = mix["instructions"] * threads / w, mix["conversions"] * threads / w
+                    per = f"{ins:5.2f} instr/weight, conv {conv:4.2f}"
+                print(f"  {v.name:20s} {str(list(cfg)):22s} {per}  smem {k.metadata.shared // 1024:3d} KiB  {top}")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                doc["loops"][key] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+                print(f"  {v.name:20s} {str(list(cfg)):22s} failed: {type(e).__name__}: {str(e)[:200]}")
+    os.makedirs(args.outdir, exist_ok=True)
+    out = os.path.join(args.outdir, "fp8_widen_static.json")
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print("wrote", out)
 
 
 # -------------------------------------------------------------------------------------------------- GPU driver
@@ -516,19 +669,29 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS))
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--min-calls", type=int, default=20, help="calls per CUDA graph (at least)")
+    ap.add_argument("--static", action="store_true", help="no GPU: compile for --arch, print each K loop's SASS mix")
+    ap.add_argument("--arch", type=int, default=90, help="--static: the sm_ version to compile for")
     args = ap.parse_args()
+    if args.static:
+        static_report(args)
+        return
     if triton is None:
         raise SystemExit("scripts/gpu_fp8_widen.py: needs Triton (not installed)")
     if not torch.cuda.is_available():
-        raise SystemExit("scripts/gpu_fp8_widen.py: needs a CUDA GPU (e4m3 weights, compute capability 8.9+); none found")
+        raise SystemExit(
+            "scripts/gpu_fp8_widen.py: needs a CUDA GPU (e4m3 weights, compute capability 8.9+); none found"
+        )
     if torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit(f"scripts/gpu_fp8_widen.py: {torch.cuda.get_device_name()} has no e4m3 support (need sm_89+)")
     unknown = [n for n in args.variants.split(",") if n not in VARIANT_BY_NAME]
     if unknown:
         raise SystemExit(f"scripts/gpu_fp8_widen.py: unknown variants {unknown}; known: {list(VARIANT_BY_NAME)}")
-    variants = [VARIANT_BY_NAME[n] for n in args.variants.split(",")]
-    if variants[0].name != "baseline":
-        variants = [VARIANT_BY_NAME["baseline"]] + [v for v in variants if v.name != "baseline"]
+    names = ["baseline"] + [n for n in args.variants.split(",") if n != "baseline"]
+    variants = [VARIANT_BY_NAME[n] for n in names]
+    run_gpu(args, variants)
+
+
+def run_gpu(args, variants: list[Variant]) -> None:
     ms = [int(v) for v in args.ms.split(",")]
     layers = args.layers.split(",")
     budget = Budget(args.budget_s)
@@ -561,13 +724,13 @@ def main() -> None:
             "tol": TOL,
             "x": "randn bf16",
             "w": "randn * 0.02 bf16, quantized per row (scale = amax / 448) to float8_e4m3fn",
-            "timing": "CUDA graph of >= min_calls calls over >= 3x L2 of distinct weights; us per call, median of replays",
+            "timing": "CUDA graph of >= min_calls calls over >= 3x L2 of distinct weights, us per call, median",
             "skinny_gemm_table": sg.table_id(),
         },
         "variants": {v.name: v._asdict() for v in variants},
         "copy_GBps": None,
         "codes": {},
-        "ptx_ops": {},
+        "kernels": {},  # "variant [config]": the K loop's SASS instruction mix (sass_loop_mix), registers, spills
         "rows": [],
     }
 
@@ -576,11 +739,32 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(doc, f, indent=1)
 
-    doc["copy_GBps"] = round(copy_bandwidth_gbps(), 1)
-    print(f"{doc['machine']['gpu']}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"device copy {doc['copy_GBps']:.0f} GB/s (read + write)", flush=True)
+    def record_kernel(v: Variant, cfg, compiled) -> None:
+        key = f"{v.name} {list(cfg)}"
+        if compiled is None or key in doc["kernels"]:
+            return
+        try:
+            doc["kernels"][key] = {
+                "n_regs": getattr(compiled, "n_regs", None),
+                "n_spills": getattr(compiled, "n_spills", None),
+                "shared_bytes": getattr(compiled.metadata, "shared", None),
+                "loop": kernel_loop_mix(compiled.asm.get("cubin", b"")),
+            }
+            ptx_file = os.path.join(args.outdir, "ptx", f"{v.name}.ptx")
+            if not os.path.exists(ptx_file):
+                with open(ptx_file, "w") as f:
+                    f.write(compiled.asm.get("ptx", ""))
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            doc["kernels"][key] = {"error": repr(e)[:300]}
 
-    # Every variant through all finite codes first (compiles each variant's qkv config on the way).
+    doc["copy_GBps"] = round(copy_bandwidth_gbps(), 1)
+    print(
+        f"{doc['machine']['gpu']}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"device copy {doc['copy_GBps']:.0f} GB/s (read + write)",
+        flush=True,
+    )
+
+    # Every variant through all finite codes first (this compiles each variant's qkv M=1 config on the way).
     qkv_cfg = tuple(production_config(1, *LAYERS["qkv"], device))
     for v in variants:
         if not budget.allows():
@@ -593,14 +777,18 @@ def main() -> None:
             doc["codes"][v.name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
         budget.step(started)
         c = doc["codes"][v.name]
-        print(f"codes {v.name:20s} " + ("  ".join(
-            f"{lab}: {r['mismatches']} mismatches" for lab, r in c.items()) if "x1" in c else str(c)), flush=True)
+        detail = "  ".join(f"{lab}: {r['mismatches']} mismatches" for lab, r in c.items()) if "x1" in c else str(c)
+        print(f"codes {v.name:20s} {detail}", flush=True)
     save()
 
     weights: dict[str, tuple[list[Prepared], int]] = {}
     gen = torch.Generator(device=device).manual_seed(0)
-    header = f"{'layer':8s} {'M':>3s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x base':>7s} {'err':>9s} ident"
-    print(header, flush=True)
+    print(
+        f"{'layer':8s} {'M':>3s} {'variant':20s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'speedup':>7s} {'err':>9s} "
+        "identical",
+        flush=True,
+    )
+    again = VARIANT_BY_NAME["baseline"]._replace(name="baseline_again")
     for m in ms:
         for layer in layers:
             n, k = LAYERS[layer]
@@ -621,8 +809,8 @@ def main() -> None:
             x16 = x.to(torch.float16)
             ref = reference(x, ws[0].q, ws[0].scale)
             y_base = None
-            for v in variants + [VARIANT_BY_NAME["baseline"]._replace(name="baseline_again")]:
-                if v.name == "baseline_again" and "median_us" not in row["variants"].get("baseline", {}):
+            for v in variants + [again]:
+                if v is again and "median_us" not in row["variants"].get("baseline", {}):
                     continue
                 if not budget.allows():
                     row["variants"][v.name] = {"skipped": "budget"}
@@ -631,25 +819,16 @@ def main() -> None:
                 r = row["variants"][v.name] = {}
                 try:
                     y, compiled = run_variant(v, x, ws[0], x16=x16)
+                    record_kernel(v, cfg, compiled)
                     r["err"] = max_rel_err(y, ref)
                     if y_base is None:
                         y_base = y
                     r["identical_to_baseline"] = bool(torch.equal(y, y_base))
-                    if compiled is not None and v.name not in doc["ptx_ops"]:
-                        ptx = compiled.asm.get("ptx", "")
-                        with open(os.path.join(args.outdir, "ptx", f"{v.name}.ptx"), "w") as f:
-                            f.write(ptx)
-                        doc["ptx_ops"][v.name] = {
-                            "layer": layer,
-                            "m": m,
-                            "n_regs": getattr(compiled, "n_regs", None),
-                            "n_spills": getattr(compiled, "n_spills", None),
-                            "ops": ptx_op_counts(ptx),
-                        }
                     if not r["err"] < TOL:
                         r["failed"] = f"max rel error {r['err']:.3g} >= {TOL}"
                     else:
-                        us = time_graph(lambda i, v=v: run_variant(v, x, ws[i], x16=x16), count, calls, args.replays)
+                        fn = lambda i, v=v, x=x, ws=ws, x16=x16: run_variant(v, x, ws[i], x16=x16)
+                        us = time_graph(fn, count, calls, args.replays)
                         med = statistics.median(us)
                         r.update(us=[round(t, 3) for t in us], median_us=round(med, 3))
                         r["GBps"] = round(n * k / med / 1e3, 1)
@@ -658,6 +837,9 @@ def main() -> None:
                 budget.step(started)
                 print(table_line(layer, m, v.name, r, row, doc["copy_GBps"]), flush=True)
                 save()
+            skipped = [name for name, r in row["variants"].items() if "skipped" in r]
+            if skipped:
+                print(f"{layer:8s} {m:3d} skipped (budget): {', '.join(skipped)}", flush=True)
             torch.cuda.empty_cache()
     save()
     print_summary(doc)

@@ -33,7 +33,6 @@ SHARED_PREFIX_ATTENTION = ("auto", "on", "off")
 # A group must share at least this many keys: below it the second kernel's launch and the partials' round trip
 # cost about what the saved reads do.
 DEFAULT_MIN_SHARED_KEYS = 512
-MAX_PREFIX_SPLITS = 8  # stage 1's key splits per group (the partial buffers' middle dimension)
 MIN_TILES_PER_SPLIT = 2  # a stage-1 split takes at least this many key tiles
 GROUP_ROWS = 64  # stage 1's query rows per program: members x g (padded to a power of two)
 
@@ -89,12 +88,14 @@ def plan_shared_prefix(
     min_keys: int = DEFAULT_MIN_SHARED_KEYS,
     members: int = 16,
     target_units: int = 32,
-    max_splits: int = MAX_PREFIX_SPLITS,
+    max_splits: int = 8,
 ) -> SharedPrefixPlan:
     """The groups of one decode step. block_tables [B, W] (only the first ceil(n / block_size) ids of a row
     matter), context_lens [B] (keys, the newest included); key_tile: stage 1's keys per tile; min_keys: the
     least prefix a group shares; members: the most rows of one group (stage 1's tile); target_units: stage-1
-    programs per KV head to aim for (splits of long prefixes fill the GPU when groups are few)."""
+    programs per KV head to aim for (splits of long prefixes fill the GPU when groups are few); max_splits: the
+    most stage-1 splits of one group (the kernel's partial buffers hold spanllm.kernels.paged_attention.
+    MAX_PREFIX_SPLITS)."""
     b = len(context_lens)
     ctx = np.asarray(context_lens, dtype=np.int64)
     row_prefix = np.zeros(b, np.int32)

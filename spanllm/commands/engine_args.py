@@ -186,6 +186,14 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
     if hasattr(args, "long_prefill_attention_budget"):
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if getattr(args, "shared_prefix_attention", "auto") == "on":
+        where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
+        if args.attention_backend == "torch" or not torch.cuda.is_available():
+            raise UsageError(
+                "--shared-prefix-attention on is a feature of the triton attention backend, but this run uses "
+                f"--attention-backend {args.attention_backend} on {where}; use auto (on wherever the triton "
+                "backend runs) or off"
+            )
     min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
     checks.at_least("--cascade-min-prefix", min_prefix, 0, " (0: every prefill chunk)")
     if min_prefix != DEFAULT_CASCADE_MIN_PREFIX and getattr(args, "prefill_attention", "triton") == "triton":

@@ -151,3 +151,33 @@ def test_cascade_min_prefix_flag():
         check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "-5"]), serving=False)
     with pytest.raises(UsageError, match="--prefill-attention is triton"):
         check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)
+
+
+def test_shared_prefix_attention_flag():
+    """--shared-prefix-attention reaches the config; 'on' is refused before any rank starts where the triton
+    backend cannot run (here: no GPU, or the torch backend named), and by the reference backend itself."""
+    from spanllm.attention.backend import resolve_backend
+    from spanllm.commands.engine_args import (
+        add_engine_arguments,
+        add_model_arguments,
+        check_engine_arguments,
+        engine_config_from_args,
+    )
+    from spanllm.engine.config import EngineConfig
+    from spanllm.errors import UsageError
+
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    args = ap.parse_args(["--model", "tiny", "--shared-prefix-attention", "off"])
+    check_engine_arguments(args, serving=False)
+    assert engine_config_from_args(args, torch.device("cpu")).shared_prefix_attention == "off"
+    assert EngineConfig().shared_prefix_attention == "auto"
+    with pytest.raises(ValueError, match="shared_prefix_attention='sometimes' must be one of"):
+        EngineConfig(shared_prefix_attention="sometimes")
+    on = ["--model", "tiny", "--shared-prefix-attention", "on", "--attention-backend", "torch"]
+    with pytest.raises(UsageError, match="--shared-prefix-attention on is a feature of the triton attention backend"):
+        check_engine_arguments(ap.parse_args(on), serving=False)
+    with pytest.raises(ValueError, match="shared_prefix_attention='on' is a feature of the Triton attention backend"):
+        resolve_backend("torch", 8, 2, 16, torch.device("cpu"), shared_prefix="on")
+    assert resolve_backend("torch", 8, 2, 16, torch.device("cpu"), shared_prefix="auto").name == "torch"

@@ -16,7 +16,6 @@ import torch
 from triton_interpreter import interpreted_module, run_child_suite
 
 from spanllm.attention.shared_prefix import (
-    MAX_PREFIX_SPLITS,
     max_units,
     members_per_group,
     plan_shared_prefix,
@@ -94,7 +93,7 @@ def test_plan_cuts_groups_at_members_and_splits_long_prefixes():
 
 
 def test_plan_never_exceeds_the_graph_buffer():
-    """Random tables with several prefix families: units never exceed max_units, splits never MAX_PREFIX_SPLITS,
+    """Random tables with several prefix families: units never exceed max_units, splits never max_splits,
     each group's rows really share its prefix's blocks, and a row's prefix leaves it a key."""
     rng = np.random.default_rng(0)
     for trial in range(200):
@@ -113,7 +112,7 @@ def test_plan_never_exceeds_the_graph_buffer():
             t, c, BS, key_tile=64, min_keys=int(rng.integers(1, 300)), members=8, target_units=target
         )
         assert len(plan.units) <= max_units(b, target)
-        assert plan.row_splits.max(initial=0) <= MAX_PREFIX_SPLITS
+        assert plan.row_splits.max(initial=0) <= 8  # plan_shared_prefix's max_splits
         for g in plan.group_rows:
             members = [int(x) for x in g if x >= 0]
             assert len(members) >= 2
