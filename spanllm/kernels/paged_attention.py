@@ -146,13 +146,17 @@ def _shared_prefix_kernel(
         m_i = tl.full([MEMBERS * G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([MEMBERS * G_PAD], tl.float32)
         acc = tl.zeros([MEMBERS * G_PAD, D], tl.float32)
+        # block ids one tile ahead, K and V issued together (the decode kernel's PREFETCH loop)
+        nxt = t0 * BLOCK + tl.arange(0, BLOCK)
+        blk = tl.load(bt_ptr + first * stride_btb + nxt // CACHE_BLOCK, mask=nxt < prefix, other=0)
         for t in range(t0, t1):
             offs = t * BLOCK + tl.arange(0, BLOCK)
             ok = offs < prefix
-            blk = tl.load(bt_ptr + first * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
             kv = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
             k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            nxt = offs + BLOCK
+            blk = tl.load(bt_ptr + first * stride_btb + nxt // CACHE_BLOCK, mask=nxt < prefix, other=0)
             scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # log2 units, as the decode kernel
             scores = tl.where(ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))

@@ -79,9 +79,10 @@ def test_kernels_match_reference_and_plain_decode(target_units):
 
 
 def test_engine_greedy_tokens_equal_with_and_without(monkeypatch):
-    """12 prompts over two 1,200-token system prompts (cached after the first of each), random weights: the
-    decode graphs with shared-prefix attention replay (prepare_decode_replay said so), and greedy tokens equal
-    those with it off, token for token until a near-tie (bf16 may order a near-tie either way)."""
+    """12 prompts over two 1,200-token system prompts (cached after the first of each), random weights, float32
+    (so that only a true near-tie may order two tokens differently: the two attentions sum in another order):
+    the decode graphs with shared-prefix attention replay (prepare_decode_replay said so), and greedy tokens
+    equal those with it off, token for token until a near-tie of 1e-3."""
     variants = []
     real = TritonBackend.prepare_decode_replay
 
@@ -98,7 +99,7 @@ def test_engine_greedy_tokens_equal_with_and_without(monkeypatch):
     runs = {}
     for mode in ("off", "on"):
         cfg = EngineConfig(
-            dtype=torch.bfloat16,
+            dtype=torch.float32,
             max_num_seqs=16,
             max_num_batched_tokens=4096,
             num_kv_blocks=1200,
@@ -115,6 +116,6 @@ def test_engine_greedy_tokens_equal_with_and_without(monkeypatch):
     for off, on in zip(runs["off"], runs["on"]):
         for i, (x, y) in enumerate(zip(off.output_ids, on.output_ids)):
             top = off.logprobs[i].top
-            if top[0][1] - top[1][1] < 0.05:
+            if top[0][1] - top[1][1] < 1e-3:
                 break
-            assert x == y, (i, off.output_ids, on.output_ids)
+            assert x == y, (i, top, on.logprobs[i].top, off.output_ids, on.output_ids)
