@@ -35,6 +35,7 @@ SHARED_PREFIX_ATTENTION = ("auto", "on", "off")
 DEFAULT_MIN_SHARED_KEYS = 512
 MIN_TILES_PER_SPLIT = 2  # a stage-1 split takes at least this many key tiles
 GROUP_ROWS = 64  # stage 1's query rows per program: members x g (padded to a power of two)
+SORT_BLOCKS = 256  # the planner sorts rows by their first 256 block ids (4,096 keys at block size 16)
 
 
 def members_per_group(group: int) -> int:
@@ -110,37 +111,47 @@ def plan_shared_prefix(
         return empty
     width = int(min(block_tables.shape[1], limit[cand].max()))
     tables = np.ascontiguousarray(block_tables[:, :width], dtype=np.int32)
-    sub = np.ascontiguousarray(tables[cand])
-    keys = sub.view(np.dtype((np.void, 4 * width))).ravel()
+    # Sort by at most the first SORT_BLOCKS ids (memcmp of long rows is the cost): rows that agree that far are
+    # adjacent whatever follows, and their runs' common prefix is measured over the whole width below.
+    k = min(width, SORT_BLOCKS)
+    keys = np.ascontiguousarray(tables[cand, :k]).view(np.dtype((np.void, 4 * k))).ravel()
     order = cand[np.argsort(keys, kind="stable")]
-    common = _common_blocks(tables, order, limit)
-    groups: list[tuple[list[int], int]] = []
-    run, run_blocks = [int(order[0])], 0
-    for i, c in enumerate(common.tolist()):
-        nxt = int(order[i + 1])
-        if c >= min_blocks and len(run) < members:
-            run_blocks = c if len(run) == 1 else min(run_blocks, c)
-            run.append(nxt)
-            continue
-        if len(run) >= 2:
-            groups.append((run, run_blocks))
-        run, run_blocks = [nxt], 0
-    if len(run) >= 2:
-        groups.append((run, run_blocks))
-    if not groups:
+    common = _common_blocks(tables, order, limit)  # [n - 1]: order[i] with order[i + 1]
+    # Runs of adjacent rows sharing >= min_blocks, cut every `members` rows; a chunk's prefix is the least of its
+    # adjacent pairs' (a chunk's first position counts no pair).
+    n = len(order)
+    seg_start = np.concatenate([[True], common < min_blocks])
+    seg_first = np.flatnonzero(seg_start)
+    pos = np.arange(n) - seg_first[np.cumsum(seg_start) - 1]
+    chunk_start = seg_start | (pos % members == 0)
+    chunk_first = np.flatnonzero(chunk_start)
+    chunk_of = np.cumsum(chunk_start) - 1
+    sizes = np.diff(np.append(chunk_first, n))
+    pair = np.empty(n, np.int64)
+    pair[0] = width
+    pair[1:] = common
+    pair[chunk_start] = width
+    chunk_blocks = np.minimum.reduceat(pair, chunk_first)
+    kept = np.flatnonzero(sizes >= 2)
+    if len(kept) == 0:
         return empty
-    group_rows = np.full((len(groups), members), -1, np.int32)
-    per_group = max(1, target_units // len(groups))
-    units = []
-    for gi, (rows, blocks) in enumerate(groups):
-        prefix = blocks * block_size
-        group_rows[gi, : len(rows)] = rows
-        n_tiles = -(-prefix // key_tile)
-        splits = max(1, min(max_splits, per_group, -(-n_tiles // MIN_TILES_PER_SPLIT)))
-        per_split = -(-n_tiles // splits)
-        splits = -(-n_tiles // per_split)  # every split owns at least one tile
-        for s in range(splits):
-            units.append((gi, s, s * per_split, min(n_tiles, (s + 1) * per_split), prefix))
-        row_prefix[rows] = prefix
-        row_splits[rows] = splits
-    return SharedPrefixPlan(group_rows, np.asarray(units, np.int32).reshape(-1, 5), row_prefix, row_splits)
+    group_of_chunk = np.full(len(chunk_first), -1, np.int64)
+    group_of_chunk[kept] = np.arange(len(kept))
+    gid = group_of_chunk[chunk_of]  # per position; -1: not in a group
+    mine = gid >= 0
+    group_rows = np.full((len(kept), members), -1, np.int32)
+    group_rows[gid[mine], (np.arange(n) - chunk_first[chunk_of])[mine]] = order[mine]
+    # Stage-1 units: a long prefix split over several programs while groups are fewer than target_units.
+    prefix = (chunk_blocks[kept] * block_size).astype(np.int64)
+    n_tiles = -(-prefix // key_tile)
+    per_group = max(1, target_units // len(kept))
+    splits = np.clip(np.minimum(per_group, -(-n_tiles // MIN_TILES_PER_SPLIT)), 1, max_splits)
+    per_split = -(-n_tiles // splits)
+    splits = -(-n_tiles // per_split)  # every split owns at least one tile
+    g = np.repeat(np.arange(len(kept)), splits)
+    s = np.arange(len(g)) - np.repeat(np.cumsum(splits) - splits, splits)
+    t0 = s * per_split[g]
+    units = np.stack([g, s, t0, np.minimum(n_tiles[g], t0 + per_split[g]), prefix[g]], axis=1).astype(np.int32)
+    row_prefix[order[mine]] = prefix[gid[mine]]
+    row_splits[order[mine]] = splits[gid[mine]]
+    return SharedPrefixPlan(group_rows, units, row_prefix, row_splits)
