@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from spanllm.errors import UsageError
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto, table_id
 from spanllm.layers.fp8 import check_fp8_device, describe_dispatch
-from spanllm.layers.linear import quantize_fp8_
+from spanllm.layers.linear import linear_layers, quantize_fp8_
 from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.llama import LlamaForCausalLM
@@ -71,6 +72,9 @@ class LLM:
     ) -> None:
         self.config = resolve_model(model) if isinstance(model, str) else model
         self.engine = engine or EngineConfig()
+        if self.config.fp8_checkpoint is not None and self.engine.quantization is None:
+            # the checkpoint's weights are FP8: the engine runs them so (vLLM: the checkpoint's config wins)
+            self.engine = replace(self.engine, quantization="fp8")
         self.tuning = tuning  # spanllm.comm.tuning.TuningTable for nvrar / auto, or None
         self.device = device or default_device()
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -113,11 +117,18 @@ class LLM:
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
         self.model = LlamaForCausalLM(self.config, tp, layers, g.is_first_stage, g.is_last_stage)
+        fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
+        if fp8_checkpoint:  # float8 weights and their scales, filled from the checkpoint as they are
+            for layer in linear_layers(self.model):
+                layer.fp8_storage_()
         if self.config.checkpoint_dir is not None:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
             random_init(self.model, self.engine.seed, self.rank)
-        if self.engine.quantization == "fp8":
+        if fp8_checkpoint:
+            for layer in linear_layers(self.model):
+                layer.fp8_loaded_()
+        elif self.engine.quantization == "fp8":
             quantize_fp8_(self.model)  # after loading: per-channel scales of the weights as loaded
         self._worker = None
         self._engine_core = None
@@ -263,8 +274,12 @@ class LLM:
         if self.engine.quantization is None:
             return f"weights {self.engine.dtype}"
         where = "FP8 kernels" if self.device.type == "cuda" else "dequantized on CPU"
+        ckpt = self.config.fp8_checkpoint
+        origin = (
+            f"from the {ckpt.describe()}" if ckpt is not None and self.config.checkpoint_dir else "quantized at load"
+        )
         return (
-            f"weights fp8 e4m3 per-channel ({where}): {describe_dispatch()} (activations per token); "
+            f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token); "
             f"embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
         )
 

@@ -31,12 +31,7 @@ class _Linear(nn.Module):
             return self.tp.linear(x, self.weight)
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
 
-    @torch.no_grad()
-    def quantize_fp8_(self) -> None:
-        """Replace the loaded weight by its FP8 quantization (the model-dtype copy is freed; on CPU the
-        dequantized values are kept instead, for the CPU path)."""
-        if self.weight_scale is not None:
-            raise RuntimeError("quantize_fp8_: this layer's weight is FP8 already")
+    def _check_fp8_shape(self) -> None:
         n, k = self.weight.shape
         if n % fp8.FP8_SHAPE_MULTIPLE or k % fp8.FP8_SHAPE_MULTIPLE:
             raise ValueError(
@@ -44,6 +39,33 @@ class _Linear(nn.Module):
                 f"(torch._scaled_mm) need both sizes multiples of {fp8.FP8_SHAPE_MULTIPLE}. Run without "
                 "--quantization, or at a tensor-parallel degree that keeps the shards multiples of 16"
             )
+
+    @torch.no_grad()
+    def fp8_storage_(self) -> None:
+        """Make the weight an empty float8_e4m3fn [N, K] and its scale an empty float32 [N], for a checkpoint that
+        holds them (spanllm.model.fp8_checkpoint); `fp8_loaded_` finishes once they are filled."""
+        if self.weight_scale is not None:
+            raise RuntimeError("fp8_storage_: this layer's weight is FP8 already")
+        self._check_fp8_shape()
+        n, k = self.weight.shape
+        self._model_dtype = self.weight.dtype
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=dev), requires_grad=False)
+
+    @torch.no_grad()
+    def fp8_loaded_(self) -> None:
+        """After the checkpoint filled weight and scale: the CPU path's dequantized copy (as quantize_fp8_)."""
+        if not self.weight.is_cuda:
+            self.weight_dequantized = fp8.dequantize_weight(self.weight, self.weight_scale, self._model_dtype)
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        """Replace the loaded weight by its FP8 quantization (the model-dtype copy is freed; on CPU the
+        dequantized values are kept instead, for the CPU path)."""
+        if self.weight_scale is not None:
+            raise RuntimeError("quantize_fp8_: this layer's weight is FP8 already")
+        self._check_fp8_shape()
         q, scale = fp8.quantize_weight(self.weight)
         dtype = self.weight.dtype
         self.weight = nn.Parameter(q, requires_grad=False)
@@ -124,3 +146,8 @@ def quantize_fp8_(model: nn.Module) -> int:
     for layer in layers:
         layer.quantize_fp8_()
     return len(layers)
+
+
+def linear_layers(model: nn.Module) -> list[_Linear]:
+    """Every column- / row-parallel linear of `model` (the layers FP8 applies to)."""
+    return [m for m in model.modules() if isinstance(m, _Linear)]

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spanllm.model.fp8_checkpoint import FP8Checkpoint, FP8CheckpointError, parse_quantization_config
 from spanllm.model_sizes import LLAMA31, LLAMA31_KV_HEADS, LLAMA31_VOCAB
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -52,6 +53,9 @@ class ModelConfig:
     truncated_from: int | None = None  # full layer count when this config keeps fewer layers
     # Where the weights are: an HF checkpoint folder, or a .gguf file (spanllm.model.gguf); None = random weights.
     checkpoint_dir: str | None = field(default=None, compare=False)
+    # The checkpoint's linear weights are FP8 already (config.json's quantization_config,
+    # spanllm.model.fp8_checkpoint): they load as they are and the engine runs FP8
+    fp8_checkpoint: FP8Checkpoint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for f in (
@@ -181,6 +185,10 @@ class ModelConfig:
             scaling = None
         else:
             raise ModelConfigError(f"rope_type={rope_type!r} is not supported; use 'llama3' or 'default'")
+        try:
+            fp8 = parse_quantization_config(cfg.get("quantization_config"), name)
+        except FP8CheckpointError as e:
+            raise ModelConfigError(str(e)) from None
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -201,6 +209,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dir=checkpoint_dir,
+            fp8_checkpoint=fp8,
         )
 
 

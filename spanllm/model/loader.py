@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.errors import UsageError
+from spanllm.layers.linear import linear_layers
 from spanllm.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from spanllm.model.fp8_checkpoint import FP8_SAFETENSORS_DTYPE, LINEAR_WEIGHTS, SCALE_SUFFIX, scale_shapes
 from spanllm.model.gguf import GGUFCheckpointReader, check_gguf, is_gguf
 from spanllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -111,6 +113,7 @@ def check_checkpoint(cfg) -> None:
             "save_pretrained(..., safe_serialization=True)"
         )
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    dtypes: dict[str, str | None] = {}
     for fname in files:
         path = os.path.join(directory, fname)
         if not os.path.isfile(path):
@@ -119,6 +122,9 @@ def check_checkpoint(cfg) -> None:
             )
         for name, info in read_safetensors_header(path).items():
             found[name] = (path, tuple(info.get("shape", ())))
+            dtypes[name] = info.get("dtype")
+    if cfg.fp8_checkpoint is not None:
+        _check_fp8_tensors(cfg, directory, found, dtypes)
     for name, shape in expected_tensors(cfg).items():
         if name not in found:
             raise CheckpointError(
@@ -131,6 +137,33 @@ def check_checkpoint(cfg) -> None:
                 f"{path}: tensor {name!r} has shape {have} but config.json implies {shape}; the "
                 "checkpoint and config.json disagree"
             )
+
+
+def _check_fp8_tensors(cfg, directory: str, found: dict, dtypes: dict) -> None:
+    """An FP8 checkpoint (config.json's quantization_config): every decoder linear weight stored as F8_E4M3, with
+    its scale tensor of the shape the scheme implies."""
+    strategy = cfg.fp8_checkpoint.weight_strategy
+    shapes = expected_tensors(cfg)
+    for i in range(cfg.num_layers):
+        for mod in LINEAR_WEIGHTS:
+            name = f"model.layers.{i}.{mod}.weight"
+            if name in dtypes and dtypes[name] != FP8_SAFETENSORS_DTYPE:
+                raise CheckpointError(
+                    f"tensor {name!r} is {dtypes[name]} in {directory!r}, but config.json's quantization_config says "
+                    f"the linear weights are FP8 ({FP8_SAFETENSORS_DTYPE}); the checkpoint and its config disagree"
+                )
+            scale = name + SCALE_SUFFIX
+            if scale not in found:
+                raise CheckpointError(
+                    f"tensor {scale!r} is missing from the FP8 checkpoint in {directory!r}: each FP8 weight needs its "
+                    "scale; copy the whole checkpoint folder"
+                )
+            allowed = scale_shapes(shapes[name][0], strategy)
+            if found[scale][1] not in allowed:
+                raise CheckpointError(
+                    f"tensor {scale!r} has shape {found[scale][1]}; {strategy} scales imply one of {list(allowed)}: "
+                    "the checkpoint and its quantization_config disagree"
+                )
 
 
 class CheckpointReader:
@@ -183,6 +216,16 @@ class CheckpointReader:
         if dim == 0:
             return sl[start:stop]
         return sl[:, start:stop]
+
+    def read_scale(self, name: str, n: int, strategy: str) -> torch.Tensor:
+        """An FP8 weight's scale tensor `name` as float32 [n] (a per-tensor scale repeated on every row)."""
+        t = self._file(name).get_tensor(name)
+        if tuple(t.shape) not in scale_shapes(n, strategy):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(t.shape)}; config.json's {strategy} scales imply one of "
+                f"{list(scale_shapes(n, strategy))}: the checkpoint and its quantization_config disagree"
+            )
+        return t.float().reshape(-1).expand(n) if strategy == "tensor" else t.float().reshape(n)
 
     def close(self) -> None:
         for h in self._handles.values():
@@ -267,6 +310,9 @@ def checkpoint_plan(model: LlamaForCausalLM):
 def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
     """Fill this stage's shard of every parameter from an HF safetensors checkpoint folder or a GGUF file."""
     reader = GGUFCheckpointReader(directory, model.config) if is_gguf(directory) else CheckpointReader(directory)
+    fp8 = model.config.fp8_checkpoint
+    # FP8 checkpoints: the linears hold float8 weights and float32 scales already (fp8_storage_), filled here
+    scaled = {id(m.weight): m for m in linear_layers(model)} if fp8 is not None else {}
     try:
         for param, pieces in checkpoint_plan(model):
             if pieces[0].name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -279,6 +325,14 @@ def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
                     param[pc.offset : pc.offset + t.shape[0]].copy_(t)
                 else:
                     param.copy_(t)
+                layer = scaled.get(id(param))
+                if layer is not None:
+                    # a row-sharded piece takes its rows' scales; a column-sharded one (row-parallel) every row's
+                    s = reader.read_scale(pc.name + SCALE_SUFFIX, pc.full_shape[0], fp8.weight_strategy)
+                    if pc.dim == 0:
+                        layer.weight_scale[pc.offset : pc.offset + t.shape[0]].copy_(s[pc.start : pc.stop])
+                    else:
+                        layer.weight_scale.copy_(s)
     finally:
         reader.close()
 

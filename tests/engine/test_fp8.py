@@ -100,7 +100,7 @@ def test_engine_fp8_equals_the_model_with_dequantized_weights():
         got = [list(o.output_ids) for o in quant.generate(prompts, params)]
         want = [list(o.output_ids) for o in plain.generate(prompts, params)]
         assert got == want
-        assert "weights fp8 e4m3 per-channel (dequantized on CPU)" in quant.describe()
+        assert "weights fp8 e4m3 per-channel, quantized at load (dequantized on CPU)" in quant.describe()
         assert "weights torch.float32" in plain.describe()
     finally:
         quant.close()
