@@ -516,6 +516,23 @@ def test_graph_ladders_cover_every_size_with_little_padding():
     assert all(b - a == 8 for a, b in zip(bucket_ladder(256)[4:], bucket_ladder(256)[5:]))
 
 
+def test_mixed_graphs_stop_at_8192_tokens_larger_steps_run_eagerly():
+    """A raised max_num_batched_tokens (long prompts in big chunks) keeps the mixed-graph ladder at 8,192 tokens:
+    bigger steps run eagerly instead of each holding its activations in the graph pool."""
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+    from spanllm.engine.worker.model_runner import MIXED_GRAPH_MAX_TOKENS
+
+    assert MIXED_GRAPH_MAX_TOKENS == 8192
+    for chunk, top in ((32768, 8192), (4096, 4096)):
+        llm = LLM("tiny", EngineConfig(max_num_batched_tokens=chunk, num_kv_blocks=64), device=torch.device("cpu"))
+        try:
+            runner = llm.engine_core.runner
+            assert runner.max_tokens == top and runner.token_ladder[-1] == top
+        finally:
+            llm.close()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failed_step_loses_no_request(hf_checkpoint, hf_serving_reference, async_scheduling):
     """A step whose sampling fails for every row runs again (the same tokens come out); a request whose token

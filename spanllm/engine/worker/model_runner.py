@@ -9,9 +9,10 @@ sequence).
 CUDA graphs (a whole-model runner whose attention backend supports them): one graph per padded batch size of
 the bucket ladder (1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs) for decode-only steps (per variant the
 backend names: with shared-prefix attention on, a second graph per bucket runs its stage), and one per padded
-token count of the token ladder for mixed steps (any prefill chunk), captured on first use into one memory
-pool. The runner keeps the static token ids, positions and slots (padded tokens: token 0 at position 0, slot 0
-in reserved block 0, computing garbage nobody reads; every op outside attention is row-wise) and the logits
+token count of the token ladder for mixed steps (any prefill chunk) up to MIXED_GRAPH_MAX_TOKENS, captured on
+first use into one memory pool. The runner keeps the static token ids, positions and slots (padded tokens:
+token 0 at position 0, slot 0 in reserved block 0, computing garbage nobody reads; every op outside attention
+is row-wise) and the logits
 rows; the attention backend keeps its own static metadata (spanllm.attention.triton). The all-reduces of the
 row-parallel layers are captured inside. Every step on CPU, on a pipeline stage, or with graphs off runs
 eagerly, and so does a step the backend asks to (`eager_only`: the cascade prefill's long chunks).
@@ -31,6 +32,12 @@ from spanllm.engine.worker.host_staging import HostStaging
 from spanllm.engine.worker.kv_cache import PagedKVCache
 from spanllm.layers.rope import RotaryEmbedding
 from spanllm.model.llama import LlamaForCausalLM
+
+# The largest mixed step a graph is captured for. A step above it (a long prompt's chunk with
+# max_num_batched_tokens raised) runs eagerly: its GEMMs take a tenth of a second or more, next to which launch
+# costs vanish, while every graph of such a bucket keeps its own activations in the pool (on an H100, the ladder
+# up to 24,576 tokens held 23.7 GB: results/h100/long_context/README.md, call E).
+MIXED_GRAPH_MAX_TOKENS = 8192
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -186,8 +193,9 @@ class ModelRunner:
             cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs and model.is_first and model.is_last
         )
         self.ladder = bucket_ladder(max_num_seqs)
-        self.max_tokens = max_num_batched_tokens
-        self.token_ladder = token_ladder(max_num_batched_tokens)
+        # mixed steps of up to max_tokens tokens replay graphs; larger ones (long-prompt chunks) run eagerly
+        self.max_tokens = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+        self.token_ladder = token_ladder(self.max_tokens)
         # decode graphs by (bucket, variant): the backend's decode_graph_variants (e.g. with shared-prefix attention)
         self._graphs: dict[tuple[int, object], _Graph] = {}
         self._mixed_graphs: dict[int, _Graph] = {}
