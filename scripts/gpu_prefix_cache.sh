@@ -6,7 +6,8 @@
 #      rate above what caching off sustains (1.25 x the offline off run's requests/s unless SERVE_RATE is given):
 #      median and p99 TTFT, on vs off, and the server's hit rate from /metrics;
 #      With SHARED_PREFIX_ABLATION=1 (default) also caching on with --shared-prefix-attention off (what the
-#      shared-prefix decode attention adds);
+#      shared-prefix decode attention adds), and with PREFIX_POLICY=1 (default) caching on with
+#      --scheduling-policy prefix (each system prompt's requests admitted together);
 #   3. multi-turn ShareGPT (`bench multi-turn`, the 48 conversations of results/h200/inputs/
 #      sharegpt_multiturn_seed0_c48_t6.json): TTFT per turn number, on vs off (same servers as 2);
 #   4. the committed 1000-request ShareGPT sample (almost no shared prefix) offline: output tok/s on vs off.
@@ -34,7 +35,7 @@
 # (results/h200/inputs/sharegpt_llama3_seed0_n1000.json), SHAREGPT_NUM_PROMPTS (all of it), SHAREGPT_OUTPUT_LEN
 # (unset: the sample's), MT_CONVERSATIONS (results/h200/inputs/sharegpt_multiturn_seed0_c48_t6.json), MT_FLAGS
 # (--num-conversations 48 --max-turns 6 --max-output-len 128 --request-rate 4 --max-active-conversations 16),
-# SHARED_PREFIX_ABLATION (1), SKIP_SERVE (0: 1 skips steps 2-3), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
+# SHARED_PREFIX_ABLATION (1), PREFIX_POLICY (1), SKIP_SERVE (0: 1 skips steps 2-3), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
 # SAMPLE_TIMEOUT (120), GSP_OFF_TIMEOUT (200), GSP_ON_TIMEOUT (150), SHAREGPT_TIMEOUT (100), SERVER_START_TIMEOUT
 # (150), SERVE_TIMEOUT (150), MT_TIMEOUT (150).
 set -u
@@ -130,6 +131,11 @@ if [ -f "$WORK/gsp.json" ]; then
       --model "$MODEL" --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --shared-prefix-attention off \
       --samples-file "$WORK/gsp.json" --json "$OUT_DIR/gsp_offline_on_no_shared_prefix.json"
   fi
+  if [ "${PREFIX_POLICY:-1}" = 1 ]; then  # caching on, requests of one system prompt admitted together
+    run_step gsp_offline_on_prefix_policy "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput \
+      --model "$MODEL" --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --scheduling-policy prefix \
+      --samples-file "$WORK/gsp.json" --json "$OUT_DIR/gsp_offline_on_prefix_policy.json"
+  fi
 fi
 
 # --- 4. the committed ShareGPT sample offline, on vs off ----------------------------------------------------------
@@ -223,9 +229,10 @@ def load(name):
 def ratio(a, b):
     return a / b if a is not None and b else None
 s = {"status": dict(l.strip().split("=", 1) for l in open(status_file) if "=" in l)}
-plain = load("gsp_offline_on_no_shared_prefix.json")
-s["gsp_offline_on_no_shared_prefix"] = plain and {"output_tok_s": plain["output_tokens_per_second"],
-                                                  "hit_rate": plain["prefix_cache"]["hit_rate"]}
+for variant in ("no_shared_prefix", "prefix_policy"):
+    r = load(f"gsp_offline_on_{variant}.json")
+    s[f"gsp_offline_on_{variant}"] = r and {"output_tok_s": r["output_tokens_per_second"],
+                                            "hit_rate": r["prefix_cache"]["hit_rate"]}
 for name in ("gsp_offline", "sharegpt_offline"):
     on, off = load(f"{name}_on.json"), load(f"{name}_off.json")
     tok = lambda r: r and r["output_tokens_per_second"]

@@ -11,7 +11,7 @@ from spanllm import checks
 from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, PREFILL_ATTENTION, QUANTIZATIONS
-from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
+from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.errors import UsageError
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
@@ -122,6 +122,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         help="share the KV blocks of prompt prefixes already computed (vLLM's automatic prefix caching)",
     )
     g.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="admission order: fcfs (arrival order), or prefix (requests sharing a prompt prefix of >= 512 tokens "
+        "admitted together, the oldest first, so that their decodes share the cached blocks; needs prefix caching)",
+    )
+    g.add_argument(
         "--min-admit",
         type=int,
         default=1,
@@ -186,6 +193,11 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
     if hasattr(args, "long_prefill_attention_budget"):
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
+    if getattr(args, "scheduling_policy", "fcfs") == "prefix" and not getattr(args, "enable_prefix_caching", True):
+        raise UsageError(
+            "--scheduling-policy prefix admits requests that share a cached prompt prefix together; it needs prefix "
+            "caching: drop --no-enable-prefix-caching, or use --scheduling-policy fcfs"
+        )
     if getattr(args, "shared_prefix_attention", "auto") == "on":
         where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
         if args.attention_backend == "torch" or not torch.cuda.is_available():
@@ -245,6 +257,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["long_prefill_attention_budget"] = args.long_prefill_attention_budget
     if hasattr(args, "enable_prefix_caching"):
         fields["enable_prefix_caching"] = args.enable_prefix_caching
+    if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
+        fields["scheduling_policy"] = args.scheduling_policy
     if getattr(args, "no_async_scheduling", False):
         fields["async_scheduling"] = False
     if args.max_model_len:

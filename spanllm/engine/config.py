@@ -10,7 +10,7 @@ import torch
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, PREFILL_ATTENTION
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
-from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
+from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
@@ -60,6 +60,9 @@ class EngineConfig:
     # keys once per group (spanllm.attention.shared_prefix): auto (on with the Triton backend), on, off
     shared_prefix_attention: str = "auto"
     min_admit: int = 1  # admission batching (spanllm.engine.core.scheduler.SchedulerConfig.min_admit); 1 = off
+    # Admission order (spanllm.engine.core.scheduler): "fcfs", or "prefix" (requests that share a prompt prefix
+    # admitted together, the oldest first; needs prefix caching)
+    scheduling_policy: str = "fcfs"
     # Query-key pairs a step's prefill chunks may attend while decodes share the step, so that a long prompt's
     # chunks do not stall the running decodes (spanllm.engine.core.scheduler); 0 = no limit
     long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
@@ -93,6 +96,13 @@ class EngineConfig:
         v = self.cascade_min_prefix
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"cascade_min_prefix={v!r} must be an integer >= 0 (0: every prefill chunk)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
+        if self.scheduling_policy == "prefix" and not self.enable_prefix_caching:
+            raise ValueError(
+                "scheduling_policy='prefix' admits requests that share a cached prompt prefix together; it needs "
+                "enable_prefix_caching=True (or use scheduling_policy='fcfs')"
+            )
         if self.shared_prefix_attention not in SHARED_PREFIX_ATTENTION:
             raise ValueError(
                 f"shared_prefix_attention={self.shared_prefix_attention!r} must be one of {SHARED_PREFIX_ATTENTION}"

@@ -265,6 +265,8 @@ class LLM:
             line += f", prefix caching {'on' if core.blocks.enable_prefix_caching else 'off'}"
         if self.engine.min_admit > 1:
             line += f", min_admit {self.engine.min_admit}"
+        if self.engine.scheduling_policy != "fcfs":
+            line += f", scheduling policy {self.engine.scheduling_policy} (prompt-prefix families admitted together)"
         budget = self.engine.long_prefill_attention_budget
         line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
@@ -441,6 +443,7 @@ class LLM:
             self.max_model_len,
             min_admit=e.min_admit,
             long_prefill_attention_budget=e.long_prefill_attention_budget,
+            scheduling_policy=e.scheduling_policy,
         )
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(

@@ -11,6 +11,14 @@ Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
 3. Waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free blocks
    allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
    Admission never preempts, and a step that preempted admits nothing.
+   With `scheduling_policy="prefix"` the order groups requests by prompt prefix (SGLang's cache-aware
+   scheduling, in a form that keeps the oldest request first): a request's family is the key of its first
+   PREFIX_FAMILY_BLOCKS full blocks (the prefix cache's chained block hash, so equal keys are equal prefixes);
+   the oldest waiting request is admitted first, and when its family's prefix was cached, the rest of its
+   family follows it (oldest first) before the next oldest request's family. A family whose prefix the step
+   admits uncached waits for the next step (its blocks are registered then: admitting the others now would
+   compute the same prefix again, in parallel). Decodes of one family then share their prefix blocks in the same
+   steps, which the shared-prefix decode attention reads once per group (spanllm.attention.shared_prefix).
 
 Long prefills beside decodes: a prefill chunk's attention costs (chunk) x (keys before it + chunk / 2) query-key
 pairs, so at 100k tokens of context one 8,192-token chunk takes most of a second, and every decode in that step
@@ -43,6 +51,10 @@ from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 DEFAULT_LONG_PREFILL_ATTENTION_BUDGET = 1 << 26  # pairs: ~35 TFLOP of attention in the 8B, ~0.1 s on an H100
+SCHEDULING_POLICIES = ("fcfs", "prefix")
+# The prefix that makes a family under scheduling_policy="prefix": 32 blocks (512 tokens at block size 16, the
+# shared-prefix decode attention's least group prefix); a shorter prompt belongs to none.
+PREFIX_FAMILY_BLOCKS = 32
 
 
 def chunk_within_pairs(context: int, pairs: int) -> int:
@@ -68,6 +80,9 @@ class SchedulerConfig:
     admit_max_wait_steps: int = 16
     # Query-key pairs the prefill chunks of a step with decodes may attend (module docstring); 0 = no limit.
     long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
+    # Admission order (module docstring): "fcfs", or "prefix" (families of requests sharing a prompt prefix
+    # admitted together; needs prefix caching)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_admit", "admit_max_wait_steps"):
@@ -77,6 +92,8 @@ class SchedulerConfig:
         v = self.long_prefill_attention_budget
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
 
 
 @dataclass
@@ -97,9 +114,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        if config.scheduling_policy == "prefix" and not blocks.enable_prefix_caching:
+            raise ValueError(
+                "scheduling_policy='prefix' admits requests that share a cached prompt prefix together; it needs "
+                "prefix caching on (enable_prefix_caching=True), or use scheduling_policy='fcfs'"
+            )
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
+        # scheduling_policy="prefix": the waiting requests of each family (family key -> arrival order; the same
+        # sequences as in self.waiting, kept in step with it)
+        self.families: dict[bytes, deque[Sequence]] = {}
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of first admissions
@@ -110,13 +135,38 @@ class Scheduler:
     # --- queues -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.config.scheduling_policy == "prefix":
+            seq.family = self._family_of(seq)
+            if seq.family is not None:
+                self.families.setdefault(seq.family, deque()).append(seq)
+
+    def _family_of(self, seq: Sequence) -> bytes | None:
+        """The key of seq's first PREFIX_FAMILY_BLOCKS full prompt blocks (None: a shorter prompt)."""
+        if (seq.num_prompt - 1) // self.blocks.block_size < PREFIX_FAMILY_BLOCKS:
+            return None
+        return self.blocks.block_hashes(seq, PREFIX_FAMILY_BLOCKS)[PREFIX_FAMILY_BLOCKS - 1]
+
+    def _leave_waiting(self, seq: Sequence) -> None:
+        """seq leaves the waiting queue (admitted, aborted or finished), and its family's."""
+        if self.waiting and self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        fam = self.families.get(seq.family) if seq.family is not None else None
+        if fam is not None:
+            fam.remove(seq)
+            if not fam:
+                del self.families[seq.family]
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request from either queue, free its blocks; None when it is not here (finished)."""
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
-                    queue.remove(seq)
+                    if queue is self.waiting:
+                        self._leave_waiting(seq)
+                    else:
+                        queue.remove(seq)
                     self.blocks.free(seq)
                     seq.finish(FinishReason.ABORT)
                     return seq
@@ -126,7 +176,7 @@ class Scheduler:
         """A sequence finished in postprocessing: leave its queue, free its blocks. Usually it is running;
         with async scheduling it may have been preempted (waiting) after the step that sampled its last token."""
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self._leave_waiting(seq)
         else:
             self.running.remove(seq)
         self.blocks.free(seq)
@@ -187,14 +237,24 @@ class Scheduler:
             self._held_steps += 1
             return out
         self._held_steps = 0
+        family, deferred = None, set()  # scheduling_policy="prefix": the family being admitted; families to wait
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting(family, deferred)
+            if seq is None:
+                break
             hits = self.blocks.lookup(seq)
             n = self._chunk_that_fits(seq, budget, hits)
             n, pairs_left = self._capped(seq, n, len(hits) * bs, pairs_left, out)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self._leave_waiting(seq)
+            if seq.family is not None:
+                # cached: its family follows it; computed in this step: the rest wait for its blocks
+                family = seq.family if len(hits) >= PREFIX_FAMILY_BLOCKS else None
+                if family is None:
+                    deferred.add(seq.family)
+            else:
+                family = None
             if hits:
                 self.blocks.take(seq, hits)
             seq.num_computed = seq.num_cached_tokens = len(hits) * bs
@@ -211,6 +271,19 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
         return out
+
+    def _next_waiting(self, family: bytes | None, deferred: set[bytes]) -> Sequence | None:
+        """The next request to admit: the oldest (fcfs); under "prefix", the oldest of the family being admitted,
+        else the oldest whose family is not waiting for this step's blocks (None: every waiting one is)."""
+        if self.config.scheduling_policy == "fcfs":
+            return self.waiting[0]
+        members = self.families.get(family) if family is not None else None
+        if members:
+            return members[0]
+        for seq in self.waiting:
+            if seq.family is None or seq.family not in deferred:
+                return seq
+        return None
 
     def _capped(self, seq: Sequence, n: int, context: int, pairs_left: int | None, out: ScheduledBatch):
         """(chunk, pairs left): n cut to the step's attention budget; the step's first prefill gets >= 1 token."""
@@ -257,4 +330,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if seq.family is not None:  # back at the head of its family too (its oldest)
+            self.families.setdefault(seq.family, deque()).appendleft(seq)
         out.preempted.append(seq)

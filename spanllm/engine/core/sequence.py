@@ -53,6 +53,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    family: bytes | None = None  # scheduling_policy="prefix": the key of its prompt's first blocks (scheduler)
     num_preemptions: int = 0
     num_pending: int = 0  # sampled on the device, not yet appended on the host (async scheduling)
     pending_row: int = -1  # the newest pending token's row in its step's sampled tensor

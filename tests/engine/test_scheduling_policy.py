@@ -1,0 +1,218 @@
+"""scheduling_policy="prefix" (spanllm.engine.core.scheduler): families of requests sharing a prompt prefix are
+admitted together, the oldest request first; a family whose prefix a step computes waits for the next step (then
+it hits the cache instead of computing the prefix again in parallel); preemption, aborts and finishes keep the
+families in step with the waiting queue; a random walk ends with exact block accounting; greedy outputs are the
+same as under fcfs; and the configurations that cannot work are refused."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from spanllm.engine.core import scheduler as sched_mod
+from spanllm.engine.core.block_manager import BlockManager
+from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
+from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from spanllm.engine.sampler import SamplingParams
+
+BS = 4
+FAMILY_BLOCKS = 2  # a family is the first 8 tokens here (monkeypatched: 32 blocks in the engine)
+A, B, C = [1] * 8, [2] * 8, [3] * 8
+
+
+@pytest.fixture(autouse=True)
+def small_families(monkeypatch):
+    monkeypatch.setattr(sched_mod, "PREFIX_FAMILY_BLOCKS", FAMILY_BLOCKS)
+
+
+def _seq(rid: str, tokens, max_tokens: int = 2) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def _run(sched: Scheduler, batch) -> None:
+    for seq, n in batch.entries:
+        samples = seq.num_computed + n == seq.num_tokens
+        seq.num_computed += n
+        if samples:
+            seq.output_ids.append(7)
+            if seq.num_output >= seq.params.max_tokens:
+                sched.finish(seq)
+                seq.finish(FinishReason.LENGTH)
+
+
+def _drain(sched: Scheduler, steps: int = 500) -> None:
+    for _ in range(steps):
+        if not sched.has_work():
+            return
+        _run(sched, sched.schedule())
+    raise AssertionError("did not drain")
+
+
+def _admitted(batch) -> list[str]:
+    return [s.request_id for s, _ in batch.entries[batch.num_decode :]]
+
+
+def _scheduler(policy: str, blocks: int = 256, **kw) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, scheduling_policy=policy, **kw
+    )
+    return Scheduler(cfg, BlockManager(blocks, BS))
+
+
+def _warm(sched: Scheduler, *prefixes) -> None:
+    """Cache each prefix (one request per prefix run to its end)."""
+    for i, p in enumerate(prefixes):
+        sched.add(_seq(f"warm{i}", p + [90 + i], 1))
+    _drain(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "prefix"])
+def test_cached_families_are_admitted_together_oldest_first(policy):
+    sched = _scheduler(policy)
+    _warm(sched, A, B, C)
+    arrivals = [("a1", A), ("b1", B), ("a2", A), ("c1", C), ("x", [9] * 5), ("b2", B), ("a3", A)]
+    for rid, p in arrivals:
+        sched.add(_seq(rid, p + [50, 51, 52]))
+    batch = sched.schedule()
+    if policy == "fcfs":
+        assert _admitted(batch) == [rid for rid, _ in arrivals]
+    else:  # a1's family, then b1's, then c1's; x (a short prompt) in its place among the oldest
+        assert _admitted(batch) == ["a1", "a2", "a3", "b1", "b2", "c1", "x"]
+    assert all(s.num_cached_tokens == 8 for s, _ in batch.entries if s.request_id != "x")
+    _drain(sched)
+    assert not sched.families and not sched.waiting
+    sched.blocks.check([])
+
+
+def test_a_family_whose_prefix_is_computed_this_step_waits_for_its_blocks():
+    """Nothing cached: fcfs computes the shared prefix once per request admitted in the same step; prefix admits
+    one request per family, and the rest hit the cache a step later."""
+    hits = {}
+    for policy in ("fcfs", "prefix"):
+        sched = _scheduler(policy)
+        for rid, p in [("a1", A), ("b1", B), ("a2", A), ("b2", B), ("a3", A)]:
+            sched.add(_seq(rid, p + [50, 51]))
+        first = sched.schedule()
+        _run(sched, first)
+        second = sched.schedule()
+        if policy == "fcfs":
+            assert _admitted(first) == ["a1", "b1", "a2", "b2", "a3"] and _admitted(second) == []
+        else:
+            assert _admitted(first) == ["a1", "b1"]
+            assert _admitted(second) == ["a2", "a3", "b2"]
+            assert [s.num_cached_tokens for s, _ in second.entries[second.num_decode :]] == [8, 8, 8]
+        _run(sched, second)
+        _drain(sched)
+        hits[policy] = sched.prefix_cache_hits
+        sched.blocks.check([])
+    assert hits == {"fcfs": 0, "prefix": 24}
+
+
+def test_aborts_finishes_and_preemption_keep_families_in_step_with_the_queue():
+    sched = _scheduler("prefix")
+    _warm(sched, A)
+    seqs = {rid: _seq(rid, A + [60 + i]) for i, rid in enumerate(["a1", "a2", "a3"])}
+    for s in seqs.values():
+        sched.add(s)
+    family = seqs["a1"].family
+    assert family is not None and list(sched.families[family]) == list(seqs.values())
+    assert sched.abort("a2") is seqs["a2"]
+    assert list(sched.families[family]) == [seqs["a1"], seqs["a3"]]
+    short = _seq("short", [5, 5, 5])
+    sched.add(short)
+    assert short.family is None  # fewer than FAMILY_BLOCKS full blocks before its last token
+    batch = sched.schedule()
+    assert _admitted(batch) == ["a1", "a3", "short"] and not sched.families
+    # a preempted family member goes back to the head of the queue and of its family
+    victim = seqs["a3"]
+    sched._preempt(victim, batch)
+    assert sched.waiting[0] is victim and list(sched.families[family]) == [victim]
+    assert victim.status is SequenceStatus.WAITING
+    _drain(sched)
+    assert not sched.families
+    sched.blocks.check([])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walk_under_the_prefix_policy(seed):
+    """Random arrivals over a few families into a small pool (preemptions), random aborts: every request ends,
+    the families mirror the waiting queue after every step, and the block accounting is exact at the end."""
+    rng = random.Random(seed)
+    sched = _scheduler("prefix", blocks=20)
+    prefixes = [[10 + f] * (4 * rng.randint(1, 4)) for f in range(4)]
+    live: list[Sequence] = []
+    n = 0
+    for _ in range(300):
+        if rng.random() < 0.5 and n < 120:
+            p = rng.choice(prefixes) + [rng.randint(100, 200) for _ in range(rng.randint(1, 9))]
+            s = _seq(f"r{n}", p, max_tokens=rng.randint(1, 16))
+            n += 1
+            sched.add(s)
+            live.append(s)
+        if rng.random() < 0.05 and live:
+            victim = rng.choice(live)
+            if not victim.is_finished:
+                sched.abort(victim.request_id)
+        _run(sched, sched.schedule())
+        in_families = [s for fam in sched.families.values() for s in fam]
+        assert sorted(map(id, in_families)) == sorted(id(s) for s in sched.waiting if s.family is not None)
+    _drain(sched, 3000)
+    assert all(s.is_finished for s in live)
+    assert sched.num_preemptions > 0 and sched.prefix_cache_hits > 0  # the walk preempted and hit
+    assert not sched.families
+    sched.blocks.check([])
+
+
+def test_configurations_refused():
+    with pytest.raises(ValueError, match=r"scheduling_policy='lpm' must be one of \('fcfs', 'prefix'\)"):
+        SchedulerConfig(scheduling_policy="lpm")
+    with pytest.raises(ValueError, match="needs prefix caching on"):
+        Scheduler(SchedulerConfig(scheduling_policy="prefix"), BlockManager(16, BS, enable_prefix_caching=False))
+    from spanllm.commands.engine_args import (
+        add_engine_arguments,
+        add_model_arguments,
+        check_engine_arguments,
+        engine_config_from_args,
+    )
+    from spanllm.engine.config import EngineConfig
+    from spanllm.errors import UsageError
+
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):
+        EngineConfig(scheduling_policy="prefix", enable_prefix_caching=False)
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    args = ap.parse_args(["--model", "tiny", "--scheduling-policy", "prefix"])
+    check_engine_arguments(args)
+    assert engine_config_from_args(args, torch.device("cpu")).scheduling_policy == "prefix"
+    bad = ap.parse_args(["--model", "tiny", "--scheduling-policy", "prefix", "--no-enable-prefix-caching"])
+    with pytest.raises(UsageError, match="--scheduling-policy prefix .* drop --no-enable-prefix-caching"):
+        check_engine_arguments(bad)
+
+
+def test_engine_outputs_equal_under_both_policies(monkeypatch):
+    """Greedy tokens per request are the same whichever order requests are admitted in (tiny model, CPU)."""
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+
+    rng = random.Random(0)
+    systems = [[rng.randint(10, 200) for _ in range(40)] for _ in range(3)]
+    prompts = [systems[i % 3] + [rng.randint(10, 200) for _ in range(rng.randint(1, 9))] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for policy in ("fcfs", "prefix"):
+        llm = LLM(
+            "tiny",
+            EngineConfig(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy=policy),
+            device=torch.device("cpu"),
+        )
+        try:
+            outs[policy] = [list(o.output_ids) for o in llm.generate(prompts, params)]
+            if policy == "prefix":
+                assert "scheduling policy prefix" in llm.describe()
+        finally:
+            llm.close()
+    assert outs["fcfs"] == outs["prefix"]
