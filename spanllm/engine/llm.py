@@ -103,8 +103,9 @@ class LLM:
         # Per-op decode timers (bench batch's breakdown): attached to the model by hooks, off until enabled.
         self.timers = Timers(self.device, enabled=False, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
+        fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
         if self.engine.quantization == "fp8":
-            check_fp8_device(self.device)
+            check_fp8_device(self.device, checkpoint=fp8_checkpoint)
         tp = TPContext(
             rank=self.groups.tp_rank,
             size=self.dims.tp,
@@ -113,14 +114,11 @@ class LLM:
             decode_gemm=self.engine.decode_gemm,
             device=self.device,
             dtype=self.engine.dtype,
+            fp8_weights=fp8_checkpoint,  # float8 weights and their scales, filled from the checkpoint as they are
         )
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)
         self.model = LlamaForCausalLM(self.config, tp, layers, g.is_first_stage, g.is_last_stage)
-        fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
-        if fp8_checkpoint:  # float8 weights and their scales, filled from the checkpoint as they are
-            for layer in linear_layers(self.model):
-                layer.fp8_storage_()
         if self.config.checkpoint_dir is not None:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
@@ -373,6 +371,9 @@ class LLM:
         )
         if e.cuda_graphs and self.device.type == "cuda":  # the graphs' shared float32 logits buffer
             reserve += e.max_num_seqs * cfg.vocab_size * 4
+        if self.device.type == "cuda":
+            # blocks the build freed (a weight replaced by its FP8 quantization) would count as used below
+            torch.cuda.empty_cache()
         sizing = size_pool(
             device=self.device,
             per_block=per_block,

@@ -98,13 +98,19 @@ def fp8_linear(
     return y.reshape(*lead, weight.shape[0])
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """Refuse FP8 on a GPU without FP8 tensor cores (before any weight is read)."""
+def check_fp8_device(device: torch.device, checkpoint: bool = False) -> None:
+    """Refuse FP8 on a GPU without FP8 tensor cores (before any weight is read). checkpoint: the weights are FP8
+    in the checkpoint itself (its quantization_config), so the fix is another checkpoint, not a flag."""
     if device.type != "cuda":
         return
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_FP8_CAPABILITY:
+        fix = (
+            "This checkpoint is FP8 by its config.json's quantization_config: load its bf16 original instead"
+            if checkpoint
+            else "Run without --quantization"
+        )
         raise ValueError(
             f"quantization='fp8' needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
-            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. Run without --quantization"
+            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. {fix}"
         )

@@ -22,36 +22,47 @@ class _Linear(nn.Module):
     def __init__(self, tp: TPContext, out_local: int, in_local: int) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = tp.empty(out_local, in_local)
         self.weight_scale: nn.Parameter | None = None  # float32 [N] once quantized to FP8
         self.weight_dequantized: torch.Tensor | None = None  # FP8 on CPU: q * scale in the model dtype
+        if tp.fp8_weights:  # an FP8 checkpoint fills these (fp8_loaded_ after it)
+            self._fp8_storage(out_local, in_local, tp.dtype, tp.device, checkpoint=True)
+        else:
+            self.weight = tp.empty(out_local, in_local)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.weight_scale is None:
             return self.tp.linear(x, self.weight)
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
 
-    def _check_fp8_shape(self) -> None:
-        n, k = self.weight.shape
+    @staticmethod
+    def _check_fp8_shape(n: int, k: int, checkpoint: bool = False) -> None:
         if n % fp8.FP8_SHAPE_MULTIPLE or k % fp8.FP8_SHAPE_MULTIPLE:
+            fix = (
+                "This checkpoint is FP8 by its config.json's quantization_config: load its bf16 original instead, "
+                if checkpoint
+                else "Run without --quantization, "
+            )
             raise ValueError(
                 f"quantization='fp8': a linear layer of this model (per rank) is [{n}, {k}]; FP8 GEMMs "
-                f"(torch._scaled_mm) need both sizes multiples of {fp8.FP8_SHAPE_MULTIPLE}. Run without "
-                "--quantization, or at a tensor-parallel degree that keeps the shards multiples of 16"
+                f"(torch._scaled_mm) need both sizes multiples of {fp8.FP8_SHAPE_MULTIPLE}. {fix}or run at a "
+                "tensor-parallel degree that keeps the shards multiples of 16"
             )
+
+    def _fp8_storage(self, n: int, k: int, dtype: torch.dtype, device, checkpoint: bool) -> None:
+        self._check_fp8_shape(n, k, checkpoint)
+        self._model_dtype = dtype
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=device), requires_grad=False)
 
     @torch.no_grad()
     def fp8_storage_(self) -> None:
         """Make the weight an empty float8_e4m3fn [N, K] and its scale an empty float32 [N], for a checkpoint that
-        holds them (spanllm.model.fp8_checkpoint); `fp8_loaded_` finishes once they are filled."""
+        holds them (spanllm.model.fp8_checkpoint; LLM builds such layers so directly: TPContext.fp8_weights);
+        `fp8_loaded_` finishes once they are filled."""
         if self.weight_scale is not None:
             raise RuntimeError("fp8_storage_: this layer's weight is FP8 already")
-        self._check_fp8_shape()
         n, k = self.weight.shape
-        self._model_dtype = self.weight.dtype
-        dev = self.weight.device
-        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=dev), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=dev), requires_grad=False)
+        self._fp8_storage(n, k, self.weight.dtype, self.weight.device, checkpoint=True)
 
     @torch.no_grad()
     def fp8_loaded_(self) -> None:
@@ -65,7 +76,7 @@ class _Linear(nn.Module):
         dequantized values are kept instead, for the CPU path)."""
         if self.weight_scale is not None:
             raise RuntimeError("quantize_fp8_: this layer's weight is FP8 already")
-        self._check_fp8_shape()
+        self._check_fp8_shape(*self.weight.shape)
         q, scale = fp8.quantize_weight(self.weight)
         dtype = self.weight.dtype
         self.weight = nn.Parameter(q, requires_grad=False)

@@ -49,6 +49,9 @@ class TPContext:
     # measured table says the skinny kernel runs faster (skinny_gemm.prefer_skinny; CUDA tensors only);
     # "torch" (and more rows): F.linear.
     decode_gemm: str = "torch"
+    # The checkpoint's linear weights are FP8 (spanllm.model.fp8_checkpoint): the layers are built with float8
+    # weights and float32 scales from the start (a model-dtype copy first would need the bf16 model's memory)
+    fp8_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.size > 1 and self.comm is None:

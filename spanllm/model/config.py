@@ -186,7 +186,7 @@ class ModelConfig:
         else:
             raise ModelConfigError(f"rope_type={rope_type!r} is not supported; use 'llama3' or 'default'")
         try:
-            fp8 = parse_quantization_config(cfg.get("quantization_config"), name)
+            fp8 = parse_quantization_config(cfg.get("quantization_config"), name, int(cfg.get("num_hidden_layers", 1)))
         except FP8CheckpointError as e:
             raise ModelConfigError(str(e)) from None
         heads = int(cfg["num_attention_heads"])

@@ -18,6 +18,7 @@ integer quantization, layers left unquantized other than the LM head.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,30 +46,51 @@ class FP8Checkpoint:
 
     method: str  # "compressed-tensors" or "fp8"
     weight_strategy: str  # "channel": one scale per output row; "tensor": one scale per weight
+    # The checkpoint also calibrated an FP8 KV cache (kv_cache_scheme); the engine keeps K/V in the model dtype
+    # (more precise, twice the memory) and its description says so
+    kv_cache_scheme_unused: bool = False
 
     def describe(self) -> str:
-        return f"FP8 checkpoint ({self.method}, {self.weight_strategy} scales)"
+        kv = "; its kv_cache_scheme not applied: K/V in the model dtype" if self.kv_cache_scheme_unused else ""
+        return f"FP8 checkpoint ({self.method}, {self.weight_strategy} scales{kv})"
 
 
-def parse_quantization_config(qc: Any, where: str) -> FP8Checkpoint | None:
+def parse_quantization_config(qc: Any, where: str, num_layers: int = 1) -> FP8Checkpoint | None:
     """config.json's `quantization_config` (None: an unquantized checkpoint) -> FP8Checkpoint, or an
-    FP8CheckpointError naming the field, its value and the fix."""
+    FP8CheckpointError naming the field, its value and the fix. num_layers: the decoder layers (regex entries of an
+    ignore list are matched against their linear layers' names)."""
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise FP8CheckpointError(f"{where}: quantization_config={qc!r} must be an object")
     method = qc.get("quant_method")
-    if method == "compressed-tensors":
-        return _compressed_tensors(qc, where)
-    if method == "fp8":
-        return _vllm_fp8(qc, where)
+    try:
+        if method == "compressed-tensors":
+            ckpt = _compressed_tensors(qc, where, num_layers)
+        elif method == "fp8":
+            ckpt = _vllm_fp8(qc, where, num_layers)
+        else:
+            ckpt = None
+    except (AttributeError, TypeError, KeyError) as e:  # a field of the wrong type
+        raise FP8CheckpointError(
+            f"{where}: quantization_config is malformed ({type(e).__name__}: {e}) in {_groups_repr(qc)}; restore the "
+            f"checkpoint's config.json, or {USE_INSTEAD}"
+        ) from None
+    if ckpt is not None:
+        if qc.get("kv_cache_scheme"):
+            ckpt = FP8Checkpoint(ckpt.method, ckpt.weight_strategy, kv_cache_scheme_unused=True)
+        return ckpt
     raise FP8CheckpointError(
         f"{where}: quantization_config.quant_method={method!r} is not supported; this engine loads FP8 checkpoints "
         f"('compressed-tensors' FP8-dynamic, or 'fp8' with dynamic activations); {USE_INSTEAD}"
     )
 
 
-def _vllm_fp8(qc: dict, where: str) -> FP8Checkpoint:
+def _groups_repr(qc: dict) -> str:
+    return f"config_groups={qc.get('config_groups')!r}"[:300]
+
+
+def _vllm_fp8(qc: dict, where: str, num_layers: int) -> FP8Checkpoint:
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise FP8CheckpointError(
@@ -80,11 +102,23 @@ def _vllm_fp8(qc: dict, where: str) -> FP8Checkpoint:
             f"{where}: quantization_config.weight_block_size={qc['weight_block_size']!r}: block-wise weight scales are "
             f"not supported (per-channel or per-tensor only); {USE_INSTEAD}"
         )
-    _only_lm_head_ignored(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [], where)
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        _only_lm_head_ignored(qc.get(key) or [], where, num_layers, key)
     return FP8Checkpoint("fp8", "tensor")
 
 
-def _compressed_tensors(qc: dict, where: str) -> FP8Checkpoint:
+def _compressed_tensors(qc: dict, where: str, num_layers: int) -> FP8Checkpoint:
+    if qc.get("transform_config"):
+        raise FP8CheckpointError(
+            f"{where}: quantization_config.transform_config is set (rotations such as SpinQuant / QuIP, some applied "
+            f"to activations at run time): not supported; {USE_INSTEAD}"
+        )
+    sparsity = qc.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") not in (None, "dense"):
+        raise FP8CheckpointError(
+            f"{where}: quantization_config.sparsity_config={sparsity!r}: compressed sparse weights are not supported "
+            f"(only 'dense'); {USE_INSTEAD}"
+        )
     fmt = qc.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise FP8CheckpointError(
@@ -99,6 +133,13 @@ def _compressed_tensors(qc: dict, where: str) -> FP8Checkpoint:
         )
     ((name, group),) = groups.items()
     field = f"config_groups.{name}"
+    if not isinstance(group, dict):
+        raise FP8CheckpointError(f"{where}: {field}={group!r} must be an object; {USE_INSTEAD}")
+    if group.get("format", fmt) != fmt:
+        raise FP8CheckpointError(
+            f"{where}: {field}.format={group.get('format')!r} differs from the checkpoint's format={fmt!r}; "
+            f"{USE_INSTEAD}"
+        )
     targets = group.get("targets")
     if targets != ["Linear"]:
         raise FP8CheckpointError(f"{where}: {field}.targets={targets!r}; ['Linear'] is supported; {USE_INSTEAD}")
@@ -114,24 +155,59 @@ def _compressed_tensors(qc: dict, where: str) -> FP8Checkpoint:
             f"'tensor' scales are supported (not group- or block-wise); {USE_INSTEAD}"
         )
     a = group.get("input_activations")
-    if not a or (a.get("num_bits"), a.get("type"), a.get("strategy"), a.get("dynamic")) != (8, "float", "token", True):
+    wanted = (8, "float", "token", True, True)
+    if (
+        not a
+        or (a.get("num_bits"), a.get("type"), a.get("strategy"), a.get("dynamic"), a.get("symmetric", True)) != wanted
+    ):
         raise FP8CheckpointError(
             f"{where}: {field}.input_activations={a!r}: the engine quantizes activations per token on the fly (8-bit "
-            "float, strategy 'token', dynamic true, the FP8-dynamic scheme); a checkpoint with static activation "
-            f"scales or with bf16 activations would not be run as it was calibrated; {USE_INSTEAD}"
+            "float, strategy 'token', dynamic true, symmetric, the FP8-dynamic scheme); a checkpoint with static "
+            f"activation scales or with bf16 activations would not be run as it was calibrated; {USE_INSTEAD}"
         )
     if group.get("output_activations"):
         raise FP8CheckpointError(f"{where}: {field}.output_activations are not supported; {USE_INSTEAD}")
-    _only_lm_head_ignored(qc.get("ignore") or [], where)
+    ignore = qc.get("ignore") or []
+    _only_lm_head_ignored(ignore, where, num_layers, "ignore")
+    if not any(_names_lm_head(x) for x in ignore):
+        # targets ['Linear'] covers the LM head unless it is ignored: the engine keeps it in the model dtype
+        raise FP8CheckpointError(
+            f"{where}: quantization_config.ignore={ignore!r} does not name lm_head, so the checkpoint's LM head is "
+            f"quantized too; the engine runs the LM head in the model dtype only; {USE_INSTEAD}"
+        )
     return FP8Checkpoint("compressed-tensors", strategy)
 
 
-def _only_lm_head_ignored(ignored: Any, where: str) -> None:
-    others = [x for x in ignored if x != "lm_head"] if isinstance(ignored, list) else [ignored]
+def _names_lm_head(entry: Any) -> bool:
+    if entry == "lm_head":
+        return True
+    return isinstance(entry, str) and entry.startswith("re:") and _regex_matches(entry[3:], "lm_head")
+
+
+def _regex_matches(pattern: str, name: str) -> bool:
+    try:
+        return re.match(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def _only_lm_head_ignored(ignored: Any, where: str, num_layers: int, key: str) -> None:
+    """Every entry of an ignore list names the LM head and no decoder linear layer (a 're:' entry is a regex)."""
+    entries = ignored if isinstance(ignored, list) else [ignored]
+    decoder = [f"model.layers.{i}.{m}" for i in range(max(1, num_layers)) for m in LINEAR_WEIGHTS]
+    others = []
+    for x in entries:
+        if not isinstance(x, str):
+            others.append(x)
+        elif x.startswith("re:"):
+            if not _names_lm_head(x) or any(_regex_matches(x[3:], n) for n in decoder):
+                others.append(x)
+        elif x != "lm_head":
+            others.append(x)
     if others:
         raise FP8CheckpointError(
-            f"{where}: quantization_config leaves {others!r} unquantized; the engine runs every decoder linear layer "
-            f"in FP8 (only lm_head stays in the model dtype); {USE_INSTEAD}"
+            f"{where}: quantization_config.{key} leaves {others!r} unquantized; the engine runs every decoder linear "
+            f"layer in FP8 (only lm_head stays in the model dtype); {USE_INSTEAD}"
         )
 
 

@@ -23,6 +23,8 @@ from spanllm.model.gguf import GGUFCheckpointReader, check_gguf, is_gguf
 from spanllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
+SCALE_DTYPES = ("F32", "BF16", "F16")
+FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SINGLE_FILE = "model.safetensors"
 
 
@@ -106,7 +108,7 @@ def check_checkpoint(cfg) -> None:
                 "'weight_map' of tensor name -> file"
             ) from None
     elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
-        files = [SINGLE_FILE]
+        files, weight_map = [SINGLE_FILE], None
     else:
         raise CheckpointError(
             f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
@@ -121,22 +123,41 @@ def check_checkpoint(cfg) -> None:
                 f"{index}: lists {fname}, which is missing from {directory}; copy the whole checkpoint folder"
             )
         for name, info in read_safetensors_header(path).items():
-            found[name] = (path, tuple(info.get("shape", ())))
-            dtypes[name] = info.get("dtype")
+            # the loader finds a tensor through the index: only where the index says it is does it count
+            if weight_map is None or weight_map.get(name) == fname:
+                found[name] = (path, tuple(info.get("shape", ())))
+                dtypes[name] = info.get("dtype")
+    fp8_weights = {f"model.layers.{i}.{m}.weight" for i in range(cfg.num_layers) for m in LINEAR_WEIGHTS}
+    for name, dtype in dtypes.items():
+        if str(dtype).startswith("F8") and (cfg.fp8_checkpoint is None or name not in fp8_weights):
+            why = (
+                "config.json has no quantization_config saying how (its scales would be ignored)"
+                if cfg.fp8_checkpoint is None
+                else "the engine keeps everything but the decoder's linear layers in the model dtype"
+            )
+            raise CheckpointError(
+                f"tensor {name!r} in {directory!r} is {dtype} (FP8), but {why}; use an FP8 checkpoint with its "
+                "quantization_config (compressed-tensors FP8-dynamic), or the bf16 original with --quantization fp8"
+            )
     if cfg.fp8_checkpoint is not None:
         _check_fp8_tensors(cfg, directory, found, dtypes)
     for name, shape in expected_tensors(cfg).items():
         if name not in found:
-            raise CheckpointError(
-                f"tensor {name!r} is missing from the checkpoint in {directory!r} ({len(found)} "
-                "tensors present); does config.json match the weights?"
-            )
+            raise CheckpointError(_missing(name, directory, len(found), index if weight_map is not None else None))
         path, have = found[name]
         if have != shape:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {have} but config.json implies {shape}; the "
                 "checkpoint and config.json disagree"
             )
+
+
+def _missing(name: str, directory: str, present: int, index: str | None) -> str:
+    where = f" where {index} maps it" if index else ""
+    return (
+        f"tensor {name!r} is missing from the checkpoint in {directory!r}{where} ({present} tensors found); does "
+        "config.json match the weights (and the index its shards)?"
+    )
 
 
 def _check_fp8_tensors(cfg, directory: str, found: dict, dtypes: dict) -> None:
@@ -153,10 +174,15 @@ def _check_fp8_tensors(cfg, directory: str, found: dict, dtypes: dict) -> None:
                     f"the linear weights are FP8 ({FP8_SAFETENSORS_DTYPE}); the checkpoint and its config disagree"
                 )
             scale = name + SCALE_SUFFIX
+            if scale in dtypes and dtypes[scale] not in SCALE_DTYPES:
+                raise CheckpointError(
+                    f"tensor {scale!r} is {dtypes[scale]}; FP8 weight scales are floating point "
+                    f"({', '.join(SCALE_DTYPES)}): the checkpoint is damaged or not an FP8 checkpoint"
+                )
             if scale not in found:
                 raise CheckpointError(
-                    f"tensor {scale!r} is missing from the FP8 checkpoint in {directory!r}: each FP8 weight needs its "
-                    "scale; copy the whole checkpoint folder"
+                    f"tensor {scale!r} is missing from the FP8 checkpoint in {directory!r} (each FP8 weight needs its "
+                    "scale), or the index does not map it to the shard that holds it; copy the whole checkpoint folder"
                 )
             allowed = scale_shapes(shapes[name][0], strategy)
             if found[scale][1] not in allowed:
@@ -225,7 +251,15 @@ class CheckpointReader:
                 f"tensor {name!r} has shape {tuple(t.shape)}; config.json's {strategy} scales imply one of "
                 f"{list(scale_shapes(n, strategy))}: the checkpoint and its quantization_config disagree"
             )
-        return t.float().reshape(-1).expand(n) if strategy == "tensor" else t.float().reshape(n)
+        t = t.float().reshape(-1)
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bad.any():  # a NaN / inf / zero / negative scale would silently poison or zero its rows
+            i = int(bad.nonzero()[0])
+            raise CheckpointError(
+                f"tensor {name!r}: scale [{i}] = {float(t[i])}; FP8 weight scales must be finite and > 0: the "
+                "checkpoint is damaged: copy or download it again (or load its bf16 original with --quantization fp8)"
+            )
+        return t.expand(n) if strategy == "tensor" else t
 
     def close(self) -> None:
         for h in self._handles.values():
@@ -319,6 +353,16 @@ def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
                 param.zero_()  # padding rows past the vocabulary stay zero
             for pc in pieces:
                 t = reader.read(pc.name, pc.full_shape, pc.dim, pc.start, pc.stop)
+                if (t.dtype in FP8_TORCH_DTYPES) != (param.dtype in FP8_TORCH_DTYPES) or (
+                    param.dtype in FP8_TORCH_DTYPES and t.dtype != param.dtype
+                ):
+                    # never a cast between FP8 and anything else: it would drop (or apply twice) the scales
+                    raise CheckpointError(
+                        f"tensor {pc.name!r} is {t.dtype} in the checkpoint, where this model expects "
+                        f"{'float8_e4m3fn' if param.dtype in FP8_TORCH_DTYPES else 'unquantized weights'} (config.json"
+                        f"{' has no' if fp8 is None else chr(39) + 's'} quantization_config); the checkpoint and its "
+                        "config disagree"
+                    )
                 if param.dim() == 1:
                     param.copy_(t)
                 elif pc.dim == 0:
