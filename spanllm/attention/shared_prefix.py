@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spanllm.kernels.shared_prefix_layout import MAX_PREFIX_SPLITS
+
 # --shared-prefix-attention: auto (on with the Triton backend, the only one that has it), on, off
 SHARED_PREFIX_ATTENTION = ("auto", "on", "off")
 # A group must share at least this many keys: below it the second kernel's launch and the partials' round trip
@@ -89,14 +91,17 @@ def plan_shared_prefix(
     min_keys: int = DEFAULT_MIN_SHARED_KEYS,
     members: int = 16,
     target_units: int = 32,
-    max_splits: int = 8,
+    max_splits: int = MAX_PREFIX_SPLITS,
 ) -> SharedPrefixPlan:
     """The groups of one decode step. block_tables [B, W] (only the first ceil(n / block_size) ids of a row
     matter), context_lens [B] (keys, the newest included); key_tile: stage 1's keys per tile; min_keys: the
     least prefix a group shares; members: the most rows of one group (stage 1's tile); target_units: stage-1
     programs per KV head to aim for (splits of long prefixes fill the GPU when groups are few); max_splits: the
-    most stage-1 splits of one group (the kernel's partial buffers hold spanllm.kernels.paged_attention.
-    MAX_PREFIX_SPLITS)."""
+    most stage-1 splits of one group (1 ... MAX_PREFIX_SPLITS: the kernels' partial buffers hold that many)."""
+    if not 1 <= max_splits <= MAX_PREFIX_SPLITS:
+        raise ValueError(f"max_splits={max_splits} must be in [1, {MAX_PREFIX_SPLITS}] (the partial buffers' splits)")
+    if members < 1 or members & (members - 1):
+        raise ValueError(f"members={members} must be a power of two (stage 1's rows are members x a power of two)")
     b = len(context_lens)
     ctx = np.asarray(context_lens, dtype=np.int64)
     row_prefix = np.zeros(b, np.int32)
@@ -118,9 +123,14 @@ def plan_shared_prefix(
     order = cand[np.argsort(keys, kind="stable")]
     common = _common_blocks(tables, order, limit)  # [n - 1]: order[i] with order[i + 1]
     # Runs of adjacent rows sharing >= min_blocks, cut every `members` rows; a chunk's prefix is the least of its
-    # adjacent pairs' (a chunk's first position counts no pair).
+    # adjacent pairs' (a chunk's first position counts no pair). A weak link, a pair sharing less than half of what
+    # a neighbouring pair shares (a row that shares only part of a family's prefix sorts to the family's edge), also
+    # cuts: the row is left out rather than shrinking the whole family's prefix to its own.
     n = len(order)
-    seg_start = np.concatenate([[True], common < min_blocks])
+    left = np.concatenate([[0], common[:-1]])
+    right = np.concatenate([common[1:], [0]])
+    weak = (common < min_blocks) | (2 * common < np.maximum(left, right))
+    seg_start = np.concatenate([[True], weak])
     seg_first = np.flatnonzero(seg_start)
     pos = np.arange(n) - seg_first[np.cumsum(seg_start) - 1]
     chunk_start = seg_start | (pos % members == 0)

@@ -310,7 +310,6 @@ class TritonBackend(AttentionBackend):
             min_keys=self.min_shared_keys,
             members=self.members,
             target_units=self.target_units,
-            max_splits=kernels.MAX_PREFIX_SPLITS,
         )
         return plan if plan.num_groups else None
 

@@ -34,12 +34,10 @@ import triton.language as tl
 
 from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
+from spanllm.kernels.shared_prefix_layout import MAX_PREFIX_SPLITS
 from spanllm.kernels.skinny_gemm import num_sms_of
 
 BLOCK_N = 64  # keys per inner iteration (several cache blocks)
-# Shared-prefix decode (spanllm.attention.shared_prefix): the most stage-1 key splits of one group, the middle
-# dimension of the partials the decode kernel folds in
-MAX_PREFIX_SPLITS = 8
 MAX_SPLITS = 16
 # The decode key loop has two forms: with the next tile's block ids loaded one iteration ahead and K and V
 # issued together (one trip to memory per tile instead of three in a row), which wins while the grid is small,

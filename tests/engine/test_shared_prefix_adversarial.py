@@ -143,8 +143,8 @@ def test_plan_ignores_table_columns_past_each_context():
     assert plan_shared_prefix(_tables(rows), ctx, BS, 64, min_keys=16, members=8).row_prefix.tolist() == [16, 16]
     assert plan_shared_prefix(_tables(rows), ctx, BS, 64, min_keys=32, members=8).num_groups == 0
     # a table many columns wider than any context (tails of zeros, or of an id the rows hold) plans exactly as a
-    # trimmed one; the short row 3 (3 shareable blocks) joins the run of rows sharing f's first blocks, so the
-    # group's prefix is the least of its members' (documented: the minimum over adjacent pairs)
+    # trimmed one; rows 0 and 3 share only 10 and 3 of the 30 blocks rows 1 and 2 share: weak links (less than half
+    # of a neighbouring pair's), left out rather than shrinking the group's prefix to theirs
     f = list(range(200, 260))
     rows = [f[:10] + [1], f[:30] + [2], f[:30] + [3], f[:4]]
     ctx = np.array([11 * BS, 31 * BS, 30 * BS + 5, 4 * BS], np.int32)
@@ -154,7 +154,7 @@ def test_plan_ignores_table_columns_past_each_context():
     for p in (b, c):
         assert _groups(p) == _groups(a) and np.array_equal(p.units, a.units)
         assert np.array_equal(p.row_prefix, a.row_prefix) and np.array_equal(p.row_splits, a.row_splits)
-    assert _groups(a) == [(0, 1, 2, 3)] and a.row_prefix.tolist() == [48] * 4
+    assert _groups(a) == [(1, 2)] and a.row_prefix.tolist() == [0, 480, 480, 0] and a.keys_saved() == 480
 
 
 def test_plan_context_zero_and_one_rows_are_never_grouped():
@@ -584,3 +584,26 @@ def test_interpreter_suite():
         pytest.skip("this is the child")
     pytest.importorskip("triton")
     run_child_suite(__file__, INTERPRETER_TESTS, "matches_reference")
+
+
+@pytest.mark.parametrize("outlier_block", [1, 99999])
+def test_a_row_sharing_part_of_a_family_prefix_does_not_shrink_the_family(outlier_block):
+    """8 rows share 128 blocks, a 9th only the first 32 (sorting puts it at the family's first or last place by
+    its own block ids): the 8 form one group over 2,048 keys and the 9th is left out, wherever it sorts."""
+    fam = list(range(1000, 1128))
+    rows = [fam + [2000 + i] for i in range(8)] + [fam[:32] + [outlier_block]]
+    ctx = np.array([129 * BS] * 8 + [33 * BS], np.int32)
+    p = plan_shared_prefix(_tables(rows), ctx, BS, 64, min_keys=512, members=8)
+    assert _groups(p) == [tuple(range(8))] and p.row_prefix.tolist() == [2048] * 8 + [0]
+    assert p.keys_saved() == 7 * 2048
+
+
+def test_plan_arguments_the_kernels_cannot_take_are_refused():
+    t = np.tile(np.arange(1, 41, dtype=np.int32), (2, 1))
+    ctx = np.array([641, 641], np.int32)
+    with pytest.raises(ValueError, match=r"max_splits=0 must be in \[1, 8\]"):
+        plan_shared_prefix(t, ctx, 16, 64, min_keys=16, members=8, max_splits=0)
+    with pytest.raises(ValueError, match=r"max_splits=16 must be in \[1, 8\]"):
+        plan_shared_prefix(t, ctx, 16, 64, min_keys=16, members=8, max_splits=16)
+    with pytest.raises(ValueError, match="members=6 must be a power of two"):
+        plan_shared_prefix(t, ctx, 16, 64, min_keys=16, members=6)
