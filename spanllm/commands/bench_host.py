@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from spanllm.engine.core.scheduler import SCHEDULING_POLICIES
+
 
 class _NoModel:
     """A runner that computes nothing: logits of zeros for the rows that sample."""
@@ -51,6 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="the block manager's prefix cache (every prompt is distinct: its hashing cost with no hit)",
     )
+    parser.add_argument(
+        "--families",
+        type=int,
+        default=0,
+        help="prompts share a prefix with every N-th request (request i in family i %% N: arrivals interleaved, as a "
+        "shuffled generated-shared-prefix dataset); 0: every prompt distinct",
+    )
+    parser.add_argument("--question-len", type=int, default=128, help="with --families: tokens after the shared prefix")
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="the scheduler's admission order (prefix: a family's requests together)",
+    )
     parser.add_argument("--json", default=None, help="write settings and every run here")
 
 
@@ -65,6 +81,12 @@ def _distinct_prompt(i: int, length: int, vocab: int) -> list[int]:
     return (digits + [2] * length)[:length]
 
 
+def _family_prompt(i: int, families: int, length: int, question: int, vocab: int) -> list[int]:
+    """Family i % families' shared prefix (length - question tokens), then request i's own question tokens."""
+    shared = _distinct_prompt(i % families, length - question, vocab)
+    return shared + _distinct_prompt(i, question, vocab)
+
+
 def measure(args: argparse.Namespace) -> dict:
     from spanllm.engine.core.block_manager import BlockManager
     from spanllm.engine.core.scheduler import SchedulerConfig
@@ -75,26 +97,43 @@ def measure(args: argparse.Namespace) -> dict:
     core = EngineCore(
         _NoModel(args.vocab),
         BlockManager(args.max_num_seqs * per_seq + 2, args.block_size, getattr(args, "enable_prefix_caching", True)),
-        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prompt_len + args.output_len),
+        SchedulerConfig(
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.prompt_len + args.output_len,
+            scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        ),
         vocab_size=max(args.vocab, 2),
         eos_token_ids=(1,),
     )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    families = getattr(args, "families", 0)
+    family_of = {}
     for i in range(args.requests):  # distinct prompts (a different first block each): no prefix-cache hit
-        core.add_request(_distinct_prompt(i, args.prompt_len, args.vocab), params)
+        if families:
+            prompt = _family_prompt(i, families, args.prompt_len, args.question_len, args.vocab)
+        else:
+            prompt = _distinct_prompt(i, args.prompt_len, args.vocab)
+        family_of[core.add_request(prompt, params).request_id] = i % families if families else i
     t0 = time.perf_counter()
     steps = 0
+    groups = []  # families among a step's running sequences (what shared-prefix decode attention reads per step)
     while core.has_unfinished():
         core.step()
         steps += 1
+        if families and core.scheduler.running:
+            groups.append(len({family_of[s.request_id] for s in core.scheduler.running}))
     elapsed = time.perf_counter() - t0
     sampled = core.stats.generation_tokens  # one per sequence and step that sampled
+    sched = core.scheduler
     return {
         "steps": steps,
         "seconds": elapsed,
         "ms_per_step": 1e3 * elapsed / steps,
         "mean_sampled_per_step": sampled / steps,
         "us_per_sampled_token": 1e6 * elapsed / max(sampled, 1),
+        "prefix_cache_hit_rate": sched.prefix_cache_hits / max(sched.prefix_cache_queries, 1),
+        "mean_families_running": sum(groups) / len(groups) if groups else None,
     }
 
 
@@ -104,6 +143,14 @@ def run(args: argparse.Namespace) -> int:
     for name in ("requests", "prompt_len", "output_len", "max_num_seqs", "block_size", "repeats", "vocab"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.families < 0:
+        raise UsageError(f"--families {args.families}: must be >= 0 (0: every prompt distinct)")
+    if args.families and not 1 <= args.question_len < args.prompt_len:
+        raise UsageError(
+            f"--question-len {args.question_len}: must be in [1, --prompt-len {args.prompt_len}) (the rest is shared)"
+        )
+    if args.scheduling_policy == "prefix" and not args.enable_prefix_caching:
+        raise UsageError("--scheduling-policy prefix needs prefix caching: drop --no-enable-prefix-caching")
     rows = [measure(args) for _ in range(args.repeats)]
     best = min(rows, key=lambda r: r["ms_per_step"])
     print(
@@ -111,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
         f"{best['mean_sampled_per_step']:.0f} tokens sampled per step on average, {best['us_per_sampled_token']:.1f} "
         "us per sampled token)"
     )
+    if args.families:
+        print(
+            f"prefix-cache hit rate {best['prefix_cache_hit_rate']:.1%}; families among the running sequences: "
+            f"{best['mean_families_running']:.1f} per step on average ({args.scheduling_policy})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "runs": rows}, f, indent=1)

@@ -503,6 +503,37 @@ def test_bench_host_runs_the_loop_it_times():
     assert r["steps"] == 5 and r["mean_sampled_per_step"] == 4.0
 
 
+def test_bench_host_families_and_the_prefix_policy():
+    """`bench host --families 3`: 12 requests of 140 tokens, 132 of them shared per family (interleaved arrivals),
+    4 running at a time. Both policies hit the same cached tokens (the token budget admits one uncached family
+    prefix per step either way); under prefix the running sequences span fewer families per step."""
+    import argparse
+
+    from spanllm.commands.bench_host import measure
+
+    rows = {}
+    for policy in ("fcfs", "prefix"):
+        args = argparse.Namespace(
+            requests=12,
+            prompt_len=140,
+            output_len=3,
+            max_num_seqs=4,
+            max_num_batched_tokens=300,
+            block_size=4,
+            vocab=8,
+            temperature=0.0,
+            families=3,
+            question_len=8,
+            scheduling_policy=policy,
+            enable_prefix_caching=True,
+        )
+        rows[policy] = measure(args)
+    for r in rows.values():
+        assert r["steps"] == 10 and r["prefix_cache_hit_rate"] == 1188 / (12 * 140)
+    assert rows["fcfs"]["mean_families_running"] == 22 / 9
+    assert rows["prefix"]["mean_families_running"] == 2.0
+
+
 def test_graph_ladders_cover_every_size_with_little_padding():
     from spanllm.engine.worker.model_runner import bucket_ladder, token_ladder
 
