@@ -4,6 +4,10 @@ cache writes in one fused kernel, and the static metadata of the runner's two ki
 Decode graphs (decode-only steps) hold block tables [bucket, max_blocks] and context lengths [bucket]; a replay
 copies a step's B rows (only the block-table columns it uses: the kernel never reads past a sequence's context)
 and pads rows B..bucket with context 1 over block 0. The decode kernel's context split is fixed per bucket.
+With shared-prefix attention on, each bucket has a second decode graph that runs its stage 1 first over a
+unit buffer of fixed size (max_units: the grid), the step's units first and padding units (t0 = t1: nothing) after;
+the plan's row_prefix / row_splits are 0 on padding rows. A step whose plan has no group replays the plain graph.
+Mixed graphs keep the plain decode kernel (shared prefixes are read per sequence there).
 
 Mixed graphs (any prefill chunk) number every scheduled sequence as a chunk (decodes first) and run both
 kernels on fixed grids: the decode kernel over the first min(max_num_seqs, bucket) rows, with context 0 on
