@@ -168,6 +168,7 @@ def _compressed_tensors(qc: dict, where: str, num_layers: int) -> FP8Checkpoint:
     if group.get("output_activations"):
         raise FP8CheckpointError(f"{where}: {field}.output_activations are not supported; {USE_INSTEAD}")
     ignore = qc.get("ignore") or []
+    ignore = ignore if isinstance(ignore, list) else [ignore]  # one name as a string: a list of it
     _only_lm_head_ignored(ignore, where, num_layers, "ignore")
     if not any(_names_lm_head(x) for x in ignore):
         # targets ['Linear'] covers the LM head unless it is ignored: the engine keeps it in the model dtype

@@ -481,3 +481,12 @@ def test_fp8_checkpoint_shape_error_names_the_checkpoint(fp8_ref):
     with pytest.raises(ValueError, match=r"\[64, 72\]") as err:
         LLM(cfg, EngineConfig(**ENGINE), device=CPU)
     assert "quantization_config" in str(err.value) and "Run without --quantization" not in str(err.value)
+
+
+def test_ignore_given_as_one_string():
+    """llm-compressor writes a list; a single name as a string means the same list of one."""
+    assert parse_quantization_config({**compressed_tensors(), "ignore": "lm_head"}, "x") == FP8Checkpoint(
+        "compressed-tensors", "channel"
+    )
+    with pytest.raises(ValueError, match=r"leaves \['model.layers.0.mlp.up_proj'\]"):
+        parse_quantization_config({**compressed_tensors(), "ignore": "model.layers.0.mlp.up_proj"}, "x")

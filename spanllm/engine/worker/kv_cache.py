@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.engine.core.block_manager import RESERVED_BLOCKS
+from spanllm.kernels.shared_prefix_layout import MAX_PREFIX_SPLITS
 
 GIB = 1 << 30
 
@@ -46,10 +47,12 @@ def activation_reserve_bytes(
 ) -> int:
     """A step's transient memory, generously: per token the hidden state, residual, norm output, attention
     output, the qkv and the gate/up activations (twice, for SiLU's temporaries); logits in float32 for
-    `rows` rows, three times (logits, probabilities, the sampling race); plus 1 GiB for graphs and the
-    allocator's slack."""
+    `rows` rows, three times (logits, probabilities, the sampling race); the shared-prefix decode attention's
+    float32 partials (per row MAX_PREFIX_SPLITS x the query heads x (head_dim + 2), bounded by qkv_local); plus
+    1 GiB for graphs and the allocator's slack."""
     per_token = (4 * hidden + 2 * qkv_local + 4 * ffn_local) * dtype.itemsize
-    return tokens * per_token + 3 * rows * vocab * 4 + GIB
+    partials = rows * MAX_PREFIX_SPLITS * (qkv_local + 64) * 4
+    return tokens * per_token + 3 * rows * vocab * 4 + partials + GIB
 
 
 def size_pool(
