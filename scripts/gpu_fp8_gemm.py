@@ -32,11 +32,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from spanllm.cuda_graph import capture_graph
 from spanllm.kernels import skinny_gemm as sg
 from spanllm.kernels.fp8_quant import quantize_per_token
 from spanllm.layers import fp8
 from spanllm.measure.report import versions
+from spanllm.measure.timing import graph_us_per_call
 
 SHAPES = {  # (N, K) per GPU
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
@@ -48,19 +48,7 @@ MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 def time_graph(fn, count: int, replays: int = 15) -> list[float]:
     """Per-replay microseconds per call of a CUDA graph running fn(i) for i in range(count)."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = capture_graph(lambda: [fn(i) for i in range(count)], warmup=1)
-    for _ in range(3):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    del g
-    return [a.elapsed_time(b) * 1e3 / count for a, b in ev]
+    return graph_us_per_call(fn, count, replays)
 
 
 def bench_shape(model: str, layer: str, n: int, k: int, ms: list[int], l2: int, doc: dict, out: str) -> None:

@@ -593,37 +593,16 @@ def static_report(args) -> None:
 
 def time_graph(fn, count: int, calls: int, replays: int) -> list[float]:
     """Per-replay microseconds per call of a CUDA graph running fn(i % count) for i in range(calls)."""
-    from spanllm.cuda_graph import capture_graph
+    from spanllm.measure.timing import graph_us_per_call
 
-    g = capture_graph(lambda: [fn(i % count) for i in range(calls)], warmup=1)
-    for _ in range(3):
-        g.replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    del g
-    return [a.elapsed_time(b) * 1e3 / calls for a, b in ev]
+    return graph_us_per_call(lambda i: fn(i % count), calls, replays)
 
 
-def copy_bandwidth_gbps(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), median of reps."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e9
+def copy_bandwidth_gbps(gib: float = 1.0, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second): `spanllm bench gemm`'s measurement."""
+    from spanllm.commands.bench_gemm import copy_bandwidth
+
+    return copy_bandwidth(gib, reps)["TBps_read_plus_write"] * 1e3
 
 
 class Budget:

@@ -187,29 +187,12 @@ class TritonBackend(AttentionBackend):
         """q [N, hq, d] against the cache, which already holds this step's K/V -> [N, hq, d]."""
         nd = meta.num_decode
         if nd == q.shape[0]:
-            return kernels.decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.num_splits,
-                shared=meta.shared,
-            )
+            return self._decode_rows(q, k_cache, v_cache, meta)
         prefill = (meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_context_lens, meta.prefill_tiles)
         if meta.cascade:
             out = torch.empty_like(q)
             if nd:
-                kernels.decode(
-                    q[:nd],
-                    k_cache,
-                    v_cache,
-                    meta.decode_block_tables,
-                    meta.decode_context_lens,
-                    meta.num_splits,
-                    out=out[:nd],
-                    shared=meta.shared,
-                )
+                self._decode_rows(q[:nd], k_cache, v_cache, meta, out[:nd])
             if meta.prefill_tiles.shape[0]:  # the chunks the cascade does not run
                 kernels.prefill(q[nd:], k_cache, v_cache, *prefill, out=out[nd:], config=self.prefill_config)
             attend_long_chunks(
@@ -219,31 +202,29 @@ class TritonBackend(AttentionBackend):
         if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
             out = torch.empty_like(q)
             r = meta.decode_rows
-            kernels.decode(
-                q[:r],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.num_splits,
-                out=out[:r],
-            )
+            self._decode_rows(q[:r], k_cache, v_cache, meta, out[:r])
             return kernels.prefill(q, k_cache, v_cache, *prefill, out=out, config=self.prefill_config)
         if nd == 0:
             return kernels.prefill(q, k_cache, v_cache, *prefill, config=self.prefill_config)
         out = torch.empty_like(q)
-        kernels.decode(
-            q[:nd],
+        self._decode_rows(q[:nd], k_cache, v_cache, meta, out[:nd])
+        out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill, config=self.prefill_config)
+        return out
+
+    def _decode_rows(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata, out=None
+    ) -> torch.Tensor:
+        """The decode kernel over meta's decode rows (q: theirs), with the step's shared-prefix plan if any."""
+        return kernels.decode(
+            q,
             k_cache,
             v_cache,
             meta.decode_block_tables,
             meta.decode_context_lens,
             meta.num_splits,
-            out=out[:nd],
+            out=out,
             shared=meta.shared,
         )
-        out[nd:] = kernels.prefill(q[nd:], k_cache, v_cache, *prefill, config=self.prefill_config)
-        return out
 
     # --- decode graphs ----------------------------------------------------------------------------------
     def init_graphs(self, max_num_seqs: int, max_tokens: int, max_blocks: int) -> None:

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from spanllm import checks
-from spanllm.cuda_graph import capture_graph
 from spanllm.dtypes import model_dtype
 from spanllm.errors import UsageError
 from spanllm.kernels import skinny_gemm as sg
 from spanllm.measure.report import write_json
+from spanllm.measure.timing import graph_us_per_call
 from spanllm.perf.model_shape import get_model
 
 # The (N, K) of each projection per GPU at TP 2, written out as a check on shapes_for():
@@ -100,23 +100,9 @@ class Timer:
     def time(self, op) -> list[float]:
         """Per-replay microseconds per GEMM of a CUDA graph that applies op to every weight once."""
         x, weights = self.x, self.weights
-        op(x, weights[0])  # compile / autotune outside the capture
-        torch.cuda.synchronize()
-        # one warm-up pass on the capture stream (cuBLAS sets up its per-stream workspace there)
-        g = capture_graph(lambda: [op(x, w) for w in weights], warmup=1)
-        for _ in range(self.args.warmup):
-            g.replay()
-        ev = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(self.args.replays)
-        ]
-        for a, b in ev:
-            a.record()
-            g.replay()
-            b.record()
-        torch.cuda.synchronize()
-        del g
-        return [a.elapsed_time(b) * 1e3 / len(weights) for a, b in ev]
+        # op compiles / autotunes outside the capture; one warm-up pass on the capture stream (cuBLAS sets up its
+        # per-stream workspace there)
+        return graph_us_per_call(lambda i: op(x, weights[i]), len(weights), self.args.replays, self.args.warmup)
 
 
 def copy_bandwidth(gib: float, iters: int = 10) -> dict:

@@ -83,13 +83,18 @@ def _fold_prefix_partials(m_i, l_i, acc, rs_ptr, pm_ptr, pl_ptr, pacc_ptr, b, h,
         m_j = tl.load(pm_ptr + rows, mask=g_ok, other=0.0)
         l_j = tl.load(pl_ptr + rows, mask=g_ok, other=0.0)
         a_j = tl.load(pacc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_i, m_j)
-        c_old = tl.exp2(m_i - m_new)
-        c_j = tl.exp2(m_j - m_new)
-        l_i = l_i * c_old + l_j * c_j
-        acc = acc * c_old[:, None] + a_j * c_j[:, None]
-        m_i = m_new
+        m_i, l_i, acc = _merge_partial(m_i, l_i, acc, m_j, l_j, a_j)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_partial(m_i, l_i, acc, m_j, l_j, a_j):
+    """Two partial softmax results over disjoint keys (m in log2 units, l, unnormalized acc) -> their union's,
+    rescaled to the larger maximum. m_i may be -inf (nothing yet: its weight is 0); m_j is finite."""
+    m_new = tl.maximum(m_i, m_j)
+    c_old = tl.exp2(m_i - m_new)
+    c_j = tl.exp2(m_j - m_new)
+    return m_new, l_i * c_old + l_j * c_j, acc * c_old[:, None] + a_j * c_j[:, None]
 
 
 @triton.jit
@@ -155,14 +160,9 @@ def _shared_prefix_kernel(
             v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             nxt = offs + BLOCK
             blk = tl.load(bt_ptr + first * stride_btb + nxt // CACHE_BLOCK, mask=nxt < prefix, other=0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # log2 units, as the decode kernel
-            scores = tl.where(ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            scores = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
+            # m in log2 units of the scaled scores, as the decode kernel's partials it is merged with
+            m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, scale_log2, PREC, False)
         hq = tl.num_programs(1) * G
         dst = (row * PS + split) * hq + head
         tl.store(pm_ptr + dst, m_i, mask=ok_r)
@@ -305,12 +305,7 @@ def _decode_kernel(
                     a_j = tl.load(
                         acc_ptr + rows[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0, cache_modifier=".cg"
                     )
-                    m_new = tl.maximum(m_max, m_j)
-                    c_old = tl.exp2(m_max - m_new)
-                    c_j = tl.exp2(m_j - m_new)
-                    l_sum = l_sum * c_old + l_j * c_j
-                    acc_sum = acc_sum * c_old[:, None] + a_j * c_j[:, None]
-                    m_max = m_new
+                    m_max, l_sum, acc_sum = _merge_partial(m_max, l_sum, acc_sum, m_j, l_j, a_j)
                 if HAS_PREFIX:
                     m_max, l_sum, acc_sum = _fold_prefix_partials(
                         m_max, l_sum, acc_sum, rs_ptr, pm_ptr, pl_ptr, pacc_ptr, b, h, g, g_ok, d, G, D, PREFIX_SPLITS

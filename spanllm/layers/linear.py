@@ -25,7 +25,12 @@ class _Linear(nn.Module):
         self.weight_scale: nn.Parameter | None = None  # float32 [N] once quantized to FP8
         self.weight_dequantized: torch.Tensor | None = None  # FP8 on CPU: q * scale in the model dtype
         if tp.fp8_weights:  # an FP8 checkpoint fills these (fp8_loaded_ after it)
-            self._fp8_storage(out_local, in_local, tp.dtype, tp.device, checkpoint=True)
+            self._check_fp8_shape(out_local, in_local, checkpoint=True)
+            self._model_dtype = tp.dtype
+            f8 = torch.empty(out_local, in_local, dtype=fp8.FP8_DTYPE, device=tp.device)
+            self.weight = nn.Parameter(f8, requires_grad=False)
+            scale = torch.empty(out_local, dtype=torch.float32, device=tp.device)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
         else:
             self.weight = tp.empty(out_local, in_local)
 
@@ -47,22 +52,6 @@ class _Linear(nn.Module):
                 f"(torch._scaled_mm) need both sizes multiples of {fp8.FP8_SHAPE_MULTIPLE}. {fix}or run at a "
                 "tensor-parallel degree that keeps the shards multiples of 16"
             )
-
-    def _fp8_storage(self, n: int, k: int, dtype: torch.dtype, device, checkpoint: bool) -> None:
-        self._check_fp8_shape(n, k, checkpoint)
-        self._model_dtype = dtype
-        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8.FP8_DTYPE, device=device), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=device), requires_grad=False)
-
-    @torch.no_grad()
-    def fp8_storage_(self) -> None:
-        """Make the weight an empty float8_e4m3fn [N, K] and its scale an empty float32 [N], for a checkpoint that
-        holds them (spanllm.model.fp8_checkpoint; LLM builds such layers so directly: TPContext.fp8_weights);
-        `fp8_loaded_` finishes once they are filled."""
-        if self.weight_scale is not None:
-            raise RuntimeError("fp8_storage_: this layer's weight is FP8 already")
-        n, k = self.weight.shape
-        self._fp8_storage(n, k, self.weight.dtype, self.weight.device, checkpoint=True)
 
     @torch.no_grad()
     def fp8_loaded_(self) -> None:

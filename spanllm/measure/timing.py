@@ -94,3 +94,24 @@ def time_calls(
             out.append((time.perf_counter() - t0) * 1e6 / K)
     del graph_obj
     return Timing.from_samples(_max_over_ranks(out, group, device))
+
+
+def graph_us_per_call(
+    fn: Callable[[int], object], calls: int, replays: int = 15, warmup_replays: int = 3
+) -> list[float]:
+    """One GPU, no group: per-replay microseconds per call of one CUDA graph that runs fn(0), ..., fn(calls - 1)
+    back to back (a kernel benchmark walking its weights: a set larger than L2 is read from HBM each call).
+    fn(0) runs once before the capture (compiles and autotunes there), the capture warms its stream once."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = capture_graph(lambda: [fn(i) for i in range(calls)], warmup=1)
+    for _ in range(warmup_replays):
+        g.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    del g
+    return [a.elapsed_time(b) * 1e3 / calls for a, b in ev]

@@ -345,7 +345,7 @@ def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
     """Fill this stage's shard of every parameter from an HF safetensors checkpoint folder or a GGUF file."""
     reader = GGUFCheckpointReader(directory, model.config) if is_gguf(directory) else CheckpointReader(directory)
     fp8 = model.config.fp8_checkpoint
-    # FP8 checkpoints: the linears hold float8 weights and float32 scales already (fp8_storage_), filled here
+    # FP8 checkpoints: the linears hold float8 weights and float32 scales already (TPContext.fp8_weights), filled here
     scaled = {id(m.weight): m for m in linear_layers(model)} if fp8 is not None else {}
     try:
         for param, pieces in checkpoint_plan(model):

@@ -110,7 +110,7 @@ def test_a_step_of_decodes_long_and_short_chunks_split_as_the_triton_backend_spl
 
 def test_configuration_and_cli_flag():
     from spanllm.attention.backend import resolve_backend
-    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, engine_config_from_args
+    from spanllm.commands.engine_args import engine_config_from_args
     from spanllm.engine.config import EngineConfig
 
     assert EngineConfig().prefill_attention == "triton"
@@ -121,9 +121,7 @@ def test_configuration_and_cli_flag():
     assert EngineConfig(cascade_min_prefix=0).cascade_min_prefix == 0  # every chunk
     with pytest.raises(ValueError, match="leave prefill_attention='triton'"):
         resolve_backend("torch", 8, 2, 16, torch.device("cpu"), prefill_attention="flash-cascade")
-    ap = argparse.ArgumentParser()
-    add_model_arguments(ap)
-    add_engine_arguments(ap)
+    ap = _engine_parser()
     args = ap.parse_args(["--model", "tiny", "--prefill-attention", "flash-cascade"])
     assert engine_config_from_args(args, torch.device("cpu")).prefill_attention == "flash-cascade"
     assert (
@@ -134,16 +132,12 @@ def test_configuration_and_cli_flag():
 def test_cascade_min_prefix_flag():
     """--cascade-min-prefix reaches the config (0 included); refused below 0 and without a cascade attention."""
     from spanllm.commands.engine_args import (
-        add_engine_arguments,
-        add_model_arguments,
         check_engine_arguments,
         engine_config_from_args,
     )
     from spanllm.errors import UsageError
 
-    ap = argparse.ArgumentParser()
-    add_model_arguments(ap)
-    add_engine_arguments(ap)
+    ap = _engine_parser()
     args = ap.parse_args(["--model", "tiny", "--prefill-attention", "cudnn-cascade", "--cascade-min-prefix", "0"])
     check_engine_arguments(args, serving=False)
     assert engine_config_from_args(args, torch.device("cpu")).cascade_min_prefix == 0
@@ -158,17 +152,13 @@ def test_shared_prefix_attention_flag():
     backend cannot run (here: no GPU, or the torch backend named), and by the reference backend itself."""
     from spanllm.attention.backend import resolve_backend
     from spanllm.commands.engine_args import (
-        add_engine_arguments,
-        add_model_arguments,
         check_engine_arguments,
         engine_config_from_args,
     )
     from spanllm.engine.config import EngineConfig
     from spanllm.errors import UsageError
 
-    ap = argparse.ArgumentParser()
-    add_model_arguments(ap)
-    add_engine_arguments(ap)
+    ap = _engine_parser()
     args = ap.parse_args(["--model", "tiny", "--shared-prefix-attention", "off"])
     check_engine_arguments(args, serving=False)
     assert engine_config_from_args(args, torch.device("cpu")).shared_prefix_attention == "off"
@@ -181,3 +171,13 @@ def test_shared_prefix_attention_flag():
     with pytest.raises(ValueError, match="shared_prefix_attention='on' is a feature of the Triton attention backend"):
         resolve_backend("torch", 8, 2, 16, torch.device("cpu"), shared_prefix="on")
     assert resolve_backend("torch", 8, 2, 16, torch.device("cpu"), shared_prefix="auto").name == "torch"
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    """The model and engine options of a command that builds an engine."""
+    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
+
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    return ap

@@ -24,7 +24,6 @@ from test_fp8_checkpoint import DYNAMIC_TOKEN, ENGINE, _generate, compressed_ten
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.layers import fp8
-from spanllm.layers.linear import linear_layers
 from spanllm.layers.tp import TPContext
 from spanllm.model.config import ModelConfig, ModelConfigError
 from spanllm.model.fp8_checkpoint import FP8Checkpoint, parse_quantization_config
@@ -57,6 +56,12 @@ def _edit_config(d: str, change) -> None:
     change(cfg)
     with open(path, "w") as f:
         json.dump(cfg, f)
+
+
+def _dequantize(t: dict[str, torch.Tensor]) -> None:
+    """An llm-compressor 'frozen' save: each FP8 weight stored back in bf16 (q * scale), its scale beside it."""
+    for k in [k for k in t if k + "_scale" in t]:
+        t[k] = (t[k].float() * t[k + "_scale"].float()).to(torch.bfloat16)
 
 
 def _fp8(src: str, dst, strategy: str = "channel", qc: dict | None = None, change=None) -> str:
@@ -211,11 +216,8 @@ def test_every_linear_sharded_with_its_scales_at_tp2_tp4_and_a_pipeline_stage(hf
         + [(4, r, None, True, True) for r in range(4)]
         + [(1, 0, range(2, 4), False, True)]
     ):
-        model = LlamaForCausalLM(
-            cfg, TPContext(rank=rank, size=tp, comm=_NoComm() if tp > 1 else None), layers, first, last
-        )
-        for layer in linear_layers(model):
-            layer.fp8_storage_()
+        tpc = TPContext(rank=rank, size=tp, comm=_NoComm() if tp > 1 else None, fp8_weights=True)
+        model = LlamaForCausalLM(cfg, tpc, layers, first, last)
         load_checkpoint(model, d)
         assert sorted(model.model.layers) == [str(i) for i in (layers or range(cfg.num_layers))]
         for i, layer in model.model.layers.items():
@@ -321,11 +323,7 @@ def test_quantization_config_over_bf16_weights_refused_by_the_check(fp8_ref, tmp
     """A 'frozen' (not compressed) llm-compressor save: bf16 weights beside their scales."""
     single, _, _ = fp8_ref
 
-    def dequantize(t):
-        for k in [k for k in t if k + "_scale" in t]:
-            t[k] = (t[k].float() * t[k + "_scale"].float()).to(torch.bfloat16)
-
-    d = _fp8(single, tmp_path / "frozen", change=dequantize)
+    d = _fp8(single, tmp_path / "frozen", change=_dequantize)
     with pytest.raises(CheckpointError, match=r"q_proj.weight' is BF16 .* says the linear weights are FP8"):
         check_checkpoint(ModelConfig.from_hf_config(d))
 
@@ -379,11 +377,7 @@ def test_quantized_lm_head_refused(fp8_ref, tmp_path):
 def test_llm_api_refuses_bf16_weights_under_an_fp8_config(fp8_ref, tmp_path):
     single, _, _ = fp8_ref
 
-    def dequantize(t):
-        for k in [k for k in t if k + "_scale" in t]:
-            t[k] = (t[k].float() * t[k + "_scale"].float()).to(torch.bfloat16)
-
-    d = _fp8(single, tmp_path / "frozen_api", change=dequantize)
+    d = _fp8(single, tmp_path / "frozen_api", change=_dequantize)
     with pytest.raises(CheckpointError, match="bfloat16 in the checkpoint, where this model expects float8_e4m3fn"):
         _load(d).close()
 

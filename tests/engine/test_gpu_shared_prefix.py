@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from test_shared_prefix import _shared_pool  # noqa: E402
+
 from spanllm.attention import reference as pa  # noqa: E402
 from spanllm.attention.shared_prefix import members_per_group, plan_shared_prefix  # noqa: E402
 from spanllm.attention.triton import TritonBackend  # noqa: E402
@@ -28,28 +30,10 @@ BS = 16
 
 
 def _pool(prefixes: list[int], family: list[int], own: list[int], hkv: int, d: int, seed: int):
-    """bf16 pool: row r shares family[r]'s prefix blocks (-1: none), then own[r] keys of its own; block 0 unused."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    fam_blocks = [p // BS for p in prefixes]
-    own_blocks = [-(-k // BS) for k in own]
-    total = sum(fam_blocks) + sum(own_blocks) + 1
-    ids = (torch.randperm(total - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-    fam_ids, i = [], 0
-    for nb in fam_blocks:
-        fam_ids.append(ids[i : i + nb])
-        i += nb
-    rows, ctx = [], []
-    for f, k in zip(family, own):
-        nb = -(-k // BS)
-        rows.append((fam_ids[f] if f >= 0 else []) + ids[i : i + nb])
-        i += nb
-        ctx.append((prefixes[f] if f >= 0 else 0) + k)
-    tables = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for r, row in enumerate(rows):
-        tables[r, : len(row)] = row
-    kc = torch.randn(total, BS, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    vc = torch.randn(total, BS, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    return kc, vc, tables, np.array(ctx, np.int32)
+    """test_shared_prefix's pool (row r shares family[r]'s prefix blocks, -1: none, then own[r] keys of its own) in
+    bf16 on the GPU; tables and context lengths as host arrays."""
+    kc, vc, tables, ctx = _shared_pool(prefixes, family, own, hkv, d, seed)
+    return kc.to(DEV, torch.bfloat16), vc.to(DEV, torch.bfloat16), tables.numpy(), ctx
 
 
 @pytest.mark.parametrize("target_units", [4, 64])

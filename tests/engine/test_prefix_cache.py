@@ -152,8 +152,8 @@ def _run(sched: Scheduler, batch) -> None:
                 seq.finish(FinishReason.LENGTH)
 
 
-def _drain(sched: Scheduler) -> None:
-    for _ in range(200):
+def _drain(sched: Scheduler, steps: int = 200) -> None:
+    for _ in range(steps):
         if not sched.has_work():
             return
         _run(sched, sched.schedule())

@@ -11,11 +11,12 @@ import random
 
 import pytest
 import torch
+from test_prefix_cache import _drain, _run
 
 from spanllm.engine.core import scheduler as sched_mod
 from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
+from spanllm.engine.core.sequence import Sequence, SequenceStatus
 from spanllm.engine.sampler import SamplingParams
 
 BS = 4
@@ -30,25 +31,6 @@ def small_families(monkeypatch):
 
 def _seq(rid: str, tokens, max_tokens: int = 2) -> Sequence:
     return Sequence(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
-
-
-def _run(sched: Scheduler, batch) -> None:
-    for seq, n in batch.entries:
-        samples = seq.num_computed + n == seq.num_tokens
-        seq.num_computed += n
-        if samples:
-            seq.output_ids.append(7)
-            if seq.num_output >= seq.params.max_tokens:
-                sched.finish(seq)
-                seq.finish(FinishReason.LENGTH)
-
-
-def _drain(sched: Scheduler, steps: int = 500) -> None:
-    for _ in range(steps):
-        if not sched.has_work():
-            return
-        _run(sched, sched.schedule())
-    raise AssertionError("did not drain")
 
 
 def _admitted(batch) -> list[str]:
@@ -66,7 +48,7 @@ def _warm(sched: Scheduler, *prefixes) -> None:
     """Cache each prefix (one request per prefix run to its end)."""
     for i, p in enumerate(prefixes):
         sched.add(_seq(f"warm{i}", p + [90 + i], 1))
-    _drain(sched)
+    _drain(sched, 500)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "prefix"])
@@ -82,7 +64,7 @@ def test_cached_families_are_admitted_together_oldest_first(policy):
     else:  # a1's family, then b1's, then c1's; x (a short prompt) in its place among the oldest
         assert _admitted(batch) == ["a1", "a2", "a3", "b1", "b2", "c1", "x"]
     assert all(s.num_cached_tokens == 8 for s, _ in batch.entries if s.request_id != "x")
-    _drain(sched)
+    _drain(sched, 500)
     assert not sched.families and not sched.waiting
     sched.blocks.check([])
 
@@ -105,7 +87,7 @@ def test_a_family_whose_prefix_is_computed_this_step_waits_for_its_blocks():
             assert _admitted(second) == ["a2", "a3", "b2"]
             assert [s.num_cached_tokens for s, _ in second.entries[second.num_decode :]] == [8, 8, 8]
         _run(sched, second)
-        _drain(sched)
+        _drain(sched, 500)
         hits[policy] = sched.prefix_cache_hits
         sched.blocks.check([])
     assert hits == {"fcfs": 0, "prefix": 24}
@@ -131,7 +113,7 @@ def test_aborts_finishes_and_preemption_keep_families_in_step_with_the_queue():
     sched._preempt(victim, batch)
     assert sched.waiting[0] is victim and list(sched.families[family]) == [victim]
     assert victim.status is SequenceStatus.WAITING
-    _drain(sched)
+    _drain(sched, 500)
     assert not sched.families
     sched.blocks.check([])
 
