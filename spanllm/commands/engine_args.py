@@ -198,6 +198,13 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             "--scheduling-policy prefix admits requests that share a cached prompt prefix together; it needs prefix "
             "caching: drop --no-enable-prefix-caching, or use --scheduling-policy fcfs"
         )
+    cascade = getattr(args, "prefill_attention", "triton")
+    if cascade != "triton" and (args.attention_backend == "torch" or not torch.cuda.is_available()):
+        where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
+        raise UsageError(
+            f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
+            f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention triton (the default)"
+        )
     if getattr(args, "shared_prefix_attention", "auto") == "on":
         where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
         if args.attention_backend == "torch" or not torch.cuda.is_available():

@@ -139,8 +139,12 @@ def test_cascade_min_prefix_flag():
 
     ap = _engine_parser()
     args = ap.parse_args(["--model", "tiny", "--prefill-attention", "cudnn-cascade", "--cascade-min-prefix", "0"])
-    check_engine_arguments(args, serving=False)
     assert engine_config_from_args(args, torch.device("cpu")).cascade_min_prefix == 0
+    if not torch.cuda.is_available():  # the cascade runs on the triton backend only: refused before ranks start
+        with pytest.raises(UsageError, match="--prefill-attention cudnn-cascade is an option of the triton"):
+            check_engine_arguments(args, serving=False)
+    else:
+        check_engine_arguments(args, serving=False)
     with pytest.raises(UsageError, match="--cascade-min-prefix -5: must be >= 0"):
         check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "-5"]), serving=False)
     with pytest.raises(UsageError, match="--prefill-attention is triton"):
