@@ -99,6 +99,28 @@ def decode_gemm(name: str, device: str) -> None:
         )
 
 
+def pdl(mode: str, device: str) -> None:
+    """--pdl on needs a GPU of compute capability >= 9.0 and Triton (spanllm.kernels.pdl); checked for device 0."""
+    if mode != "on":
+        return
+    import torch
+
+    from spanllm.kernels.pdl import MIN_CAPABILITY
+
+    if device != "cuda" or _triton_missing():
+        have = "no GPU" if device != "cuda" else "no Triton"
+        raise UsageError(
+            f"--pdl on: programmatic dependent launch of Triton kernels on a GPU, and these ranks have "
+            f"{have}; use --pdl auto (on where supported) or off"
+        )
+    cap = torch.cuda.get_device_capability(0)
+    if cap < MIN_CAPABILITY:
+        raise UsageError(
+            f"--pdl on: programmatic dependent launch needs compute capability >= 9.0 (Hopper); "
+            f"{torch.cuda.get_device_name(0)} has {cap[0]}.{cap[1]}. Use --pdl auto or off"
+        )
+
+
 def model(spec: str):
     """The ModelConfig of a preset or checkpoint folder, the checkpoint's files checked (headers only)."""
     from spanllm.model.config import ModelConfigError, resolve_model

@@ -119,6 +119,8 @@ CASES = [
     ),
     (GEN + ["--nprocs", "2", "--allreduce", "nvrar"], "--allreduce nvrar: runs on cuda only"),
     (GEN + ["--decode-gemm", "skinny"], "--decode-gemm skinny: a Triton kernel for CUDA GPUs"),
+    (GEN + ["--pdl", "on"], "--pdl on: programmatic dependent launch of Triton kernels on a GPU, and these ranks"),
+    (BATCH + ["--pdl", "on"], "--pdl on: programmatic dependent launch of Triton kernels on a GPU"),
     (
         ["generate", "--model", "/no/such/folder", "--prompt-ids", "1"],
         "--model: no such checkpoint folder '/no/such/folder'",

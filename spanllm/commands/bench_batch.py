@@ -68,6 +68,7 @@ class BenchSettings:
     tuning: str | None = None
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
     decode_gemm: str = "torch"  # EngineConfig.decode_gemm
+    pdl: str = "off"  # EngineConfig.pdl
     max_model_len: int | None = None
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
@@ -173,6 +174,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         tuning=args.tuning,
         max_model_len=args.max_model_len,
         decode_gemm=args.decode_gemm,
+        pdl=args.pdl,
         json=args.json,
     )
 
@@ -216,6 +218,7 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims):
         cuda_graphs=s.cuda_graphs,
         seed=s.seed,
         decode_gemm=s.decode_gemm,
+        pdl=s.pdl,
         max_num_seqs=biggest,
         max_num_batched_tokens=max(8192, biggest * s.prompt_len),
         max_model_len=s.max_model_len or s.prompt_len + s.decode_len,

@@ -13,6 +13,7 @@ from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import ATTENTION_BACKENDS, DECODE_GEMMS, PREFILL_ATTENTION, QUANTIZATIONS
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.errors import UsageError
+from spanllm.kernels.pdl import PDL_MODES
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
 MODEL_HELP = (
@@ -51,6 +52,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = F
         default="auto",
         help="weight GEMMs of <= 16 rows (decode): 'torch' = F.linear (cuBLAS), 'skinny' = spanllm's Triton stream "
         "over the weights (GPU + Triton), 'auto' = skinny where its measured table says it is faster, else F.linear",
+    )
+    parser.add_argument(
+        "--pdl",
+        choices=PDL_MODES,
+        default="off",
+        help="programmatic dependent launch of the forward's Triton kernels (each may start while the one before "
+        "it finishes): auto = on where supported (GPU of compute capability >= 9.0), on (refused elsewhere), off",
     )
     parser.add_argument(
         "--max-model-len",
@@ -179,6 +187,7 @@ def check_model_arguments(args: argparse.Namespace, world: int):
     cfg = checks.model(args.model)
     topo = checks.topology(world, args.ranks_per_node)
     checks.decode_gemm(args.decode_gemm, device)
+    checks.pdl(args.pdl, device)
     checks.context_limit(cfg, args.max_model_len)
     return cfg, topo, device
 
@@ -249,6 +258,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         cuda_graphs=not args.no_cuda_graphs,
         seed=args.seed,
         decode_gemm=args.decode_gemm,
+        pdl=args.pdl,
         quantization=args.quantization,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

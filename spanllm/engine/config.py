@@ -11,6 +11,7 @@ from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, PREFILL_ATTENTION
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
+from spanllm.kernels.pdl import PDL_MODES
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
@@ -32,6 +33,10 @@ class EngineConfig:
     # says it beats F.linear, F.linear for the rest and on CPU. More rows always run F.linear. LLM.describe()
     # names the choice.
     decode_gemm: str = "auto"
+    # Programmatic dependent launch of the forward's Triton kernels (spanllm.kernels.pdl): each may start while
+    # the one before it finishes. "auto" = on where supported (compute capability >= 9.0), "on" (refused
+    # elsewhere), "off".
+    pdl: str = "off"
     # None: weights in `dtype`. "fp8": the decoder layers' linears quantized at load (spanllm.layers.fp8: e4m3
     # weights with per-channel scales; x per token above 64 rows); embedding and LM head stay in `dtype`.
     quantization: str | None = None
@@ -114,5 +119,7 @@ class EngineConfig:
                 f"quantization={self.quantization!r} is not supported; use None (weights in dtype) or one of "
                 f"{QUANTIZATIONS}"
             )
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"pdl={self.pdl!r} must be one of {PDL_MODES}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm={self.decode_gemm!r} must be one of {DECODE_GEMMS}")

@@ -32,6 +32,7 @@ from spanllm.engine.fixed_batch import FixedBatchExecutor, GenerationOutput, bui
 from spanllm.engine.sampler import BatchSampler, SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
+from spanllm.kernels import pdl
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto, table_id
 from spanllm.layers.fp8 import check_fp8_device, describe_dispatch
@@ -103,6 +104,7 @@ class LLM:
         # Per-op decode timers (bench batch's breakdown): attached to the model by hooks, off until enabled.
         self.timers = Timers(self.device, enabled=False, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
+        self.pdl = pdl.configure(self.engine.pdl, self.device)  # before the first forward (and graph capture)
         fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
         if self.engine.quantization == "fp8":
             check_fp8_device(self.device, checkpoint=fp8_checkpoint)
@@ -253,7 +255,7 @@ class LLM:
             f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
             f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
-            f"CUDA graphs {graphs}{timers} | "
+            f"CUDA graphs {graphs}{timers}, PDL {'on' if self.pdl else 'off'} | "
             f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )

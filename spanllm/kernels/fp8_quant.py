@@ -25,6 +25,8 @@ try:
 except ImportError:  # the CPU torch wheel comes without Triton
     triton = None
 
+from spanllm.kernels.pdl import launch_options
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # the scale of an all-zero row (vLLM's floor for dynamic scales)
@@ -42,9 +44,13 @@ def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 if triton is not None:
+    from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
-    def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr):
+    def _quantize_per_token_kernel(
+        x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -74,6 +80,14 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     block = triton.next_power_of_2(k)
     _quantize_per_token_kernel[(m,)](
-        x, q, scale, x.stride(0), q.stride(0), k, BLOCK=block, num_warps=8 if block >= 4096 else 4
+        x,
+        q,
+        scale,
+        x.stride(0),
+        q.stride(0),
+        k,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+        **launch_options(x.device),
     )
     return q, scale

@@ -21,12 +21,26 @@ try:
 except ImportError:  # CPU wheel: the references only
     triton = None
 
+from spanllm.kernels.pdl import launch_options
+
 if triton is not None:
+    from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        stride,
+        n_cols,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -42,7 +56,8 @@ if triton is not None:
         tl.store(out_ptr + row * stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -68,7 +83,9 @@ if triton is not None:
         HKV: tl.constexpr,
         D: tl.constexpr,
         HB: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_then_release(PDL)
         t = tl.program_id(0)
         hh = tl.program_id(1) * HB + tl.arange(0, HB)  # this program's heads: [0, HQ) queries, then keys, then values
         half = tl.arange(0, D // 2)
@@ -139,6 +156,7 @@ def rope_and_cache(
         D=d,
         HB=ROPE_HEADS,
         num_warps=4,
+        **launch_options(qkv.device),
     )
     return q
 
@@ -174,6 +192,7 @@ def add_rms_norm(
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(h),
         num_warps=8 if h >= 4096 else 4,
+        **launch_options(x.device),
     )
     return out, res_out
 
@@ -192,6 +211,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, f, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(f, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4, **launch_options(gate_up.device)
     )
     return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from spanllm.kernels.arrival_counters import arrival_counters
+from spanllm.kernels.pdl import launch_options, wait_then_release
 from spanllm.kernels.prefill_config import PrefillConfig, prefill_block_q, prefill_config
 from spanllm.kernels.shared_prefix_layout import MAX_PREFIX_SPLITS
 from spanllm.kernels.skinny_gemm import num_sms_of
@@ -123,12 +124,14 @@ def _shared_prefix_kernel(
     BLOCK: tl.constexpr,
     PS: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Stage 1 of shared-prefix decode (spanllm.attention.shared_prefix): program (u, h) takes unit u = (group,
     split, key tiles [t0, t1), prefix keys P) and KV head h: the g query heads of every member of the group as
     MEMBERS x G_PAD rows of one tile, against the split's prefix keys (read once for all of them, through the
     first member's block table: the members' first P / CACHE_BLOCK block ids are equal), and stores each real
     row's partial (m, l, acc). A padding unit (t0 = t1) does nothing: a graph's grid is the buffer's size."""
+    wait_then_release(PDL)
     u = tl.program_id(0)
     h = tl.program_id(1)
     gi = tl.load(unit_ptr + u * 5)
@@ -207,7 +210,9 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     PREFIX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -389,6 +394,7 @@ def decode(
         PREFIX_SPLITS=MAX_PREFIX_SPLITS,
         num_warps=4,
         num_stages=DECODE_NUM_STAGES,
+        **launch_options(q.device),
     )
     return out
 
@@ -442,6 +448,7 @@ def _shared_prefix(q, k_cache, v_cache, block_tables, shared: SharedPrefixTensor
         PREC=_precision(q),
         num_warps=4,
         num_stages=DECODE_NUM_STAGES,
+        **launch_options(q.device),
     )
 
 
@@ -498,7 +505,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     # One program per (tile, KV head), heads fastest: programs start in the tile list's order, which the host
     # sorts heaviest first (the tiles with the most keys), so the longest programs do not start last.
     pid = tl.program_id(0)
@@ -637,5 +646,6 @@ def prefill(
         LAZY_RESCALE=cfg.lazy_rescale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(q.device),
     )
     return out

@@ -66,6 +66,7 @@ from typing import NamedTuple
 import torch
 
 from spanllm.kernels.arrival_counters import arrival_counters
+from spanllm.kernels.pdl import launch_options
 
 try:
     import triton
@@ -310,6 +311,7 @@ def launch_for_tile(block_n: int, block_k: int, elem_bytes: int, block_m: int = 
 
 
 if triton is not None:
+    from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
     def _skinny_gemm_kernel(
@@ -334,10 +336,12 @@ if triton is not None:
         IS_FP32: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """y[m, n] = sum over k of x[m, k] * w[n, k]; with SPLIT_K > 1 each program sums one K chunk into the fp32
         workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...).
         HAS_SCALE: w is FP8, widened to x's dtype per tile, and y[m, n] = scale[n] * sum (FP8 weights)."""
+        wait_then_release(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -543,6 +547,7 @@ def skinny_linear(
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(x.device),
     )
     return y.reshape(*lead, n)
 

@@ -82,3 +82,29 @@ def test_skinny_decode_gemm_matches_transformers_fp32(hf_checkpoint, hf_referenc
     assert res["tokens"] == hf_reference[0]
     for i in range(len(PROMPTS)):
         torch.testing.assert_close(res["logits"][:, i], hf_reference[1][i], atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_pdl_on_equals_off_bit_for_bit(hf_checkpoint, quantization):
+    """pdl="on" (every Triton kernel of the forward launched with programmatic dependent launch, in CUDA graphs and
+    eagerly) changes when kernels start, never what they compute: tokens and logits equal pdl="off" bit for bit,
+    with the skinny decode GEMMs (bf16) or the FP8 ones, so that the chains norm -> GEMM -> RoPE -> attention are
+    all Triton kernels waiting on each other."""
+    pytest.importorskip("triton")
+    from spanllm.kernels import pdl
+
+    if not pdl.supported(torch.device("cuda", 0)):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    dev = torch.device("cuda", 0)
+    runs = {}
+    for mode in ("off", "on"):
+        for graphs in (True, False):
+            cfg = engine_config(
+                dtype=torch.bfloat16, decode_gemm="skinny", quantization=quantization, pdl=mode, cuda_graphs=graphs
+            )
+            llm = LLM(hf_checkpoint[0], cfg, device=dev)
+            assert llm.pdl == (mode == "on") and f"PDL {mode}" in llm.describe()
+            runs[mode, graphs] = generate(llm, PROMPTS, NEW_TOKENS)
+    for graphs in (True, False):
+        assert runs["on", graphs]["tokens"] == runs["off", graphs]["tokens"]
+        assert torch.equal(runs["on", graphs]["logits"], runs["off", graphs]["logits"])
