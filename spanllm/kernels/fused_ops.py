@@ -7,6 +7,11 @@ the model dtype before the norm reads it; the norm is computed in float32, round
 weight (a product in float32 rounded once, as a bf16 x bf16 product is). Only the order of the mean's
 float32 additions can differ from F.rms_norm's.
 
+With quantize=True (the next GEMM is FP8 W8A8, spanllm.layers.fp8) both also quantize their output per token to
+float8_e4m3fn and return an Fp8Activation (spanllm.kernels.fp8_quant) instead: the output in the model dtype is
+never stored, and the quantization pass that would read it back is saved. The values equal those of the unfused
+chain (the output rounded to the model dtype, then quantized) bit for bit.
+
 The torch fallbacks (`*_reference`) are the same math; the model uses them on CPU.
 """
 
@@ -21,9 +26,11 @@ try:
 except ImportError:  # CPU wheel: the references only
     triton = None
 
+from spanllm.kernels.fp8_quant import FP8_DTYPE, Fp8Activation
 from spanllm.kernels.pdl import launch_options
 
 if triton is not None:
+    from spanllm.kernels.fp8_quant import fp8_quantize, fp8_scale
     from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
@@ -33,10 +40,13 @@ if triton is not None:
         w_ptr,
         out_ptr,
         res_out_ptr,
+        scale_ptr,
         stride,
+        stride_out,
         n_cols,
         eps,
         HAS_RES: tl.constexpr,
+        QUANT: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -51,9 +61,23 @@ if triton is not None:
             tl.store(res_out_ptr + row * stride + cols, x, mask=ok)
         xf = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        y = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (xf * inv).to(res_out_ptr.dtype.element_ty).to(tl.float32)  # rounded to the model dtype (x's)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+        if QUANT:  # out is e4m3: the normed row rounded to the residual's dtype, then quantized per token
+            v = (y * w).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+            scale = fp8_scale(tl.max(tl.abs(v), axis=0))  # masked columns are 0
+            tl.store(out_ptr + row * stride_out + cols, fp8_quantize(v, scale).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(scale_ptr + row, scale)
+        else:
+            tl.store(out_ptr + row * stride_out + cols, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _silu_mul_values(row_ptr, cols, ok, n_cols):
+        """SiLU(gate) * up at `cols` of one row [gate | up], in the input dtype (0 where not ok)."""
+        g = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(row_ptr + n_cols + cols, mask=ok, other=0.0)
+        act = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the input dtype, then the product
+        return (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -61,10 +85,28 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
-        g = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0)
-        act = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the input dtype, then the product
-        tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=ok)
+        tl.store(out_ptr + row * stride_o + cols, _silu_mul_values(x_ptr + row * stride_x, cols, ok, n_cols), mask=ok)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(
+        x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        """One program per row, two passes over it in BLOCK columns: the row's amax, then the quantized values
+        (the second pass re-reads [gate | up] from L2, where the first left it: a row is 4 x n_cols bytes)."""
+        wait_then_release(PDL)
+        row = tl.program_id(0)
+        src = x_ptr + row * stride_x
+        amax = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_mul_values(src, cols, cols < n_cols, n_cols).to(tl.float32)))
+        scale = fp8_scale(tl.max(amax, axis=0))
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = cols < n_cols
+            v = _silu_mul_values(src, cols, ok, n_cols).to(tl.float32)
+            tl.store(q_ptr + row * stride_q + cols, fp8_quantize(v, scale).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
 
     @triton.jit
     def _rope_cache_kernel(
@@ -120,6 +162,18 @@ if triton is not None:
 ROPE_HEADS = 16
 
 
+def _runs_kernel(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take this call: CUDA tensors, or CPU tensors under Triton's interpreter
+    (TRITON_INTERPRET=1, the tests); otherwise the torch references."""
+    if triton is None:
+        return False
+    if x.is_cuda:
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_add_rms_norm_kernel, InterpretedFunction)
+
+
 def rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -162,23 +216,25 @@ def rope_and_cache(
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
     if residual is not None:
         x = x + residual
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return weight * y, x
+    return (Fp8Activation.of(weight * y) if quantize else weight * y), x
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual) for x [N, H] (residual None: norm of x, and x)."""
-    if triton is None or not x.is_cuda:
-        return add_rms_norm_reference(x, residual, weight, eps)
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quantize: bool = False
+) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+    """(RMSNorm(x + residual) * weight, x + residual) for x [N, H] (residual None: norm of x, and x); with
+    quantize, the norm as an Fp8Activation (module docstring)."""
+    if not _runs_kernel(x):
+        return add_rms_norm_reference(x, residual, weight, eps, quantize)
     x = x.contiguous()
     n, h = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(n, h, device=x.device, dtype=FP8_DTYPE if quantize else x.dtype)
+    scale = torch.empty(n, 1, device=x.device, dtype=torch.float32) if quantize else out
     res_out = torch.empty_like(x) if residual is not None else x
     _add_rms_norm_kernel[(n,)](
         x,
@@ -186,28 +242,52 @@ def add_rms_norm(
         weight,
         out,
         res_out,
+        scale,
         x.stride(0),
+        out.stride(0),
         h,
         eps,
         HAS_RES=residual is not None,
+        QUANT=quantize,
         BLOCK=triton.next_power_of_2(h),
         num_warps=8 if h >= 4096 else 4,
         **launch_options(x.device),
     )
-    return out, res_out
+    return (Fp8Activation(out, scale, x.dtype) if quantize else out), res_out
 
 
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_reference(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Activation:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return Fp8Activation.of(out) if quantize else out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up [N, 2F] laid out [gate | up] -> [N, F]."""
-    if triton is None or not gate_up.is_cuda:
-        return silu_mul_reference(gate_up)
+SILU_QUANT_BLOCK = 2048  # columns per pass of the quantizing kernel
+
+
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Activation:
+    """SiLU(gate) * up for gate_up [N, 2F] laid out [gate | up] -> [N, F]; with quantize, as an Fp8Activation
+    (module docstring)."""
+    if not _runs_kernel(gate_up):
+        return silu_mul_reference(gate_up, quantize)
     n, f2 = gate_up.shape
     f = f2 // 2
+    if quantize:
+        q = torch.empty(n, f, device=gate_up.device, dtype=FP8_DTYPE)
+        scale = torch.empty(n, 1, device=gate_up.device, dtype=torch.float32)
+        if n:
+            _silu_mul_quant_kernel[(n,)](
+                gate_up,
+                q,
+                scale,
+                gate_up.stride(0),
+                q.stride(0),
+                f,
+                BLOCK=min(SILU_QUANT_BLOCK, triton.next_power_of_2(f)),
+                num_warps=8,
+                **launch_options(gate_up.device),
+            )
+        return Fp8Activation(q, scale, gate_up.dtype)
     out = torch.empty(n, f, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(f, block))](

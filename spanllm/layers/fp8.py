@@ -12,7 +12,10 @@ The GEMM, by the number of rows M of x (the same rule on every device, so the CP
   sums (spanllm.kernels.skinny_gemm with weight_scale): the halved bytes are the whole gain at these sizes, and no
   activation-quantization pass is paid.
 - otherwise (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
-  torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype.
+  torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype. Where
+  x comes from a residual add + RMSNorm (qkv, gate_up) or from SiLU(gate) * up (down), that kernel quantizes its
+  own output (an Fp8Activation, asked for by `_Linear.quantizes_input`) and no separate pass runs; only o's input
+  (the attention output) takes the quantization kernel.
 On CPU (and wherever the GPU kernels are missing) the same two computations run in torch: W dequantized once
 at quantization time (`dequantized`), x quantized and dequantized per token above the threshold. The GPU path
 is checked against it (tests/kernels/test_fp8_gpu.py).
@@ -23,7 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spanllm.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_per_token, quantize_per_token_reference
+from spanllm.kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Activation,
+    quantize_per_token,
+    quantize_per_token_reference,
+)
 from spanllm.kernels.skinny_gemm import FP8_ALWAYS_WEIGHT_ONLY_M, FP8_MAX_M, fp8_weight_only
 
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization: None (the model dtype) or one of these
@@ -82,9 +91,21 @@ def scaled_mm_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_dequantized: torch.Tensor | None
+    x: torch.Tensor | Fp8Activation,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_dequantized: torch.Tensor | None,
 ) -> torch.Tensor:
-    """y = x @ (weight * weight_scale[:, None])^T in x's dtype, by the rule in the module docstring."""
+    """y = x @ (weight * weight_scale[:, None])^T in x's dtype, by the rule in the module docstring. An
+    Fp8Activation x (quantized by the kernel that produced it) always runs W8A8."""
+    if isinstance(x, Fp8Activation):
+        if x.q.dim() != 2 or x.q.shape[1] != weight.shape[1]:
+            raise ValueError(f"fp8_linear: an Fp8Activation must be [M, K={weight.shape[1]}], got {tuple(x.q.shape)}")
+        if not x.q.is_cuda:
+            if weight_dequantized is None:
+                raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")
+            return F.linear(x.dequantized(), weight_dequantized)
+        return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     if not x.is_cuda:
         if weight_dequantized is None:
             raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")

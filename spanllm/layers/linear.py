@@ -34,10 +34,17 @@ class _Linear(nn.Module):
         else:
             self.weight = tp.empty(out_local, in_local)
 
-    def gemm(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+    def gemm(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.weight_scale is None:
+            if isinstance(x, fp8.Fp8Activation):
+                raise TypeError("an Fp8Activation reached a linear layer whose weight is not FP8 (quantizes_input)")
             return self.tp.linear(x, self.weight)
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
+
+    def quantizes_input(self, rows: int) -> bool:
+        """Whether this layer's GEMM of `rows` rows runs W8A8, so that the kernel producing its input should
+        quantize it (fused_ops' quantize=True) rather than leave it to a separate pass."""
+        return self.weight_scale is not None and fp8.uses_activation_quant(rows, *self.weight.shape)
 
     @staticmethod
     def _check_fp8_shape(n: int, k: int, checkpoint: bool = False) -> None:
@@ -82,7 +89,7 @@ class ColumnParallelLinear(_Linear):
         self.out_local = divide(out_features, tp.size, "out_features")
         super().__init__(tp, self.out_local, in_features)  # W [out/tp, in]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out/tp]
+    def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., in] -> [..., out/tp]
         return self.gemm(x)
 
 
@@ -132,7 +139,7 @@ class RowParallelLinear(_Linear):
         self.in_start = tp.rank * self.in_local
         super().__init__(tp, out_features, self.in_local)  # W [out, in/tp]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in/tp] -> [..., out]
+    def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., in/tp] -> [..., out]
         y = self.gemm(x)
         if self.tp.size > 1:
             self.tp.all_reduce_(y)  # in place; y is a fresh contiguous tensor

@@ -18,6 +18,7 @@ from torch import nn
 
 from spanllm.attention.layer import Attention
 from spanllm.attention.metadata import AttentionMetadata
+from spanllm.kernels.fp8_quant import Fp8Activation
 from spanllm.kernels.fused_ops import add_rms_norm, silu_mul
 from spanllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from spanllm.layers.norm import RMSNorm
@@ -33,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
         self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local, cfg.head_dim)
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:  # [N, hidden]
-        qkv = self.qkv_proj(h)  # [N, (hq + 2 hkv) d]
+    def forward(self, h: torch.Tensor | Fp8Activation, meta: AttentionMetadata, cache) -> torch.Tensor:
+        qkv = self.qkv_proj(h)  # [N, hidden] -> [N, (hq + 2 hkv) d]
         qk, v = qkv.split([self.qkv_proj.q_size + self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         return self.o_proj(self.attn(qk, v, meta, cache))
 
@@ -45,8 +46,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # SiLU(gate) * up, one kernel on GPU
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # [N, hidden]
+        gate_up = self.gate_up_proj(x)
+        # SiLU(gate) * up, one kernel on GPU, which quantizes its output when down runs W8A8 (FP8)
+        return self.down_proj(silu_mul(gate_up, quantize=self.down_proj.quantizes_input(gate_up.shape[0])))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,11 +71,12 @@ class LlamaDecoderLayer(nn.Module):
         """h: the previous sub-layer's output [N, hidden] (the embedding when residual is None). Returns
         (this layer's MLP output, the residual stream before it); the same sums and roundings as
         `residual = h + attn(norm(h)); out = residual + mlp(norm(residual))`."""
-        norm = self.input_layernorm
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        # Each norm quantizes its output to FP8 itself when the GEMM it feeds runs W8A8 (spanllm.layers.fp8).
+        norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps, quantize=qkv.quantizes_input(h.shape[0]))
         h = self.self_attn(x, meta, cache)
-        norm = self.post_attention_layernorm
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps, quantize=gate_up.quantizes_input(h.shape[0]))
         return self.mlp(x), residual
 
 
