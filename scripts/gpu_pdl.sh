@@ -2,17 +2,18 @@
 # Programmatic dependent launch (spanllm.kernels.pdl) on one Hopper GPU: the 8B preset's decode with --pdl off vs on,
 # bf16 and FP8, same call; then the GPU test that PDL changes no token or logit; then offline ShareGPT off vs on.
 #
-#   bash scripts/gpu_pdl.sh OUTDIR [stages...]     stages: decode tests throughput (default: all three)
+#   bash scripts/gpu_pdl.sh OUTDIR [stages...]     stages: decode tests fused throughput (default: all four)
 #
 # decode: `bench throughput` with one random 128-token prompt and 256 output tokens (the decode1 stage of
 # scripts/gpu_fp8.sh) for {bf16, fp8} x {off, on}, and with 16 of them (batch 16) in FP8: decode_b{1,16}_{bf16,fp8}_pdl_{off,on}.json.
-# tests: pytest_pdl.txt. throughput: the committed 1000-request ShareGPT sample, FP8, off vs on:
+# tests: pytest_pdl.txt (with the fused FP8 activation quantization's GPU test). fused: scripts/gpu_fused_quant.py
+# (fused_quant.json: the W8A8 input quantized by its producer vs a separate pass, PDL off / on). throughput: the committed 1000-request ShareGPT sample, FP8, off vs on:
 # throughput_fp8_pdl_{off,on}.json. Everything under BUDGET_S (540 s): a run that would not fit is skipped, said in run.log.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUTDIR=${1:?usage: bash scripts/gpu_pdl.sh OUTDIR [stages...]}; shift
-STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests throughput)
+STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests fused throughput)
 BUDGET_S=${BUDGET_S:-540}
 SAMPLES=${SAMPLES:-results/h200/inputs/sharegpt_llama3_seed0_n1000.json}
 TR="torchrun --standalone --nproc-per-node 1"
@@ -49,8 +50,11 @@ for stage in "${STAGES[@]}"; do
         done
       done ;;
     tests)
-      step "pytest pdl" 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py -k pdl
+      step "pytest pdl + fused quantization" 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py \
+        tests/engine/test_fp8.py -k "pdl or gpu"
       grep -E "passed|failed|error" "$LOG" | tail -2 >"$OUTDIR/pytest_pdl.txt" ;;
+    fused)
+      step "fused activation quantization" 120 python3 scripts/gpu_fused_quant.py "$OUTDIR" ;;
     throughput)
       for mode in off on; do
         step "ShareGPT fp8 pdl $mode" 110 $TR -m spanllm.cli bench throughput --model llama3.1-8b --quantization fp8 \
