@@ -50,8 +50,8 @@ for stage in "${STAGES[@]}"; do
         done
       done ;;
     tests)
-      step "pytest pdl + fused quantization" 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py \
-        tests/engine/test_fp8.py -k "pdl or gpu"
+      step "pytest pdl + fused quantization" 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_pdl.py \
+        tests/engine/test_gpu_engine.py tests/engine/test_fp8.py -k "pdl or gpu_fused or gpu_quantize or gpu_fp8_linear"
       grep -E "passed|failed|error" "$LOG" | tail -2 >"$OUTDIR/pytest_pdl.txt" ;;
     fused)
       step "fused activation quantization" 120 python3 scripts/gpu_fused_quant.py "$OUTDIR" ;;

@@ -38,7 +38,7 @@ class EngineConfig:
     # elsewhere), "off".
     pdl: str = "off"
     # None: weights in `dtype`. "fp8": the decoder layers' linears quantized at load (spanllm.layers.fp8: e4m3
-    # weights with per-channel scales; x per token above 64 rows); embedding and LM head stay in `dtype`.
+    # weights with per-channel scales; x per token where the GEMM runs W8A8); embedding and LM head stay in `dtype`.
     quantization: str | None = None
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences per step (and the largest decode CUDA-graph bucket)

@@ -104,7 +104,7 @@ class LLM:
         # Per-op decode timers (bench batch's breakdown): attached to the model by hooks, off until enabled.
         self.timers = Timers(self.device, enabled=False, layer_spins=self.dims.pp == 1)
         self._check_decode_gemm()
-        self.pdl = pdl.configure(self.engine.pdl, self.device)  # before the first forward (and graph capture)
+        self.pdl = pdl.resolve(self.engine.pdl, self.device)  # the model's forward opens the scope (TPContext.pdl)
         fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
         if self.engine.quantization == "fp8":
             check_fp8_device(self.device, checkpoint=fp8_checkpoint)
@@ -117,6 +117,7 @@ class LLM:
             device=self.device,
             dtype=self.engine.dtype,
             fp8_weights=fp8_checkpoint,  # float8 weights and their scales, filled from the checkpoint as they are
+            pdl=self.pdl,
         )
         g = self.groups
         layers = stage_layers(self.config.num_layers, self.dims.pp, g.stage)

@@ -4,7 +4,7 @@ What a quality check of a numerical change needs (FP8 against bf16, a kernel aga
 tokens through the engine's own runner and paged KV cache, every row's logits asked for (a generation step asks
 for the last row only). `chunk` cuts the prompt into prefill steps of at most that many tokens, each attending to
 the chunks before it in the cache, so a check can pick the GEMM sizes it exercises (spanllm.layers.fp8 runs W8A16
-at <= 64 rows, W8A8 above).
+at <= 16 rows, and up to 128 where its measured table says so; W8A8 above).
 """
 
 from __future__ import annotations

@@ -13,15 +13,21 @@ kernel):
   this one has passed that point and an SM has room: they park in their own wait.
 So the launch latency and the programs' start overlap the previous kernel's tail, and memory effects keep the
 order they have without PDL. The wait is transitive (a kernel past its wait knows its predecessor was past its
-own, so every earlier kernel has completed). Kernels launched without the attribute (cuBLAS, torch's own) are
-ordered as always; a PDL kernel after one of them finds its wait already satisfied. Captured in a CUDA graph,
-the attribute becomes a programmatic edge (CUDA >= 12.3).
+own, so every earlier kernel has completed). A kernel launched without the attribute (cuBLAS, torch's own, the
+all-reduce) waits for the one before it to complete, as always, and so breaks the overlap there; a PDL kernel
+after it waits in gdc_wait until it has completed (whether or not it released its dependents early). Captured in a
+CUDA graph, the attribute becomes a programmatic edge (CUDA >= 12.3).
 
-The mode is the process's (one engine per rank process), set by `configure` from EngineConfig.pdl before the
-first forward (and so before any graph capture); launch sites ask `launch_options(device)`.
+Scope: an engine resolves EngineConfig.pdl once (`resolve`), and its model's forward runs inside `launching(on)`
+(spanllm.model.llama), eager or captured; launch sites ask `launch_options(device)`, which is off outside any
+forward. So two engines in one process each launch as configured, and a kernel called on its own (tests,
+benchmarks) launches without PDL unless its caller opens the scope.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -42,10 +48,9 @@ def supported(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
 
 
-def configure(mode: str, device: torch.device) -> bool:
-    """Set the process's mode from EngineConfig.pdl: "auto" (on where supported), "on" (refused where not), "off".
-    Returns whether the forward's Triton kernels launch with PDL."""
-    global _enabled
+def resolve(mode: str, device: torch.device) -> bool:
+    """EngineConfig.pdl on `device`: "auto" (on where supported), "on" (refused where not), "off". Returns whether
+    the engine's forward launches its Triton kernels with PDL."""
     if mode not in PDL_MODES:
         raise ValueError(f"pdl={mode!r} must be one of {PDL_MODES}")
     ok = supported(device)
@@ -61,12 +66,18 @@ def configure(mode: str, device: torch.device) -> bool:
             f"Triton; this rank runs on {what}{'' if triton is not None else ' without Triton'}. Use pdl='auto' "
             "(on where supported) or 'off'"
         )
-    _enabled = ok and mode != "off"
-    return _enabled
+    return ok and mode != "off"
 
 
-def enabled() -> bool:
-    return _enabled
+@contextlib.contextmanager
+def launching(on: bool) -> Iterator[None]:
+    """The kernels launched inside use PDL iff `on` (the previous setting comes back after)."""
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def launch_options(device: torch.device) -> dict:

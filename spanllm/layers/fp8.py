@@ -18,7 +18,7 @@ The GEMM, by the number of rows M of x (the same rule on every device, so the CP
   (the attention output) takes the quantization kernel.
 On CPU (and wherever the GPU kernels are missing) the same two computations run in torch: W dequantized once
 at quantization time (`dequantized`), x quantized and dequantized per token above the threshold. The GPU path
-is checked against it (tests/kernels/test_fp8_gpu.py).
+is checked against it (tests/engine/test_fp8.py, its GPU tests).
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ class TPContext:
     # The checkpoint's linear weights are FP8 (spanllm.model.fp8_checkpoint): the layers are built with float8
     # weights and float32 scales from the start (a model-dtype copy first would need the bf16 model's memory)
     fp8_weights: bool = False
+    # EngineConfig.pdl resolved on this device: the forward launches its Triton kernels with programmatic dependent
+    # launch (spanllm.kernels.pdl; LlamaForCausalLM.forward opens the scope)
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.size > 1 and self.comm is None:

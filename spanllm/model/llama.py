@@ -18,6 +18,7 @@ from torch import nn
 
 from spanllm.attention.layer import Attention
 from spanllm.attention.metadata import AttentionMetadata
+from spanllm.kernels import pdl
 from spanllm.kernels.fp8_quant import Fp8Activation
 from spanllm.kernels.fused_ops import add_rms_norm, silu_mul
 from spanllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -121,6 +122,12 @@ class LlamaForCausalLM(nn.Module):
         """x: token ids [N] on the first stage; elsewhere the previous stage's hidden state [N, hidden], with
         its residual. The last stage returns logits [S, vocab] float32 of the rows logits_indices names (every
         row when None), written into logits_out when given; the other stages return (hidden, residual)."""
+        # The engine's programmatic-dependent-launch setting for every Triton kernel of this forward, eager or
+        # captured (spanllm.kernels.pdl)
+        with pdl.launching(self.tp.pdl):
+            return self._forward(x, meta, kv_cache, residual, logits_indices, logits_out)
+
+    def _forward(self, x, meta, kv_cache, residual, logits_indices, logits_out):
         h = self.model.embed_tokens(x) if self.is_first else x  # [N, hidden]
         for layer in self.model.layers.values():
             h, residual = layer(h, residual, meta, kv_cache.layer(layer.layer_id))

@@ -211,20 +211,25 @@ def test_gpu_fp8_linear_in_a_cuda_graph():
 @pytest.mark.parametrize("m", [1, 17, 300, 4100])
 def test_gpu_fused_activation_quantization_equals_the_unfused_chain(m):
     """add_rms_norm / silu_mul with quantize=True (the W8A8 GEMM's input quantized by the kernel that produces it)
-    equal the kernel's output in bf16 quantized by quantize_per_token, bit for bit, at the 8B's widths."""
+    equal the kernel's output in bf16 quantized by quantize_per_token, bit for bit: the 8B's widths (hidden 4096,
+    ffn 14336), a TP = 4 shard's ffn (3584), the 70B's (28,672: two passes), and widths that leave a masked tail."""
     from spanllm.kernels.fused_ops import add_rms_norm, silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    res = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
-    for r in (res, None):
-        fused, res_fused = add_rms_norm(x, r, w, 1e-5, quantize=True)
-        plain, res_plain = add_rms_norm(x, r, w, 1e-5)
-        q, s = quantize_per_token(plain)
-        assert torch.equal(res_fused, res_plain) and torch.equal(fused.scale, s)
-        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and fused.dtype == torch.bfloat16
-    gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=g) * 3
-    fused = silu_mul(gate_up, quantize=True)
-    q, s = quantize_per_token(silu_mul(gate_up))
-    assert torch.equal(fused.scale, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+    for h in (4096, 5120, 100):
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        res = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.rand(h, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+        for r in (res, None):
+            fused, res_fused = add_rms_norm(x, r, w, 1e-5, quantize=True)
+            plain, res_plain = add_rms_norm(x, r, w, 1e-5)
+            q, s = quantize_per_token(plain)
+            assert torch.equal(res_fused, res_plain) and torch.equal(fused.scale, s)
+            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and fused.dtype == torch.bfloat16
+    for f in (14336, 3584, 28672, 3000):
+        if f == 28672 and m > 300:
+            continue  # the widest at 4,100 rows: 470 MB of input for no new path
+        gate_up = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+        fused = silu_mul(gate_up, quantize=True)
+        q, s = quantize_per_token(silu_mul(gate_up))
+        assert torch.equal(fused.scale, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))

@@ -122,10 +122,13 @@ def test_norm_quant_kernel_equals_norm_then_quantize(ops, h, with_residual, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("f", [100, 3000])  # one pass of one tile; two tiles per pass, the second masked
-def test_silu_quant_kernel_equals_silu_then_quantize(ops, f, dtype):
+# one pass (f <= the block); two passes of 1024 columns over 3000 (the third tile masked), as a 70B row takes
+@pytest.mark.parametrize("f,block", [(100, None), (3000, None), (3000, 1024)])
+def test_silu_quant_kernel_equals_silu_then_quantize(ops, monkeypatch, f, block, dtype):
     from spanllm.kernels.fp8_quant import quantize_per_token
 
+    if block is not None:
+        monkeypatch.setattr(ops, "SILU_QUANT_BLOCK", block)
     g = torch.Generator().manual_seed(f)
     gate_up = (torch.randn(4, 2 * f, generator=g) * 4).to(dtype)
     gate_up[1] = 0.0
@@ -137,7 +140,7 @@ def test_silu_quant_kernel_equals_silu_then_quantize(ops, f, dtype):
     assert ops.silu_mul(gate_up[:0], quantize=True).q.shape == (0, f)
 
 
-INTERPRETER_TESTS = 2 * 2 * 2 + 2 * 2
+INTERPRETER_TESTS = 2 * 2 * 2 + 3 * 2
 
 
 def test_interpreter_suite():

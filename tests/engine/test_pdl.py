@@ -10,32 +10,67 @@ from spanllm.engine.config import EngineConfig
 from spanllm.kernels import pdl
 
 
-@pytest.fixture(autouse=True)
-def restore_mode():
-    before = pdl._enabled
-    yield
-    pdl._enabled = before
-
-
 def test_auto_and_off_are_off_on_cpu_and_on_is_refused():
     cpu = torch.device("cpu")
-    assert pdl.configure("auto", cpu) is False and pdl.configure("off", cpu) is False
-    assert not pdl.enabled() and pdl.launch_options(cpu) == {"PDL": False}
+    assert pdl.resolve("auto", cpu) is False and pdl.resolve("off", cpu) is False
     with pytest.raises(
         ValueError,
         match=r"pdl='on': programmatic dependent launch needs a CUDA GPU of compute "
         r"capability >= 9.0 \(Hopper\) and Triton; this rank runs on device cpu",
     ):
-        pdl.configure("on", cpu)
+        pdl.resolve("on", cpu)
     with pytest.raises(ValueError, match=r"pdl='sometimes' must be one of \('auto', 'on', 'off'\)"):
-        pdl.configure("sometimes", cpu)
+        pdl.resolve("sometimes", cpu)
 
 
-def test_launch_options_only_on_cuda_tensors_when_on(monkeypatch):
-    monkeypatch.setattr(pdl, "_enabled", True)
-    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
-    # CPU tensors (Triton's interpreter) never get the attribute or the PTX
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+def test_launch_options_inside_the_scope_and_only_for_cuda_tensors():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # no GPU needed: nothing is launched
+    assert pdl.launch_options(cuda) == {"PDL": False}  # outside any forward: off
+    with pdl.launching(True):
+        assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+        # CPU tensors (Triton's interpreter) never get the attribute or the PTX
+        assert pdl.launch_options(cpu) == {"PDL": False}
+        with pdl.launching(False):  # another engine's forward inside (nested scopes restore)
+            assert pdl.launch_options(cuda) == {"PDL": False}
+        assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(cuda) == {"PDL": False}
+    with pytest.raises(RuntimeError), pdl.launching(True):
+        raise RuntimeError("a forward that fails")
+    assert pdl.launch_options(cuda) == {"PDL": False}  # restored by the failure too
+
+
+def test_every_kernel_of_the_forward_waits_then_releases_first():
+    """Each Triton kernel launched through launch_options takes the PDL constexpr and begins with
+    wait_then_release(PDL) (after its docstring): nothing may touch memory before the wait."""
+    import ast
+    import inspect
+
+    from spanllm.kernels import fp8_quant, fused_ops, paged_attention, skinny_gemm
+
+    launched = 0
+    for module in (fused_ops, skinny_gemm, fp8_quant, paged_attention):
+        tree = ast.parse(inspect.getsource(module))
+        kernels = {
+            n.name: n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in n.decorator_list)
+        }
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)):
+                continue
+            name = ast.unparse(call.func.value)
+            if name not in kernels:
+                continue
+            assert any(k.arg is None and "launch_options" in ast.unparse(k.value) for k in call.keywords), name
+            body = kernels[name].body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            assert ast.unparse(body[0]) == "wait_then_release(PDL)", name
+            assert "PDL" in [a.arg for a in kernels[name].args.args], name
+            launched += 1
+    # rope + cache, add + RMSNorm, SiLU x up (two), the skinny GEMM, per-token quantization, decode, shared
+    # prefix, prefill
+    assert launched == 9
 
 
 def test_engine_config_validates_the_mode():
