@@ -10,7 +10,8 @@ replay in the JSON):
 - silu_unfused: SiLU(gate) * up to bf16, then quantize_per_token; silu_fused: quantizing itself (ffn 14336)
 - qkv_unfused / qkv_fused: the norm chain followed by the qkv GEMM (torch._scaled_mm, W 6144 x 4096 FP8; four
   weights in turn so W comes from HBM); down_unfused / down_fused: the SiLU chain and the down GEMM (4096 x 14336)
-Writes OUTDIR/fused_quant.json (machine, versions, settings, raw numbers).
+Writes OUTDIR/fused_quant.json (machine, versions, settings, raw numbers). The M from which the fused rows win
+(qkv and down both) is what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say.
 """
 
 from __future__ import annotations

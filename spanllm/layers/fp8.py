@@ -13,9 +13,11 @@ The GEMM, by the number of rows M of x (the same rule on every device, so the CP
   activation-quantization pass is paid.
 - otherwise (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
   torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype. Where
-  x comes from a residual add + RMSNorm (qkv, gate_up) or from SiLU(gate) * up (down), that kernel quantizes its
-  own output (an Fp8Activation, asked for by `_Linear.quantizes_input`) and no separate pass runs; only o's input
-  (the attention output) takes the quantization kernel.
+  x comes from a residual add + RMSNorm (qkv, gate_up) or from SiLU(gate) * up (down), that kernel can quantize
+  its own output (an Fp8Activation, asked for by `_Linear.quantizes_input`) so that no separate pass runs: from
+  FUSED_QUANT_MIN_ROWS rows, the crossover `scripts/gpu_fused_quant.py` measures (one program per row: below some
+  M the separate kernels' wider grids win). Until a GPU has measured it, it is None: every W8A8 GEMM quantizes its
+  input in a separate pass (the description line says which).
 On CPU (and wherever the GPU kernels are missing) the same two computations run in torch: W dequantized once
 at quantization time (`dequantized`), x quantized and dequantized per token above the threshold. The GPU path
 is checked against it (tests/engine/test_fp8.py, its GPU tests).
@@ -57,16 +59,32 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return (q.float() * scale[:, None]).to(dtype)
 
 
+# Rows from which the kernel producing a W8A8 GEMM's input quantizes it itself (module docstring); None: never.
+# Not yet measured on a GPU (the kernels are checked bit for bit against the separate pass under Triton's
+# interpreter, tests/engine/test_fused_quant.py, and on the GPU by tests/engine/test_fp8.py when one runs).
+FUSED_QUANT_MIN_ROWS: int | None = None
+
+
 def uses_activation_quant(rows: int, n: int, k: int) -> bool:
     """Whether a GEMM of `rows` rows with W [n, k] quantizes x (W8A8) or keeps it (W8A16)."""
     return not fp8_weight_only(rows, n, k)
 
 
+def producer_quantizes(rows: int, n: int, k: int) -> bool:
+    """Whether the kernel that produces this W8A8 GEMM's input (norm, SiLU) quantizes it (FUSED_QUANT_MIN_ROWS)."""
+    return FUSED_QUANT_MIN_ROWS is not None and rows >= FUSED_QUANT_MIN_ROWS and uses_activation_quant(rows, n, k)
+
+
 def describe_dispatch() -> str:
     """The rule in words, for the engine's description line."""
+    fused = (
+        "x quantized by a separate pass"
+        if FUSED_QUANT_MIN_ROWS is None
+        else f"x quantized by the norm / SiLU kernel that produces it from {FUSED_QUANT_MIN_ROWS} rows"
+    )
     return (
         f"<= {FP8_ALWAYS_WEIGHT_ONLY_M} rows W8A16, up to {FP8_MAX_M} where the measured table says W8A16 is faster, "
-        "else W8A8"
+        f"else W8A8 ({fused})"
     )
 
 

@@ -42,9 +42,9 @@ class _Linear(nn.Module):
         return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
 
     def quantizes_input(self, rows: int) -> bool:
-        """Whether this layer's GEMM of `rows` rows runs W8A8, so that the kernel producing its input should
-        quantize it (fused_ops' quantize=True) rather than leave it to a separate pass."""
-        return self.weight_scale is not None and fp8.uses_activation_quant(rows, *self.weight.shape)
+        """Whether the kernel producing this layer's input of `rows` rows should quantize it (fused_ops'
+        quantize=True): the GEMM runs W8A8 and the fused quantization is on at that size (fp8.producer_quantizes)."""
+        return self.weight_scale is not None and fp8.producer_quantizes(rows, *self.weight.shape)
 
     @staticmethod
     def _check_fp8_shape(n: int, k: int, checkpoint: bool = False) -> None:
