@@ -5,7 +5,8 @@
 #   bash scripts/gpu_pdl.sh OUTDIR [stages...]     stages: decode tests fused throughput (default: all four)
 #
 # decode: `bench throughput` with one random 128-token prompt and 256 output tokens (the decode1 stage of
-# scripts/gpu_fp8.sh) for {bf16, fp8} x {off, on}, and with 16 of them (batch 16) in FP8: decode_b{1,16}_{bf16,fp8}_pdl_{off,on}.json.
+# scripts/gpu_fp8.sh) for {bf16, fp8} x {off, on, on_nopf (PDL without the weight prefetch)}, and with 16 of them
+# (batch 16) in FP8: decode_b{1,16}_{bf16,fp8}_pdl_{off,on,on_nopf}.json.
 # tests: pytest_pdl.txt (with the fused FP8 activation quantization's GPU test). fused: scripts/gpu_fused_quant.py
 # (fused_quant.json: the W8A8 input quantized by its producer vs a separate pass, PDL off / on). throughput: the committed 1000-request ShareGPT sample, FP8, off vs on:
 # throughput_fp8_pdl_{off,on}.json. Everything under BUDGET_S (540 s): a run that would not fit is skipped, said in run.log.
@@ -42,9 +43,9 @@ for stage in "${STAGES[@]}"; do
         for q in bf16 fp8; do
           [ $batch = 16 ] && [ $q = bf16 ] && continue  # batch 16: FP8 only (the time budget)
           qf=""; [ $q = fp8 ] && qf="--quantization fp8"
-          for mode in off on; do
-            step "decode b$batch $q pdl $mode" 90 $TR -m spanllm.cli bench throughput --model llama3.1-8b $qf \
-              --pdl $mode --dataset-name random --input-len 128 --output-len 256 --num-prompts $batch \
+          for mode in off on on_nopf; do  # on_nopf: PDL without the skinny GEMM's weight prefetch
+            step "decode b$batch $q pdl $mode" 90 env SPANLLM_SKINNY_PREFETCH_BYTES=$([ $mode = on_nopf ] && echo 0 || echo $((16 << 20))) \
+              $TR -m spanllm.cli bench throughput --model llama3.1-8b $qf --pdl ${mode%_nopf} --dataset-name random --input-len 128 --output-len 256 --num-prompts $batch \
               --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$OUTDIR/decode_b${batch}_${q}_pdl_$mode.json"
           done
         done

@@ -256,7 +256,7 @@ class LLM:
             f"{self.config.label} | {self.dims} | stage {self.groups.stage} layers "
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
             f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
-            f"CUDA graphs {graphs}{timers}, PDL {'on' if self.pdl else 'off'} | "
+            f"CUDA graphs {graphs}{timers}, {self.describe_pdl()} | "
             f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
@@ -271,6 +271,15 @@ class LLM:
         budget = self.engine.long_prefill_attention_budget
         line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
+
+    def describe_pdl(self) -> str:
+        if not self.pdl:
+            return "PDL off"
+        from spanllm.kernels.skinny_gemm import prefetch_budget
+
+        budget = prefetch_budget()
+        pf = f"skinny GEMMs prefetch up to {budget / 2**20:g} MiB of weights into L2 first" if budget else "no prefetch"
+        return f"PDL on ({pf})"
 
     def describe_quantization(self) -> str:
         """The weights' format and, for FP8, which GEMM each row count runs."""

@@ -41,6 +41,15 @@ FP8 weights (W8A16)
     grows with M). Whether it or W8A8 (x quantized, torch._scaled_mm) is faster past 16 rows depends on the
     shape: `fp8_weight_only` asks the measured table.
 
+Programmatic dependent launch (spanllm.kernels.pdl)
+    With PDL on, this kernel's programs become resident while the kernel before it (a norm, RoPE, the attention)
+    still runs. W depends on no kernel (weights are written once, at load), so before its gdc_wait each program
+    asks L2 to fetch the first tiles of its W range (`prefetch.global.L2`, one per 32-byte sector: a hint that
+    loads nothing into registers and writes nothing) and HBM streams W while the previous kernel finishes; the
+    loads after the wait then find those tiles in L2. At most W_PREFETCH_BYTES per GEMM (spread over its
+    programs), so that a prefetch never pushes its own first tiles out of the 50 MB L2. x and everything else is
+    read after the wait, as the protocol requires.
+
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
     measured table (skinny_gemm_configs.json beside this file): no benchmarking at call time, so
@@ -78,6 +87,11 @@ except ImportError:  # the CPU torch wheel comes without Triton
 MAX_M = 16  # rows of x the kernel handles with a bf16/fp16/fp32 W: one MMA tile of 16 rows
 FP8_MAX_M = 128  # rows with an FP8 W (W8A16): BLOCK_M grows to 128
 FP8_ALWAYS_WEIGHT_ONLY_M = 16  # up to here W8A16 always (one MMA tile); above, only where the table measured it faster
+# With PDL: bytes of W a GEMM prefetches into L2 before its wait (module docstring), over all its programs; 0 = none.
+# SPANLLM_SKINNY_PREFETCH_BYTES replaces it (benchmarks: scripts/gpu_pdl.sh measures with and without).
+W_PREFETCH_BYTES = 16 << 20
+PREFETCH_ENV = "SPANLLM_SKINNY_PREFETCH_BYTES"
+PREFETCH_SECTOR = 32  # bytes one prefetch instruction asks for
 BLOCK_M = 16
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_NUM_SMS = 132  # H200; used when the tensors are not on a GPU (Triton's CPU interpreter)
@@ -314,6 +328,18 @@ if triton is not None:
     from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
+    def _prefetch_w_tiles(w_ptr, rows, stride_wn, k_start, k_end, tiles, BLOCK_K: tl.constexpr, SECTOR: tl.constexpr):
+        """Ask L2 for `tiles` tiles [rows, BLOCK_K] of W from k_start (clamped below k_end), one prefetch per SECTOR
+        elements (32 bytes). A hint: no register is loaded, nothing is written."""
+        sec = tl.arange(0, BLOCK_K // SECTOR) * SECTOR
+        base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+        for t in range(0, tiles):
+            k = tl.minimum(k_start + t * BLOCK_K + sec, k_end - 1)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; // $0", "=r,l", [base + k[None, :]], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+    @triton.jit
     def _skinny_gemm_kernel(
         x_ptr,
         w_ptr,
@@ -328,6 +354,7 @@ if triton is not None:
         stride_xm,
         stride_wn,
         stride_ym,
+        prefetch_tiles,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -336,11 +363,19 @@ if triton is not None:
         IS_FP32: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        PF_SECTOR: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """y[m, n] = sum over k of x[m, k] * w[n, k]; with SPLIT_K > 1 each program sums one K chunk into the fp32
         workspace ws[pid_k, m, n] and the last of a tile's SPLIT_K programs adds them up (split 0, 1, ...).
-        HAS_SCALE: w is FP8, widened to x's dtype per tile, and y[m, n] = scale[n] * sum (FP8 weights)."""
+        HAS_SCALE: w is FP8, widened to x's dtype per tile, and y[m, n] = scale[n] * sum (FP8 weights).
+        PREFETCH (with PDL only): the first prefetch_tiles tiles of this program's W asked into L2 before the wait."""
+        if PREFETCH:  # W only: no kernel writes it, so it may be touched before the wait (module docstring)
+            rows_pf = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+            k0 = tl.program_id(1) * k_chunk
+            k1 = tl.minimum(k0 + k_chunk, K)
+            _prefetch_w_tiles(w_ptr, rows_pf, stride_wn, k0, k1, prefetch_tiles, BLOCK_K, PF_SECTOR)
         wait_then_release(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -400,6 +435,26 @@ if triton is not None:
                     total = total * row_scale
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+def prefetch_budget() -> int:
+    """Bytes of W one GEMM prefetches into L2 under PDL: W_PREFETCH_BYTES, or SPANLLM_SKINNY_PREFETCH_BYTES."""
+    v = os.environ.get(PREFETCH_ENV)
+    if v is None:
+        return W_PREFETCH_BYTES
+    try:
+        b = int(v)
+    except ValueError:
+        raise ValueError(f"{PREFETCH_ENV}={v!r}: a number of bytes (0: no prefetch)") from None
+    if b < 0:
+        raise ValueError(f"{PREFETCH_ENV}={b}: must be >= 0 (0: no prefetch)")
+    return b
+
+
+def prefetch_tiles(programs: int, tiles_per_program: int, tile_bytes: int) -> int:
+    """W tiles each program of a launch prefetches before its PDL wait: the budget spread over the programs, at most
+    a program's own tiles."""
+    return max(0, min(tiles_per_program, prefetch_budget() // max(1, programs * tile_bytes)))
 
 
 def _interpreting() -> bool:
@@ -517,6 +572,9 @@ def skinny_linear(
     split = effective_split_k(k, cfg.block_k, cfg.split_k)
     chunk = split_k_chunk(k, cfg.block_k, split)
     n_tiles = triton.cdiv(n, cfg.block_n)
+    launch = launch_options(x.device)
+    pf_tiles = prefetch_tiles(n_tiles * split, chunk // cfg.block_k, cfg.block_n * cfg.block_k * weight.element_size())
+    pf_tiles = pf_tiles if launch["PDL"] else 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split == 1:
         ws = counters = y  # unused
@@ -537,6 +595,7 @@ def skinny_linear(
         x2.stride(0),
         weight.stride(0),
         n,
+        pf_tiles,
         BLOCK_M=block_m_for(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -545,9 +604,11 @@ def skinny_linear(
         IS_FP32=(x.dtype == torch.float32),
         HAS_SCALE=fp8,
         NUM_STAGES=cfg.num_stages,
+        PREFETCH=pf_tiles > 0,
+        PF_SECTOR=min(cfg.block_k, PREFETCH_SECTOR // weight.element_size()),  # elements per prefetch
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(x.device),
+        **launch,
     )
     return y.reshape(*lead, n)
 

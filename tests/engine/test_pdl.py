@@ -41,7 +41,8 @@ def test_launch_options_inside_the_scope_and_only_for_cuda_tensors():
 
 def test_every_kernel_of_the_forward_waits_then_releases_first():
     """Each Triton kernel launched through launch_options takes the PDL constexpr and begins with
-    wait_then_release(PDL) (after its docstring): nothing may touch memory before the wait."""
+    wait_then_release(PDL) (after its docstring): nothing may touch memory before the wait, but the skinny GEMM's
+    prefetch of its weights into L2 (a hint on memory no kernel writes)."""
     import ast
     import inspect
 
@@ -61,9 +62,17 @@ def test_every_kernel_of_the_forward_waits_then_releases_first():
             name = ast.unparse(call.func.value)
             if name not in kernels:
                 continue
-            assert any(k.arg is None and "launch_options" in ast.unparse(k.value) for k in call.keywords), name
+            # **launch_options(device), or **launch where launch = launch_options(device)
+            spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+            assert spread and all(v == "launch" or v.startswith("launch_options(") for v in spread), name
+            if spread == ["launch"]:
+                assert "launch = launch_options(" in ast.unparse(tree), name
             body = kernels[name].body
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            if name == "_skinny_gemm_kernel":  # the weight prefetch into L2 (never a load) may come first
+                first = ast.unparse(body[0])
+                assert first.startswith("if PREFETCH:") and "tl.load" not in first and "_prefetch_w_tiles(" in first
                 body = body[1:]
             assert ast.unparse(body[0]) == "wait_then_release(PDL)", name
             assert "PDL" in [a.arg for a in kernels[name].args.args], name
@@ -71,6 +80,24 @@ def test_every_kernel_of_the_forward_waits_then_releases_first():
     # rope + cache, add + RMSNorm, SiLU x up (two), the skinny GEMM, per-token quantization, decode, shared
     # prefix, prefill
     assert launched == 9
+
+
+def test_weight_prefetch_budget(monkeypatch):
+    from spanllm.kernels import skinny_gemm as sg
+
+    monkeypatch.delenv(sg.PREFETCH_ENV, raising=False)
+    assert sg.prefetch_budget() == 16 << 20
+    # 96 programs of 32 KiB tiles: 16 MiB / 3 MiB = 5 tiles each; never more than a program's own 4
+    assert sg.prefetch_tiles(96, 8, 32 << 10) == 5 and sg.prefetch_tiles(96, 4, 32 << 10) == 4
+    assert sg.prefetch_tiles(4096, 8, 32 << 10) == 0  # a grid too big for the budget prefetches nothing
+    monkeypatch.setenv(sg.PREFETCH_ENV, "0")
+    assert sg.prefetch_tiles(96, 8, 32 << 10) == 0
+    monkeypatch.setenv(sg.PREFETCH_ENV, "-1")
+    with pytest.raises(ValueError, match="SPANLLM_SKINNY_PREFETCH_BYTES=-1: must be >= 0"):
+        sg.prefetch_budget()
+    monkeypatch.setenv(sg.PREFETCH_ENV, "lots")
+    with pytest.raises(ValueError, match="SPANLLM_SKINNY_PREFETCH_BYTES='lots': a number of bytes"):
+        sg.prefetch_budget()
 
 
 def test_engine_config_validates_the_mode():
