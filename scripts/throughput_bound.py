@@ -2,7 +2,7 @@
 
     python3 scripts/throughput_bound.py --samples-file results/h200/inputs/sharegpt_llama3_seed0_n1000.json \
         [--max-num-seqs 192,256,512 --max-num-batched-tokens 8192 --rates 750:4.28,989:4.8]
-        [--orders fcfs,longest-first] [--quantization fp8] [--json OUT]
+        [--orders fcfs,longest-first] [--quantization fp8] [--kv-cache-dtype fp8] [--json OUT]
 
 A thin command over the library: spanllm.perf.serving.replay_steps replays spanllm's Scheduler and BlockManager
 on the saved requests with no model (ignore_eos: the plan depends on the lengths only); spanllm.perf.roofline
@@ -13,6 +13,8 @@ synchronous; the engine's async scheduling takes a step or so more (1,722 agains
 advance). `spanllm plan --serve` prices the same plan with the engine's measured efficiencies instead.
 `--quantization fp8`: the FP8 roofline of the same schedule: layer weights one byte a parameter (the LM head
 bf16), the layers' GEMMs of steps above 64 rows at the H200 preset's fp8_gemm_speedup x the bf16 rate given.
+`--kv-cache-dtype fp8`: K and V one byte an element (decode attention reads half), and the default pool twice the
+blocks (the same memory).
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ def main() -> int:
     p.add_argument("--model", default="llama3.1-8b")
     p.add_argument("--max-num-seqs", default="128,192,256,384,512,1024", help="comma list: one replay each")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--num-blocks", type=int, default=55326, help="KV pool (the H200 run's: 55326 x 16 tokens)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool (default: the H200 run's 55326 x 16 tokens; twice that with --kv-cache-dtype fp8)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--rates",
@@ -51,11 +58,16 @@ def main() -> int:
         help="comma list: fcfs (the samples' order: the engine's) and/or longest-first (sorted by output length)",
     )
     p.add_argument("--quantization", default=None, metavar="fp8", help="fp8: the FP8 roofline (default: bf16)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: one byte a K/V element")
     p.add_argument("--json")
     a = p.parse_args()
     if a.quantization not in (None, "fp8"):
         raise SystemExit(f"--quantization {a.quantization!r}: only fp8 is modelled; leave it out for bf16")
     quant = get_quantization(a.quantization)
+    if a.kv_cache_dtype == "fp8":
+        quant = quant.with_fp8_kv_cache()
+    if a.num_blocks is None:
+        a.num_blocks = 55326 * (2 if a.kv_cache_dtype == "fp8" else 1)
     fp8_speedup = PRESETS["h200x2"].fp8_gemm_speedup
     orders = [v for v in a.orders.split(",") if v]
     if not orders or any(o not in ("fcfs", "longest-first") for o in orders):
@@ -108,6 +120,7 @@ def main() -> int:
             "block_size": a.block_size,
             "rates": a.rates,
             "quantization": quant.name,
+            "kv_cache_dtype": a.kv_cache_dtype,
             "fp8_gemm_speedup": fp8_speedup if quant.fp8_gemm else None,
         },
         "weight_bytes": model_costs(cfg, quant)["weight_bytes"],

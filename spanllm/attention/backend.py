@@ -73,8 +73,15 @@ class AttentionBackend(ABC):
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v [N, hkv, d] into their slots (k_cache viewed as [num_blocks * block_size, hkv, d])."""
+    """k, v [N, hkv, d] into their slots (k_cache viewed as [num_blocks * block_size, hkv, d]), in the cache's
+    dtype (an FP8 cache: torch's cast, saturating, through byte views: index_copy_ has no float8 kernel on CPU)."""
     nb, bs, h, d = k_cache.shape
+    if k_cache.dtype == torch.float8_e4m3fn:
+        slots = k_cache.view(torch.uint8).view(nb * bs, h, d)
+        slots.index_copy_(0, slot_mapping, k.to(torch.float8_e4m3fn).view(torch.uint8))
+        slots = v_cache.view(torch.uint8).view(nb * bs, h, d)
+        slots.index_copy_(0, slot_mapping, v.to(torch.float8_e4m3fn).view(torch.uint8))
+        return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 

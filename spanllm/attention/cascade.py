@@ -102,8 +102,8 @@ def cascade_prefill(
     c, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    k = gather(k_cache, block_table, prefix + c)  # [prefix + c, hkv, d]
-    v = gather(v_cache, block_table, prefix + c)
+    k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
+    v = gather(v_cache, block_table, prefix + c).to(q.dtype)
     # The chunk's own keys, square causal: K/V repeated per query head (c keys: cheap).
     kc = k[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, hq, c, d]
     vc = v[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]

@@ -1,6 +1,6 @@
-"""The reference backend ("torch"): gather each sequence's keys from its blocks, then SDPA (decodes in one padded
-batch, prefill chunks one at a time). Short and obvious on purpose: it runs anywhere (the CPU tests' oracle), and
-the Triton kernels are checked against it."""
+"""The reference backend ("torch"): gather each sequence's keys from its blocks (an FP8 cache widened to the
+query's dtype), then SDPA (decodes in one padded batch, prefill chunks one at a time). Short and obvious on purpose:
+it runs anywhere (the CPU tests' oracle), and the Triton kernels are checked against it."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def reference_decode(
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     n_max = max(context_lens)
     blocks = block_tables[:, : -(-n_max // bs)].long()  # [B, nb]: past a sequence's own blocks, block 0 (masked)
-    k = k_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2)  # [B, hkv, n_max, d]
-    v = v_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2)
+    k = k_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2).to(q.dtype)  # [B, hkv, n_max, d]
+    v = v_cache[blocks].reshape(b, -1, hkv, d)[:, :n_max].transpose(1, 2).to(q.dtype)
     lens = torch.tensor(context_lens, device=q.device)
     keep = torch.arange(n_max, device=q.device)[None, :] < lens[:, None]  # [B, n_max]
     qg = q.reshape(b, hkv, hq // hkv, d)  # the g query heads of each KV head as g query rows
@@ -61,8 +61,8 @@ def reference_prefill(
     out = torch.empty_like(q)
     start = 0
     for j, (t, n) in enumerate(zip(q_lens, context_lens)):
-        k = gather(k_cache, block_tables[j], n).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # [hq, n, d]
-        v = gather(v_cache, block_tables[j], n).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        k = gather(k_cache, block_tables[j], n).to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        v = gather(v_cache, block_tables[j], n).to(q.dtype).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
         qj = q[start : start + t].transpose(0, 1)  # [hq, t, d]
         qpos = torch.arange(n - t, n, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # [t, n]

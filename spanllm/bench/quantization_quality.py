@@ -1,4 +1,5 @@
-"""What a weight quantization costs in quality: one fixed text scored by the model in its dtype and quantized.
+"""What a quantization costs in quality: one fixed text scored by the model in its dtype and quantized (its weights,
+`quantization`, or its KV cache, `kv_cache_dtype`).
 
 Measures, on the engine's own runner: the text's mean negative log-likelihood per token (NLL; its exp is the
 perplexity) in both, the relative change of the log-likelihood, and how often the quantized model's top-1 next
@@ -51,6 +52,7 @@ def compare(
     dtype: torch.dtype = torch.bfloat16,
     text: str = FIXED_TEXT,
     base_dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Score `text` with `model` in `base_dtype` (default: `dtype`) unquantized and in `dtype` with
     `quantization`; the numbers of the module docstring, per shape. quantization=None with base_dtype=float32
@@ -61,8 +63,11 @@ def compare(
     cfg = resolve_model(model)
     llms = {}
     try:
-        for key, dt, q in (("base", base_dtype or dtype, None), ("quantized", dtype, quantization)):
-            engine = EngineConfig(dtype=dt, quantization=q, max_num_seqs=8, max_model_len=2048)
+        for key, dt, q, kv in (
+            ("base", base_dtype or dtype, None, "auto"),
+            ("quantized", dtype, quantization, kv_cache_dtype),
+        ):
+            engine = EngineConfig(dtype=dt, quantization=q, kv_cache_dtype=kv, max_num_seqs=8, max_model_len=2048)
             llms[key] = LLM(cfg, engine, device=torch.device("cpu"))
         ids = llms["base"].get_tokenizer().encode(text)
         rows = {}
@@ -81,7 +86,11 @@ def compare(
         return {
             "model": cfg.label,
             "base": {"dtype": str(base_dtype or dtype).removeprefix("torch."), "quantization": None},
-            "quantized": {"dtype": str(dtype).removeprefix("torch."), "quantization": quantization},
+            "quantized": {
+                "dtype": str(dtype).removeprefix("torch."),
+                "quantization": quantization,
+                "kv_cache_dtype": kv_cache_dtype,
+            },
             "text_tokens": len(ids),
             "shapes": rows,
         }

@@ -17,6 +17,7 @@ from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 DECODE_GEMMS = ("auto", "torch", "skinny")
+KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: the model dtype, or float8_e4m3fn (e4m3 values with scale 1)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class EngineConfig:
     # None: weights in `dtype`. "fp8": the decoder layers' linears quantized at load (spanllm.layers.fp8: e4m3
     # weights with per-channel scales; x per token where the GEMM runs W8A8); embedding and LM head stay in `dtype`.
     quantization: str | None = None
+    # The KV cache's element type: "auto" (dtype) or "fp8" (float8_e4m3fn; K and V as e4m3 values with scale 1, vLLM's
+    # default for a checkpoint without KV scales, saturating at +-448; widened to dtype as the attention reads
+    # them): half the bytes per token, so twice the tokens in the same memory and half the reads per decode.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences per step (and the largest decode CUDA-graph bucket)
     max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks)
@@ -73,6 +78,11 @@ class EngineConfig:
     long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
     async_scheduling: bool | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -119,6 +129,8 @@ class EngineConfig:
                 f"quantization={self.quantization!r} is not supported; use None (weights in dtype) or one of "
                 f"{QUANTIZATIONS}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"pdl={self.pdl!r} must be one of {PDL_MODES}")
         if self.decode_gemm not in DECODE_GEMMS:

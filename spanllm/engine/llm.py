@@ -108,6 +108,13 @@ class LLM:
         fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
         if self.engine.quantization == "fp8":
             check_fp8_device(self.device, checkpoint=fp8_checkpoint)
+        if self.engine.kv_cache_dtype == "fp8" and self.device.type == "cuda":
+            cap = torch.cuda.get_device_capability(self.device)
+            if cap < (8, 9):
+                raise ValueError(
+                    f"kv_cache_dtype='fp8' needs FP8 conversions on the GPU (compute capability >= 8.9); "
+                    f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}. Use kv_cache_dtype='auto'"
+                )
         tp = TPContext(
             rank=self.groups.tp_rank,
             size=self.dims.tp,
@@ -369,7 +376,7 @@ class LLM:
             e.block_size,
         )
         per_block = bytes_per_block(
-            len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.dtype
+            len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.kv_dtype
         )
         ffn_local = cfg.intermediate_size // self.dims.tp
         reserve = activation_reserve_bytes(
@@ -401,7 +408,7 @@ class LLM:
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             if int(n) != sizing.num_blocks:
                 sizing = CacheSizing(int(n), sizing.block_size, sizing.bytes_per_block, sizing.how + ", min over ranks")
-        self.kv_sizing = sizing
+        self.kv_sizing = sizing = replace(sizing, dtype=e.kv_dtype)
         cache = PagedKVCache(
             list(self.model.layer_ids),
             sizing.num_blocks,
@@ -409,7 +416,7 @@ class LLM:
             qkv.num_kv_heads_local,
             cfg.head_dim,
             self.device,
-            e.dtype,
+            e.kv_dtype,
         )
         return ModelRunner(
             self.model,

@@ -134,6 +134,7 @@ if triton is not None:
         HKV: tl.constexpr,
         D: tl.constexpr,
         HB: tl.constexpr,
+        KV_FP8: tl.constexpr,
         PDL: tl.constexpr,
     ):
         wait_then_release(PDL)
@@ -162,10 +163,17 @@ if triton is not None:
         v_dst = v_ptr + slot * stride_slot + (hh - HQ - HKV)[:, None] * D + half[None, :]
         tl.store(q_dst, r1, mask=is_q)
         tl.store(q_dst + D // 2, r2, mask=is_q)
-        tl.store(k_dst, r1, mask=is_k)
-        tl.store(k_dst + D // 2, r2, mask=is_k)
-        tl.store(v_dst, x1, mask=is_v)  # values are not rotated
-        tl.store(v_dst + D // 2, x2, mask=is_v)
+        k1, k2, v1, v2 = r1, r2, x1, x2  # values are not rotated
+        if KV_FP8:  # e4m3 with scale 1, saturated at +-448, rounded to nearest even: torch's .to(float8_e4m3fn)
+            kd = k_ptr.dtype.element_ty
+            k1 = tl.clamp(k1.to(tl.float32), -448.0, 448.0).to(kd)
+            k2 = tl.clamp(k2.to(tl.float32), -448.0, 448.0).to(kd)
+            v1 = tl.clamp(v1.to(tl.float32), -448.0, 448.0).to(kd)
+            v2 = tl.clamp(v2.to(tl.float32), -448.0, 448.0).to(kd)
+        tl.store(k_dst, k1, mask=is_k)
+        tl.store(k_dst + D // 2, k2, mask=is_k)
+        tl.store(v_dst, v1, mask=is_v)
+        tl.store(v_dst + D // 2, v2, mask=is_v)
 
 
 ROPE_HEADS = 16
@@ -194,8 +202,9 @@ def rope_and_cache(
     hkv: int,
     d: int,
 ) -> torch.Tensor:
-    """qkv [N, (hq + 2 hkv) d] -> rotated q [N, hq, d]; rotated k and v written to their cache slots.
-    cos, sin [N, 1, d] (or [N, d]). One kernel for RoPE of q and k, and both cache writes."""
+    """qkv [N, (hq + 2 hkv) d] -> rotated q [N, hq, d]; rotated k and v written to their cache slots (in the
+    cache's dtype: the model's, or float8_e4m3fn). cos, sin [N, 1, d] (or [N, d]). One kernel for RoPE of q and k,
+    and both cache writes."""
     n = qkv.shape[0]
     q = torch.empty(n, hq, d, device=qkv.device, dtype=qkv.dtype)
     cos2, sin2 = cos.reshape(n, d), sin.reshape(n, d)
@@ -218,6 +227,7 @@ def rope_and_cache(
         HKV=hkv,
         D=d,
         HB=ROPE_HEADS,
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
         **launch_options(qkv.device),
     )

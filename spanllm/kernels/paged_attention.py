@@ -20,7 +20,9 @@ first query (cached prefix and earlier chunks: no causal mask, no bounds mask, b
 the few tiles on the diagonal with the causal mask. The host lists tiles heaviest first (prefill_tiles).
 
 Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
-value dtype for the second dot, fp32 accumulation, one rounding at the store.
+value dtype for the second dot, fp32 accumulation, one rounding at the store. An FP8 cache (--kv-cache-dtype
+fp8: e4m3 values, scale 1) is widened to the query's dtype as each K/V tile is loaded (exact); the dots then
+run as with a bf16 cache, on half the bytes.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def _shared_prefix_kernel(
             offs = t * BLOCK + tl.arange(0, BLOCK)
             ok = offs < prefix
             kv = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-            k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            k = tl.load(k_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             nxt = offs + BLOCK
             blk = tl.load(bt_ptr + first * stride_btb + nxt // CACHE_BLOCK, mask=nxt < prefix, other=0)
             scores = tl.where(ok[None, :], tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
@@ -246,8 +248,8 @@ def _decode_kernel(
                 offs = start + t * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < n
                 row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
-                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
                 nxt = offs + BLOCK
                 blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
                 scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
@@ -264,14 +266,14 @@ def _decode_kernel(
                 ok = offs < n
                 blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
                 row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK, D]
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
                 scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 p = tl.exp2(scores - m_new[:, None])
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
                 m_i = m_new
         out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
@@ -549,8 +551,8 @@ def _prefill_kernel(
         for start in range(0, full_end, BLOCK_N):
             offs = start + offs_n
             kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :])  # [BLOCK_N, D]
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :])
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :]).to(q.dtype)  # [BLOCK_N, D]
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :]).to(q.dtype)
             blk = tl.load(bt_row + tl.minimum(offs + BLOCK_N, n - 1) // CACHE_BLOCK)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [ROWS, BLOCK_N]
             m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, scale_log2, PREC, LAZY_RESCALE)
@@ -558,8 +560,8 @@ def _prefill_kernel(
             offs = start + offs_n
             ok = offs < kv_end
             kv_row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             blk = tl.load(bt_row + tl.minimum(offs + BLOCK_N, n - 1) // CACHE_BLOCK)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             # a real row's pos < n, so pos excludes the masked keys too; padding rows may see zeros (not stored)

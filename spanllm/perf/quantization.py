@@ -24,6 +24,11 @@ class Quantization:
     name: str
     linear_weight_bytes: float  # per parameter of the decoder layers' linear weights
     fp8_gemm: bool  # layer GEMMs run on FP8 tensor cores (at ClusterSpec.fp8_gemm_speedup) where M is large
+    kv_element_bytes: float = DTYPE_BYTES  # the KV cache's (1: --kv-cache-dtype fp8; priced by the roofline only)
+
+    def with_fp8_kv_cache(self) -> Quantization:
+        """The same weights with an FP8 KV cache (--kv-cache-dtype fp8): one byte a K or V element."""
+        return Quantization(f"{self.name}, fp8 KV cache", self.linear_weight_bytes, self.fp8_gemm, 1)
 
     def layer_weight_bytes(self, model: ModelConfig) -> float:
         """One decoder layer's linear weights (whole, before any TP split)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from spanllm.model.config import ModelConfig
-from spanllm.perf.model_shape import embedding_params, kv_bytes_per_token_layer, layer_params
+from spanllm.perf.model_shape import DTYPE_BYTES, embedding_params, kv_bytes_per_token_layer, layer_params
 from spanllm.perf.quantization import BF16, Quantization, gemm_speedup
 from spanllm.perf.step_cost import Step
 
@@ -36,7 +36,10 @@ def model_costs(cfg: ModelConfig, quant: Quantization = BF16) -> dict:
         "head_params": head,
         # the embedding is read one row a token
         "weight_bytes": cfg.num_layers * quant.layer_weight_bytes(cfg) + quant.head_weight_bytes(cfg),
-        "kv_bytes_per_token": kv_bytes_per_token_layer(cfg, cfg.num_kv_heads) * cfg.num_layers,
+        "kv_bytes_per_token": kv_bytes_per_token_layer(cfg, cfg.num_kv_heads)
+        * cfg.num_layers
+        * quant.kv_element_bytes
+        / DTYPE_BYTES,
         "attn_flops_per_key": 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,  # QK^T and PV
     }
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from spanllm.model.config import resolve_model
+from spanllm.perf.quantization import BF16
 from spanllm.perf.roofline import model_costs, schedule_free, step_costs
 from spanllm.perf.serving import EngineLimits, replay_steps
 from spanllm.perf.step_cost import Step
@@ -48,6 +49,9 @@ def test_step_cost_is_the_roofline_of_its_work():
     kv = 1000 * 2 * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
     assert c["sequential_s"] == weights / bw + kv / bw
     assert c["overlapped_s"] == (weights + kv) / bw
+    # an FP8 KV cache reads one byte an element: half the K/V bytes, the weights unchanged
+    c8 = step_costs([Step(1, 1000, (), 1)], cfg, bw, fl, BF16.with_fp8_kv_cache())
+    assert c8["decode_attention_s"] == kv / 2 / bw and c8["weights_or_gemm_s"] == weights / bw
     # a 4096-token prompt from scratch: compute-bound GEMMs plus causal attention FLOPs
     c = step_costs([Step(0, 0, ((0, 4096),), 1)], cfg, bw, fl)
     gemm = 2 * layer * 4096 + 2 * head

@@ -294,3 +294,57 @@ def test_prefill_kernel_long_prefix_tilings(config):
     ref = pa.reference_prefill(q.float(), kc.float(), vc.float(), tables, q_lens, ctx)
     out = kt.prefill(q, kc, vc, tables, cu, torch.tensor(ctx, dtype=torch.int32, device=DEV), tiles, config=config)
     assert (out.float() - ref).abs().max().item() < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_writes_and_reads(dtype):
+    """--kv-cache-dtype fp8 on the GPU: the fused RoPE kernel writes into an FP8 cache exactly what it writes into a
+    cache of the model dtype, cast by torch (saturating, nearest even); the decode and prefill kernels on that
+    cache match the reference reading the same bytes."""
+    from spanllm.kernels import fused_ops as fo
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    hq, hkv, d, n = 32, 8, 128, 21
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, dtype=dtype, generator=g) * 60  # some past 448
+    cos = torch.rand(n, 1, d, device=DEV, dtype=dtype, generator=g)
+    sin = torch.rand(n, 1, d, device=DEV, dtype=dtype, generator=g)
+    slots = torch.randperm(8 * 16, device=DEV, generator=g)[:n]
+    qk, _ = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+    caches = {}
+    for kv_dtype in (dtype, torch.float8_e4m3fn):
+        kc = torch.zeros(8, 16, hkv, d, device=DEV, dtype=kv_dtype)
+        vc = torch.zeros_like(kc)
+        q = fo.rope_and_cache(qk, cos, sin, slots, kc, vc, hq, hkv, d)
+        caches[kv_dtype] = (q, kc, vc)
+    q_model, kc_model, vc_model = caches[dtype]
+    q_fp8, kc_fp8, vc_fp8 = caches[torch.float8_e4m3fn]
+    assert torch.equal(q_fp8, q_model)
+    for fp8_cache, model_cache in ((kc_fp8, kc_model), (vc_fp8, vc_model)):
+        want = model_cache.to(torch.float8_e4m3fn)
+        assert torch.equal(fp8_cache.view(torch.uint8), want.view(torch.uint8))
+    assert kc_fp8.float().abs().max().item() == 448.0  # saturated, not NaN
+    # the kernels reading an FP8 pool
+    ctx = [1, 300, 1000]
+    kc, vc, tables = _pool(ctx, 16, 8, 128, torch.float32, seed=9)
+    kc, vc = (kc * 3).to(torch.float8_e4m3fn), (vc * 3).to(torch.float8_e4m3fn)
+    qd = torch.randn(len(ctx), 32, 128, device=DEV, dtype=dtype, generator=g)
+    cl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    got = kt.decode(qd, kc, vc, tables, cl, 8)
+    want = pa.reference_decode(qd, kc, vc, tables, ctx)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert arrival_counters.all_zero(DEV)
+
+
+def test_engine_with_an_fp8_cache_graphs_equal_eager_and_reference_backend():
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, kw in {
+        "graphs": {},
+        "eager": {"cuda_graphs": False},
+        "torch": {"attention_backend": "torch", "cuda_graphs": False},
+    }.items():
+        e = _engine(kv_cache_dtype="fp8", **kw)
+        assert e.worker.cache.layer(0)[0].dtype == torch.float8_e4m3fn
+        outs[name] = [o.output_ids for o in e.generate(PROMPTS, params)]
+        e.engine_core.blocks.check([])
+    assert outs["graphs"] == outs["eager"] == outs["torch"]

@@ -100,7 +100,29 @@ def test_mixed_step_layout_each_kernel_writes_only_its_rows(kernels, splits):
     torch.testing.assert_close(out[2:], ref, rtol=1e-5, atol=1e-5)
 
 
-INTERPRETER_TESTS = 2 * 4 + 1 + 2
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_and_prefill_read_an_fp8_cache(kernels, splits):
+    """--kv-cache-dtype fp8: the kernels widen e4m3 K/V tiles to the query's dtype as they load them, so they
+    match the reference on the same cache (which widens the gathered keys)."""
+    from spanllm.attention import reference as pa
+
+    kc, vc, tables = _pool(CTX, 16, 2, 16, seed=7)
+    kc, vc = (kc * 4).to(torch.float8_e4m3fn), (vc * 4).to(torch.float8_e4m3fn)
+    q = torch.randn(len(CTX), 8, 16, generator=torch.Generator().manual_seed(2))
+    cl = torch.tensor(CTX, dtype=torch.int32)
+    out = kernels.decode(q, kc, vc, tables, cl, splits)
+    torch.testing.assert_close(out, pa.reference_decode(q, kc, vc, tables, CTX), rtol=1e-5, atol=1e-5)
+    # prefill: the last 40 keys of each of the two longest sequences as chunks after their prefixes
+    q_lens, ctx = [40, 40], [CTX[3], CTX[4]]
+    qp = torch.randn(sum(q_lens), 8, 16, generator=torch.Generator().manual_seed(3))
+    cu_q = torch.tensor([0, 40, 80], dtype=torch.int32)
+    tiles = torch.tensor(kernels.prefill_tiles(q_lens, 4, context_lens=ctx), dtype=torch.int32)
+    got = kernels.prefill(qp, kc, vc, tables[3:], cu_q, torch.tensor(ctx, dtype=torch.int32), tiles)
+    want = pa.reference_prefill(qp, kc, vc, tables[3:], q_lens, ctx)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2
 
 
 def test_interpreter_suite():

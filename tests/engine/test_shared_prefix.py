@@ -180,14 +180,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("families,members,own,target,splits", CASES)
+@pytest.mark.parametrize(
+    "families,members,own,target,splits,kv_dtype",
+    [(*c, torch.float32) for c in CASES] + [(*CASES[1], torch.float8_e4m3fn)],
+)
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_shared_prefix_decode_matches_reference(kernels, families, members, own, target, splits, prefetch):
+def test_shared_prefix_decode_matches_reference(kernels, families, members, own, target, splits, kv_dtype, prefetch):
+    """kv_dtype float8_e4m3fn: an FP8 cache (--kv-cache-dtype fp8), widened by both stages as they load it."""
     from spanllm.attention import reference as pa
     from spanllm.kernels import arrival_counters
 
     hq, hkv, d = 8, 2, 16
     kc, vc, tables, ctx = _shared_pool(families, members, own, hkv, d, seed=len(own) + target)
+    kc, vc = (kc * 3).to(kv_dtype), (vc * 3).to(kv_dtype)
     plan = plan_shared_prefix(
         tables.numpy(), ctx, BS, kernels.BLOCK_N, min_keys=16, members=members_per_group(hq // hkv), target_units=target
     )
@@ -241,7 +246,7 @@ def test_shared_prefix_backend_step_matches_reference(kernels, graph):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
-INTERPRETER_TESTS = len(CASES) * 2 + 2
+INTERPRETER_TESTS = (len(CASES) + 1) * 2 + 2
 
 
 def test_interpreter_suite():

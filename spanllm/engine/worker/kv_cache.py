@@ -1,6 +1,7 @@
 """PagedKVCache: per-layer K/V block tensors of one rank, and how many blocks fit in memory.
 
-Each layer holds k, v [num_blocks, block_size, kv_heads_local, head_dim] in the model dtype. The pool
+Each layer holds k, v [num_blocks, block_size, kv_heads_local, head_dim] in the model dtype, or in float8_e4m3fn
+(EngineConfig.kv_cache_dtype="fp8": half the bytes per block). The pool
 is sized the way vLLM sizes it: the engine may use `gpu_memory_utilization` of the GPU's memory in
 all; what is left of that after the weights and a reserve for a step's activations (the largest step:
 `max_num_batched_tokens` tokens, `max_num_seqs` rows of logits, and the logits every captured CUDA graph
@@ -31,10 +32,13 @@ class CacheSizing:
     def capacity_tokens(self) -> int:
         return (self.num_blocks - RESERVED_BLOCKS) * self.block_size
 
+    dtype: torch.dtype | None = None  # the cache's element type, when known (named in describe)
+
     def describe(self) -> str:
+        kind = f"{self.dtype}, " if self.dtype is not None else ""
         return (
             f"KV cache: {self.num_blocks - RESERVED_BLOCKS} blocks x {self.block_size} tokens = {self.capacity_tokens} tokens "  # noqa: E501
-            f"({(self.num_blocks * self.bytes_per_block) / GIB:.2f} GiB; {self.how})"
+            f"({kind}{(self.num_blocks * self.bytes_per_block) / GIB:.2f} GiB; {self.how})"
         )
 
 

@@ -1,0 +1,81 @@
+"""--kv-cache-dtype fp8 (EngineConfig.kv_cache_dtype): K and V stored as float8_e4m3fn (e4m3 values, scale 1,
+saturating), widened to the model dtype by every reader. CPU: the writes are torch's cast byte for byte, the pool
+holds twice the tokens in the same memory, and the serving engine with an FP8 cache gives the same greedy tokens
+with prefix caching on and off in every scenario (chunked prefill, tiny chunks, preemption, aborts), block
+accounting exact. Its quality on the real model: tests/model/test_fp8_quality.py. The Triton kernels on an FP8
+cache: tests/engine/test_paged_kernels_interpreter.py; the cache writes of the fused RoPE kernel on a GPU:
+tests/engine/test_gpu_paged.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefix_cache_workers import PREFIX_PROMPTS, SCENARIOS, prefix_scenario
+from serving_workers import serving_config
+
+from spanllm.attention.backend import write_kv
+from spanllm.attention.reference import reference_decode
+from spanllm.engine.config import EngineConfig
+from spanllm.engine.llm import LLM
+from spanllm.engine.worker.kv_cache import bytes_per_block
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_write_kv_is_torchs_saturating_cast_and_readers_widen_it():
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(5, 2, 8, generator=g) * 100  # some past 448: saturated, not NaN
+    v = torch.randn(5, 2, 8, generator=g)
+    k[0, 0, 0], k[1, 1, 1] = 1000.0, -5000.0
+    slots = torch.tensor([4, 5, 6, 7, 9])  # block 1 whole, then block 2's second slot
+    write_kv(k_cache, v_cache, k, v, slots)
+    flat_k, flat_v = k_cache.view(12, 2, 8), v_cache.view(12, 2, 8)
+    assert torch.equal(flat_k[slots].view(torch.uint8), k.to(FP8).view(torch.uint8))
+    assert torch.equal(flat_v[slots].view(torch.uint8), v.to(FP8).view(torch.uint8))
+    assert flat_k[4, 0, 0].item() == 448.0 and flat_k[5, 1, 1].item() == -448.0
+    assert flat_k[0].float().abs().sum() == 0  # other slots untouched
+    # a decode reading them: the reference widens to the query's dtype, as the kernels do
+    q = torch.randn(1, 4, 8, generator=g)
+    tables = torch.tensor([[1, 2]], dtype=torch.int32)
+    got = reference_decode(q, k_cache, v_cache, tables, [6])
+    want = reference_decode(q, k_cache.float(), v_cache.float(), tables, [6])
+    assert torch.equal(got, want)
+
+
+def test_an_fp8_pool_holds_twice_the_tokens():
+    assert bytes_per_block(32, 16, 8, 128, FP8) * 2 == bytes_per_block(32, 16, 8, 128, torch.bfloat16)
+    assert EngineConfig(kv_cache_dtype="fp8").kv_dtype == FP8
+    assert EngineConfig(dtype=torch.float16).kv_dtype == torch.float16
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' must be one of \('auto', 'fp8'\)"):
+        EngineConfig(kv_cache_dtype="int8")
+    sizes = {}
+    for kv in ("auto", "fp8"):
+        engine = EngineConfig(dtype=torch.bfloat16, kv_cache_dtype=kv, cpu_kv_cache_bytes=64 << 20, max_num_seqs=2)
+        llm = LLM("tiny", engine, device=torch.device("cpu"))
+        try:
+            runner = llm.worker
+            sizes[kv] = llm.kv_sizing.num_blocks
+            layer = runner.cache.layer(0)
+            assert layer[0].dtype == layer[1].dtype == (FP8 if kv == "fp8" else torch.bfloat16)
+            assert f"KV cache: {sizes[kv] - 1} blocks" in llm.describe()
+            assert ("torch.float8_e4m3fn, " in llm.describe()) == (kv == "fp8")
+        finally:
+            llm.close()
+    assert sizes["fp8"] == 2 * sizes["auto"]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fp8_cache_caching_on_equals_off(hf_checkpoint, name):
+    kw, aborts = SCENARIOS[name]
+    runs = {}
+    for on in (True, False):
+        llm = LLM(hf_checkpoint[0], serving_config(**kw, enable_prefix_caching=on, kv_cache_dtype="fp8"))
+        assert llm.worker.cache.layer(0)[0].dtype == FP8
+        runs[on] = prefix_scenario(llm, aborts)
+        assert runs[on]["free_blocks"] == runs[on]["usable_blocks"]
+    for i in range(len(PREFIX_PROMPTS)):
+        a, b = runs[True]["results"][i], runs[False]["results"][i]
+        assert a["tokens"] == b["tokens"] and a["finish_reason"] == b["finish_reason"], f"request {i}"
+    assert runs[False]["hits"] == 0 and runs[True]["hits"] >= 16
