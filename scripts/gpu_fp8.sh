@@ -3,7 +3,8 @@
 # in FP8 beside bf16 (same machine, same call).
 #
 #   scripts/gpu_fp8.sh OUTDIR [stages...]
-#   stages: sweep gemm tests decode1 decode1_bf16 throughput throughput_bf16 batch1 (default: all but the bf16 ones)
+#   stages: sweep gemm tests decode1 decode1_bf16 throughput throughput_bf16 throughput_kv8 batch1 (default: all but
+#   the bf16 and kv8 ones; throughput_kv8: FP8 weights and an FP8 KV cache, --kv-cache-dtype fp8)
 #
 # sweep writes OUTDIR/skinny_gemm_configs.json (the committed table plus this GPU's FP8 entries); every later stage
 # of the run uses it (SPANLLM_SKINNY_GEMM_TABLE, named in the engine's description line). FP8_TABLE=path uses
@@ -52,8 +53,9 @@ for stage in "${STAGES[@]}"; do
       log "batch-1 decode $q"
       timeout 240 $TR -m spanllm.cli bench throughput --model llama3.1-8b $q --dataset-name random --input-len 128 \
         --output-len 256 --num-prompts 1 --json "$OUTDIR/decode_b1_llama3.1-8b$suf.json" || rc=1 ;;
-    throughput|throughput_bf16)
+    throughput|throughput_bf16|throughput_kv8)
       q="--quantization fp8"; suf="_fp8"; [ "$stage" = throughput_bf16 ] && q="" && suf=""
+      [ "$stage" = throughput_kv8 ] && q="--quantization fp8 --kv-cache-dtype fp8" && suf="_fp8_kv8"
       log "ShareGPT offline $q ${SERVE_OPTS:-}"
       timeout "${THROUGHPUT_TIMEOUT:-300}" $TR -m spanllm.cli bench throughput --model llama3.1-8b $q --num-prompts 1000 \
         --samples-file "$SAMPLES" ${SERVE_OPTS:-} --json "$OUTDIR/throughput_llama3.1-8b$suf.json" || rc=1 ;;

@@ -7,7 +7,8 @@
 #      median and p99 TTFT, on vs off, and the server's hit rate from /metrics;
 #      With SHARED_PREFIX_ABLATION=1 (default) also caching on with --shared-prefix-attention off (what the
 #      shared-prefix decode attention adds), and with PREFIX_POLICY=1 (default) caching on with
-#      --scheduling-policy prefix (each system prompt's requests admitted together);
+#      --scheduling-policy prefix (each system prompt's requests admitted together), and with KV8=1 (default 0)
+#      caching on with --kv-cache-dtype fp8 (the shared prefixes' decode attention reads half the bytes);
 #   3. multi-turn ShareGPT (`bench multi-turn`, the 48 conversations of results/h200/inputs/
 #      sharegpt_multiturn_seed0_c48_t6.json): TTFT per turn number, on vs off (same servers as 2);
 #   4. the committed 1000-request ShareGPT sample (almost no shared prefix) offline: output tok/s on vs off.
@@ -130,6 +131,11 @@ if [ -f "$WORK/gsp.json" ]; then
     run_step gsp_offline_on_no_shared_prefix "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput \
       --model "$MODEL" --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --shared-prefix-attention off \
       --samples-file "$WORK/gsp.json" --json "$OUT_DIR/gsp_offline_on_no_shared_prefix.json"
+  fi
+  if [ "${KV8:-0}" = 1 ]; then  # caching on, an FP8 KV cache
+    run_step gsp_offline_on_kv8 "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput \
+      --model "$MODEL" --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --kv-cache-dtype fp8 \
+      --samples-file "$WORK/gsp.json" --json "$OUT_DIR/gsp_offline_on_kv8.json"
   fi
   if [ "${PREFIX_POLICY:-1}" = 1 ]; then  # caching on, requests of one system prompt admitted together
     run_step gsp_offline_on_prefix_policy "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput \
