@@ -36,7 +36,8 @@
 # (results/h200/inputs/sharegpt_llama3_seed0_n1000.json), SHAREGPT_NUM_PROMPTS (all of it), SHAREGPT_OUTPUT_LEN
 # (unset: the sample's), MT_CONVERSATIONS (results/h200/inputs/sharegpt_multiturn_seed0_c48_t6.json), MT_FLAGS
 # (--num-conversations 48 --max-turns 6 --max-output-len 128 --request-rate 4 --max-active-conversations 16),
-# SHARED_PREFIX_ABLATION (1), PREFIX_POLICY (1), SKIP_SERVE (0: 1 skips steps 2-3), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
+# SHARED_PREFIX_ABLATION (1), PREFIX_POLICY (1), KV8 (0), SKIP_SERVE (0: 1 skips steps 2-3), SKIP_OFFLINE (0: 1 skips
+# steps 1 and 4; give SERVE_RATE then, e.g. from an earlier run's gsp_offline_off.json), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
 # SAMPLE_TIMEOUT (120), GSP_OFF_TIMEOUT (200), GSP_ON_TIMEOUT (150), SHAREGPT_TIMEOUT (100), SERVER_START_TIMEOUT
 # (150), SERVE_TIMEOUT (150), MT_TIMEOUT (150).
 set -u
@@ -118,8 +119,12 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >>"$LOG" 2>&1
 
 # --- 1. generated-shared-prefix offline, on vs off (the same saved requests) --------------------------------------
+if [ "${SKIP_OFFLINE:-0}" = 1 ]; then
+  status offline "skipped: SKIP_OFFLINE=1"
+else
 run_step gsp_samples "${SAMPLE_TIMEOUT:-120}" python3 -m spanllm.cli bench throughput --model "$MODEL" \
   --dataset-name generated-shared-prefix $GSP_FLAGS --save-samples "$WORK/gsp.json" --dry-run
+fi
 if [ -f "$WORK/gsp.json" ]; then
   run_step gsp_offline_off "${GSP_OFF_TIMEOUT:-200}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
     --dtype "$DTYPE" $ENGINE_FLAGS --no-enable-prefix-caching --samples-file "$WORK/gsp.json" \
@@ -160,6 +165,7 @@ json.dump(d, open(dst, "w"))
 EOF2
 fi
 for mode in on off; do
+  [ "${SKIP_OFFLINE:-0}" = 1 ] && break
   run_step "sharegpt_offline_$mode" "${SHAREGPT_TIMEOUT:-100}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
     --dtype "$DTYPE" $ENGINE_FLAGS --$([ $mode = off ] && echo no-)enable-prefix-caching --samples-file "$SG_SAMPLES" \
     --json "$OUT_DIR/sharegpt_offline_$mode.json"
@@ -235,7 +241,7 @@ def load(name):
 def ratio(a, b):
     return a / b if a is not None and b else None
 s = {"status": dict(l.strip().split("=", 1) for l in open(status_file) if "=" in l)}
-for variant in ("no_shared_prefix", "prefix_policy"):
+for variant in ("no_shared_prefix", "prefix_policy", "kv8"):
     r = load(f"gsp_offline_on_{variant}.json")
     s[f"gsp_offline_on_{variant}"] = r and {"output_tok_s": r["output_tokens_per_second"],
                                             "hit_rate": r["prefix_cache"]["hit_rate"]}
@@ -268,5 +274,5 @@ EOF
 log "summary: $OUT_DIR/summary.json"
 tail -60 "$LOG" | grep -v '^===' | tail -45
 pack
-grep -v "SKIP_SERVE=1" "$STATUS" | grep -q "failed\|skipped\|did not" && exit 1
+grep -v "SKIP_SERVE=1\|SKIP_OFFLINE=1" "$STATUS" | grep -q "failed\|skipped\|did not" && exit 1
 exit 0
