@@ -320,7 +320,7 @@ def sweep_min_tiles(llm, calls: int = 200) -> list[dict]:
             nblk = -(-ctx // cache.block_size)
             tables = (1 + torch.arange(b * nblk, dtype=torch.int32, device=kc.device)).reshape(b, nblk)
             cl = torch.full((b,), ctx, dtype=torch.int32, device=kc.device)
-            q = torch.randn(b, hq, d, device=kc.device, dtype=kc.dtype)
+            q = torch.randn(b, hq, d, device=kc.device, dtype=llm.engine.dtype)  # an FP8 cache: the model's dtype
             for mt in (1, 2, 4, 8):
                 # `calls` back-to-back kernels in one graph (as a step's layers run): no host launch cost inside
                 graph = capture_graph(

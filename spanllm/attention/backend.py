@@ -21,6 +21,7 @@ import torch
 
 from spanllm.attention.metadata import AttentionMetadata
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
+from spanllm.kernels.fp8_quant import FP8_MAX
 from spanllm.kernels.prefill_config import PrefillConfig
 
 BACKENDS = ("auto", "torch", "triton")
@@ -74,13 +75,13 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v [N, hkv, d] into their slots (k_cache viewed as [num_blocks * block_size, hkv, d]), in the cache's
-    dtype (an FP8 cache: torch's cast, saturating, through byte views: index_copy_ has no float8 kernel on CPU)."""
+    dtype. An FP8 cache: saturated at +-448 first (torch before 2.12 casts an overflow to NaN), then torch's cast
+    (nearest even), through byte views (index_copy_ has no float8 kernel on CPU)."""
     nb, bs, h, d = k_cache.shape
     if k_cache.dtype == torch.float8_e4m3fn:
-        slots = k_cache.view(torch.uint8).view(nb * bs, h, d)
-        slots.index_copy_(0, slot_mapping, k.to(torch.float8_e4m3fn).view(torch.uint8))
-        slots = v_cache.view(torch.uint8).view(nb * bs, h, d)
-        slots.index_copy_(0, slot_mapping, v.to(torch.float8_e4m3fn).view(torch.uint8))
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            e4m3 = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, e4m3.view(torch.uint8))
         return
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v)

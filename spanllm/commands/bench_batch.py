@@ -69,6 +69,7 @@ class BenchSettings:
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
     decode_gemm: str = "torch"  # EngineConfig.decode_gemm
     pdl: str = "off"  # EngineConfig.pdl
+    quantization: str | None = None  # EngineConfig.quantization (--quantization fp8)
     max_model_len: int | None = None
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish
 
@@ -175,6 +176,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         max_model_len=args.max_model_len,
         decode_gemm=args.decode_gemm,
         pdl=args.pdl,
+        quantization=args.quantization,
         json=args.json,
     )
 
@@ -219,6 +221,7 @@ def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims):
         seed=s.seed,
         decode_gemm=s.decode_gemm,
         pdl=s.pdl,
+        quantization=s.quantization,
         max_num_seqs=biggest,
         max_num_batched_tokens=max(8192, biggest * s.prompt_len),
         max_model_len=s.max_model_len or s.prompt_len + s.decode_len,

@@ -229,7 +229,7 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
             f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention triton (the default)"
         )
-    if args.kv_cache_dtype == "fp8" and torch.cuda.is_available():
+    if args.kv_cache_dtype in ("fp8", "fp8_e4m3") and torch.cuda.is_available():
         cap = torch.cuda.get_device_capability(0)
         if cap < (8, 9):
             raise UsageError(

@@ -17,7 +17,8 @@ from spanllm.layers.fp8 import QUANTIZATIONS
 from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 
 DECODE_GEMMS = ("auto", "torch", "skinny")
-KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: the model dtype, or float8_e4m3fn (e4m3 values with scale 1)
+# vLLM's names: the model dtype, or float8_e4m3fn (e4m3 values with scale 1; "fp8_e4m3" is the same)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache tensors' dtype."""
-        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else self.dtype
+        return torch.float8_e4m3fn if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.dtype
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -130,7 +131,9 @@ class EngineConfig:
                 f"{QUANTIZATIONS}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES} (fp8_e5m2 is not supported)"
+            )
         if self.pdl not in PDL_MODES:
             raise ValueError(f"pdl={self.pdl!r} must be one of {PDL_MODES}")
         if self.decode_gemm not in DECODE_GEMMS:

@@ -108,7 +108,7 @@ class LLM:
         fp8_checkpoint = self.config.checkpoint_dir is not None and self.config.fp8_checkpoint is not None
         if self.engine.quantization == "fp8":
             check_fp8_device(self.device, checkpoint=fp8_checkpoint)
-        if self.engine.kv_cache_dtype == "fp8" and self.device.type == "cuda":
+        if self.engine.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda":
             cap = torch.cuda.get_device_capability(self.device)
             if cap < (8, 9):
                 raise ValueError(
@@ -294,8 +294,11 @@ class LLM:
             return f"weights {self.engine.dtype}"
         where = "FP8 kernels" if self.device.type == "cuda" else "dequantized on CPU"
         ckpt = self.config.fp8_checkpoint
+        kv_fp8 = self.engine.kv_dtype == torch.float8_e4m3fn
         origin = (
-            f"from the {ckpt.describe()}" if ckpt is not None and self.config.checkpoint_dir else "quantized at load"
+            f"from the {ckpt.describe(kv_fp8)}"
+            if ckpt is not None and self.config.checkpoint_dir
+            else "quantized at load"
         )
         return (
             f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token); "

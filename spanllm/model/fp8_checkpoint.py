@@ -46,12 +46,14 @@ class FP8Checkpoint:
 
     method: str  # "compressed-tensors" or "fp8"
     weight_strategy: str  # "channel": one scale per output row; "tensor": one scale per weight
-    # The checkpoint also calibrated an FP8 KV cache (kv_cache_scheme); the engine keeps K/V in the model dtype
-    # (more precise, twice the memory) and its description says so
+    # The checkpoint also calibrated an FP8 KV cache (kv_cache_scheme); its scales are not applied: the engine keeps
+    # K/V in the model dtype (more precise, twice the memory) or, with --kv-cache-dtype fp8, in e4m3 with scale 1;
+    # its description says which
     kv_cache_scheme_unused: bool = False
 
-    def describe(self) -> str:
-        kv = "; its kv_cache_scheme not applied: K/V in the model dtype" if self.kv_cache_scheme_unused else ""
+    def describe(self, kv_fp8: bool = False) -> str:
+        where = "e4m3 with scale 1 (--kv-cache-dtype fp8)" if kv_fp8 else "the model dtype"
+        kv = f"; its kv_cache_scheme's scales not applied: K/V in {where}" if self.kv_cache_scheme_unused else ""
         return f"FP8 checkpoint ({self.method}, {self.weight_strategy} scales{kv})"
 
 

@@ -166,3 +166,19 @@ def test_partial_rows_survive_a_cut_run(tmp_path):
     doc = json.loads((tmp_path / "study.partial.json").read_text())
     assert doc["kind"] == "study" and doc["complete"] is False and doc["rows"] == [{"batch": 1}, {"batch": 8}]
     assert doc["settings"]["world_size"] == 2 and not (tmp_path / "study.json").exists()
+
+
+def test_bench_batch_honours_quantization(tmp_path, capfd):
+    """--quantization fp8 reaches the engine the study builds (it was once parsed and then dropped): the engine's
+    description line (printed by the rank) names FP8 weights, and the report's settings carry it."""
+    import json
+
+    from spanllm.cli import main
+
+    js = tmp_path / "q.json"
+    argv = ["bench", "batch", "--model", "tiny:layers=2", "--batch-sizes", "1", "--prompt-len", "4"]
+    argv += ["--decode-len", "3", "--iters", "1", "--warmup", "0", "--no-breakdown", "--quantization", "fp8"]
+    assert main([*argv, "--json", str(js)]) == 0
+    out = capfd.readouterr()
+    assert "weights fp8 e4m3 per-channel, quantized at load" in out.out + out.err
+    assert json.loads(js.read_text())["settings"]["quantization"] == "fp8"

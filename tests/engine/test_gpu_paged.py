@@ -305,7 +305,9 @@ def test_fp8_kv_cache_writes_and_reads(dtype):
 
     g = torch.Generator(device=DEV).manual_seed(5)
     hq, hkv, d, n = 32, 8, 128, 21
-    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, dtype=dtype, generator=g) * 60  # some past 448
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, dtype=dtype, generator=g) * 60
+    qkv[3, hq * d + 5] = 7000.0  # a key and a value past 448: saturated, not NaN
+    qkv[4, (hq + hkv) * d + 9] = -9000.0
     cos = torch.rand(n, 1, d, device=DEV, dtype=dtype, generator=g)
     sin = torch.rand(n, 1, d, device=DEV, dtype=dtype, generator=g)
     slots = torch.randperm(8 * 16, device=DEV, generator=g)[:n]
@@ -322,7 +324,7 @@ def test_fp8_kv_cache_writes_and_reads(dtype):
     for fp8_cache, model_cache in ((kc_fp8, kc_model), (vc_fp8, vc_model)):
         want = model_cache.to(torch.float8_e4m3fn)
         assert torch.equal(fp8_cache.view(torch.uint8), want.view(torch.uint8))
-    assert kc_fp8.float().abs().max().item() == 448.0  # saturated, not NaN
+    assert kc_fp8.float().abs().max().item() == 448.0 and vc_fp8.float().min().item() == -448.0
     # the kernels reading an FP8 pool
     ctx = [1, 300, 1000]
     kc, vc, tables = _pool(ctx, 16, 8, 128, torch.float32, seed=9)

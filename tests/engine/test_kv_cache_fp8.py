@@ -48,8 +48,9 @@ def test_an_fp8_pool_holds_twice_the_tokens():
     assert bytes_per_block(32, 16, 8, 128, FP8) * 2 == bytes_per_block(32, 16, 8, 128, torch.bfloat16)
     assert EngineConfig(kv_cache_dtype="fp8").kv_dtype == FP8
     assert EngineConfig(dtype=torch.float16).kv_dtype == torch.float16
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' must be one of \('auto', 'fp8'\)"):
-        EngineConfig(kv_cache_dtype="int8")
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_dtype == FP8  # vLLM's other name for it
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2' must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
     sizes = {}
     for kv in ("auto", "fp8"):
         engine = EngineConfig(dtype=torch.bfloat16, kv_cache_dtype=kv, cpu_kv_cache_bytes=64 << 20, max_num_seqs=2)
@@ -79,3 +80,5 @@ def test_fp8_cache_caching_on_equals_off(hf_checkpoint, name):
         a, b = runs[True]["results"][i], runs[False]["results"][i]
         assert a["tokens"] == b["tokens"] and a["finish_reason"] == b["finish_reason"], f"request {i}"
     assert runs[False]["hits"] == 0 and runs[True]["hits"] >= 16
+    if name == "preempt":
+        assert runs[True]["preemptions"] > 0 and runs[False]["preemptions"] > 0
