@@ -1,17 +1,18 @@
 """--kv-cache-dtype fp8 (EngineConfig.kv_cache_dtype): K and V stored as float8_e4m3fn (e4m3 values, scale 1,
 saturating), widened to the model dtype by every reader. CPU: the writes are torch's cast byte for byte, the pool
-holds twice the tokens in the same memory, and the serving engine with an FP8 cache gives the same greedy tokens
-with prefix caching on and off in every scenario (chunked prefill, tiny chunks, preemption, aborts), block
-accounting exact. Its quality on the real model: tests/model/test_fp8_quality.py. The Triton kernels on an FP8
-cache: tests/engine/test_paged_kernels_interpreter.py; the cache writes of the fused RoPE kernel on a GPU:
-tests/engine/test_gpu_paged.py."""
+holds twice the tokens in the same memory, the serving engine with an FP8 cache gives the same greedy tokens with
+prefix caching on and off in every scenario (chunked prefill, tiny chunks, preemption, aborts), block accounting
+exact; and those tokens are transformers' own greedy tokens when its KV cache rounds every key and value to e4m3
+the same way (an independent implementation of what the FP8 cache computes). Its quality on the real model:
+tests/model/test_fp8_quality.py. The Triton kernels on an FP8 cache: tests/engine/test_paged_kernels_interpreter.py
+and test_shared_prefix.py; the cache writes of the fused RoPE kernel on a GPU: tests/engine/test_gpu_paged.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from prefix_cache_workers import PREFIX_PROMPTS, SCENARIOS, prefix_scenario
-from serving_workers import serving_config
+from prefix_cache_workers import PREFIX_MAX_TOKENS, PREFIX_PROMPTS, SCENARIOS, prefix_scenario
+from serving_workers import hf_greedy, serving_config
 
 from spanllm.attention.backend import write_kv
 from spanllm.attention.reference import reference_decode
@@ -82,3 +83,37 @@ def test_fp8_cache_caching_on_equals_off(hf_checkpoint, name):
     assert runs[False]["hits"] == 0 and runs[True]["hits"] >= 16
     if name == "preempt":
         assert runs[True]["preemptions"] > 0 and runs[False]["preemptions"] > 0
+
+
+@pytest.fixture(scope="module")
+def hf_fp8_kv_reference(hf_checkpoint):
+    """transformers' greedy tokens with every key and value it caches rounded to e4m3 (saturated), as the engine's
+    FP8 cache stores them; and how many cached elements the rounding changed (so the check cannot be vacuous)."""
+    from transformers.cache_utils import DynamicLayer
+
+    real, changed = DynamicLayer.update, []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        rounded = [x.clamp(-448, 448).to(FP8).to(x.dtype) for x in (key_states, value_states)]
+        changed.append(sum(int((r != x).sum()) for r, x in zip(rounded, (key_states, value_states))))
+        return real(self, *rounded, *args, **kwargs)
+
+    DynamicLayer.update = update
+    try:
+        tokens = hf_greedy(hf_checkpoint[2], PREFIX_PROMPTS, PREFIX_MAX_TOKENS)
+    finally:
+        DynamicLayer.update = real
+    exact = hf_greedy(hf_checkpoint[2], PREFIX_PROMPTS, PREFIX_MAX_TOKENS)  # its cache in float32
+    return tokens, sum(changed), sum(a != b for x, y in zip(tokens, exact) for a, b in zip(x, y))
+
+
+def test_fp8_cache_equals_transformers_with_e4m3_rounded_kv(hf_checkpoint, hf_fp8_kv_reference):
+    want, changed, differ = hf_fp8_kv_reference
+    # the rounding moved most cached values, and enough of them to change tokens (16 of 59 with this model): the
+    # comparison tells an FP8 cache from a float32 one
+    assert changed > 1000 and differ > 0
+    llm = LLM(hf_checkpoint[0], serving_config(kv_cache_dtype="fp8"))
+    res = prefix_scenario(llm, {})
+    for i, ref in enumerate(want):
+        assert res["results"][i]["tokens"] == ref, f"request {i}"
+    assert res["free_blocks"] == res["usable_blocks"]
