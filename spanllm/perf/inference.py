@@ -175,18 +175,31 @@ def layer_gemm_us(
     return gemm_time_us(2 * tokens * layer_params(model) / tp, weights + acts, cluster, efficiency, speedup)
 
 
-def decode_attention_us(model: ModelConfig, batch: int, positions: float, tp: int, cluster: ClusterSpec) -> float:
+def _kv_bytes(model: ModelConfig, tp: int, quant: Quantization) -> float:
+    """K and V of one token in one layer on one GPU, in the KV cache's element type (quant.kv_element_bytes)."""
+    return kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, tp)) * quant.kv_element_bytes / DTYPE_BYTES
+
+
+def decode_attention_us(
+    model: ModelConfig, batch: int, positions: float, tp: int, cluster: ClusterSpec, quant: Quantization = BF16
+) -> float:
     """One layer: the K and V of `positions` cache positions per sequence read at HBM speed, plus the
     engine's serial scan cost per position (one thread block walks its head's positions in order)."""
-    kv = hbm_read_us(batch * positions * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, tp)), cluster)
+    kv = hbm_read_us(batch * positions * _kv_bytes(model, tp, quant), cluster)
     return kv + positions * cluster.engine.attn_position_ns / 1e3
 
 
 def prefill_attention_us(
-    model: ModelConfig, batch: int, prompt: int, tp: int, cluster: ClusterSpec, efficiency: float | None = None
+    model: ModelConfig,
+    batch: int,
+    prompt: int,
+    tp: int,
+    cluster: ClusterSpec,
+    efficiency: float | None = None,
+    quant: Quantization = BF16,
 ) -> float:
     flops = 2 * batch * prompt * prompt * model.hidden_size / tp
-    kv_write = batch * prompt * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, tp))
+    kv_write = batch * prompt * _kv_bytes(model, tp, quant)
     return gemm_time_us(flops, kv_write, cluster, efficiency)
 
 
@@ -232,17 +245,12 @@ def pp_transfer_us(nbytes: float, over_network: bool, cluster: ClusterSpec) -> f
 def memory_per_gpu(
     model: ModelConfig, layout: Layout, workload: Workload, cluster: ClusterSpec, quant: Quantization = BF16
 ) -> Memory:
-    """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache + one layer's activations
-    (the KV cache and the activations are bf16 in every quantization)."""
+    """Worst stage: its layers' weight shards + embedding or LM head shard + KV cache (quant.kv_element_bytes an
+    element) + one layer's activations (bf16)."""
     layers = math.ceil(model.num_layers / layout.pp)
     emb = quant.head_weight_bytes(model) / layout.tp * (2 if layout.pp == 1 else 1)
     weights = layers * quant.layer_weight_bytes(model) / layout.tp + emb
-    kv = (
-        workload.batch
-        * (workload.prompt_len + workload.decode_len)
-        * layers
-        * kv_bytes_per_token_layer(model, kv_heads_per_gpu(model, layout.tp))
-    )
+    kv = workload.batch * (workload.prompt_len + workload.decode_len) * layers * _kv_bytes(model, layout.tp, quant)
     rows = workload.batch // layout.micro_batches * workload.prompt_len
     acts = rows * DTYPE_BYTES * (4 * model.hidden_size + 3 * model.intermediate_size / layout.tp)
     return Memory(weights / 1e9, kv / 1e9, acts / 1e9, cluster.gpu_memory_GB * MEMORY_USABLE_FRACTION)
@@ -360,7 +368,7 @@ def estimate(
         cluster,
         layout,
         rows,
-        prefill_attention_us(model, mb, workload.prompt_len, layout.tp, cluster, eff),
+        prefill_attention_us(model, mb, workload.prompt_len, layout.tp, cluster, eff, quant),
         prefill_algo or algo,
         False,
         False,
@@ -382,7 +390,7 @@ def estimate(
         cluster,
         layout,
         mb,
-        decode_attention_us(model, mb, positions, layout.tp, cluster),
+        decode_attention_us(model, mb, positions, layout.tp, cluster, quant),
         algo,
         cuda_graphs,
         True,

@@ -102,3 +102,30 @@ def test_fp8_roofline_of_a_step():
     c = step_costs([Step(0, 0, ((0, 4096),), 1)], cfg, bw, fl, FP8, 1.7)
     attn = 4 * 32 * 128 * 32 * (4096 * 4097 // 2)
     assert c["sequential_s"] == pytest.approx((2 * layers * 4096 / 1.7 + 2 * head) / fl + attn / fl)
+
+
+def test_fp8_kv_cache_halves_the_cache_and_the_decode_reads():
+    from spanllm.perf.inference import decode_attention_us
+
+    m, c, layout = get_model("405b"), PRESETS["dgx-h200"], Layout(8, 1)
+    kv8 = FP8.with_fp8_kv_cache()
+    assert kv8.name == "fp8, fp8 KV cache" and kv8.linear_weight_bytes == 1 and kv8.kv_element_bytes == 1
+    a, b = memory_per_gpu(m, layout, DECODE_HEAVY, c, FP8), memory_per_gpu(m, layout, DECODE_HEAVY, c, kv8)
+    assert b.kv_cache_GB == pytest.approx(a.kv_cache_GB / 2) and b.weights_GB == a.weights_GB
+    # 126 layers x 16 sequences x 640 positions x 2 (K, V) x 1 KV head x 128 per GPU at TP 8, bytes
+    assert a.kv_cache_GB == pytest.approx(126 * 16 * 640 * 2 * 128 * 2 / 1e9)
+    scan = 640 * c.engine.attn_position_ns / 1e3  # the serial scan cost does not depend on the bytes
+    full, half = (decode_attention_us(m, 16, 640, 8, c, q) - scan for q in (BF16, BF16.with_fp8_kv_cache()))
+    assert half == pytest.approx(full / 2)
+    f, f8 = (estimate(m, c, layout, DECODE_HEAVY, "nccl", quant=q) for q in (FP8, kv8))
+    assert f8.tpot_ms < f.tpot_ms
+
+
+def test_cli_kv_cache_dtype(tmp_path, capsys):
+    argv = ["plan", "--model", "405b", "--cluster", "dgx-h200", "--nodes", "1", "--batch", "16", "--prompt", "128"]
+    out = tmp_path / "plan.json"
+    assert main([*argv, "--no-ranges", "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    assert '"quantization": "fp8, fp8 KV cache"' in out.read_text()
+    capsys.readouterr()
+    assert main([*argv, "--serve", "--lengths", "100:10", "--kv-cache-dtype", "fp8"]) == 2
+    assert "--kv-cache-dtype fp8 prices the static batch" in capsys.readouterr().err
