@@ -49,3 +49,13 @@ def tp_prefix_scenarios(ctx, checkpoint: str) -> dict | None:
             out[(name, on)] = prefix_scenario(llm, aborts)
             llm.close()
     return out if ctx.rank == 0 else None
+
+
+def tp_fp8_kv_scenario(ctx, checkpoint: str) -> dict | None:
+    """The chunked scenario with prefix caching and an FP8 KV cache (each rank its heads' K/V in e4m3), at TP =
+    world size (gloo)."""
+    cfg = serving_config(kv_cache_dtype="fp8")
+    llm = LLM(checkpoint, cfg, dims=ParallelDims(ctx.world_size, 1, ctx.world_size))
+    out = prefix_scenario(llm, {})
+    llm.close()
+    return out if ctx.rank == 0 else None

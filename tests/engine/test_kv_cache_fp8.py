@@ -2,16 +2,17 @@
 saturating), widened to the model dtype by every reader. CPU: the writes are torch's cast byte for byte, the pool
 holds twice the tokens in the same memory, the serving engine with an FP8 cache gives the same greedy tokens with
 prefix caching on and off in every scenario (chunked prefill, tiny chunks, preemption, aborts), block accounting
-exact; and those tokens are transformers' own greedy tokens when its KV cache rounds every key and value to e4m3
-the same way (an independent implementation of what the FP8 cache computes). Its quality on the real model:
-tests/model/test_fp8_quality.py. The Triton kernels on an FP8 cache: tests/engine/test_paged_kernels_interpreter.py
-and test_shared_prefix.py; the cache writes of the fused RoPE kernel on a GPU: tests/engine/test_gpu_paged.py."""
+exact; and those tokens, at TP = 1 and 2, are transformers' own greedy tokens when its KV cache rounds every key
+and value to e4m3 the same way (an independent implementation of what the FP8 cache computes). Its quality on the
+real model: tests/model/test_fp8_quality.py. The Triton kernels on an FP8 cache:
+tests/engine/test_paged_kernels_interpreter.py and test_shared_prefix.py; the cache writes of the fused RoPE kernel
+on a GPU: tests/engine/test_gpu_paged.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from prefix_cache_workers import PREFIX_MAX_TOKENS, PREFIX_PROMPTS, SCENARIOS, prefix_scenario
+from prefix_cache_workers import PREFIX_MAX_TOKENS, PREFIX_PROMPTS, SCENARIOS, prefix_scenario, tp_fp8_kv_scenario
 from serving_workers import hf_greedy, serving_config
 
 from spanllm.attention.backend import write_kv
@@ -117,3 +118,13 @@ def test_fp8_cache_equals_transformers_with_e4m3_rounded_kv(hf_checkpoint, hf_fp
     for i, ref in enumerate(want):
         assert res["results"][i]["tokens"] == ref, f"request {i}"
     assert res["free_blocks"] == res["usable_blocks"]
+
+
+def test_tp2_fp8_cache_equals_transformers_with_e4m3_rounded_kv(hf_checkpoint, hf_fp8_kv_reference):
+    from spanllm.launch import launch
+
+    want, _, _ = hf_fp8_kv_reference
+    res = launch(tp_fp8_kv_scenario, hf_checkpoint[0], nprocs=2)[0]
+    for i, ref in enumerate(want):
+        assert res["results"][i]["tokens"] == ref, f"request {i}"
+    assert res["free_blocks"] == res["usable_blocks"] and res["hits"] >= 16
