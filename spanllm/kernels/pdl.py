@@ -8,7 +8,8 @@ it in the stream is still running. The protocol every kernel here follows (`wait
 kernel):
 - `griddepcontrol.wait` (tl.extra.cuda.gdc_wait) returns only once the previous kernel has completed and its
   memory writes are visible. Nothing may touch global memory before it: the previous kernel may still be writing
-  what this one reads, or reading what this one overwrites.
+  what this one reads, or reading what this one overwrites. (One exception: the skinny GEMM asks L2 for the first
+  tiles of its weights before it waits, a hint on memory no kernel writes: spanllm.kernels.skinny_gemm.)
 - `griddepcontrol.launch_dependents` then lets the next kernel's programs be scheduled as soon as every program of
   this one has passed that point and an SM has room: they park in their own wait.
 So the launch latency and the programs' start overlap the previous kernel's tail, and memory effects keep the
