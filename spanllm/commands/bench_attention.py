@@ -36,33 +36,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="channels per head")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of q and the KV cache")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="fp8: the paged cache in float8_e4m3fn (the engine's --kv-cache-dtype fp8; the kernel widens each tile); "
+        "the contiguous SDPA baseline stays in --dtype",
+    )
     parser.add_argument("--reference-max-batch", type=int, default=64, help="time the reference up to this batch")
     parser.add_argument("--json", default=None, help="write settings, machine and every cell here")
 
 
 def random_decode_inputs(
-    b: int, n: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, device: torch.device
+    b: int,
+    n: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(q, k_cache, v_cache, block_tables, context_lens) of one decode step: b sequences of n cached tokens in
-    a pool of blocks of bs tokens, block tables shuffled over the pool (block 0 unused), seeded by (b, n)."""
+    a pool of blocks of bs tokens, block tables shuffled over the pool (block 0 unused), seeded by (b, n). The cache
+    in kv_dtype (default: dtype; float8_e4m3fn: the values in dtype, cast)."""
     per_seq = -(-n // bs)
     nb = b * per_seq + 1
     gen = torch.Generator(device=device).manual_seed(b * 100003 + n)
-    k_cache = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype, generator=gen)
-    v_cache = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype, generator=gen)
+    k_cache = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype, generator=gen).to(kv_dtype or dtype)
+    v_cache = torch.randn(nb, bs, hkv, d, device=device, dtype=dtype, generator=gen).to(kv_dtype or dtype)
     tables = (torch.randperm(nb - 1, device=device, generator=gen) + 1).to(torch.int32).view(b, per_seq)
     ctx = torch.full((b,), n, dtype=torch.int32, device=device)
     q = torch.randn(b, hq, d, device=device, dtype=dtype, generator=gen)
     return q, k_cache, v_cache, tables, ctx
 
 
-def _cell(b: int, n: int, args, device, dtype) -> dict:
+def _cell(b: int, n: int, args, device, dtype, kv_dtype) -> dict:
     from spanllm.attention import reference as pa
     from spanllm.kernels import paged_attention as kt
 
     hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     per_seq = -(-n // bs)
-    q, k_cache, v_cache, tables, ctx = random_decode_inputs(b, n, hq, hkv, d, bs, dtype, device)
+    q, k_cache, v_cache, tables, ctx = random_decode_inputs(b, n, hq, hkv, d, bs, dtype, device, kv_dtype)
     splits = kt.num_splits_for(b, hkv, device)
     out = {"batch": b, "context": n, "num_splits": splits}
     tri = kt.decode(q, k_cache, v_cache, tables, ctx, splits)
@@ -70,12 +86,12 @@ def _cell(b: int, n: int, args, device, dtype) -> dict:
     out["max_abs_diff_vs_reference"] = float((tri.float() - ref.float()).abs().max())
     t = time_calls(lambda: kt.decode(q, k_cache, v_cache, tables, ctx, splits), graph=True, device=device, samples=10)
     out["triton_us"] = t.median_us
-    kv_bytes = 2 * b * n * hkv * d * dtype.itemsize
+    kv_bytes = 2 * b * n * hkv * d * kv_dtype.itemsize
     out["kv_bytes"] = kv_bytes
     out["triton_tb_s"] = kv_bytes / (t.median_us * 1e-6) / 1e12
     # A contiguous cache [B, hkv, S, d] (a non-paged engine's), attention over the whole length under a mask.
-    kc = k_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).contiguous()
-    vc = v_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).contiguous()
+    kc = k_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).to(dtype).contiguous()
+    vc = v_cache[tables.long()].reshape(b, per_seq * bs, hkv, d)[:, :n].transpose(1, 2).to(dtype).contiguous()
     mask = torch.zeros(b, 1, 1, n, device=device, dtype=dtype)
     qg = q.view(b, hkv, hq // hkv, d)
     t = time_calls(
@@ -99,10 +115,11 @@ def _rank(ctx: DistContext, args) -> dict:
     from spanllm.dtypes import model_dtype as parse_dtype
 
     dtype = parse_dtype(args.dtype)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else dtype
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         for n in [int(x) for x in args.context_lens.split(",")]:
-            r = _cell(b, n, args, ctx.device, dtype)
+            r = _cell(b, n, args, ctx.device, dtype, kv_dtype)
             rows.append(r)
             print(
                 f"B={b:4d} ctx={n:5d} splits={r['num_splits']:2d} triton {r['triton_us']:8.1f} us "

@@ -128,3 +128,15 @@ def test_tp2_fp8_cache_equals_transformers_with_e4m3_rounded_kv(hf_checkpoint, h
     for i, ref in enumerate(want):
         assert res["results"][i]["tokens"] == ref, f"request {i}"
     assert res["free_blocks"] == res["usable_blocks"] and res["hits"] >= 16
+
+
+def test_bench_attention_inputs_in_an_fp8_cache():
+    """`bench attention --kv-cache-dtype fp8` (a GPU command) times the kernel on an FP8 pool: its inputs."""
+    from spanllm.commands.bench_attention import random_decode_inputs
+
+    cpu = torch.device("cpu")
+    q, kc, vc, tables, ctx = random_decode_inputs(2, 40, 8, 2, 16, 16, torch.bfloat16, cpu, FP8)
+    q2, kc2, vc2, tables2, _ = random_decode_inputs(2, 40, 8, 2, 16, 16, torch.bfloat16, cpu)
+    assert q.dtype == torch.bfloat16 and kc.dtype == vc.dtype == FP8 and kc2.dtype == torch.bfloat16
+    assert torch.equal(kc.view(torch.uint8), kc2.to(FP8).view(torch.uint8)) and torch.equal(tables, tables2)
+    assert torch.equal(q, q2) and ctx.tolist() == [40, 40]
