@@ -14,15 +14,20 @@
 #   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
 #                 --pdl off / on (with and without the weight prefetch) at batch 1
 #   fp8-serve     issue 30: the `spanllm serve` rate sweep in FP8 beside bf16 on the same requests
+#   validate      any Hopper GPU (no H200 needed): the GPU tests of the code no GPU has run yet (PDL, the fused FP8
+#                 quantization, the FP8 KV cache), the fused quantization's crossover (scripts/gpu_fused_quant.py:
+#                 what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), and batch-1 decode with PDL off / on
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
+[ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU" in
   *H200*) ;;
+  *H100*) [ "$PART" = validate ] || [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 (${GPU:-none}): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -56,5 +61,13 @@ case "$PART" in
     ENGINE_FLAGS="--min-admit 32" RATES=16,32,inf NUM_PROMPTS=500 OVERHEAD=0 SWEEP_TIMEOUT=230 \
       SPANLLM_GPU_OUT="$R/bf16" bash scripts/gpu_serve_sweep.sh >"$R/bf16_serve.log" 2>&1
     tail -5 "$R/fp8_serve.log" "$R/bf16_serve.log" ;;
+  validate)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_pdl.py tests/engine/test_fp8.py \
+      tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py -k "gpu or pdl or fp8" >"$R/pytest.txt" 2>&1
+    pack
+    timeout 150 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
+    pack
+    BUDGET_S=170 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
+    tail -3 "$R/pytest.txt"; tail -16 "$R/fused.log"; tail -8 "$R/pdl/run.log" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
