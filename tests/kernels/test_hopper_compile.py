@@ -1,0 +1,97 @@
+"""The forward's Triton kernels compiled for Hopper (sm_90) with the GPU backend's compiler and ptxas, on a machine
+without a GPU (tests/kernels/hopper_compile.py): every variant this engine launches that no CPU test can compile,
+the ones a GPU has not run yet first (programmatic dependent launch and the weight prefetch, the FP8 activation
+quantization fused into the norm and SiLU kernels, the FP8 KV cache in every attention kernel). Each case runs the
+kernels' own wrappers with launches caught, then compiles each caught launch to a cubin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hopper_compile import available, capture, compile_launch
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def _compiled(launches, expect: int) -> list:
+    assert len(launches) == expect, [fn.__name__ for fn, *_ in launches]
+    out = []
+    for fn, args, kwargs in launches:
+        k = compile_launch(fn, args, kwargs)
+        assert k.asm["cubin"], fn.__name__
+        out.append((fn.__name__, k))
+    return out
+
+
+@pytest.mark.parametrize("pdl_on", [False, True], ids=["no-pdl", "pdl"])
+def test_fused_ops(monkeypatch, pdl_on):
+    from spanllm.kernels import fused_ops as fo
+    from spanllm.kernels.fp8_quant import quantize_per_token
+
+    x, res, w = torch.zeros(300, 4096, dtype=BF16), torch.zeros(300, 4096, dtype=BF16), torch.ones(4096, dtype=BF16)
+    qkv = torch.zeros(300, 6144, dtype=BF16)
+    cos = sin = torch.zeros(300, 1, 128, dtype=BF16)
+    slots = torch.zeros(300, dtype=torch.int64)
+    with capture(monkeypatch, pdl_on) as launches:
+        fo.add_rms_norm(x, res, w, 1e-5)
+        fo.add_rms_norm(x, None, w, 1e-5, quantize=True)
+        fo.add_rms_norm(x, res, w, 1e-5, quantize=True)
+        fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16))
+        fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16), quantize=True)  # one pass, 16 warps
+        fo.silu_mul(torch.zeros(17, 2 * 28672, dtype=BF16), quantize=True)  # two passes (70B at TP 1)
+        fo.silu_mul(torch.zeros(17, 2 * 3584, dtype=BF16), quantize=True)  # an 8B TP 4 shard
+        for kv in (BF16, FP8):
+            kc, vc = torch.zeros(64, 16, 8, 128, dtype=kv), torch.zeros(64, 16, 8, 128, dtype=kv)
+            fo.rope_and_cache(qkv[:, :5120], cos, sin, slots, kc, vc, 32, 8, 128)
+        quantize_per_token(x)
+    kernels = _compiled(launches, 10)
+    if pdl_on:  # the launch attribute reached the compiled kernel, and its PTX waits on the grid dependency
+        for name, k in kernels:
+            assert k.metadata.launch_pdl and "griddepcontrol.wait" in k.asm["ptx"], name
+
+
+@pytest.mark.parametrize("pdl_on", [False, True], ids=["no-pdl", "pdl-prefetch"])
+def test_skinny_gemm(monkeypatch, pdl_on):
+    from spanllm.kernels import skinny_gemm as sg
+    from spanllm.layers import fp8
+
+    monkeypatch.delenv(sg.PREFETCH_ENV, raising=False)
+    x = torch.zeros(1, 4096, dtype=BF16)
+    w = torch.zeros(6144, 4096, dtype=BF16)
+    q, scale = fp8.quantize_weight(torch.zeros(6144, 4096))
+    with capture(monkeypatch, pdl_on) as launches:
+        sg.skinny_linear(x, w)
+        sg.skinny_linear(x, w, config=(64, 256, 4, 4, 3))  # split-K: the last program sums
+        sg.skinny_linear(x, q, weight_scale=scale)  # FP8 W8A16
+        sg.skinny_linear(torch.zeros(64, 4096, dtype=BF16), q, weight_scale=scale)  # BLOCK_M 64
+    kernels = _compiled(launches, 4)
+    for (name, k), (_, _, kwargs) in zip(kernels, launches, strict=True):
+        assert kwargs["PREFETCH"] == pdl_on  # the prefetch rides on PDL only
+        assert ("prefetch.global.L2" in k.asm["ptx"]) == pdl_on, name
+
+
+@pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16-cache", "fp8-cache"])
+def test_attention_kernels(monkeypatch, kv):
+    from spanllm.kernels import paged_attention as pa
+
+    q = torch.zeros(4, 32, 128, dtype=BF16)
+    kc, vc = torch.zeros(65, 16, 8, 128, dtype=kv), torch.zeros(65, 16, 8, 128, dtype=kv)
+    tables = torch.zeros(4, 16, dtype=torch.int32)
+    ctx = torch.full((4,), 250, dtype=torch.int32)
+    shared = pa.SharedPrefixTensors(
+        torch.zeros(1, 4, dtype=torch.int32),
+        torch.zeros(3, 5, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int32),
+    )
+    qp = torch.zeros(96, 32, 128, dtype=BF16)
+    tiles = torch.zeros(6, 2, dtype=torch.int32)
+    cu_q = torch.tensor([0, 96], dtype=torch.int32)
+    with capture(monkeypatch, True) as launches:
+        pa.decode(q, kc, vc, tables, ctx, 1, prefetch=True)
+        pa.decode(q, kc, vc, tables, ctx, 8, prefetch=False)  # split, merged in-kernel
+        pa.decode(q, kc, vc, tables, ctx, 8, shared=shared)  # stage 1 + stage 2 with the prefix fold
+        pa.prefill(qp, kc, vc, tables[:1], cu_q, ctx[:1], tiles)
+    _compiled(launches, 5)
