@@ -20,6 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hopper_compile import TARGET, capture, compile_launch  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -87,6 +89,139 @@ def launches(pdl_on: bool) -> list[tuple[str, object, tuple, dict]]:
         mp.undo()
 
 
+# Three ways to write the W8A16 GEMV's K loop (the production kernel's tiling, without its split-K merge): how many
+# registers each needs is a question for the compiler alone. `pointers` is production's (loop-carried
+# [BLOCK_N, BLOCK_K] address tensors); `offsets` rebuilds the addresses from a scalar k each iteration; `descriptors`
+# loads W and x tiles through Hopper's tensor descriptors (TMA: the copy engine, one descriptor per tensor).
+@triton.jit
+def _w8a16_pointers(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    offs_m, offs_n, offs_k = tl.arange(0, BM), tl.program_id(0) * BN + tl.arange(0, BN), tl.arange(0, BK)
+    rows = offs_n % N
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in tl.range(0, K, BK, num_stages=STAGES):
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        xt = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0, eviction_policy="evict_last")
+        acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
+        w_ptrs += BK
+        x_ptrs += BK
+    acc = acc * tl.load(s_ptr + rows)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+
+
+@triton.jit
+def _w8a16_offsets(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    offs_m, offs_n, offs_k = tl.arange(0, BM), tl.program_id(0) * BN + tl.arange(0, BN), tl.arange(0, BK)
+    rows = offs_n % N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, K, BK, num_stages=STAGES):
+        w = tl.load(w_rows + (k + offs_k)[None, :], eviction_policy="evict_first")
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
+        acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
+    acc = acc * tl.load(s_ptr + rows)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+
+
+@triton.jit
+def _w8a16_descriptors(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    offs_m, offs_n = tl.arange(0, BM), tl.program_id(0) * BN + tl.arange(0, BN)
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BN, BK])
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, K, BK, num_stages=STAGES):
+        w = w_desc.load([tl.program_id(0) * BN, k])
+        xt = x_desc.load([0, k])
+        acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
+    acc = acc * tl.load(s_ptr + offs_n % N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+
+
+FORMULATIONS = {"pointers": _w8a16_pointers, "offsets": _w8a16_offsets, "descriptors": _w8a16_descriptors}
+TILES = [(16, 32, 256, 3), (16, 64, 256, 4), (64, 64, 128, 2)]  # (BM, BN, BK, stages): the FP8 table's M = 1 and 64
+
+
+def formulation_rows() -> list[dict]:
+    from triton.backends.compiler import GPUTarget
+
+    sig = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*fp8e4nv",
+        "y_ptr": "*bf16",
+        "s_ptr": "*fp32",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_xm": "i32",
+        "stride_wn": "i32",
+    }
+    sig.update({c: "constexpr" for c in ("BM", "BN", "BK", "STAGES")})
+    rows = []
+    for name, fn in FORMULATIONS.items():
+        for bm, bn, bk, stages in TILES:
+            consts = {"BM": bm, "BN": bn, "BK": bk, "STAGES": stages}
+            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+            k = triton.compile(src, target=GPUTarget(*TARGET), options={"num_warps": 4, "num_stages": stages})
+            rows.append(
+                {
+                    "formulation": name,
+                    "tile": f"{bm}x{bn}x{bk}, {stages} stages",
+                    "shared_bytes_triton": k.metadata.shared,
+                    **ptxas_report(k.asm["ptx"]),
+                }
+            )
+            r = rows[-1]
+            print(
+                f"W8A16 K loop, {name:11s} {r['tile']}: {r['registers']} registers, spills "
+                f"{r['spill_stores_bytes']} B, shared memory {r['shared_bytes_triton']} B",
+                flush=True,
+            )
+    return rows
+
+
 def ptxas_report(ptx: str) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -112,8 +247,6 @@ def ptxas_report(ptx: str) -> dict:
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "results/cpu_sm90_compile/registers.json"
-    import triton
-
     rows = []
     for pdl_on in (False, True):
         for label, fn, args, kwargs in launches(pdl_on):
@@ -127,6 +260,7 @@ def main() -> None:
                 f"spills {row['spill_stores_bytes']} B stored / {row['spill_loads_bytes']} B loaded",
                 flush=True,
             )
+    formulations = formulation_rows()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     doc = {
         "what": __doc__.strip().splitlines()[0],
@@ -134,6 +268,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "gpu": None},
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "rows": rows,
+        "w8a16_formulations": formulations,
     }
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
