@@ -8,6 +8,7 @@ memory-bound kernel are a lead for what its time is made of; registers bound the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ import triton.language as tl  # noqa: E402
 from hopper_compile import TARGET, capture, compile_launch  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+LAYERS_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 SHOWN = ("BLOCK", "BLOCK_N", "BLOCK_K", "SPLIT_K", "NUM_STAGES", "QUANT", "HAS_SCALE", "HAS_RES", "KV_FP8", "PREFETCH")
 
 
@@ -41,49 +43,38 @@ def launches(pdl_on: bool) -> list[tuple[str, object, tuple, dict]]:
     try:
         with capture(mp, pdl_on) as caught:
 
-            def mark(label, n_before):
-                labels.extend([label] * (len(caught) - n_before))
+            @contextlib.contextmanager
+            def case(label):  # every launch made inside is labelled `label`
+                n = len(caught)
+                yield
+                labels.extend([label] * (len(caught) - n))
 
-            n = len(caught)
             x, res, w = torch.zeros(300, 4096, dtype=BF16), torch.zeros(300, 4096, dtype=BF16), torch.ones(4096)
-            fo.add_rms_norm(x, res, w.to(BF16), 1e-5)
-            mark("add + RMSNorm", n)
-            n = len(caught)
-            fo.add_rms_norm(x, res, w.to(BF16), 1e-5, quantize=True)
-            mark("add + RMSNorm, quantizing", n)
-            n = len(caught)
-            fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16))
-            mark("SiLU x up", n)
-            n = len(caught)
-            fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16), quantize=True)
-            mark("SiLU x up, quantizing", n)
-            n = len(caught)
-            quantize_per_token(torch.zeros(300, 14336, dtype=BF16))
-            mark("per-token quantization", n)
-            for name, (nn, kk) in {
-                "qkv": (6144, 4096),
-                "o": (4096, 4096),
-                "gate_up": (28672, 4096),
-                "down": (4096, 14336),
-            }.items():
+            with case("add + RMSNorm"):
+                fo.add_rms_norm(x, res, w.to(BF16), 1e-5)
+            with case("add + RMSNorm, quantizing"):
+                fo.add_rms_norm(x, res, w.to(BF16), 1e-5, quantize=True)
+            with case("SiLU x up"):
+                fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16))
+            with case("SiLU x up, quantizing"):
+                fo.silu_mul(torch.zeros(300, 2 * 14336, dtype=BF16), quantize=True)
+            with case("per-token quantization"):
+                quantize_per_token(torch.zeros(300, 14336, dtype=BF16))
+            for name, (nn, kk) in LAYERS_8B.items():
                 q, scale = fp8.quantize_weight(torch.zeros(nn, kk))
                 for m in (1, 64):
-                    n = len(caught)
-                    sg.skinny_linear(torch.zeros(m, kk, dtype=BF16), q, weight_scale=scale)
-                    mark(f"W8A16 {name} M={m}", n)
-                n = len(caught)
-                sg.skinny_linear(torch.zeros(1, kk, dtype=BF16), torch.zeros(nn, kk, dtype=BF16))
-                mark(f"bf16 skinny {name} M=1", n)
+                    with case(f"W8A16 {name} M={m}"):
+                        sg.skinny_linear(torch.zeros(m, kk, dtype=BF16), q, weight_scale=scale)
+                with case(f"bf16 skinny {name} M=1"):
+                    sg.skinny_linear(torch.zeros(1, kk, dtype=BF16), torch.zeros(nn, kk, dtype=BF16))
             for kv in (BF16, FP8):
                 kc, vc = torch.zeros(65, 16, 8, 128, dtype=kv), torch.zeros(65, 16, 8, 128, dtype=kv)
                 tables, ctx = torch.zeros(4, 16, dtype=torch.int32), torch.full((4,), 250, dtype=torch.int32)
-                n = len(caught)
-                pa.decode(torch.zeros(4, 32, 128, dtype=BF16), kc, vc, tables, ctx, 8, prefetch=True)
-                mark(f"decode, {str(kv)[6:]} cache", n)
-                n = len(caught)
+                with case(f"decode, {str(kv)[6:]} cache"):
+                    pa.decode(torch.zeros(4, 32, 128, dtype=BF16), kc, vc, tables, ctx, 8, prefetch=True)
                 cu_q, tiles = torch.tensor([0, 96], dtype=torch.int32), torch.zeros(6, 2, dtype=torch.int32)
-                pa.prefill(torch.zeros(96, 32, 128, dtype=BF16), kc, vc, tables[:1], cu_q, ctx[:1], tiles)
-                mark(f"prefill, {str(kv)[6:]} cache", n)
+                with case(f"prefill, {str(kv)[6:]} cache"):
+                    pa.prefill(torch.zeros(96, 32, 128, dtype=BF16), kc, vc, tables[:1], cu_q, ctx[:1], tiles)
         return [(label, *launch) for label, launch in zip(labels, caught, strict=True)]
     finally:
         mp.undo()
@@ -93,6 +84,13 @@ def launches(pdl_on: bool) -> list[tuple[str, object, tuple, dict]]:
 # registers each needs is a question for the compiler alone. `pointers` is production's (loop-carried
 # [BLOCK_N, BLOCK_K] address tensors); `offsets` rebuilds the addresses from a scalar k each iteration; `descriptors`
 # loads W and x tiles through Hopper's tensor descriptors (TMA: the copy engine, one descriptor per tensor).
+@triton.jit
+def _scaled_store(acc, y_ptr, s_ptr, offs_m, offs_n, M, N):
+    """The formulations' common epilogue: each column times its row scale, rows < M stored."""
+    acc = acc * tl.load(s_ptr + offs_n % N)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+
+
 @triton.jit
 def _w8a16_pointers(
     x_ptr,
@@ -120,8 +118,7 @@ def _w8a16_pointers(
         acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
         w_ptrs += BK
         x_ptrs += BK
-    acc = acc * tl.load(s_ptr + rows)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+    _scaled_store(acc, y_ptr, s_ptr, offs_m, offs_n, M, N)
 
 
 @triton.jit
@@ -148,8 +145,7 @@ def _w8a16_offsets(
         w = tl.load(w_rows + (k + offs_k)[None, :], eviction_policy="evict_first")
         xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
         acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
-    acc = acc * tl.load(s_ptr + rows)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+    _scaled_store(acc, y_ptr, s_ptr, offs_m, offs_n, M, N)
 
 
 @triton.jit
@@ -176,8 +172,7 @@ def _w8a16_descriptors(
         w = w_desc.load([tl.program_id(0) * BN, k])
         xt = x_desc.load([0, k])
         acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc)
-    acc = acc * tl.load(s_ptr + offs_n % N)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+    _scaled_store(acc, y_ptr, s_ptr, offs_m, offs_n, M, N)
 
 
 FORMULATIONS = {"pointers": _w8a16_pointers, "offsets": _w8a16_offsets, "descriptors": _w8a16_descriptors}

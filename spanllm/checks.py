@@ -89,11 +89,15 @@ def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
             )
 
 
+def _no_triton_gpu(device: str) -> str | None:
+    """What the ranks lack for a Triton kernel on a GPU ("no GPU", "no Triton"), or None."""
+    return "no GPU" if device != "cuda" else "no Triton" if _triton_missing() else None
+
+
 def decode_gemm(name: str, device: str) -> None:
     if name != "skinny":
         return
-    if device != "cuda" or _triton_missing():
-        have = "no GPU" if device != "cuda" else "no Triton"
+    if have := _no_triton_gpu(device):
         raise UsageError(
             f"--decode-gemm skinny: a Triton kernel for CUDA GPUs, and these ranks have {have}; use --decode-gemm torch"
         )
@@ -107,8 +111,7 @@ def pdl(mode: str, device: str) -> None:
 
     from spanllm.kernels.pdl import MIN_CAPABILITY
 
-    if device != "cuda" or _triton_missing():
-        have = "no GPU" if device != "cuda" else "no Triton"
+    if have := _no_triton_gpu(device):
         raise UsageError(
             f"--pdl on: programmatic dependent launch of Triton kernels on a GPU, and these ranks have "
             f"{have}; use --pdl auto (on where supported) or off"

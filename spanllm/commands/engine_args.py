@@ -13,6 +13,7 @@ from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import (
     ATTENTION_BACKENDS,
     DECODE_GEMMS,
+    FP8_KV_CACHE_DTYPES,
     KV_CACHE_DTYPES,
     PREFILL_ATTENTION,
     QUANTIZATIONS,
@@ -20,6 +21,7 @@ from spanllm.engine.config import (
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.errors import UsageError
 from spanllm.kernels.pdl import PDL_MODES
+from spanllm.layers.fp8 import MIN_FP8_CAPABILITY
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
 MODEL_HELP = (
@@ -229,9 +231,9 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
             f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention triton (the default)"
         )
-    if args.kv_cache_dtype in ("fp8", "fp8_e4m3") and torch.cuda.is_available():
+    if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and torch.cuda.is_available():
         cap = torch.cuda.get_device_capability(0)
-        if cap < (8, 9):
+        if cap < MIN_FP8_CAPABILITY:
             raise UsageError(
                 f"--kv-cache-dtype fp8 needs FP8 conversions on the GPU (compute capability >= 8.9: Ada, Hopper); "
                 f"{torch.cuda.get_device_name(0)} has {cap[0]}.{cap[1]}. Use --kv-cache-dtype auto"

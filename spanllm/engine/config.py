@@ -19,6 +19,7 @@ from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 DECODE_GEMMS = ("auto", "torch", "skinny")
 # vLLM's names: the model dtype, or float8_e4m3fn (e4m3 values with scale 1; "fp8_e4m3" is the same)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache tensors' dtype."""
-        return torch.float8_e4m3fn if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.dtype
+        return torch.float8_e4m3fn if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

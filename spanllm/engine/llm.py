@@ -35,7 +35,7 @@ from spanllm.errors import UsageError
 from spanllm.kernels import pdl
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto, table_id
-from spanllm.layers.fp8 import check_fp8_device, describe_dispatch
+from spanllm.layers.fp8 import MIN_FP8_CAPABILITY, check_fp8_device, describe_dispatch
 from spanllm.layers.linear import linear_layers, quantize_fp8_
 from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
@@ -110,7 +110,7 @@ class LLM:
             check_fp8_device(self.device, checkpoint=fp8_checkpoint)
         if self.engine.kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda":
             cap = torch.cuda.get_device_capability(self.device)
-            if cap < (8, 9):
+            if cap < MIN_FP8_CAPABILITY:
                 raise ValueError(
                     f"kv_cache_dtype='fp8' needs FP8 conversions on the GPU (compute capability >= 8.9); "
                     f"{torch.cuda.get_device_name(self.device)} has {cap[0]}.{cap[1]}. Use kv_cache_dtype='auto'"

@@ -32,6 +32,7 @@ except ImportError:  # the CPU torch wheel comes without Triton
 
 from typing import NamedTuple
 
+from spanllm.kernels import interpreter
 from spanllm.kernels.pdl import launch_options
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -101,19 +102,12 @@ if triton is not None:
         tl.store(scale_ptr + row, scale)
 
 
-def _interpreting() -> bool:
-    """True under Triton's interpreter (TRITON_INTERPRET=1): the kernel then runs on CPU tensors (the tests)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_quantize_per_token_kernel, InterpretedFunction)
-
-
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) -> (q [M, K] e4m3, scale [M, 1] fp32); the Triton
     kernel on CUDA tensors, the reference elsewhere. Graph-safe (allocations only)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_per_token: x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if triton is None or not (x.is_cuda or _interpreting()):
+    if not interpreter.runs_kernels(x):
         return quantize_per_token_reference(x)
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -26,6 +26,7 @@ try:
 except ImportError:  # CPU wheel: the references only
     triton = None
 
+from spanllm.kernels import interpreter
 from spanllm.kernels.fp8_quant import FP8_DTYPE, Fp8Activation
 from spanllm.kernels.pdl import launch_options
 
@@ -179,18 +180,6 @@ if triton is not None:
 ROPE_HEADS = 16
 
 
-def _runs_kernel(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels take this call: CUDA tensors, or CPU tensors under Triton's interpreter
-    (TRITON_INTERPRET=1, the tests); otherwise the torch references."""
-    if triton is None:
-        return False
-    if x.is_cuda:
-        return True
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_add_rms_norm_kernel, InterpretedFunction)
-
-
 def rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -248,7 +237,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual) for x [N, H] (residual None: norm of x, and x); with
     quantize, the norm as an Fp8Activation (module docstring)."""
-    if not _runs_kernel(x):
+    if not interpreter.runs_kernels(x):
         return add_rms_norm_reference(x, residual, weight, eps, quantize)
     x = x.contiguous()
     n, h = x.shape
@@ -289,7 +278,7 @@ SILU_QUANT_BLOCK = 16384
 def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Activation:
     """SiLU(gate) * up for gate_up [N, 2F] laid out [gate | up] -> [N, F]; with quantize, as an Fp8Activation
     (module docstring)."""
-    if not _runs_kernel(gate_up):
+    if not interpreter.runs_kernels(gate_up):
         return silu_mul_reference(gate_up, quantize)
     n, f2 = gate_up.shape
     f = f2 // 2

@@ -74,6 +74,7 @@ from typing import NamedTuple
 
 import torch
 
+from spanllm.kernels import interpreter
 from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.pdl import launch_options
 
@@ -457,15 +458,6 @@ def prefetch_tiles(programs: int, tiles_per_program: int, tile_bytes: int) -> in
     return max(0, min(tiles_per_program, prefetch_budget() // max(1, programs * tile_bytes)))
 
 
-def _interpreting() -> bool:
-    """True when Triton was imported with TRITON_INTERPRET=1 (the kernels then run on CPU tensors)."""
-    if triton is None:
-        return False
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_skinny_gemm_kernel, InterpretedFunction)
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -564,7 +556,7 @@ def skinny_linear(
         if config is not None
         else choose_config(m, n, k, num_sms_of(x.device), weight.element_size(), x_bytes=x.element_size())
     )
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreter.interpreting():
         raise ValueError(
             f"skinny_linear: tensors must be on a CUDA device, got {x.device} "
             "(CPU tensors run only under TRITON_INTERPRET=1)"
@@ -573,8 +565,8 @@ def skinny_linear(
     chunk = split_k_chunk(k, cfg.block_k, split)
     n_tiles = triton.cdiv(n, cfg.block_n)
     launch = launch_options(x.device)
-    pf_tiles = prefetch_tiles(n_tiles * split, chunk // cfg.block_k, cfg.block_n * cfg.block_k * weight.element_size())
-    pf_tiles = pf_tiles if launch["PDL"] else 0
+    tile_bytes = cfg.block_n * cfg.block_k * weight.element_size()
+    pf_tiles = prefetch_tiles(n_tiles * split, chunk // cfg.block_k, tile_bytes) if launch["PDL"] else 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split == 1:
         ws = counters = y  # unused

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from triton_interpreter import patch_scalar_index, run_child_suite, widen_bf16_dot
 
-from spanllm.kernels import arrival_counters
+from spanllm.kernels import arrival_counters, interpreter
 from spanllm.kernels import skinny_gemm as gemm
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -76,7 +76,7 @@ def interp(monkeypatch):
         pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
     _triton()
     _interpreter_shims(monkeypatch)
-    if not gemm._interpreting():
+    if not interpreter.interpreting():
         pytest.skip("the kernels were not built by Triton's interpreter")
     error = _probe_interpreter()
     if error is not None:

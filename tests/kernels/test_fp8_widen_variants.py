@@ -92,9 +92,9 @@ def interp(monkeypatch):
     if not INTERPRETED:
         pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
     pytest.importorskip("triton")
-    from spanllm.kernels import skinny_gemm
+    from spanllm.kernels import interpreter
 
-    if not skinny_gemm._interpreting():
+    if not interpreter.interpreting():
         pytest.skip("the kernels were not built by Triton's interpreter")
     shims.patch_scalar_index(monkeypatch)
     _exact_bf16_shims(monkeypatch)
