@@ -15,7 +15,8 @@
 #                 --pdl off / on (with and without the weight prefetch) at batch 1
 #   fp8-serve     issue 30: the `spanllm serve` rate sweep in FP8 beside bf16 on the same requests
 #   validate      any Hopper GPU (no H200 needed): the GPU tests of the code no GPU has run yet (PDL, the fused FP8
-#                 quantization, the FP8 KV cache), the fused quantization's crossover (scripts/gpu_fused_quant.py:
+#                 quantization, the FP8 KV cache), the FP8 decode GEMV with TMA loads and W as the MMA's A operand
+#                 against production (scripts/gpu_fp8_tma.py), the fused quantization's crossover (scripts/gpu_fused_quant.py:
 #                 what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), and batch-1 decode with PDL off / on
 #                 (SKIP_PDL=1 leaves the decode out, when the fp8 part has measured it)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
@@ -66,9 +67,11 @@ case "$PART" in
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_pdl.py tests/engine/test_fp8.py \
       tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py -k "gpu or pdl or fp8" >"$R/pytest.txt" 2>&1
     pack
+    timeout 110 python3 scripts/gpu_fp8_tma.py "$R/tma" --budget-s 95 >"$R/tma.log" 2>&1
+    pack
     timeout 150 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
     pack
     [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=170 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
-    tail -3 "$R/pytest.txt"; tail -16 "$R/fused.log"; [ "${SKIP_PDL:-0}" = 1 ] || tail -8 "$R/pdl/run.log" ;;
+    tail -3 "$R/pytest.txt"; tail -8 "$R/tma.log"; tail -16 "$R/fused.log"; [ "${SKIP_PDL:-0}" = 1 ] || tail -8 "$R/pdl/run.log" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
