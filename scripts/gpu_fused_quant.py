@@ -101,12 +101,9 @@ def main() -> None:
                 row[name + "_us"] = statistics.median(us)
                 row[name + "_replays_us"] = us
             doc["rows"].append(row)
-            print(
-                f"pdl {mode} M={m}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_us")),
-                flush=True,
-            )
             with open(os.path.join(args.outdir, "fused_quant.json"), "w") as f:
                 json.dump(doc, f, indent=1)
+            print(f"pdl {mode} M={m}: " + ", ".join(f"{name} {row[name + '_us']:.1f}" for name in cases), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@
 # (unset: the sample's), MT_CONVERSATIONS (results/h200/inputs/sharegpt_multiturn_seed0_c48_t6.json), MT_FLAGS
 # (--num-conversations 48 --max-turns 6 --max-output-len 128 --request-rate 4 --max-active-conversations 16),
 # SHARED_PREFIX_ABLATION (1), PREFIX_POLICY (1), KV8 (0), SKIP_SERVE (0: 1 skips steps 2-3), SKIP_OFFLINE (0: 1 skips
-# steps 1 and 4; give SERVE_RATE then, e.g. from an earlier run's gsp_offline_off.json), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
+# steps 1 and 4; give SERVE_RATE then, e.g. from an earlier run's gsp_offline_off.json), SKIP_GSP_OFF (0: 1 runs only
+# the caching-on variants of step 1, e.g. on a GPU whose pool cannot hold the off run), SKIP_SHAREGPT (0: 1 skips 4), BUDGET_S (540), LAUNCH (torchrun --standalone --nproc-per-node 1), INSTALL_WHEELS (auto), per-step timeouts
 # SAMPLE_TIMEOUT (120), GSP_OFF_TIMEOUT (200), GSP_ON_TIMEOUT (150), SHAREGPT_TIMEOUT (100), SERVER_START_TIMEOUT
 # (150), SERVE_TIMEOUT (150), MT_TIMEOUT (150).
 set -u
@@ -126,9 +127,13 @@ run_step gsp_samples "${SAMPLE_TIMEOUT:-120}" python3 -m spanllm.cli bench throu
   --dataset-name generated-shared-prefix $GSP_FLAGS --save-samples "$WORK/gsp.json" --dry-run
 fi
 if [ -f "$WORK/gsp.json" ]; then
-  run_step gsp_offline_off "${GSP_OFF_TIMEOUT:-200}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
-    --dtype "$DTYPE" $ENGINE_FLAGS --no-enable-prefix-caching --samples-file "$WORK/gsp.json" \
-    --json "$OUT_DIR/gsp_offline_off.json"
+  if [ "${SKIP_GSP_OFF:-0}" = 1 ]; then
+    status gsp_offline_off "skipped: SKIP_GSP_OFF=1"
+  else
+    run_step gsp_offline_off "${GSP_OFF_TIMEOUT:-200}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
+      --dtype "$DTYPE" $ENGINE_FLAGS --no-enable-prefix-caching --samples-file "$WORK/gsp.json" \
+      --json "$OUT_DIR/gsp_offline_off.json"
+  fi
   run_step gsp_offline_on "${GSP_ON_TIMEOUT:-150}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
     --dtype "$DTYPE" $ENGINE_FLAGS --enable-prefix-caching --samples-file "$WORK/gsp.json" \
     --json "$OUT_DIR/gsp_offline_on.json"
@@ -165,7 +170,7 @@ json.dump(d, open(dst, "w"))
 EOF2
 fi
 for mode in on off; do
-  [ "${SKIP_OFFLINE:-0}" = 1 ] && break
+  [ "${SKIP_OFFLINE:-0}" = 1 ] || [ "${SKIP_SHAREGPT:-0}" = 1 ] && break
   run_step "sharegpt_offline_$mode" "${SHAREGPT_TIMEOUT:-100}" $LAUNCH -m spanllm.cli bench throughput --model "$MODEL" \
     --dtype "$DTYPE" $ENGINE_FLAGS --$([ $mode = off ] && echo no-)enable-prefix-caching --samples-file "$SG_SAMPLES" \
     --json "$OUT_DIR/sharegpt_offline_$mode.json"

@@ -152,7 +152,10 @@ if triton is not None:
         s2 = tl.load(sin_ptr + t * stride_c + D // 2 + half).to(tl.float32)[None, :]
         dt = q_ptr.dtype.element_ty
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rounded after each op as the unfused torch code rounds
+        # x * cos + rotate_half(x) * sin, rounded after each op as the unfused torch code rounds. The launch turns FP
+        # contraction off: with it, the compiler fused a product and the sum into one FMA (fma.rn.bf16 / .f32,
+        # rounding once), and which product it fused depended on the rest of the kernel, so q differed in the last
+        # bit between a model-dtype and an FP8 KV cache (found on an H100, tests/engine/test_gpu_paged.py).
         r1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
         r2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -218,6 +221,7 @@ def rope_and_cache(
         HB=ROPE_HEADS,
         KV_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
+        enable_fp_fusion=False,  # no mul + add into an FMA: each product rounds as written (see the kernel)
         **launch_options(qkv.device),
     )
     return q

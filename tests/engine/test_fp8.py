@@ -225,11 +225,30 @@ def test_gpu_fused_activation_quantization_equals_the_unfused_chain(m):
             plain, res_plain = add_rms_norm(x, r, w, 1e-5)
             q, s = quantize_per_token(plain)
             assert torch.equal(res_fused, res_plain) and torch.equal(fused.scale, s)
-            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and fused.dtype == torch.bfloat16
+            assert fused.dtype == torch.bfloat16
+            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), _fp8_mismatches(fused.q, q, plain, s)
     for f in (14336, 3584, 28672, 3000):
         if f == 28672 and m > 300:
             continue  # the widest at 4,100 rows: 470 MB of input for no new path
         gate_up = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=g) * 3
         fused = silu_mul(gate_up, quantize=True)
         q, s = quantize_per_token(silu_mul(gate_up))
-        assert torch.equal(fused.scale, s) and torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(fused.scale, s)
+        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), _fp8_mismatches(
+            fused.q, q, silu_mul(gate_up), s
+        )
+
+
+def _fp8_mismatches(got: torch.Tensor, want: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> str:
+    """Where two e4m3 tensors differ: count, and the first few entries with the source value, its scale and the
+    quotient in float32 (torch's division), so that a GPU failure says which rounding differs."""
+    bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().tolist()
+    lines = [f"{len(bad)} of {got.numel()} bytes differ"]
+    for r, c in bad[:6]:
+        v, sc = src[r, c].float().item(), scale[r, 0].item()
+        lines.append(
+            f"[{r}, {c}] src {v!r} scale {sc!r} src/scale {torch.tensor(v) / torch.tensor(sc)!r}: "
+            f"got 0x{int(got.view(torch.uint8)[r, c]):02X} ({got[r, c].float().item()}) "
+            f"want 0x{int(want.view(torch.uint8)[r, c]):02X} ({want[r, c].float().item()})"
+        )
+    return "\n".join(lines)

@@ -23,7 +23,7 @@ _TYPES = {
     torch.int64: "i64",
     torch.uint8: "u8",
 }
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 
 
 def available() -> str | None:
