@@ -14,11 +14,11 @@
 #   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
 #                 --pdl off / on (with and without the weight prefetch) at batch 1
 #   fp8-serve     issue 30: the `spanllm serve` rate sweep in FP8 beside bf16 on the same requests
-#   validate      any Hopper GPU (no H200 needed): the GPU tests of the code no GPU has run yet (PDL, the fused FP8
-#                 quantization, the FP8 KV cache), the FP8 decode GEMV with TMA loads and W as the MMA's A operand
-#                 against production (scripts/gpu_fp8_tma.py), the fused quantization's crossover (scripts/gpu_fused_quant.py:
-#                 what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), and batch-1 decode with PDL off / on
-#                 (SKIP_PDL=1 leaves the decode out, when the fp8 part has measured it)
+#   validate      any Hopper GPU (no H200 needed): the GPU tests of PDL, FP8, the paged kernels and the engine
+#                 (GPU_TESTS names others), with TMA=1 the FP8 decode GEMV with TMA loads and W as the MMA's A
+#                 operand against production (scripts/gpu_fp8_tma.py), the fused quantization's crossover
+#                 (scripts/gpu_fused_quant.py: what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), and decode
+#                 with PDL off / on / on without the prefetch, FP8 first (SKIP_PDL=1 leaves it out)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
@@ -64,14 +64,17 @@ case "$PART" in
       SPANLLM_GPU_OUT="$R/bf16" bash scripts/gpu_serve_sweep.sh >"$R/bf16_serve.log" 2>&1
     tail -5 "$R/fp8_serve.log" "$R/bf16_serve.log" ;;
   validate)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_pdl.py tests/engine/test_fp8.py \
-      tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py -k "gpu or pdl or fp8" >"$R/pytest.txt" 2>&1
+    timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_gpu_pdl.py \
+      tests/engine/test_fp8.py tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py} >"$R/pytest.txt" 2>&1
     pack
-    timeout 110 python3 scripts/gpu_fp8_tma.py "$R/tma" --budget-s 95 >"$R/tma.log" 2>&1
+    if [ "${TMA:-0}" = 1 ]; then
+      timeout 110 python3 scripts/gpu_fp8_tma.py "$R/tma" --budget-s 95 >"$R/tma.log" 2>&1
+      pack
+    fi
+    timeout 110 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
     pack
-    timeout 150 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
-    pack
-    [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=170 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
-    tail -3 "$R/pytest.txt"; tail -8 "$R/tma.log"; tail -16 "$R/fused.log"; [ "${SKIP_PDL:-0}" = 1 ] || tail -8 "$R/pdl/run.log" ;;
+    [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=${PDL_BUDGET_S:-200} bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
+    grep -E "^E .*differ|passed|failed" "$R/pytest.txt" | tail -12; tail -16 "$R/fused.log"
+    [ "${SKIP_PDL:-0}" = 1 ] || tail -12 "$R/pdl/run.log" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
