@@ -66,6 +66,7 @@ case "$PART" in
   validate)
     timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_gpu_pdl.py \
       tests/engine/test_fp8.py tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py} >"$R/pytest.txt" 2>&1
+    TESTS_RC=$?
     pack
     if [ "${TMA:-0}" = 1 ]; then
       timeout 110 python3 scripts/gpu_fp8_tma.py "$R/tma" --budget-s 95 >"$R/tma.log" 2>&1
@@ -75,6 +76,7 @@ case "$PART" in
     pack
     [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=${PDL_BUDGET_S:-200} bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
     grep -E "^E .*differ|passed|failed" "$R/pytest.txt" | tail -12; tail -16 "$R/fused.log"
-    [ "${SKIP_PDL:-0}" = 1 ] || tail -12 "$R/pdl/run.log" ;;
+    [ "${SKIP_PDL:-0}" = 1 ] || tail -12 "$R/pdl/run.log"
+    [ "$TESTS_RC" = 0 ] || { echo "validate: the GPU tests FAILED (pytest rc $TESTS_RC, $R/pytest.txt)"; exit 1; } ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
