@@ -168,6 +168,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         "does not stall them (0 = no limit)",
     )
     g.add_argument(
+        "--prefill-tokens-beside-decodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="while decodes run, the tokens a step's prefill chunks may take together, so that a long prompt "
+        "delays the streams by one short step at a time (default: auto, 256 on CPU, no limit on a GPU; 0 = no limit)",
+    )
+    g.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="the host waits for each step's tokens before planning the next (default: it plans the next "
@@ -218,6 +226,8 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
         checks.at_least("--min-admit", args.min_admit, 1)
     if hasattr(args, "long_prefill_attention_budget"):
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
+    if getattr(args, "prefill_tokens_beside_decodes", None) is not None:
+        checks.at_least("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
     if getattr(args, "scheduling_policy", "fcfs") == "prefix" and not getattr(args, "enable_prefix_caching", True):
         raise UsageError(
@@ -297,6 +307,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["min_admit"] = args.min_admit
     if hasattr(args, "long_prefill_attention_budget"):
         fields["long_prefill_attention_budget"] = args.long_prefill_attention_budget
+    if getattr(args, "prefill_tokens_beside_decodes", None) is not None:
+        fields["prefill_tokens_beside_decodes"] = args.prefill_tokens_beside_decodes
     if hasattr(args, "enable_prefix_caching"):
         fields["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":

@@ -19,6 +19,9 @@ from spanllm.workloads import BUFFERED_ALLREDUCE_MAX_BYTES
 DECODE_GEMMS = ("auto", "torch", "skinny")
 # vLLM's names: the model dtype, or float8_e4m3fn (e4m3 values with scale 1; "fp8_e4m3" is the same)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# prefill_tokens_beside_decodes's auto on CPU: a 135M model's step of 256 prefill tokens takes ~1-2 s on two cores,
+# so a long prompt delays the running streams by that much a step, not by its whole prefill (minutes at 8k tokens)
+CPU_PREFILL_TOKENS_BESIDE_DECODES = 256
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
@@ -78,6 +81,10 @@ class EngineConfig:
     # Query-key pairs a step's prefill chunks may attend while decodes share the step, so that a long prompt's
     # chunks do not stall the running decodes (spanllm.engine.core.scheduler); 0 = no limit
     long_prefill_attention_budget: int = DEFAULT_LONG_PREFILL_ATTENTION_BUDGET
+    # Tokens a step's prefill chunks may take while decodes share the step (spanllm.engine.core.scheduler): None =
+    # auto (CPU_PREFILL_TOKENS_BESIDE_DECODES on CPU, where a step's time is its tokens; no limit on a GPU), 0 = no
+    # limit but max_num_batched_tokens
+    prefill_tokens_beside_decodes: int | None = None
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
     async_scheduling: bool | None = None
 
@@ -108,6 +115,11 @@ class EngineConfig:
         v = self.long_prefill_attention_budget
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
+        v = self.prefill_tokens_beside_decodes
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(
+                f"prefill_tokens_beside_decodes={v!r} must be None (auto) or an integer >= 0 (0: no limit)"
+            )
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION}")
         v = self.cascade_min_prefix

@@ -463,13 +463,7 @@ def validate_request(
     Raises RequestError naming the value, the limit and the fix."""
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")
-    for i, t in enumerate(prompt_ids):
-        if not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise RequestError(
-                f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size}); "
-                f"use ids from 0 to {vocab_size - 1}"
-            )
-    total = len(prompt_ids) + params.max_tokens
+    total = len(prompt_ids) + params.max_tokens  # the lengths first: O(1), before the O(prompt) id checks below
     if total > max_model_len:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -482,6 +476,12 @@ def validate_request(
             f"{capacity_tokens}; it could never run. Reduce the prompt or max_tokens, or give the cache "
             "more memory"
         )
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(
+                f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size}); "
+                f"use ids from 0 to {vocab_size - 1}"
+            )
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")

@@ -277,7 +277,19 @@ class LLM:
             line += f", scheduling policy {self.engine.scheduling_policy} (prompt-prefix families admitted together)"
         budget = self.engine.long_prefill_attention_budget
         line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
+        cap = self.prefill_tokens_beside_decodes
+        line += f", prefill tokens beside decodes {f'<= {cap} a step' if cap else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
+
+    @property
+    def prefill_tokens_beside_decodes(self) -> int:
+        """The engine's setting, auto resolved: CPU_PREFILL_TOKENS_BESIDE_DECODES on CPU, 0 (no limit) on a GPU."""
+        from spanllm.engine.config import CPU_PREFILL_TOKENS_BESIDE_DECODES
+
+        v = self.engine.prefill_tokens_beside_decodes
+        if v is not None:
+            return v
+        return CPU_PREFILL_TOKENS_BESIDE_DECODES if self.device.type == "cpu" else 0
 
     def describe_pdl(self) -> str:
         if not self.pdl:
@@ -467,6 +479,7 @@ class LLM:
             min_admit=e.min_admit,
             long_prefill_attention_budget=e.long_prefill_attention_budget,
             scheduling_policy=e.scheduling_policy,
+            prefill_tokens_beside_decodes=self.prefill_tokens_beside_decodes,
         )
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(

@@ -17,7 +17,9 @@ deltas that never split a UTF-8 character (a token may hold part of one: Llama 3
 from __future__ import annotations
 
 import codecs
+import functools
 import os
+import re
 from typing import Protocol
 
 LLAMA3_BOS = 128000
@@ -43,6 +45,16 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a partial character's bytes too, where decode gives U+FFFD)."""
+        ...
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers: a text of more than L x this many characters
+        is more than L tokens, known without tokenizing it."""
+        ...
 
 
 class IncrementalDetokenizer(Protocol):
@@ -88,6 +100,20 @@ class Llama3Tokenizer:
         """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
         enc = self._enc
         return ByteDetokenizer(lambda i: b"" if i >= LLAMA3_BOS else enc.decode_single_token_bytes(i))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token_id)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's bytes (a character is at least one byte), special tokens' text included."""
+        longest = 1
+        for i in range(self._enc.n_vocab):
+            try:
+                longest = max(longest, len(self._enc.decode_single_token_bytes(i)))
+            except Exception:  # noqa: BLE001 - an id the vocabulary leaves unassigned covers no text
+                continue
+        return longest
 
 
 class HFTokenizer:
@@ -143,6 +169,29 @@ class HFTokenizer:
         """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""
         return OffsetDetokenizer(lambda ids: self._tok.decode(list(ids), skip_special_tokens=True), prompt_ids)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary string (added tokens' content included). Byte-level and SentencePiece pieces are
+        at least as long as the text they decode to (a byte is one stand-in character, `<0xNN>` six, `▁` one)."""
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        return max([1, *(len(p) for p in pieces if isinstance(p, str))])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A whole-character token: its decoded text's UTF-8. A partial character (decode gives U+FFFD): the bytes
+        the token's vocabulary string stands for, in either byte encoding transformers' fast tokenizers use:
+        SentencePiece's byte fallback (`<0xE2>`) or byte-level BPE (GPT-2's printable stand-ins for the 256 bytes)."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if m := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+            byte_of = _byte_level_decoder()
+            if piece and all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+        return text.encode("utf-8")
+
 
 class ByteTokenizer:
     """The `tiny` preset's tokenizer (CPU tests, demos): UTF-8 bytes b as ids b + 3, BOS 1, EOS 2."""
@@ -175,6 +224,29 @@ class ByteTokenizer:
 
     def detokenizer(self, prompt_ids: list[int]) -> ByteDetokenizer:
         return ByteDetokenizer(self._bytes)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes(token_id)
+
+    max_token_chars = 1  # a token is one byte of UTF-8: at most one character
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each of the 256 bytes -> the
+    byte (printable ASCII and Latin-1 stand for themselves; the rest map to U+0100 onwards, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _check_messages(messages: list[dict]) -> list[dict]:

@@ -31,6 +31,10 @@ from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailabl
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
 from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
 
+# A text prompt of more than TEXT_MARGIN x (max characters per token) x (context tokens) characters cannot fit and is
+# refused without tokenizing it. The margin covers normalizers that merge characters (NFC-style: a letter and its
+# combining mark become one); the tokenizers served here have none, for which a margin of 1 would be exact.
+TEXT_MARGIN = 2
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the handler checks that its client is still there
 _HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
 
@@ -110,7 +114,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
 
 def refused_param(message: str) -> str:
     """The field an engine refusal (validate_request's message) is about: the prompt unless it names another."""
-    for name in ("stop_token_ids", "logit_bias", "stop strings"):
+    for name in ("stop_token_ids", "logit_bias", "stop strings", "top_k"):
         if name in message:
             return name.split()[0]
     return "prompt"
@@ -135,20 +139,30 @@ class LogprobsFormatter:
         return self.tokenizer.decode([tid])
 
     def format(self, lps, offset: int) -> dict:
-        """offset: characters of text before these tokens (completions' text_offset)."""
+        """The logprobs of one engine event's tokens. offset (completions' text_offset): characters of the choice's
+        text before the event; its tokens start there, after the text the previous events emitted. A token that
+        ends inside a character adds no text until the character completes (the detokenizer holds it back), so
+        the offsets never run past the text and are the same streamed or not."""
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in lps]}
         tokens = [self.token(lp.token_id) for lp in lps]
         offsets = []
-        for t in tokens:
+        for t in tokens:  # (the engine's events carry one token each; a list of several counts whole characters)
             offsets.append(offset)
-            offset += len(t)
+            offset += 0 if "\ufffd" in t else len(t)
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [self._top_by_text(lp.top) for lp in lps],
             "text_offset": offsets,
         }
+
+    def merge(self, parts: list[dict]) -> dict:
+        """The events' formatted logprobs of one choice, joined into the whole answer's."""
+        if self.chat:
+            return {"content": [e for p in parts for e in p["content"]]}
+        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {k: [x for p in parts for x in p[k]] for k in keys}
 
     def _top_by_text(self, top) -> dict[str, float]:
         """Completions' {text: logprob} of the top ids (most likely first). Ids that decode to the same text (a
@@ -158,10 +172,15 @@ class LogprobsFormatter:
             out.setdefault(self.token(t), v)
         return out
 
+    def token_bytes(self, tid: int) -> bytes:
+        """The token's own bytes (a partial character's too, where its text is U+FFFD): OpenAI's `bytes`, which a
+        client joins across tokens to rebuild characters split between them."""
+        get = getattr(self.tokenizer, "token_bytes", None)
+        return get(tid) if get is not None else self.token(tid).encode("utf-8")
+
     def _chat_entry(self, lp) -> dict:
         def one(tid: int, v: float) -> dict:
-            s = self.token(tid)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": self.token(tid), "logprob": v, "bytes": list(self.token_bytes(tid))}
 
         return {**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
 
@@ -230,9 +249,16 @@ def build_app(
             ],
         }
 
-    async def parse(request: Request, chat: bool):
+    def prepare(raw: bytes, chat: bool):
+        """(request, sampling params of choice 0, prompt ids, echo text) from the raw body, or APIError."""
+        req = parse(raw, chat)
+        params = sampling_params(req, chat)
+        prompt_ids, echo_text = tokenize(req, chat)
+        return req, params, prompt_ids, echo_text
+
+    def parse(raw: bytes, chat: bool):
         req = validate(
-            parse_body(await request.body()),
+            parse_body(raw),
             chat,
             max_stop_strings=limits.max_stop_strings,
             max_stop_length=limits.max_stop_string_length,
@@ -316,18 +342,34 @@ def build_app(
             return APIError(f"handling this request failed: {ev.error}", None, 500, "InternalServerError")
         return None
 
-    async def handle(request: Request, chat: bool):
-        req = await parse(request, chat)
-        params = sampling_params(req, chat)
-        echo_text = None
+    def tokenize(req, chat: bool) -> tuple[list[int], str | None]:
+        """(prompt ids, echo text). A text that must be longer than the context in tokens is refused before it is
+        tokenized (text_fits)."""
         if chat:
-            prompt_ids = chat_prompt(req, tokenizer)
-        else:
-            prompt_ids, echo_text = completion_prompt(req, tokenizer)
-            if req.echo and echo_text is None:
-                echo_text = tokenizer.decode(prompt_ids)
-            if not req.echo:
-                echo_text = None
+            text_fits(sum(len(m.text()) for m in req.messages), "messages")
+            return chat_prompt(req, tokenizer), None
+        if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
+            text_fits(sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)), "prompt")
+        prompt_ids, echo_text = completion_prompt(req, tokenizer)
+        if req.echo and echo_text is None:
+            echo_text = tokenizer.decode(prompt_ids)
+        return prompt_ids, echo_text if req.echo else None
+
+    def text_fits(chars: int, param: str) -> None:
+        per_token = getattr(tokenizer, "max_token_chars", None)
+        if per_token is None or chars <= TEXT_MARGIN * per_token * ctx_limit:
+            return
+        raise APIError(
+            f"the {param} hold {chars} characters: more than {ctx_limit} tokens (this model's context) whatever "
+            f"they say, since a token of this tokenizer covers at most {per_token} characters; shorten the text",
+            param,
+        )
+
+    async def handle(request: Request, chat: bool):
+        raw = await request.body()
+        # Parsing, validation and tokenizing are CPU work proportional to the body (8 MiB of text tokenizes in
+        # seconds): a worker thread does it, so that the event loop keeps serving the other requests' streams.
+        req, params, prompt_ids, echo_text = await asyncio.to_thread(prepare, raw, chat)
         chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queues = submit(prompt_ids, params, rid, req.n, chat_default)
@@ -350,7 +392,8 @@ def build_app(
     async def complete(request, queues, rid, base, chat, num_prompt, echo_text, lp):
         n = len(queues)
         last: dict[int, Any] = {}
-        lps: dict[int, list] = {i: [] for i in range(n)}
+        lps: dict[int, list[dict]] = {i: [] for i in range(n)}  # each event's formatted logprobs, as streamed
+        offset = [len(echo_text or "")] * n
         try:
             async for i, d in merged(queues, request):
                 if d is None:
@@ -358,8 +401,9 @@ def build_app(
                 err = event_error(d)
                 if err is not None:
                     raise err
-                if d.new_logprobs:
-                    lps[i] += d.new_logprobs
+                if lp is not None and d.new_logprobs:
+                    lps[i].append(lp.format(d.new_logprobs, offset[i]))
+                offset[i] += len(d.new_text or "")
                 if d.finished:
                     last[i] = d
                     if len(last) == n:
@@ -379,7 +423,7 @@ def build_app(
                 "stop_reason": d.stop_reason,
             }
             if lp is not None:
-                choice["logprobs"] = lp.format(lps[i], len(echo_text or ""))
+                choice["logprobs"] = lp.merge(lps[i])
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

@@ -125,12 +125,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 def _absent_or(*allowed):
-    return lambda v: v is None or v in allowed
+    """Absent (None), or one of `allowed` of the same type (true is not 1, 1.0 is not 1)."""
+    return lambda v: v is None or any(type(v) is type(a) and v == a for a in allowed)
 
 
 # OpenAI fields this server does not serve: refused with a 400 naming them unless the value asks for nothing.
 REFUSED_COMPLETIONS = {
-    "best_of": (_absent_or(1), "best_of > 1 is not supported; use n"),
+    "best_of": (_absent_or(1), "only best_of=1 (an integer) is served; for several completions use n"),
     "suffix": (_absent_or(), "suffix (insertion) is not supported"),
 }
 REFUSED_CHAT = {
@@ -163,6 +164,8 @@ def parse_body(raw: bytes) -> dict:
         raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # valid JSON Python will not read, e.g. an integer of more than 4,300 digits
+        raise APIError(f"the request body holds a value this server cannot read: {e}") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     _check_tree(body)
@@ -223,11 +226,12 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
             )
     if req.logit_bias:
         for k in req.logit_bias:
-            if not k.isdigit() or int(k) > INT32_MAX:
+            if not _TOKEN_ID_KEY.fullmatch(k) or int(k) > INT32_MAX:
                 raise APIError(f"logit_bias: key {k[:40]!r} is not a token id in [0, {INT32_MAX}]", "logit_bias")
     return req
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also accepts '²' and Arabic-Indic digits
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
 
 

