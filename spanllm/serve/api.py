@@ -66,7 +66,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
             seed=req.seed,
             min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos,
-            stop=tuple(s for s in stop if s),
+            stop=tuple(stop),  # validate refused empty strings
             stop_token_ids=tuple(req.stop_token_ids or ()),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
@@ -360,8 +360,8 @@ def build_app(
         if per_token is None or chars <= TEXT_MARGIN * per_token * ctx_limit:
             return
         raise APIError(
-            f"the {param} hold {chars} characters: more than {ctx_limit} tokens (this model's context) whatever "
-            f"they say, since a token of this tokenizer covers at most {per_token} characters; shorten the text",
+            f"{param}: {chars} characters of text, which are more than {ctx_limit} tokens (this model's context) "
+            f"whatever they say, since a token of this tokenizer covers at most {per_token} characters; shorten it",
             param,
         )
 

@@ -220,6 +220,8 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
     if len(stops) > max_stop_strings:
         raise APIError(f"stop: {len(stops)} strings; at most {max_stop_strings} (--max-stop-strings)", "stop")
     for s in stops:
+        if not s:
+            raise APIError("stop: an empty string would end every completion before it starts; drop it", "stop")
         if len(s) > max_stop_length:
             raise APIError(
                 f"stop: a string of {len(s)} characters; at most {max_stop_length} (--max-stop-string-length)", "stop"

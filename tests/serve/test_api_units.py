@@ -127,6 +127,8 @@ def test_completion_text_offset_never_passes_the_text():
         ({"prompt": "x", "best_of": True}, False, "best_of", "only best_of=1"),
         ({"prompt": "x", "best_of": 1.0}, False, "best_of", "only best_of=1"),
         ({"messages": [{"role": "user", "content": "x"}], "store": 0}, True, "store", "store=true"),
+        ({"prompt": "x", "stop": ""}, False, "stop", "empty string"),
+        ({"prompt": "x", "stop": ["a", ""]}, False, "stop", "empty string"),
     ],
 )
 def test_refusals_of_lookalike_values(body, chat, param, words):
