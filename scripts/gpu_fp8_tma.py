@@ -46,11 +46,14 @@ import time
 
 import torch
 
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, "") and __name__ == "__main__":  # `python scripts/gpu_fp8_tma.py` without PYTHONPATH=.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(SCRIPTS))
+sys.path.insert(0, SCRIPTS)  # the widening benchmark's shapes, data and checks (its sibling)
+
+from gpu_fp8_widen import LAYERS, TOL, copy_bandwidth_gbps, max_rel_err, quantized_weight, reference  # noqa: E402
 
 from spanllm.kernels import skinny_gemm as sg  # noqa: E402
-from spanllm.kernels.arrival_counters import arrival_counters  # noqa: E402
 
 try:
     import triton
@@ -59,9 +62,7 @@ try:
 except ImportError:  # the CPU torch wheel comes without Triton
     triton = tl = TensorDescriptor = None
 
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K), 8B TP1
 VARIANTS = ("production", "ptr_wx", "tma_xw", "tma_wx")
-TOL = 2e-2  # max |y - ref| / max |ref|: bf16 output rounding is ~4e-3; far above means a wrong kernel
 TMA_MAX_BOX = 256  # elements per dimension of one tensor-descriptor box (the copy engine's limit)
 SMEM_PER_SM = 227 * 1024  # Hopper: shared memory one SM gives its programs (228 KB less 1 KB reserved)
 
@@ -172,11 +173,7 @@ def run_variant(variant: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     n_tiles = triton.cdiv(n, cfg.block_n)
     block_m = sg.block_m_for(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split == 1:
-        ws = counters = y  # unused
-    else:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, n_tiles)
+    ws, counters = sg.split_k_buffers(y, split, n_tiles)
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
                   NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     if variant == "ptr_wx":
@@ -216,50 +213,40 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[sg.SkinnyConfig]:
     return out
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.float() @ (q.float() * scale[:, None]).T
-
-
-def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def quantized_weight(n: int, k: int, device, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """W = randn * 0.02 (bf16) quantized per row, scale = amax / 448 (spanllm.layers.fp8.quantize_weight)."""
-    from spanllm.layers.fp8 import quantize_weight
-
-    w = (torch.randn(n, k, device=device, generator=generator) * 0.02).to(torch.bfloat16)
-    return quantize_weight(w)
-
-
 # ------------------------------------------------------------------------------------------- static (no GPU)
+
+
+def compile_sm90(variant: str, cfg: sg.SkinnyConfig):
+    """One variant's kernel (not `production`) at M <= 16, compiled for sm_90 with Triton's compiler: no GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    scalars = {"M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32"}
+    common = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "scale_ptr": "*fp32"}
+    consts = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split_k,
+              "NUM_STAGES": cfg.num_stages}  # fmt: skip
+    if variant == "ptr_wx":
+        fn, sig = _w8a16_ptr_wx_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", **common, **scalars}
+        sig.update(stride_xm="i32", stride_wn="i32")
+    else:
+        fn = _w8a16_tma_kernel
+        sig = {
+            "x_desc": f"tensordesc<bf16[16, {cfg.block_k}]>",
+            "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>",
+            **common,
+            **scalars,
+        }
+        consts["W_AS_A"] = variant == "tma_wx"
+    sig["stride_ym"] = "i32"
+    sig.update({c: "constexpr" for c in consts})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def static_report(outdir: str) -> None:
     """Compile the TMA and pointer variants for sm_90 (Triton's compiler, its bundled ptxas) at each layer's
     candidate configs, M = 1: registers, spills, shared memory; writes OUTDIR/fp8_tma_static.json."""
-    from triton.backends.compiler import GPUTarget
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     from sm90_registers import ptxas_report
-
-    def sig(variant: str, cfg: sg.SkinnyConfig) -> tuple[object, dict, dict]:
-        scalars = {"M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32"}
-        common = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "scale_ptr": "*fp32"}
-        consts = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split_k,
-                  "NUM_STAGES": cfg.num_stages}  # fmt: skip
-        if variant == "ptr_wx":
-            s = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", **common, **scalars}
-            s.update(stride_xm="i32", stride_wn="i32", stride_ym="i32")
-            return _w8a16_ptr_wx_kernel, s, consts
-        s = {
-            "x_desc": f"tensordesc<bf16[16, {cfg.block_k}]>",
-            "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>",
-            **common,
-            **scalars,
-            "stride_ym": "i32",
-        }
-        return _w8a16_tma_kernel, s, {**consts, "W_AS_A": variant == "tma_wx"}
 
     rows = []
     for layer, (n, k) in LAYERS.items():
@@ -267,16 +254,9 @@ def static_report(outdir: str) -> None:
             for variant in VARIANTS[1:]:
                 if check_variant_config(variant, cfg, k):
                     continue
-                fn, s, consts = sig(variant, cfg)
-                s.update({c: "constexpr" for c in consts})
                 row = {"layer": layer, "variant": variant, "config": list(cfg)}
                 try:
-                    src = triton.compiler.ASTSource(fn=fn, signature=s, constexprs=consts)
-                    kern = triton.compile(
-                        src,
-                        target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                    )
+                    kern = compile_sm90(variant, cfg)
                     row.update(shared_bytes_triton=kern.metadata.shared, **ptxas_report(kern.asm["ptx"]))
                     ptx = kern.asm["ptx"]
                     row["wgmma"] = "wgmma.mma_async" in ptx
@@ -319,7 +299,6 @@ def main() -> None:
 
 
 def run_gpu(args, variants: list[str]) -> None:
-    from spanllm.commands.bench_gemm import copy_bandwidth
     from spanllm.measure.timing import graph_us_per_call
 
     t0 = time.monotonic()
@@ -355,7 +334,7 @@ def run_gpu(args, variants: list[str]) -> None:
             "timing": "CUDA graph of >= min_calls calls over >= 3x L2 of distinct weights, us per call, median",
             "skinny_gemm_table": sg.table_id(),
         },
-        "copy_GBps": round(copy_bandwidth(1.0, 10)["TBps_read_plus_write"] * 1e3, 1),
+        "copy_GBps": round(copy_bandwidth_gbps(), 1),
         "kernels": {},
         "rows": [],
     }

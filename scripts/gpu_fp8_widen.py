@@ -104,7 +104,6 @@ if __package__ in (None, "") and __name__ == "__main__":  # `python scripts/gpu_
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from spanllm.kernels import skinny_gemm as sg  # noqa: E402
-from spanllm.kernels.arrival_counters import arrival_counters  # noqa: E402
 
 try:
     import triton
@@ -370,11 +369,7 @@ def run_variant(v: Variant, x: torch.Tensor, w: Prepared, config: tuple | None =
     chunk = sg.split_k_chunk(k, cfg.block_k, split)
     n_tiles = triton.cdiv(n, cfg.block_n)
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    if split == 1:
-        ws = counters = y  # unused
-    else:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, n_tiles)
+    ws, counters = sg.split_k_buffers(y, split, n_tiles)
     compiled = _w8a16_kernel[(n_tiles, split)](
         xin,
         w.q_i8,

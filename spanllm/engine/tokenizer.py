@@ -236,17 +236,13 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @functools.cache
 def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each of the 256 bytes -> the
-    byte (printable ASCII and Latin-1 stand for themselves; the rest map to U+0100 onwards, in byte order)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """GPT-2's byte-level alphabet (transformers' bytes_to_unicode), inverted: stand-in character -> byte."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # transformers 4.x keeps it beside GPT-2's tokenizer
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _check_messages(messages: list[dict]) -> list[dict]:

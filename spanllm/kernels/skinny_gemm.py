@@ -469,6 +469,15 @@ def num_sms_of(device: torch.device) -> int:
     return DEFAULT_NUM_SMS
 
 
+def split_k_buffers(y: torch.Tensor, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split, M, N], the tiles' arrival counters) of a split-K launch writing y [M, N]; without a
+    split, y twice (the kernel touches neither)."""
+    if split == 1:
+        return y, y
+    m, n = y.shape
+    return torch.empty((split, m, n), dtype=torch.float32, device=y.device), arrival_counters(y.device, n_tiles)
+
+
 def skinny_gemm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear can take this call (else use F.linear)."""
     return (
@@ -568,11 +577,7 @@ def skinny_linear(
     tile_bytes = cfg.block_n * cfg.block_k * weight.element_size()
     pf_tiles = prefetch_tiles(n_tiles * split, chunk // cfg.block_k, tile_bytes) if launch["PDL"] else 0
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split == 1:
-        ws = counters = y  # unused
-    else:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, n_tiles)
+    ws, counters = split_k_buffers(y, split, n_tiles)
     _skinny_gemm_kernel[(n_tiles, split)](
         x2,
         weight,

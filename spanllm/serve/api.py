@@ -88,8 +88,9 @@ def _encode(tokenizer, text: str) -> list[int]:
         raise APIError(str(e), "prompt") from None
 
 
-def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[list[int], str | None]:
-    """(prompt ids, prompt text for echo: the string given, or None for token ids)."""
+def completion_prompt(req: CompletionRequest, tokenizer, check_text=None) -> tuple[list[int], str | None]:
+    """(prompt ids, prompt text for echo: the string given, or None for token ids). check_text(characters, param),
+    if given, may refuse a text before it is tokenized."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) > 1:
@@ -98,14 +99,18 @@ def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[list[int], str
     if isinstance(p, str):
         if not p:
             raise APIError("the prompt is empty: give at least one character", "prompt")
+        if check_text is not None:
+            check_text(len(p), "prompt")
         return _encode(tokenizer, p), p
     return list(p), None
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer, check_text=None) -> list[int]:
     from spanllm.engine.tokenizer import TokenizerError
 
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    if check_text is not None:
+        check_text(sum(len(m["content"]) for m in msgs), "messages")
     try:
         return tokenizer.apply_chat_template(msgs)
     except TokenizerError as e:
@@ -172,15 +177,11 @@ class LogprobsFormatter:
             out.setdefault(self.token(t), v)
         return out
 
-    def token_bytes(self, tid: int) -> bytes:
-        """The token's own bytes (a partial character's too, where its text is U+FFFD): OpenAI's `bytes`, which a
-        client joins across tokens to rebuild characters split between them."""
-        get = getattr(self.tokenizer, "token_bytes", None)
-        return get(tid) if get is not None else self.token(tid).encode("utf-8")
-
     def _chat_entry(self, lp) -> dict:
+        # bytes: the token's own (a partial character's too, where its text is U+FFFD), which a client joins
+        # across tokens to rebuild a character split between them
         def one(tid: int, v: float) -> dict:
-            return {"token": self.token(tid), "logprob": v, "bytes": list(self.token_bytes(tid))}
+            return {"token": self.token(tid), "logprob": v, "bytes": list(self.tokenizer.token_bytes(tid))}
 
         return {**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
 
@@ -346,18 +347,15 @@ def build_app(
         """(prompt ids, echo text). A text that must be longer than the context in tokens is refused before it is
         tokenized (text_fits)."""
         if chat:
-            text_fits(sum(len(m.text()) for m in req.messages), "messages")
-            return chat_prompt(req, tokenizer), None
-        if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
-            text_fits(sum(len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt)), "prompt")
-        prompt_ids, echo_text = completion_prompt(req, tokenizer)
+            return chat_prompt(req, tokenizer, text_fits), None
+        prompt_ids, echo_text = completion_prompt(req, tokenizer, text_fits)
         if req.echo and echo_text is None:
             echo_text = tokenizer.decode(prompt_ids)
         return prompt_ids, echo_text if req.echo else None
 
     def text_fits(chars: int, param: str) -> None:
-        per_token = getattr(tokenizer, "max_token_chars", None)
-        if per_token is None or chars <= TEXT_MARGIN * per_token * ctx_limit:
+        per_token = tokenizer.max_token_chars
+        if chars <= TEXT_MARGIN * per_token * ctx_limit:
             return
         raise APIError(
             f"{param}: {chars} characters of text, which are more than {ctx_limit} tokens (this model's context) "

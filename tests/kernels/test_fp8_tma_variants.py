@@ -110,26 +110,9 @@ def test_compiles_sm90(variant, config, wgmma):
     why = hopper.available()
     if why:
         pytest.skip(why)
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from spanllm.kernels import skinny_gemm as sg
 
-    cfg = sg.SkinnyConfig(*config)
-    consts = {"BLOCK_M": 16, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "SPLIT_K": 4, "NUM_STAGES": 4}
-    scalars = {"M": "i32", "N": "i32", "K": "i32", "k_chunk": "i32"}
-    common = {"y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "scale_ptr": "*fp32"}
-    if variant == "ptr_wx":
-        fn = tma._w8a16_ptr_wx_kernel
-        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", **common, **scalars, "stride_xm": "i32", "stride_wn": "i32"}
-    else:
-        fn = tma._w8a16_tma_kernel
-        sig = {"x_desc": "tensordesc<bf16[16, 256]>", "w_desc": "tensordesc<fp8e4nv[64, 256]>", **common, **scalars}
-        consts["W_AS_A"] = variant == "tma_wx"
-    sig["stride_ym"] = "i32"
-    sig.update({c: "constexpr" for c in consts})
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    kern = triton.compile(src, target=GPUTarget(*hopper.TARGET), options={"num_warps": 4, "num_stages": 4})
+    kern = tma.compile_sm90(variant, sg.SkinnyConfig(*config))
     ptx = kern.asm["ptx"]
     assert ("wgmma.mma_async" in ptx) == wgmma
     if variant.startswith("tma"):
