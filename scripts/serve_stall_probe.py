@@ -30,7 +30,14 @@ def main() -> None:
     ap.add_argument("--id-range", default="1000,40000", help="the long prompt's random ids: LOW,HIGH")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.prompt_tokens < 1 or args.stream_tokens < 1:
+        raise SystemExit("serve_stall_probe.py: --prompt-tokens and --stream-tokens must be >= 1")
     lo, hi = (int(v) for v in args.id_range.split(","))
+    try:
+        httpx.get(args.url + "/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as e:
+        why = f"no healthy server at {args.url} ({e}); start `spanllm serve` first"
+        raise SystemExit(f"serve_stall_probe.py: {why}") from None
     rng = random.Random(5)
     prompt = [rng.randrange(lo, hi) for _ in range(args.prompt_tokens)]
     chunks: list[float] = []
