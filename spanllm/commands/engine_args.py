@@ -150,8 +150,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default="fcfs",
-        help="admission order: fcfs (arrival order), or prefix (requests sharing a prompt prefix of >= 512 tokens "
-        "admitted together, the oldest first, so that their decodes share the cached blocks; needs prefix caching)",
+        help="admission order: fcfs (arrival order), or prefix (longest-prefix-match: requests whose prompt's first "
+        "512+ tokens are cached are admitted first, their whole family together, so that their decodes share the "
+        "cached blocks; the oldest request goes first once max-num-seqs admissions have overtaken it; needs prefix "
+        "caching)",
     )
     g.add_argument(
         "--min-admit",

@@ -274,7 +274,7 @@ class LLM:
         if self.engine.min_admit > 1:
             line += f", min_admit {self.engine.min_admit}"
         if self.engine.scheduling_policy != "fcfs":
-            line += f", scheduling policy {self.engine.scheduling_policy} (prompt-prefix families admitted together)"
+            line += f", scheduling policy {self.engine.scheduling_policy} (cached prefix families first, whole)"
         budget = self.engine.long_prefill_attention_budget
         line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
         cap = self.prefill_tokens_beside_decodes

@@ -1,6 +1,7 @@
-"""scheduling_policy="prefix" (spanllm.engine.core.scheduler): families of requests sharing a prompt prefix are
-admitted together, the oldest request first; a family whose prefix a step computes waits for the next step (then
-it hits the cache instead of computing the prefix again in parallel); preemption, aborts and finishes keep the
+"""scheduling_policy="prefix" (spanllm.engine.core.scheduler): families of requests sharing a cached prompt prefix
+are admitted first and together, oldest family first, within a bound on how often the oldest request is overtaken;
+a family whose prefix a step computes waits for its first member's whole prompt (then it hits the cache instead of
+computing the prefix again in parallel); preemption, aborts and finishes keep the
 families in step with the waiting queue; a random walk ends with exact block accounting; greedy outputs are the
 same as under fcfs; and the configurations that cannot work are refused."""
 
@@ -91,6 +92,53 @@ def test_a_family_whose_prefix_is_computed_this_step_waits_for_its_blocks():
         hits[policy] = sched.prefix_cache_hits
         sched.blocks.check([])
     assert hits == {"fcfs": 0, "prefix": 24}
+
+
+def test_cached_families_overtake_an_older_uncached_request_within_the_bound():
+    """Longest-prefix-match: an uncached request that is oldest waits while cached families are admitted whole,
+    until max_num_seqs admissions have overtaken it; then it goes first. Per step: max_num_seqs = 4 here."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, scheduling_policy="prefix"),
+        BlockManager(256, BS),
+    )
+    _warm(sched, A, B)
+    arrivals = [("x", [9] * 12)] + [(f"a{i}", A) for i in range(3)] + [(f"b{i}", B) for i in range(3)]
+    for rid, p in arrivals:
+        sched.add(_seq(rid, p + [50], max_tokens=1))
+    order = []
+    for _ in range(10):
+        batch = sched.schedule()
+        order.append(_admitted(batch))
+        _run(sched, batch)
+        if not sched.waiting:
+            break
+    # step 1: family A (3) then b0 fill the 4 slots, overtaking x 4 times; step 2: x first, then b1, b2
+    assert order[:2] == [["a0", "a1", "a2", "b0"], ["x", "b1", "b2"]]
+    assert sched.prefix_cache_hits == 6 * 8
+    _drain(sched, 500)
+    sched.blocks.check([])
+
+
+def test_a_family_waits_for_the_whole_prompt_of_the_member_computing_its_prefix():
+    """The first member's prompt (shared part 24 tokens, beyond the 8-token family key) takes three chunks of
+    8 tokens; the others wait for all of it and then hit all 24 shared tokens, not just the family key's 8."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=256, scheduling_policy="prefix"),
+        BlockManager(256, BS),
+    )
+    shared = list(range(10, 34))
+    for i in range(3):
+        sched.add(_seq(f"s{i}", shared + [60 + i], max_tokens=1))
+    steps = []  # (request, tokens) of each step's prefills
+    while sched.has_work():
+        batch = sched.schedule()
+        steps.append([(s.request_id, n) for s, n in batch.entries[batch.num_decode :]])
+        _run(sched, batch)
+    # s0 in chunks of 8, 8, 8, then its last token (a one-token step runs as a decode, not listed); then s1 and
+    # s2 each compute only their last token
+    assert steps == [[("s0", 8)], [("s0", 8)], [("s0", 8)], [], [("s1", 1), ("s2", 1)]]
+    assert sched.prefix_cache_hits == 2 * 24
+    sched.blocks.check([])
 
 
 def test_aborts_finishes_and_preemption_keep_families_in_step_with_the_queue():

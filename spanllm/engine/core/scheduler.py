@@ -11,14 +11,17 @@ Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
 3. Waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free blocks
    allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
    Admission never preempts, and a step that preempted admits nothing.
-   With `scheduling_policy="prefix"` the order groups requests by prompt prefix (SGLang's cache-aware
-   scheduling, in a form that keeps the oldest request first): a request's family is the key of its first
-   PREFIX_FAMILY_BLOCKS full blocks (the prefix cache's chained block hash, so equal keys are equal prefixes);
-   the oldest waiting request is admitted first, and when its family's prefix was cached, the rest of its
-   family follows it (oldest first) before the next oldest request's family. A family whose prefix the step
-   admits uncached waits for the next step (its blocks are registered then: admitting the others now would
-   compute the same prefix again, in parallel). Decodes of one family then share their prefix blocks in the same
-   steps, which the shared-prefix decode attention reads once per group (spanllm.attention.shared_prefix).
+   With `scheduling_policy="prefix"` the order groups requests by prompt prefix (SGLang's longest-prefix-match
+   scheduling, bounded so that no request waits forever): a request's family is the key of its first
+   PREFIX_FAMILY_BLOCKS full blocks (the prefix cache's chained block hash, so equal keys are equal prefixes).
+   Families whose prefix is cached at the start of the step are admitted first, whole (oldest member first), in
+   the order of their oldest waiting member; then the other requests in arrival order. A family whose prefix a
+   step admits uncached waits until that member's whole prompt is computed and registered (admitting the others
+   earlier would compute the same prefix again, in parallel; the family key covers only the first blocks of a
+   shared part that may be longer), and is then a cached family. Decodes of one family thus run in
+   the same steps, as wide groups, which the shared-prefix decode attention reads once per group
+   (spanllm.attention.shared_prefix). Bound: once the oldest waiting request has been overtaken by
+   `max_num_seqs` admissions, it is admitted before any cached family (then its family follows when cached).
 
 Long prefills beside decodes: a prefill chunk's attention costs (chunk) x (keys before it + chunk / 2) query-key
 pairs, so at 100k tokens of context one 8,192-token chunk takes most of a second, and every decode in that step
@@ -138,12 +141,22 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens of first admissions
         self.prefix_cache_hits = 0  # of them, taken from the prefix cache
         self._held_steps = 0  # steps admission has been held back by min_admit
+        # scheduling_policy="prefix": queue_key counters (arrivals count up from 1, preempted ones down from -1:
+        # the order of self.waiting), and the admissions that overtook the current head of the queue
+        self._next_arrival_key, self._next_preempted_key = 1, -1
+        self._head: Sequence | None = None
+        self._head_overtaken = 0
+        # families whose prefix a running sequence is computing (admitted uncached): their other members wait
+        # until its whole prompt is computed and registered (the family key covers only the prompt's first
+        # PREFIX_FAMILY_BLOCKS blocks; the shared part may be longer), however many steps its chunks take
+        self._prefix_in_flight: dict[bytes, Sequence] = {}
         self._prefilled: list[Sequence] = []  # the last step's prefill chunks: their full blocks get registered
 
     # --- queues -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         if self.config.scheduling_policy == "prefix":
+            seq.queue_key, self._next_arrival_key = self._next_arrival_key, self._next_arrival_key + 1
             seq.family = self._family_of(seq)
             if seq.family is not None:
                 self.families.setdefault(seq.family, deque()).append(seq)
@@ -247,22 +260,32 @@ class Scheduler:
             self._held_steps += 1
             return out
         self._held_steps = 0
-        family, deferred = None, set()  # scheduling_policy="prefix": the family being admitted; families to wait
+        # scheduling_policy="prefix": the family being admitted, the families to wait for this step's blocks, and
+        # the waiting families cached at the start of admission (computed at the first admission that needs them)
+        family, deferred, cached_families = None, self._families_in_flight(), None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self._next_waiting(family, deferred)
-            if seq is None:
-                break
+            if self.config.scheduling_policy == "fcfs":
+                seq = self.waiting[0]
+            else:
+                if cached_families is None:
+                    cached_families = self._cached_families()
+                seq = self._next_waiting(family, deferred, cached_families)
+                if seq is None:
+                    break
             hits = self.blocks.lookup(seq)
             n = self._chunk_that_fits(seq, budget, hits)
             n, pairs_left = self._capped(seq, n, len(hits) * bs, pairs_left, out)
             if n == 0:
                 break
+            if self.config.scheduling_policy == "prefix":
+                self._head_overtaken = 0 if seq is self._head else self._head_overtaken + 1
             self._leave_waiting(seq)
             if seq.family is not None:
-                # cached: its family follows it; computed in this step: the rest wait for its blocks
+                # cached: its family follows it; computed now: the rest wait for its whole prompt's blocks
                 family = seq.family if len(hits) >= PREFIX_FAMILY_BLOCKS else None
                 if family is None:
                     deferred.add(seq.family)
+                    self._prefix_in_flight[seq.family] = seq
             else:
                 family = None
             if hits:
@@ -282,14 +305,38 @@ class Scheduler:
             budget -= n
         return out
 
-    def _next_waiting(self, family: bytes | None, deferred: set[bytes]) -> Sequence | None:
-        """The next request to admit: the oldest (fcfs); under "prefix", the oldest of the family being admitted,
-        else the oldest whose family is not waiting for this step's blocks (None: every waiting one is)."""
-        if self.config.scheduling_policy == "fcfs":
-            return self.waiting[0]
+    def _families_in_flight(self) -> set[bytes]:
+        """The families whose prefix a running sequence is still computing: its prompt's blocks are registered at
+        the start of the step after its last chunk's (called after that registration)."""
+        flight = self._prefix_in_flight
+        for key, seq in list(flight.items()):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed >= seq.num_prompt:
+                del flight[key]
+        return set(flight)
+
+    def _cached_families(self) -> deque[bytes]:
+        """The waiting families whose prefix is registered in the prefix cache, by their oldest waiting member."""
+        cached = self.blocks.cached
+        keyed = sorted((members[0].queue_key, key) for key, members in self.families.items() if key in cached)
+        return deque(key for _, key in keyed)
+
+    def _next_waiting(self, family: bytes | None, deferred: set[bytes], cached: deque[bytes]) -> Sequence | None:
+        """The next request to admit under "prefix" (module docstring): the oldest of the family being admitted;
+        else the head of the queue if it has been overtaken max_num_seqs times; else the oldest of the next cached
+        family; else the oldest whose family is not waiting for this step's blocks (None: every waiting one is)."""
         members = self.families.get(family) if family is not None else None
         if members:
             return members[0]
+        head = self.waiting[0]
+        if head is not self._head:
+            self._head, self._head_overtaken = head, 0
+        if self._head_overtaken >= self.config.max_num_seqs and (head.family is None or head.family not in deferred):
+            return head
+        while cached:
+            members = self.families.get(cached[0])
+            if members and cached[0] not in deferred:
+                return members[0]
+            cached.popleft()  # admitted whole, or found uncached (evicted) by this step: deferred
         for seq in self.waiting:
             if seq.family is None or seq.family not in deferred:
                 return seq
@@ -340,6 +387,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if self.config.scheduling_policy == "prefix":
+            seq.queue_key, self._next_preempted_key = self._next_preempted_key, self._next_preempted_key - 1
         if seq.family is not None:  # back at the head of its family too (its oldest)
             self.families.setdefault(seq.family, deque()).appendleft(seq)
         out.preempted.append(seq)

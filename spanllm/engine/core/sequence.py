@@ -54,6 +54,7 @@ class Sequence:
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
     family: bytes | None = None  # scheduling_policy="prefix": the key of its prompt's first blocks (scheduler)
+    queue_key: int = 0  # its place in the waiting queue, smaller first (scheduler; a preempted one goes first)
     num_preemptions: int = 0
     num_pending: int = 0  # sampled on the device, not yet appended on the host (async scheduling)
     pending_row: int = -1  # the newest pending token's row in its step's sampled tensor
