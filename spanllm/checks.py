@@ -279,3 +279,23 @@ def port_free(host: str, port: int, flag: str = "--port") -> None:
                         "(every interface) or one of its own addresses"
                     ) from None
                 raise UsageError(f"--host {host} {flag} {port}: cannot bind {where}: {e.strerror}") from None
+
+
+def output_file(flag: str, path: str | None) -> None:
+    """`flag PATH` names a file the command will write at its end: checked before the work, so that a typo costs
+    one line, not a finished run. PATH must not be empty or a folder, its folder must exist and be writable. A
+    file already there is overwritten (as before); nothing is created here."""
+    if path is None:
+        return
+    if not path or not path.strip():
+        raise UsageError(f"{flag} {path!r}: empty; give a file name, e.g. {flag} out.json")
+    if os.path.isdir(path):
+        raise UsageError(
+            f"{flag} {path}: is a folder; give a file name inside it, e.g. {flag} {os.path.join(path, 'out.json')}"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise UsageError(f"{flag} {path}: its folder {folder} {what}; create the folder or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable here; choose a path you can write")
