@@ -33,11 +33,13 @@ def world_size(nprocs: int) -> int:
     return nprocs
 
 
-def device_type() -> str:
-    """Where the ranks compute: CUDA under a launcher on a GPU machine; local spawned ranks are CPU + gloo."""
+def device_type(nprocs: int | None = None) -> str:
+    """Where the ranks compute: CUDA under a launcher on a GPU machine, and for the one rank of `nprocs` 1 that
+    launch() runs in this process on its GPU; local spawned ranks are CPU + gloo."""
     from spanllm.launch import under_launcher
 
-    return "cuda" if under_launcher() and torch.cuda.is_available() else "cpu"
+    on_gpu = under_launcher() or nprocs == 1
+    return "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
 
 
 def topology(world: int, ranks_per_node: int | None):
@@ -89,7 +91,7 @@ def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
             )
 
 
-def _no_triton_gpu(device: str) -> str | None:
+def no_triton_gpu(device: str) -> str | None:
     """What the ranks lack for a Triton kernel on a GPU ("no GPU", "no Triton"), or None."""
     return "no GPU" if device != "cuda" else "no Triton" if _triton_missing() else None
 
@@ -97,7 +99,7 @@ def _no_triton_gpu(device: str) -> str | None:
 def decode_gemm(name: str, device: str) -> None:
     if name != "skinny":
         return
-    if have := _no_triton_gpu(device):
+    if have := no_triton_gpu(device):
         raise UsageError(
             f"--decode-gemm skinny: a Triton kernel for CUDA GPUs, and these ranks have {have}; use --decode-gemm torch"
         )
@@ -111,7 +113,7 @@ def pdl(mode: str, device: str) -> None:
 
     from spanllm.kernels.pdl import MIN_CAPABILITY
 
-    if have := _no_triton_gpu(device):
+    if have := no_triton_gpu(device):
         raise UsageError(
             f"--pdl on: programmatic dependent launch of Triton kernels on a GPU, and these ranks have "
             f"{have}; use --pdl auto (on where supported) or off"
@@ -246,9 +248,7 @@ def port_free(host: str, port: int, flag: str = "--port") -> None:
     import errno
     import socket
 
-    if port == 0:
-        return  # any free port
-    try:
+    try:  # port 0 (any free port) binds too: the host is checked all the same
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise UsageError(

@@ -177,8 +177,13 @@ def _apply_global(debug: bool, pg_timeout: float | None) -> None:
     if debug:
         os.environ["SPANLLM_DEBUG"] = "1"
     if pg_timeout is not None:
-        if not pg_timeout > 0:
-            raise UsageError(f"--pg-timeout {pg_timeout:g}: the collective timeout must be > 0 seconds, e.g. 300")
+        from spanllm.launch import MAX_TIMEOUT_S
+
+        if not 0 < pg_timeout <= MAX_TIMEOUT_S:
+            raise UsageError(
+                f"--pg-timeout {pg_timeout:g}: the collective timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds (a "
+                "week: a rank that stops answering must fail the job some time), e.g. 300"
+            )
         os.environ["SPANLLM_PG_TIMEOUT_S"] = repr(pg_timeout)
 
 

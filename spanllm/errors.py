@@ -5,8 +5,8 @@ bad input (usage), 1 for a run that failed. `--debug` or `SPANLLM_DEBUG=1` adds 
 
 Raise `UsageError` for input that can never work (a value outside its range, an unknown name, a
 missing file), `SpanllmError` for a run that failed. The older input errors of the modules
-(`ModelConfigError`, `ParallelLayoutError`, `TopologyError`, `AllReduceInputError`, the engine's
-`RequestError`) are ValueError subclasses; they count as usage errors too (`exit_code`).
+(`ModelConfigError`, `ParallelLayoutError`, `TopologyError`, `AllReduceInputError`, the fixed batch's
+`GenerationError`, the engine's `RequestError`) are ValueError subclasses; they count as usage errors too (`exit_code`).
 `CheckpointError` is a UsageError. A rank of a local launch that fails reaches the caller as
 `RankError` (spanllm.launch), carrying the original's exit code.
 """
@@ -71,6 +71,7 @@ def _input_error_types() -> tuple[type, ...]:
     """The modules' own input errors (imported lazily: this module must import anywhere, fast)."""
     from spanllm.comm.base import AllReduceInputError
     from spanllm.comm.topology import TopologyError
+    from spanllm.engine.fixed_batch import GenerationError
     from spanllm.engine.sampler import SamplingParamsError
     from spanllm.engine.tokenizer import TokenizerError
     from spanllm.model.config import ModelConfigError
@@ -84,6 +85,7 @@ def _input_error_types() -> tuple[type, ...]:
         AllReduceInputError,
         SamplingParamsError,
         TokenizerError,
+        GenerationError,
     )
 
 

@@ -60,6 +60,7 @@ _WORLD_ENV = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # the launc
 
 TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 7 * 86400.0  # finite: inf (or a value past what the process group's timedelta holds) never fails
 STARTUP_TIMEOUT_S = 120.0  # at least this long for every local rank to start (imports, spawn)
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long its peers get to fail on their own before they are stopped
 
@@ -73,10 +74,11 @@ def pg_timeout_s() -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0:
+    if not 0 < value <= MAX_TIMEOUT_S:
         raise UsageError(
-            f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a number of seconds > 0; "
-            f"set e.g. {TIMEOUT_ENV}=300 or pass --pg-timeout 300"
+            f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] "
+            f"(a week: a rank that stops answering must fail the job some time); set e.g. {TIMEOUT_ENV}=300 or "
+            "pass --pg-timeout 300"
         )
     return value
 

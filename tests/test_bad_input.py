@@ -93,7 +93,7 @@ CASES = [
     (GEN + ["--max-model-len", "8192"], "--max-model-len 8192 exceeds the 4096 positions tiny was trained for"),
     (GEN + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (GEN + ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-    (GEN + ["--temperature", "-1"], "--temperature -1.0: must be >= 0.0"),
+    (GEN + ["--temperature", "-1"], "--temperature -1.0: must be in [0, 100] (0 = greedy)"),
     # layout and topology
     (GEN + ["--tp", "0"], "--tp 0: must be >= 1"),
     (GEN + ["--pp", "0"], "--pp 0: must be >= 1 (pipeline stages)"),
@@ -185,10 +185,40 @@ CASES = [
     (["demo", "--nprocs", "3", "--ranks-per-node", "1"], "--nprocs 3: the engine part runs the tiny model at TP=3"),
     (["demo", "--maxbytes", "64G"], "from --maxbytes) needs about"),
     (["demo", "--iters", "0"], "--iters 0: must be >= 1"),
+    # generate: sampling ranges, the batch's micro-batches and KV blocks, before any rank starts
+    (GEN + ["--temperature", "200"], "--temperature 200.0: must be in [0, 100] (0 = greedy)"),
+    (GEN + ["--temperature", "nan"], "--temperature nan: must be in [0, 100] (0 = greedy)"),
+    (GEN + ["--top-k", "100000000"], "--top-k 100000000: exceeds the vocabulary of 512 tokens; use at most 512"),
+    (GEN + ["--micro-batches", "2"], "--micro-batches 2: more than the 1 prompt(s) of the batch; give at most 1"),
+    (
+        GEN + ["--prompt-ids", "1,2", "--num-kv-blocks", "3", "--max-new-tokens", "20"],
+        "--num-kv-blocks 3: 2 sequence(s) of up to 23 tokens need 5 blocks of 16 tokens (block 0 is reserved)",
+    ),
+    (GEN + ["--block-size", "100000"], "--block-size 100000: one KV block would hold more than a sequence's whole"),
+    (["generate", "--model", "tiny", "--prompt-ids", "1,,2"], "--prompt-ids '1,,2': expected comma-separated"),
+    (GEN + ["--prefill-tiling", ""], "--prefill-tiling '' is empty: give a PrefillConfig JSON file"),
+    (
+        ["generate", "--model", "/", "--prompt-ids", "1"],
+        "pass an HF checkpoint directory, a .gguf file or a preset (llama3.1-8b, llama3.1-70b, llama3.1-405b, "
+        "tiny, smollm2-135m-instruct)",
+    ),
+    # bench batch / study: micro-batches above every batch size, flags of a skipped pass, empty list items
+    (
+        BATCH + ["--batch-sizes", "1", "--micro-batches", "2"],
+        "--micro-batches 2: more micro-batches than the largest batch (1 sequences, --batch-sizes)",
+    ),
+    (BATCH + ["--no-breakdown", "--breakdown-steps", "3"], "--breakdown-steps 3 sizes the per-op timing pass"),
+    (BATCH + ["--allreduce", ""], "--allreduce '': expected a comma-separated list (no empty items)"),
+    (BATCH + ["--batch-sizes", "1,,8"], "--batch-sizes '1,,8': expected a comma-separated list (no empty items)"),
+    (
+        STUDY + ["--batch-sizes", "1", "--micro-batches", "4"],
+        "--micro-batches '4': more micro-batches than the largest batch (1 sequences, --batch-sizes)",
+    ),
     # global options
-    (["--pg-timeout", "0"] + GEN, "--pg-timeout 0: the collective timeout must be > 0 seconds"),
+    (["--pg-timeout", "0"] + GEN, "--pg-timeout 0: the collective timeout must be in (0, 604800] seconds"),
+    (["--pg-timeout", "inf"] + GEN, "--pg-timeout inf: the collective timeout must be in (0, 604800] seconds"),
     (["--pg-timeout", "soon"] + GEN, "--pg-timeout 'soon': give the collective timeout in seconds"),
-    (GEN + ["--pg-timeout", "-1"], "--pg-timeout -1: the collective timeout must be > 0 seconds"),
+    (GEN + ["--pg-timeout", "-1"], "--pg-timeout -1: the collective timeout must be in (0, 604800] seconds"),
 ]
 
 
@@ -196,6 +226,37 @@ CASES = [
 def test_bad_input_is_one_line_exit_2(no_ranks, capsys, argv, needle):
     assert main(argv) == 2
     assert needle in _error_line(capsys)
+
+
+CPU_ONLY = [
+    (GEN + ["--attention-backend", "triton"], "--attention-backend triton: Triton kernels for CUDA GPUs, and these "),
+    (
+        GEN
+        + [
+            "--prefill-tiling",
+            os.path.join(
+                os.path.dirname(__file__), "..", "results", "h100", "long_context", "best_prefill_config.json"
+            ),
+        ],
+        "tiles the Triton prefill kernel, which this run does not use (--attention-backend auto on CPU ranks)",
+    ),
+    (GEN + ["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 sizes the KV cache on a GPU, and "),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="options refused on CPU ranks")
+@pytest.mark.parametrize("argv,needle", CPU_ONLY, ids=[" ".join(a[5:])[:50] for a, _ in CPU_ONLY])
+def test_gpu_options_on_cpu_ranks_are_refused(no_ranks, capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_a_fixed_batch_the_engine_cannot_run_is_a_usage_error():
+    """GenerationError (raised in a rank, e.g. a batch whose KV blocks do not fit the cache sized there) exits 2."""
+    from spanllm.engine.fixed_batch import GenerationError
+    from spanllm.errors import exit_code
+
+    assert exit_code(GenerationError("micro_batches=2 must be between 1 and the batch size 1")) == 2
 
 
 def test_memory_refusal_names_the_number_and_the_limit(no_ranks, capsys):
@@ -281,7 +342,9 @@ def test_bad_pg_timeout_env(monkeypatch, capsys):
     monkeypatch.setenv("SPANLLM_PG_TIMEOUT_S", "abc")
     monkeypatch.setattr(spanllm.commands.generate, "launch", launch)
     assert main(GEN) == 2
-    assert "SPANLLM_PG_TIMEOUT_S='abc': the collective timeout must be a number of seconds > 0" in _error_line(capsys)
+    assert "SPANLLM_PG_TIMEOUT_S='abc': the collective timeout must be a number of seconds in (0, 604800]" in (
+        _error_line(capsys)
+    )
 
 
 def test_one_line_from_the_console_entry_point():

@@ -93,7 +93,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-len", type=int, default=None, help="overrides the workload's decode length")
     parser.add_argument(
         "--allreduce",
-        default="",
+        default=None,
         help="comma-separated registered all-reduce names (default: nccl on GPU, gloo on CPU)",
     )
     parser.add_argument(
@@ -105,7 +105,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--breakdown-steps",
         type=int,
-        default=32,
+        default=None,
         help="decode steps of the eager per-op timing pass (per-step averages; default 32)",
     )
     parser.add_argument("--json", default=None, help="write the rows here")
@@ -126,11 +126,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (1 = naive schedule)")
 
 
-def _csv(text: str, cast=str, flag: str = "") -> tuple:
+def _csv(text: str | None, cast=str, flag: str = "") -> tuple:
+    """A comma-separated option's items (None: the option was not given, ()); an empty item is refused."""
+    if text is None:
+        return ()
+    items = [t.strip() for t in text.split(",")]
     try:
-        return tuple(cast(t.strip()) for t in text.split(",") if t.strip())
+        if "" in items:
+            raise ValueError
+        return tuple(cast(t) for t in items)
     except ValueError:
-        raise UsageError(f"{flag + ' ' if flag else ''}{text!r}: expected a comma-separated list") from None
+        raise UsageError(
+            f"{flag + ' ' if flag else ''}{text!r}: expected a comma-separated list (no empty items)"
+        ) from None
+
+
+def check_micro_batches(counts: list[int], batch_sizes: tuple[int, ...], spec: str) -> None:
+    """A micro-batch count above every batch size would measure nothing: refused before any rank starts (one above
+    only some of them skips those rows, listed with the reason)."""
+    if counts and min(counts) > max(batch_sizes):
+        raise UsageError(
+            f"--micro-batches {spec}: more micro-batches than the largest batch ({max(batch_sizes)} sequences, "
+            f"--batch-sizes); give at most {max(batch_sizes)}, or larger batch sizes"
+        )
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -143,7 +161,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         workload = f"{args.workload} (prompt {prompt_len}, decode {decode_len})"
     if prompt_len < 1 or decode_len < 1:
         raise UsageError(f"prompt_len={prompt_len} and decode_len={decode_len} must be >= 1")
-    checks.at_least("--breakdown-steps", args.breakdown_steps, 1)
+    if args.breakdown_steps is not None and args.no_breakdown:
+        raise UsageError(
+            f"--breakdown-steps {args.breakdown_steps} sizes the per-op timing pass, which --no-breakdown skips; "
+            "drop one of them"
+        )
+    breakdown_steps = 32 if args.breakdown_steps is None else args.breakdown_steps
+    checks.at_least("--breakdown-steps", breakdown_steps, 1)
     checks.at_least("--iters", args.iters, 1, " (timed runs per row)")
     checks.at_least("--warmup", args.warmup, 0, " (untimed runs per row; 0 = none)")
     world = checks.world_size(args.nprocs)
@@ -152,7 +176,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     batch_sizes = _csv(args.batch_sizes, int, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
         raise UsageError(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
-    allreduce = _csv(args.allreduce)
+    allreduce = _csv(args.allreduce, str, "--allreduce")
     checks.allreduce_names(allreduce, device)
     checks.tuning(args.tuning)
     if args.plot:
@@ -171,7 +195,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         seed=args.seed,
         cuda_graphs=not args.no_cuda_graphs,
         ranks_per_node=args.ranks_per_node,
-        breakdown_steps=args.breakdown_steps,
+        breakdown_steps=breakdown_steps,
         tuning=args.tuning,
         max_model_len=args.max_model_len,
         decode_gemm=args.decode_gemm,
@@ -361,8 +385,9 @@ def run_layout(
     if dims.tp == 1:
         names = ("none",)  # no tensor parallelism: nothing to all-reduce
     try:
+        described = llm.describe()  # on every rank: it may build the worker, a collective step
         if ctx.is_main:
-            log(f"{llm.describe()} | built in {init_s:.1f} s")
+            log(f"{described} | built in {init_s:.1f} s")
         for name in names:
             if name != "none" and name != llm.allreduce_name:
                 try:
@@ -374,7 +399,10 @@ def run_layout(
                     continue
             for mb in micro_batches:
                 for batch in s.batch_sizes:
-                    if mb > batch:
+                    if mb > batch:  # run() refuses a count above every batch size; this one is listed
+                        skipped.append(f"{dims} micro-batches {mb} at batch {batch}: more micro-batches than sequences")
+                        if ctx.is_main:
+                            log(f"skipped {dims} batch {batch} with {mb} micro-batches: more than its sequences")
                         continue
                     row = measure(llm, s, batch, mb, name)
                     row["init_s"] = init_s
@@ -531,6 +559,7 @@ def run(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     world = checks.world_size(args.nprocs)
     checks.at_least("--micro-batches", args.micro_batches, 1)
+    check_micro_batches([args.micro_batches], s.batch_sizes, str(args.micro_batches))
     checks.layout(args.tp, args.pp, world, resolve_model(s.model), checks.topology(world, s.ranks_per_node))
     results = launch(_bench_rank, s, args.tp, args.pp, args.micro_batches, nprocs=args.nprocs)
     return report_from_rank0("batch", s, results, args)

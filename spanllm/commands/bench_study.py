@@ -24,6 +24,7 @@ from spanllm.commands.bench_batch import (
     BenchSettings,
     PartialRows,
     add_bench_arguments,
+    check_micro_batches,
     report_from_rank0,
     run_layout,
     settings_from_args,
@@ -144,7 +145,9 @@ def check_layouts(s: BenchSettings, args: argparse.Namespace) -> None:
             f"{', '.join(str(d) for d in valid)}"
         )
     for d in valid:
-        micro_batch_counts(args.micro_batches, d.pp)
+        counts = micro_batch_counts(args.micro_batches, d.pp)
+        if wanted is None or d.pp in wanted:
+            check_micro_batches(counts, s.batch_sizes, repr(args.micro_batches))
 
 
 def run(args: argparse.Namespace) -> int:

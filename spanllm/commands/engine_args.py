@@ -98,8 +98,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights, activations and the KV cache",
+        default=None,
+        help="fraction of GPU memory for weights, activations and the KV cache (default 0.9; GPU only: on CPU "
+        "--num-kv-blocks sizes the cache)",
     )
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (overrides the memory sizing)")
     g.add_argument(
@@ -209,13 +210,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def check_model_arguments(args: argparse.Namespace, world: int):
     """The model options, before any rank starts; returns (ModelConfig, Topology, device type)."""
-    device = checks.device_type()
+    device = checks.device_type(world)
     checks.engine_dtype(args.dtype)
     cfg = checks.model(args.model)
     topo = checks.topology(world, args.ranks_per_node)
     checks.decode_gemm(args.decode_gemm, device)
     checks.pdl(args.pdl, device)
-    checks.context_limit(cfg, args.max_model_len)
+    limit = checks.context_limit(cfg, args.max_model_len)
+    block = getattr(args, "block_size", None)
+    if block is not None and block > max(limit, 16):
+        raise UsageError(
+            f"--block-size {block}: one KV block would hold more than a sequence's whole context ({limit} tokens); "
+            f"give at most {max(limit, 16)} (16 is the usual size)"
+        )
     return cfg, topo, device
 
 
@@ -277,8 +284,41 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
             f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
         )
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if hasattr(args, "min_admit") and args.min_admit > args.max_num_seqs:
+        raise UsageError(
+            f"--min-admit {args.min_admit}: more than --max-num-seqs {args.max_num_seqs} slots can never be free at "
+            f"once; give at most {args.max_num_seqs} (1 = off)"
+        )
+    device = checks.device_type(checks.world_size(args.nprocs))
+    util = args.gpu_memory_utilization
+    if util is not None:
+        if not 0.0 < util <= 1.0:
+            raise UsageError(f"--gpu-memory-utilization {util}: must be in (0, 1]")
+        if device != "cuda":
+            raise UsageError(
+                f"--gpu-memory-utilization {util} sizes the KV cache on a GPU, and these ranks run on CPU (a fixed "
+                "cache, 1 GiB by default); drop it, or give --num-kv-blocks to size the cache"
+            )
+        if args.num_kv_blocks is not None:
+            raise UsageError(
+                f"--gpu-memory-utilization {util} and --num-kv-blocks {args.num_kv_blocks} both size the KV cache "
+                "(the blocks win); give one of them"
+            )
+    if args.attention_backend == "triton" and (have := checks.no_triton_gpu(device)):
+        raise UsageError(
+            f"--attention-backend triton: Triton kernels for CUDA GPUs, and these ranks have {have}; use auto "
+            "(triton where it runs, else torch) or torch"
+        )
+    if args.prefill_tiling is not None and (
+        args.attention_backend == "torch" or checks.no_triton_gpu(device) or not args.prefill_tiling.strip()
+    ):
+        why = (
+            "is empty: give a PrefillConfig JSON file"
+            if not args.prefill_tiling.strip()
+            else "tiles the Triton prefill kernel, which this run does not use (--attention-backend "
+            f"{args.attention_backend} on {'a GPU' if device == 'cuda' else 'CPU ranks'}); drop it"
+        )
+        raise UsageError(f"--prefill-tiling {args.prefill_tiling!r} {why}")
     if serving:
         world = checks.world_size(args.nprocs)
         cfg, topo, _ = check_model_arguments(args, world)
@@ -300,11 +340,12 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         num_kv_blocks=args.num_kv_blocks,
         attention_backend=args.attention_backend,
         shared_prefix_attention=getattr(args, "shared_prefix_attention", "auto"),
     )
+    if args.gpu_memory_utilization is not None:
+        fields["gpu_memory_utilization"] = args.gpu_memory_utilization
     if hasattr(args, "min_admit"):
         fields["min_admit"] = args.min_admit
     if hasattr(args, "long_prefill_attention_budget"):

@@ -58,10 +58,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
+    if not text.strip():
+        return []  # an empty prompt: checks.prompts says so
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",")]
     except ValueError:
-        raise UsageError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+        raise UsageError(
+            f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3 (no empty items)"
+        ) from None
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The run's sampling parameters (SamplingParams checks their ranges: SamplingParamsError is a usage error)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def _tokenizer(cfg):
@@ -77,13 +92,7 @@ def _generate_rank(ctx: DistContext, args: argparse.Namespace, prompts: list[lis
     tokenizer = _tokenizer(cfg) if args.prompt else None
     llm = build_llm(ctx, args, pp=args.pp)
     try:
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_new_tokens,
-            ignore_eos=args.ignore_eos,
-        )
+        params = _sampling_params(args)
         out = llm.generate_batch(prompts, params, micro_batches=args.micro_batches)
         texts = [tokenizer.decode(t) for t in out.token_ids] if tokenizer is not None else None
         return {
@@ -116,7 +125,8 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
     check_engine_arguments(args, serving=False)
     checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
     checks.at_least("--top-k", args.top_k, 0, " (0 = off)")
-    checks.at_least("--temperature", args.temperature, 0.0, " (0 = greedy)")
+    if not 0.0 <= args.temperature <= 100.0:  # nan fails too
+        raise UsageError(f"--temperature {args.temperature}: must be in [0, 100] (0 = greedy)")
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
     prompts = [_parse_ids(p) for p in args.prompt_ids]
@@ -128,6 +138,26 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         prompts += [tokenizer.encode(p) for p in args.prompt]
         names += [f"--prompt #{i}" for i in range(len(args.prompt))]
     checks.prompts(prompts, names, args.max_new_tokens, cfg, args.max_model_len)
+    params = _sampling_params(args)
+    if params.top_k > cfg.vocab_size:
+        raise UsageError(
+            f"--top-k {args.top_k}: exceeds the vocabulary of {cfg.vocab_size} tokens; use at most "
+            f"{cfg.vocab_size}, or 0 (off)"
+        )
+    if args.micro_batches > len(prompts):
+        raise UsageError(
+            f"--micro-batches {args.micro_batches}: more than the {len(prompts)} prompt(s) of the batch; give at "
+            f"most {len(prompts)}, or more prompts"
+        )
+    if args.num_kv_blocks is not None:
+        longest = max(len(p) for p in prompts) + args.max_new_tokens
+        need = 1 + len(prompts) * -(-longest // args.block_size)
+        if need > args.num_kv_blocks:
+            raise UsageError(
+                f"--num-kv-blocks {args.num_kv_blocks}: {len(prompts)} sequence(s) of up to {longest} tokens need "
+                f"{need} blocks of {args.block_size} tokens (block 0 is reserved); give at least {need}, or run "
+                "fewer or shorter sequences"
+            )
     return prompts
 
 

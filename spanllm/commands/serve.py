@@ -116,7 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"--health-port answers 503 (default {DEFAULT_STALL_TIMEOUT_S:g})",
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request and decode-graph capture")
-    g.add_argument("--log-level", default="warning", help="uvicorn log level (info logs every request)")
+    g.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn log level (info logs every request)",
+    )
     g.add_argument(
         "--frontend-process",
         action=argparse.BooleanOptionalAction,

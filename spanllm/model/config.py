@@ -120,7 +120,8 @@ class ModelConfig:
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise ModelConfigError(
-                    f"no config.json at {path!r}; pass an HF checkpoint directory or a preset ({', '.join(PRESETS)})"
+                    f"no config.json at {path!r}; pass an HF checkpoint directory, a .gguf file or a preset "
+                    f"({', '.join(all_preset_names())})"
                 )
             where = path
             try:

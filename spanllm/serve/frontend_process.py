@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError
+from spanllm.errors import SpanllmError
 from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor, queued_estimate
 
 
@@ -224,7 +225,7 @@ class ProcessServer:
         # 0: it ended as asked (or after the engine's shutdown); -SIGINT / -SIGTERM: a signal reached it (a
         # terminal's Ctrl-C goes to both processes; uvicorn re-raises it after its graceful shutdown).
         if code not in (0, -signal.SIGINT, -signal.SIGTERM):
-            raise RuntimeError(f"the HTTP front-end process exited with code {code} (its output above says why)")
+            raise SpanllmError(f"the HTTP front-end process exited with code {code} (its output above says why)")
 
     def stop(self) -> None:
         """From any thread: abort everything and end the front end (run()'s loop acts on it within ~0.1 s and

@@ -21,6 +21,7 @@ BAD = [
     ("--gpu-memory-utilization", "nan", "(0, 1]"),
     ("--num-kv-blocks", "1", ">= 2"),
     ("--min-admit", "0", ">= 1"),
+    ("--min-admit", "1000", "more than --max-num-seqs 256 slots can never be free at once"),
     ("--tp", "0", ">= 1"),
     ("--max-queued-requests", "0", ">= 1"),
     ("--max-body-bytes", "0", ">= 1"),
@@ -51,3 +52,22 @@ def test_port_in_use_is_one_line_before_the_engine(capsys):
     err = capsys.readouterr()
     assert f"spanllm: error: --port {port}: 127.0.0.1:{port} is already in use" in err.err
     assert "building the engine" not in err.out + err.err
+
+
+@pytest.mark.parametrize("port", ["0", "18700"])
+def test_unresolvable_host_is_one_line_whatever_the_port(port, capsys):
+    """--port 0 (any free port) checks the host too: before, the front end failed after the engine was built."""
+    assert main(["serve", "--model", "tiny", "--host", "999.1.1.1", "--port", port]) == 2
+    err = capsys.readouterr()
+    assert err.err.strip() == (
+        "spanllm: error: --host '999.1.1.1': cannot resolve it (Name or service not known); give an address, e.g. "
+        "127.0.0.1"
+    )
+    assert "building the engine" not in err.out + err.err
+
+
+def test_log_level_is_one_of_uvicorns(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "tiny", "--log-level", "bogus"])
+    assert e.value.code == 2
+    assert "argument --log-level: invalid choice: 'bogus'" in capsys.readouterr().err
