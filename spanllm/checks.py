@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import torch
-
 from spanllm.errors import UsageError
 
 ALLOW_LONG_CONTEXT_ENV = "SPANLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
@@ -36,6 +34,8 @@ def world_size(nprocs: int) -> int:
 def device_type(nprocs: int | None = None) -> str:
     """Where the ranks compute: CUDA under a launcher on a GPU machine, and for the one rank of `nprocs` 1 that
     launch() runs in this process on its GPU; local spawned ranks are CPU + gloo."""
+    import torch
+
     from spanllm.launch import under_launcher
 
     on_gpu = under_launcher() or nprocs == 1
@@ -73,6 +73,8 @@ def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
             )
         runs_on = registry.algorithm_class(name).capability.device_types
         if device not in runs_on:
+            import torch
+
             here = (
                 "these ranks run on CUDA GPUs"
                 if device == "cuda"
@@ -283,8 +285,8 @@ def port_free(host: str, port: int, flag: str = "--port") -> None:
 
 def output_file(flag: str, path: str | None) -> None:
     """`flag PATH` names a file the command will write at its end: checked before the work, so that a typo costs
-    one line, not a finished run. PATH must not be empty or a folder, its folder must exist and be writable. A
-    file already there is overwritten (as before); nothing is created here."""
+    one line, not a finished run. PATH must not be empty or a folder; its folder is created if missing (as
+    `mkdir -p`: the folders above it must be folders) and must be writable. A file already there is overwritten."""
     if path is None:
         return
     if not path or not path.strip():
@@ -294,8 +296,22 @@ def output_file(flag: str, path: str | None) -> None:
             f"{flag} {path}: is a folder; give a file name inside it, e.g. {flag} {os.path.join(path, 'out.json')}"
         )
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
-        raise UsageError(f"{flag} {path}: its folder {folder} {what}; create the folder or choose another path")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {path}: cannot create its folder {folder} ({e.strerror}); choose another path"
+        ) from None
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable here; choose a path you can write")
+
+
+def png_file(flag: str, path) -> None:
+    """`flag PATH` names a PNG the command draws at its end: a writable file ending in .png (matplotlib takes
+    the format from the suffix, and adds .png to a name without one), checked before the work."""
+    if path is None:
+        return
+    output_file(flag, str(path))
+    if not str(path).lower().endswith(".png"):
+        stem = os.path.splitext(str(path))[0]
+        raise UsageError(f"{flag} {path}: the plot is a PNG; give a file name ending in .png, e.g. {flag} {stem}.png")

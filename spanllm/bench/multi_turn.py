@@ -62,6 +62,8 @@ def sample_conversations(
             f"need --num-conversations >= 1 and 1 <= --min-turns <= --max-turns; got {num_conversations}, "
             f"{min_turns}, {max_turns}"
         )
+    if (output_len is not None and output_len < 1) or max_output_len < 1:
+        raise UsageError(f"--output-len and --max-output-len must be >= 1, got {output_len}, {max_output_len}")
     src = dataset if isinstance(dataset, ShareGPTRecords) else load_sharegpt(dataset)
     records = list(src.conversations)
     random.Random(seed).shuffle(records)
@@ -148,6 +150,8 @@ class MultiTurnConfig:
             raise UsageError(f"--max-active-conversations must be >= 1, got {self.max_active_conversations}")
         if self.max_context_len < 2:
             raise UsageError(f"--max-context-len must be >= 2, got {self.max_context_len}")
+        if not self.request_timeout_s > 0:
+            raise UsageError(f"--request-timeout must be > 0 s, got {self.request_timeout_s}")
 
 
 async def run_conversations(conversations: list[Conversation], cfg: MultiTurnConfig, tokenizer) -> dict[str, Any]:

@@ -12,8 +12,10 @@ The file holds the requests in order (prompt, prompt_len, output_len) and the sa
 from __future__ import annotations
 
 import json
+import os
 
 from spanllm.bench.datasets import SampleRequest, SampleSet
+from spanllm.errors import UsageError
 
 
 def save_samples(samples: SampleSet, path: str) -> None:
@@ -34,6 +36,9 @@ def save_samples(samples: SampleSet, path: str) -> None:
 
 
 def load_samples(path: str) -> SampleSet:
+    """The saved requests; a missing or malformed file is a UsageError naming it."""
+    if os.path.isdir(path):
+        raise UsageError(f"--samples-file {path!r} is a folder; give the JSON file --save-samples wrote")
     try:
         with open(path) as f:
             data = json.load(f)
@@ -46,8 +51,14 @@ def load_samples(path: str) -> SampleSet:
             )
             for r in data["requests"]
         ]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(
+        for i, r in enumerate(reqs):
+            if not isinstance(r.prompt, str) or r.output_len < 1:
+                raise ValueError(
+                    f"request {i}: expected a text prompt and output_len >= 1, got prompt {str(r.prompt)[:40]!r}, "
+                    f"output_len {r.output_len}"
+                )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(
             f"--samples-file {path!r} is not a saved sample ({type(e).__name__}: {e}); write one with --save-samples"
         ) from None
     return SampleSet(reqs, {**data.get("info", {}), "samples_file": path})

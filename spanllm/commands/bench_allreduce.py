@@ -9,6 +9,7 @@ local gloo ranks; under torchrun it uses the launcher's ranks (NCCL on GPUs).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -43,6 +44,8 @@ def parse_size(text: str) -> int:
 def sizes_from(begin: int, end: int, factor: float) -> list[int]:
     if begin <= 0 or end < begin:
         raise ValueError(f"sizes -b {begin} -e {end}: need 0 < begin <= end")
+    if not math.isfinite(factor):  # nan and inf would end the sweep after its first size
+        raise ValueError(f"-f {factor}: the size factor must be a finite number > 1, e.g. -f 2")
     if factor <= 1:
         raise ValueError(f"-f {factor}: the size factor must be > 1")
     out, s = [], begin
@@ -50,6 +53,11 @@ def sizes_from(begin: int, end: int, factor: float) -> list[int]:
         out.append(int(s))
         s = s * factor
     return out
+
+
+DEFAULT_BUFFER_BYTES = "16M"
+DEFAULT_TIMEOUT_S = 30.0
+BUFFERED = ("nvrar", "torch_one_shot", "torch_two_shot")  # the backends --buffer-bytes sizes (auto's GPU candidates)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--graph", dest="graph", action="store_true", default=None, help="CUDA-graph mode (GPU default)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="eager launches on GPU")
-    p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer size of buffered GPU backends")
+    p.add_argument(
+        "--buffer-bytes",
+        default=None,
+        help=f"symmetric buffer size of the buffered GPU backends ({', '.join(BUFFERED)}, auto) "
+        f"(default: {DEFAULT_BUFFER_BYTES})",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -81,15 +94,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "split among the rounds and pooled: drift in time then hits every algorithm alike",
     )
     p.add_argument("--tuning", default=None, help="tuning table JSON for auto and nvrar (from spanllm tune)")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="device spin-wait timeout of nvrar")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help=f"device spin-wait timeout of nvrar (default: {DEFAULT_TIMEOUT_S:g})",
+    )
     p.add_argument("--json", default=None, help="write every row plus machine, versions and settings here")
     p.add_argument("--plot", default=None, help="write a PNG of latency vs size (needs --json and matplotlib)")
     p.add_argument("--nprocs", type=int, default=4, help="local gloo ranks to spawn when not under a launcher")
 
 
 def comm_options(args, device: torch.device) -> dict:
-    buffer = parse_size(args.buffer_bytes)
-    opts = {"max_bytes": buffer, "one_shot_max_bytes": buffer, "timeout_s": args.timeout_s, "device": device}
+    buffer = parse_size(args.buffer_bytes or DEFAULT_BUFFER_BYTES)
+    timeout_s = DEFAULT_TIMEOUT_S if args.timeout_s is None else args.timeout_s
+    opts = {"max_bytes": buffer, "one_shot_max_bytes": buffer, "timeout_s": timeout_s, "device": device}
     if args.tuning:
         from spanllm.comm.tuning import TuningTable
 
@@ -117,10 +136,10 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
     graph = (ctx.device.type == "cuda") if args.graph is None else args.graph  # check_arguments refused --graph on CPU
     K = args.calls_per_sample or (20 if ctx.device.type == "cuda" else 1)
     rounds = args.rounds
-    names = (
-        [a.strip() for a in args.algos.split(",")] if args.algos else registry.algorithms_for_device(ctx.device.type)
+    names = algo_names(args, ctx.device.type)
+    sizes = getattr(args, "sizes", None) or sizes_from(  # `sizes`: a caller's own list (demo's table)
+        parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor
     )
-    sizes = sizes_from(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
     opts = comm_options(args, ctx.device)
     main = ctx.rank == 0
     comms = {}
@@ -226,7 +245,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                 "rounds": rounds,
                 "algos": names,
                 "backend": ctx.backend,
-                "buffer_bytes": parse_size(args.buffer_bytes),
+                "buffer_bytes": opts["max_bytes"] if readers(names, ctx.device.type, BUFFERED) else None,
                 "tuning": args.tuning,
             }
             write_json(args.json, "allreduce", settings, rows)
@@ -263,11 +282,36 @@ def sweep_bytes(args) -> tuple[torch.dtype, list[int]]:
 
 
 def check_buffer_bytes(args) -> int:
-    """--buffer-bytes in bytes, as a usage error naming the flag."""
+    """--buffer-bytes in bytes (>= 1), as a usage error naming the flag."""
     try:
-        return parse_size(args.buffer_bytes)
+        n = parse_size(args.buffer_bytes or DEFAULT_BUFFER_BYTES)
     except ValueError as e:
         raise UsageError(f"--buffer-bytes: {e}") from None
+    if n < 1:
+        raise UsageError(f"--buffer-bytes {args.buffer_bytes}: the symmetric buffer must be >= 1 byte, e.g. 16M")
+    return n
+
+
+def algo_names(args, device: str) -> list[str]:
+    """The algorithms the run times: --algos, else every one that runs on `device`."""
+    return [a.strip() for a in args.algos.split(",")] if args.algos else registry.algorithms_for_device(device)
+
+
+def readers(names, device: str, users) -> list[str]:
+    """The algorithms among `names` that read an option of `users` (auto builds them on GPUs)."""
+    return [n for n in names if n in users or (n == "auto" and device == "cuda")]
+
+
+def used_by(flag: str, value, names, device: str, users) -> None:
+    """Refuse `flag` when no algorithm of the run reads it: accepted, it would be silently ignored."""
+    if value is None or readers(names, device, users):
+        return
+    why = (
+        f"none of them is among the algorithms run ({', '.join(names)})"
+        if any(device in registry.algorithm_class(u).capability.device_types for u in users)
+        else f"these ranks run on {device.upper()}, where none of them runs (CUDA GPUs only)"
+    )
+    raise UsageError(f"{flag} {value}: read by {' / '.join(users)} only, and {why}; drop {flag}")
 
 
 def buffers_bytes_per_rank(max_bytes: int, itemsize: int, check: bool) -> int:
@@ -279,7 +323,7 @@ def buffers_bytes_per_rank(max_bytes: int, itemsize: int, check: bool) -> int:
 
 def check_host_memory(max_bytes: int, itemsize: int, check: bool, nprocs: int, flag: str = "-e/--maxbytes") -> None:
     """CPU ranks on this host (local gloo ranks, or LOCAL_WORLD_SIZE under a launcher) must fit in its memory."""
-    if checks.device_type() != "cpu":
+    if checks.device_type(nprocs) != "cpu":
         return
     here = int(os.environ.get("LOCAL_WORLD_SIZE") or nprocs) if under_launcher() else nprocs
     checks.host_memory(
@@ -292,10 +336,12 @@ def check_host_memory(max_bytes: int, itemsize: int, check: bool, nprocs: int, f
 
 def check_arguments(args, size_flag: str = "-e/--maxbytes") -> None:
     """Every option, before any rank starts."""
+    checks.output_file("--json", args.json)
+    checks.png_file("--plot", args.plot)
     if args.plot and not args.json:
         raise UsageError("--plot draws from the JSON rows: add --json FILE")
     world = checks.world_size(args.nprocs)
-    device = checks.device_type()
+    device = checks.device_type(world)
     dtype, sizes = sweep_bytes(args)
     check_buffer_bytes(args)
     checks.at_least("-n/--iters", args.iters, 1, " (timed samples per size)")
@@ -303,7 +349,7 @@ def check_arguments(args, size_flag: str = "-e/--maxbytes") -> None:
     if args.check not in (0, 1):
         raise UsageError(f"-c/--check {args.check}: 1 checks every result, 0 skips the check")
     checks.at_least("--calls-per-sample", args.calls_per_sample, 1)
-    if not args.timeout_s > 0:
+    if args.timeout_s is not None and not args.timeout_s > 0:
         raise UsageError(f"--timeout-s {args.timeout_s}: nvrar's spin-wait timeout must be > 0 seconds")
     check_rounds(args.rounds, args.iters)
     checks.topology(world, args.ranks_per_node)
@@ -311,8 +357,13 @@ def check_arguments(args, size_flag: str = "-e/--maxbytes") -> None:
         raise UsageError("--graph needs GPUs (CUDA graphs); drop it on CPU")
     if args.algos:
         checks.allreduce_names([a.strip() for a in args.algos.split(",")], device, "--algos")
+    names = algo_names(args, device)
+    used_by("--buffer-bytes", args.buffer_bytes, names, device, BUFFERED)
+    used_by("--timeout-s", args.timeout_s, names, device, ("nvrar",))
+    used_by("--tuning", args.tuning, names, device, ("auto", "nvrar"))
     checks.tuning(args.tuning)
     itemsize = dtype.itemsize
+    sizes = getattr(args, "sizes", None) or sizes  # demo's table: --maxbytes itself last
     check_host_memory(sizes[-1], itemsize, bool(args.check), world, size_flag)
 
 

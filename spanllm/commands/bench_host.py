@@ -18,6 +18,8 @@ import torch
 
 from spanllm.engine.core.scheduler import SCHEDULING_POLICIES
 
+DEFAULT_QUESTION_LEN = 128
+
 
 class _NoModel:
     """A runner that computes nothing: logits of zeros for the rows that sample."""
@@ -60,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompts share a prefix with every N-th request (request i in family i %% N: arrivals interleaved, as a "
         "shuffled generated-shared-prefix dataset); 0: every prompt distinct",
     )
-    parser.add_argument("--question-len", type=int, default=128, help="with --families: tokens after the shared prefix")
+    parser.add_argument(
+        "--question-len",
+        type=int,
+        default=None,
+        help=f"with --families: tokens after the shared prefix (default: {DEFAULT_QUESTION_LEN})",
+    )
     parser.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
@@ -138,16 +145,34 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from spanllm import checks
     from spanllm.errors import UsageError
 
+    checks.output_file("--json", args.json)
     for name in ("requests", "prompt_len", "output_len", "max_num_seqs", "block_size", "repeats", "vocab"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.families < 0:
         raise UsageError(f"--families {args.families}: must be >= 0 (0: every prompt distinct)")
+    if args.question_len is not None and not args.families:
+        raise UsageError(
+            f"--question-len {args.question_len}: the tokens after a family's shared prefix, and without --families "
+            "every prompt is distinct; add --families N or drop --question-len"
+        )
+    default = " (the default)" if args.question_len is None else ""
+    if args.families and args.question_len is None:
+        args.question_len = DEFAULT_QUESTION_LEN
     if args.families and not 1 <= args.question_len < args.prompt_len:
         raise UsageError(
-            f"--question-len {args.question_len}: must be in [1, --prompt-len {args.prompt_len}) (the rest is shared)"
+            f"--question-len {args.question_len}{default}: must be in [1, --prompt-len {args.prompt_len}) "
+            "(the rest is shared)"
+        )
+    if not 0 <= args.temperature <= 100:  # SamplingParams' range; nan too
+        raise UsageError(f"--temperature {args.temperature:g}: must be in [0, 100] (0: greedy)")
+    if args.max_num_batched_tokens < args.max_num_seqs:  # the engine commands' rule (engine_args)
+        raise UsageError(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
+            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
         )
     if args.scheduling_policy == "prefix" and not args.enable_prefix_caching:
         raise UsageError("--scheduling-policy prefix needs prefix caching: drop --no-enable-prefix-caching")

@@ -54,12 +54,42 @@ def _sample(args: argparse.Namespace, tokenizer):
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every flag that needs no tokenizer or server, before the server is asked anything."""
+    from spanllm import checks
+    from spanllm.bench.datasets import check_dataset_path
+    from spanllm.errors import UsageError
+
+    checks.at_least("--num-conversations", args.num_conversations, 1)
+    checks.at_least("--min-turns", args.min_turns, 1)
+    if args.max_turns < args.min_turns:
+        raise UsageError(f"--max-turns {args.max_turns}: must be >= --min-turns {args.min_turns}")
+    checks.at_least("--output-len", args.output_len, 1)
+    checks.at_least("--max-output-len", args.max_output_len, 1)
+    if not args.request_timeout > 0:
+        raise UsageError(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
+    if not args.request_rate > 0:
+        raise UsageError(f"--request-rate {args.request_rate}: must be > 0 conversations per second, or inf")
+    checks.at_least("--max-active-conversations", args.max_active_conversations, 1)
+    checks.at_least("--max-context-len", args.max_context_len, 2)
+    if args.dataset_path is not None:
+        check_dataset_path(args.dataset_path)
+    checks.output_file("--json", args.json)
+    checks.output_file("--save-conversations", args.save_conversations)
+    if args.dry_run and args.json:
+        raise UsageError(
+            f"--json {args.json}: --dry-run sends no request, so there is no result to write; drop --json "
+            "(--save-conversations writes the sampled conversations)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from spanllm.bench.serve_client import first_model
     from spanllm.commands.bench_serve import load_tokenizer
     from spanllm.errors import UsageError
     from spanllm.measure.report import machine_info, versions
 
+    check_arguments(args)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     model = args.model
     if args.dry_run:
@@ -105,9 +135,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{t['median_ttft_ms']:>9.1f} {t['p99_ttft_ms']:>9.1f}"
             )
     rate = r.get("prefix_cache_hit_rate")
+    ttft = f"{r['median_ttft_ms']:.1f} ms" if r["median_ttft_ms"] is not None else "n/a"
     print(
         f"{r['completed']} requests ({r['failed']} failed) in {r['duration_s']:.1f} s; median TTFT "
-        f"{r['median_ttft_ms']:.1f} ms; prefix cache hit rate "
+        f"{ttft}; prefix cache hit rate "
         + (f"{100 * rate:.1f}%" if rate is not None else f"unknown ({r.get('prefix_cache_note')})")
     )
     if args.json:

@@ -41,12 +41,13 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from spanllm import checks
 from spanllm.bench.datasets import SampleSet
 from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cache_result
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
 from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
 from spanllm.bench.serve_report import rate_label
-from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
+from spanllm.commands.dataset_args import add_dataset_arguments, check_dataset_arguments, get_samples
 from spanllm.errors import SpanllmError, UsageError
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -111,9 +112,9 @@ class ServeBenchConfig:
         bad = [m for m in self.percentile_metrics if m not in METRICS]
         if bad:
             raise UsageError(f"--percentile-metrics: unknown {bad}; choose from {METRICS}")
-        bad_p = [p for p in self.metric_percentiles if not 0 <= p <= 100]
+        bad_p = [p for p in self.metric_percentiles if not 0 < p <= 100]
         if bad_p:
-            raise UsageError(f"--metric-percentiles must be in [0, 100], got {bad_p}")
+            raise UsageError(f"--metric-percentiles must be in (0, 100], got {bad_p}")
         parse_goodput([f"{k}:{v}" for k, v in self.goodput.items()])  # validates names and values
 
     @property
@@ -378,7 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=None, help="sent in every request (default: not sent)")
     g.add_argument("--top-p", type=float, default=None, help="sent in every request (default: not sent)")
     g.add_argument("--top-k", type=int, default=None, help="sent in every request (default: not sent)")
-    g.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    g.add_argument("--extra-body", default=None, help="a JSON object merged into every request body")
     g.add_argument("--num-warmups", type=int, default=0, help="copies of the first request sent before timing")
     g.add_argument(
         "--ready-check-timeout-sec",
@@ -448,6 +449,83 @@ def _parse_metadata(items: Sequence[str] | None) -> dict[str, str]:
     return out
 
 
+def parse_extra_body(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"--extra-body {text!r}: not JSON ({e.msg}); give an object, e.g. '{{\"min_p\": 0.1}}'"
+        ) from None
+    if not isinstance(body, dict):
+        raise UsageError(
+            f"--extra-body {text!r}: a JSON {type(body).__name__}, merged into a request body it must be an "
+            "object, e.g. '{\"min_p\": 0.1}'"
+        )
+    return body
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """'50,90,99' -> (50.0, 90.0, 99.0), each in (0, 100]."""
+    out = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            p = math.nan
+        if not 0 < p <= 100:
+            raise UsageError(
+                f"--metric-percentiles {text!r}: {part.strip()!r} is not a percentile in (0, 100]; give "
+                "comma-separated numbers, e.g. 50,90,99"
+            )
+        out.append(p)
+    return tuple(out)
+
+
+def check_result_file(args: argparse.Namespace, rates: Sequence[float]) -> None:
+    """Where the result goes (--result-dir + --result-filename, the folder made as the run makes it), checked
+    before any request is sent; the options that shape the file are refused when no file is written."""
+    single = len(rates) == 1
+    writes = bool(args.result_dir) and (args.save_result or not single)
+    if args.result_dir and not writes:
+        raise UsageError(
+            f"--result-dir {args.result_dir}: a single-rate run writes its JSON only with --save-result; "
+            "add --save-result, or drop --result-dir"
+        )
+    for flag, given in (
+        ("--result-filename", args.result_filename is not None),
+        ("--save-detailed", args.save_detailed),
+        ("--metadata", args.metadata is not None),
+    ):
+        if given and not writes:
+            raise UsageError(
+                f"{flag} shapes the result file, and this run writes none; add --result-dir DIR"
+                + (" --save-result" if single else "")
+            )
+    if not writes:
+        return
+    if args.result_filename is not None and not args.result_filename.strip():
+        raise UsageError(
+            f"--result-filename {args.result_filename!r}: empty; give a file name, e.g. --result-filename "
+            "result.json, or leave it out for vLLM's name"
+        )
+    path = os.path.join(args.result_dir, args.result_filename or "result.json")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        checks.output_file("--result-filename" if args.result_filename else "--result-dir", path)
+        return
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--result-dir {args.result_dir}: {existing} is a file, not a folder; choose another folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"--result-dir {args.result_dir}: cannot create it in {existing}; choose a folder you can write"
+        )
+
+
 def check_numbers(args: argparse.Namespace) -> None:
     """The numeric flags ServeBenchConfig does not check itself, each against its range."""
 
@@ -482,7 +560,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
         for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
         if v is not None
     }
-    extra = {**sampling, **(args.extra_body or {})} or None
+    extra = {**sampling, **(parse_extra_body(args.extra_body) or {})} or None
     cfg = ServeBenchConfig(
         base_url=args.base_url or f"http://{args.host}:{args.port}",
         endpoint=args.endpoint,
@@ -494,7 +572,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
         seed=args.seed,
         ignore_eos=args.ignore_eos or args.dataset_name in ("random", "generated-shared-prefix"),
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
-        metric_percentiles=tuple(float(p) for p in args.metric_percentiles.split(",")),
+        metric_percentiles=parse_percentiles(args.metric_percentiles),
         goodput=parse_goodput(args.goodput),
         num_warmups=args.num_warmups,
         ready_check_timeout_s=args.ready_check_timeout_sec,
@@ -527,6 +605,9 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.measure.report import machine_info, versions, write_json
 
     cfg, rates = config_from_args(args)
+    check_result_file(args, rates)
+    if not args.samples_file:
+        check_dataset_arguments(args)
     metadata = _parse_metadata(args.metadata)
     model = cfg.model
     if model is None:

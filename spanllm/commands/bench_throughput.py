@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from spanllm.bench.progress import RequestProgress
-from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
+from spanllm.commands.dataset_args import add_dataset_arguments, check_dataset_arguments, get_samples
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
+from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
@@ -36,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser, default_dataset="sharegpt", seed=False)
     parser.add_argument("--json", "--output-json", dest="json", default=None, help="write the result here")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up request and graph capture")
-    parser.add_argument("--samples-file", default=None, help="requests saved by --save-samples (instead of sampling)")
+    parser.add_argument(
+        "--samples-file", default=None, help="requests saved by --save-samples (its first --num-prompts)"
+    )
     parser.add_argument("--save-samples", default=None, help="write the sampled requests here")
     parser.add_argument("--dry-run", action="store_true", help="sample (and --save-samples) only; start no engine")
 
@@ -159,9 +162,16 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
 
 
 def requests_from_args(args: argparse.Namespace, tokenizer):
+    from spanllm.bench.datasets import SampleSet
     from spanllm.bench.sample_file import load_samples, save_samples
 
-    samples = load_samples(args.samples_file) if args.samples_file else get_samples(args, tokenizer)
+    if args.samples_file:  # its first --num-prompts requests, as bench serve
+        samples = load_samples(args.samples_file)
+        n = args.num_prompts
+        if n is not None and n < len(samples):
+            samples = SampleSet(samples.requests[:n], {**samples.info, "num_requests": n})
+    else:
+        samples = get_samples(args, tokenizer)
     if args.save_samples:
         save_samples(samples, args.save_samples)
     return samples
@@ -169,10 +179,22 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
 
 def run(args: argparse.Namespace) -> int:
     from spanllm import checks
+    from spanllm.bench.sample_file import load_samples
 
     check_engine_arguments(args)
-    if args.num_prompts is not None:
-        checks.at_least("--num-prompts", args.num_prompts, 1)
+    checks.at_least("--num-prompts", args.num_prompts, 1)
+    checks.output_file("--json", args.json)
+    checks.output_file("--save-samples", args.save_samples)
+    if args.dry_run and args.json:
+        raise UsageError(
+            f"--json {args.json}: --dry-run starts no engine, so there is no result to write; drop --json "
+            "(--save-samples writes the sampled requests)"
+        )
+    if args.samples_file:
+        if not load_samples(args.samples_file).requests:
+            raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
+    else:
+        check_dataset_arguments(args)
     if args.dry_run:
         from spanllm.engine.tokenizer import get_tokenizer
         from spanllm.model.config import resolve_model
@@ -192,12 +214,10 @@ def run(args: argparse.Namespace) -> int:
         f"Throughput: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.2f} total tokens/s, "
         f"{r['output_tokens_per_second']:.2f} output tokens/s"
     )
+    itl = f"; median inter-token {r['median_itl_ms']:.2f} ms" if r["median_itl_ms"] is not None else ""
     print(
         f"{r['num_requests']} requests, {r['total_input_tokens']} prompt + {r['total_output_tokens']} output tokens "
-        f"in {r['elapsed_time']:.2f} s; {r['engine']['steps']} steps, {r['engine']['preemptions']} preemptions; "
-        f"median inter-token {r['median_itl_ms']:.2f} ms"
-        if r["median_itl_ms"] is not None
-        else ""
+        f"in {r['elapsed_time']:.2f} s; {r['engine']['steps']} steps, {r['engine']['preemptions']} preemptions{itl}"
     )
     pc = r["prefix_cache"]
     print(

@@ -4,17 +4,41 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from spanllm import checks
 from spanllm.bench.datasets import (
     DATASET_NAMES,
     DEFAULT_NUM_PROMPTS,
     SampleSet,
+    check_dataset_path,
     sample_generated_shared_prefix,
     sample_prefix_repetition,
     sample_random,
     sample_sharegpt,
 )
 from spanllm.errors import UsageError
+
+# Each dataset's own options and their defaults. Their argparse default is None, so that an option given for
+# another --dataset-name is refused (check_dataset_arguments) instead of ignored.
+DATASET_OPTIONS: dict[str, dict[str, Any]] = {
+    "sharegpt": {"sharegpt_output_len": None, "no_oversample": False},
+    "random": {"random_input_len": 1024, "random_output_len": 128, "random_range_ratio": 0.0, "random_prefix_len": 0},
+    "generated-shared-prefix": {
+        "gsp_num_groups": 64,
+        "gsp_prompts_per_group": 16,
+        "gsp_system_prompt_len": 2048,
+        "gsp_question_len": 128,
+        "gsp_output_len": 256,
+    },
+    "prefix_repetition": {
+        "prefix_repetition_prefix_len": 256,
+        "prefix_repetition_suffix_len": 256,
+        "prefix_repetition_num_prefixes": 10,
+        "prefix_repetition_output_len": 128,
+    },
+}
+ALIASES = {"input_len": ("random_input_len",), "output_len": ("random_output_len", "sharegpt_output_len")}
 
 
 def add_dataset_arguments(
@@ -40,7 +64,8 @@ def add_dataset_arguments(
     g.add_argument(
         "--no-oversample",
         action="store_true",
-        help="do not repeat requests when fewer than --num-prompts pass the length rules",
+        default=None,
+        help="sharegpt: do not repeat requests when fewer than --num-prompts pass the length rules",
     )
     g.add_argument(
         "--sharegpt-output-len",
@@ -48,29 +73,118 @@ def add_dataset_arguments(
         default=None,
         help="output length of every ShareGPT request, instead of the reply's length",
     )
-    g.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens of a random request")
-    g.add_argument("--random-output-len", type=int, default=128, help="output tokens of a random request")
-    g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in [L*(1-r), L*(1+r)]")
-    g.add_argument("--random-prefix-len", type=int, default=0, help="random tokens shared by every prompt")
-    g.add_argument("--gsp-num-groups", type=int, default=64, help="generated-shared-prefix: system prompts")
-    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="generated-shared-prefix: questions each")
-    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="generated-shared-prefix: tokens")
-    g.add_argument("--gsp-question-len", type=int, default=128, help="generated-shared-prefix: tokens")
-    g.add_argument("--gsp-output-len", type=int, default=256, help="generated-shared-prefix: tokens to generate")
+    g.add_argument("--random-input-len", type=int, help="prompt tokens of a random request (default 1024)")
+    g.add_argument("--random-output-len", type=int, help="output tokens of a random request (default 128)")
+    g.add_argument("--random-range-ratio", type=float, help="lengths uniform in [L*(1-r), L*(1+r)] (default 0)")
+    g.add_argument("--random-prefix-len", type=int, help="random tokens shared by every prompt (default 0)")
+    g.add_argument("--gsp-num-groups", type=int, help="generated-shared-prefix: system prompts (default 64)")
+    g.add_argument("--gsp-prompts-per-group", type=int, help="generated-shared-prefix: questions each (default 16)")
+    g.add_argument("--gsp-system-prompt-len", type=int, help="generated-shared-prefix: tokens (default 2048)")
+    g.add_argument("--gsp-question-len", type=int, help="generated-shared-prefix: tokens (default 128)")
+    g.add_argument("--gsp-output-len", type=int, help="generated-shared-prefix: tokens to generate (default 256)")
     g.add_argument(
-        "--prefix-repetition-prefix-len", type=int, default=256, help="prefix_repetition: shared prefix tokens"
+        "--prefix-repetition-prefix-len", type=int, help="prefix_repetition: shared prefix tokens (default 256)"
     )
-    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="prefix_repetition: tokens after it")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, help="prefix_repetition: tokens after it (default 256)")
     g.add_argument(
-        "--prefix-repetition-num-prefixes", type=int, default=10, help="prefix_repetition: distinct prefixes"
+        "--prefix-repetition-num-prefixes", type=int, help="prefix_repetition: distinct prefixes (default 10)"
     )
     g.add_argument(
-        "--prefix-repetition-output-len", type=int, default=128, help="prefix_repetition: tokens to generate"
+        "--prefix-repetition-output-len", type=int, help="prefix_repetition: tokens to generate (default 128)"
     )
     g.add_argument("--input-len", type=int, default=None, help="alias: sets --random-input-len")
     g.add_argument(
         "--output-len", type=int, default=None, help="alias: sets --random-output-len and --sharegpt-output-len"
     )
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def option(args: argparse.Namespace, dest: str):
+    """A dataset option's value: the one given (or its alias's), else its default (DATASET_OPTIONS)."""
+    for alias, targets in ALIASES.items():
+        if dest in targets and getattr(args, alias, None) is not None:
+            return getattr(args, alias)
+    v = getattr(args, dest, None)
+    return next(d[dest] for d in DATASET_OPTIONS.values() if dest in d) if v is None else v
+
+
+def check_dataset_arguments(args: argparse.Namespace) -> None:
+    """The dataset flags on their own, before any work: every option given belongs to --dataset-name, an alias
+    and its option agree, each value is in its range, --dataset-path is a file. (The tokenizer-dependent rules
+    wait for the sampling.)"""
+    name = args.dataset_name
+    for other, opts in DATASET_OPTIONS.items():
+        for dest in opts:
+            v = getattr(args, dest, None)
+            if other != name and v is not None:
+                given = _flag(dest) + ("" if v is True else f" {v}")
+                raise UsageError(
+                    f"{given}: an option of --dataset-name {other}, and this run samples --dataset-name {name}; "
+                    f"drop it, or use --dataset-name {other}"
+                )
+    for alias, targets in ALIASES.items():
+        v = getattr(args, alias, None)
+        if v is None:
+            continue
+        mine = [t for t in targets if t in DATASET_OPTIONS[name]]
+        if not mine:
+            owners = " or ".join(n for n, opts in DATASET_OPTIONS.items() if set(opts) & set(targets))
+            raise UsageError(
+                f"{_flag(alias)} {v}: sets {' and '.join(map(_flag, targets))}, options of --dataset-name {owners}, "
+                f"and this run samples --dataset-name {name}; drop it, or use --dataset-name {owners}"
+            )
+        for t in mine:
+            if getattr(args, t, None) is not None and getattr(args, t) != v:
+                raise UsageError(
+                    f"{_flag(alias)} {v} and {_flag(t)} {getattr(args, t)} disagree ({_flag(alias)} is an alias of "
+                    f"{_flag(t)}); give one of them"
+                )
+    if args.num_prompts is not None:
+        checks.at_least("--num-prompts", args.num_prompts, 1)
+    if args.dataset_path is not None and name != "sharegpt":
+        raise UsageError(
+            f"--dataset-name {name} takes no --dataset-path (got {args.dataset_path}); "
+            f"use --dataset-name sharegpt for a file"
+        )
+    if name == "sharegpt":
+        flag = "--output-len" if getattr(args, "output_len", None) is not None else "--sharegpt-output-len"
+        checks.at_least(flag, option(args, "sharegpt_output_len"), 1)
+        if args.dataset_path is not None:
+            check_dataset_path(args.dataset_path)
+    elif name == "random":
+        for alias, dest in (("input_len", "random_input_len"), ("output_len", "random_output_len")):
+            checks.at_least(_flag(alias if getattr(args, alias, None) is not None else dest), option(args, dest), 1)
+        checks.at_least("--random-prefix-len", option(args, "random_prefix_len"), 0)
+        rr = option(args, "random_range_ratio")
+        if not 0.0 <= rr < 1.0:
+            raise UsageError(f"--random-range-ratio {rr}: must be in [0, 1)")
+    elif name == "generated-shared-prefix":
+        for dest in DATASET_OPTIONS[name]:
+            checks.at_least(_flag(dest), option(args, dest), 1)
+        total = option(args, "gsp_num_groups") * option(args, "gsp_prompts_per_group")
+        if args.num_prompts is not None and args.num_prompts != total:
+            raise UsageError(
+                f"--num-prompts {args.num_prompts}: generated-shared-prefix sends --gsp-num-groups x "
+                f"--gsp-prompts-per-group = {total} requests; leave --num-prompts out or change the groups"
+            )
+    elif name == "prefix_repetition":
+        for dest in ("prefix_repetition_prefix_len", "prefix_repetition_suffix_len"):
+            checks.at_least(_flag(dest), option(args, dest), 0)
+        for dest in ("prefix_repetition_num_prefixes", "prefix_repetition_output_len"):
+            checks.at_least(_flag(dest), option(args, dest), 1)
+        if option(args, "prefix_repetition_prefix_len") + option(args, "prefix_repetition_suffix_len") < 1:
+            raise UsageError(
+                "--prefix-repetition-prefix-len + --prefix-repetition-suffix-len: 0 tokens; give a prompt >= 1 token"
+            )
+        n, k = num_prompts_of(args), option(args, "prefix_repetition_num_prefixes")
+        if n < k:
+            raise UsageError(
+                f"--num-prompts {n} is below --prefix-repetition-num-prefixes {k}: every prefix needs a request; "
+                "raise --num-prompts or lower the number of prefixes"
+            )
 
 
 def num_prompts_of(args: argparse.Namespace) -> int:
@@ -81,9 +195,6 @@ def num_prompts_of(args: argparse.Namespace) -> int:
 
 def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
     """The SampleSet the dataset flags describe (vLLM's mapping of --input-len / --output-len included)."""
-    input_len = args.input_len if getattr(args, "input_len", None) is not None else args.random_input_len
-    sharegpt_out = args.output_len if getattr(args, "output_len", None) is not None else args.sharegpt_output_len
-    random_out = args.output_len if getattr(args, "output_len", None) is not None else args.random_output_len
     num_prompts = num_prompts_of(args)
     if args.dataset_name != "sharegpt" and args.dataset_path is not None:
         raise UsageError(
@@ -91,7 +202,7 @@ def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
             f"use --dataset-name sharegpt for a file"
         )
     if args.dataset_name == "generated-shared-prefix":
-        total = args.gsp_num_groups * args.gsp_prompts_per_group
+        total = option(args, "gsp_num_groups") * option(args, "gsp_prompts_per_group")
         if args.num_prompts is not None and args.num_prompts != total:
             raise UsageError(
                 f"--num-prompts {args.num_prompts}: generated-shared-prefix sends --gsp-num-groups x "
@@ -99,21 +210,21 @@ def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
             )
         return sample_generated_shared_prefix(
             tokenizer,
-            args.gsp_num_groups,
-            args.gsp_prompts_per_group,
-            args.gsp_system_prompt_len,
-            args.gsp_question_len,
-            args.gsp_output_len,
+            option(args, "gsp_num_groups"),
+            option(args, "gsp_prompts_per_group"),
+            option(args, "gsp_system_prompt_len"),
+            option(args, "gsp_question_len"),
+            option(args, "gsp_output_len"),
             seed=args.seed,
         )
     if args.dataset_name == "prefix_repetition":
         return sample_prefix_repetition(
             tokenizer,
             num_prompts,
-            args.prefix_repetition_prefix_len,
-            args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len,
+            option(args, "prefix_repetition_prefix_len"),
+            option(args, "prefix_repetition_suffix_len"),
+            option(args, "prefix_repetition_num_prefixes"),
+            option(args, "prefix_repetition_output_len"),
             seed=args.seed,
         )
     if args.dataset_name == "sharegpt":
@@ -122,17 +233,17 @@ def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
             num_prompts,
             seed=args.seed,
             dataset=args.dataset_path,
-            output_len=sharegpt_out,
-            oversample=not args.no_oversample,
+            output_len=option(args, "sharegpt_output_len"),
+            oversample=not getattr(args, "no_oversample", None),
         )
     if args.dataset_name == "random":
         return sample_random(
             tokenizer,
             num_prompts,
-            input_len=input_len,
-            output_len=random_out,
-            range_ratio=args.random_range_ratio,
-            prefix_len=args.random_prefix_len,
+            input_len=option(args, "random_input_len"),
+            output_len=option(args, "random_output_len"),
+            range_ratio=option(args, "random_range_ratio"),
+            prefix_len=option(args, "random_prefix_len"),
             seed=args.seed,
         )
     raise UsageError(f"unknown --dataset-name {args.dataset_name!r}; choose from {DATASET_NAMES}")

@@ -25,7 +25,11 @@ USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nprocs", type=int, default=4, help="local gloo ranks")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per virtual node")
-    p.add_argument("--maxbytes", default="1M", help="largest all-reduce message of the table")
+    p.add_argument(
+        "--maxbytes",
+        default="1M",
+        help=f"largest all-reduce message of the table (rows from {MIN_BYTES} bytes up by 4x, then this size)",
+    )
     p.add_argument("--iters", type=int, default=5, help="timed samples per row")
     p.add_argument("--json", default=None, help="also write the all-reduce rows here")
     p.add_argument("--no-engine", action="store_true", help="only the all-reduce table")
@@ -37,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 REAL_MODEL = "smollm2-135m-instruct"
+MIN_BYTES = 8  # the table's first row
 QUESTIONS = ("What is the capital of France?", "Name the three primary colors.")
 
 
@@ -61,7 +66,17 @@ def _bench_args(args) -> argparse.Namespace:
     ]
     if args.json:
         argv += ["--json", args.json]
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    ns.sizes = table_sizes(allreduce.parse_size(args.maxbytes))
+    return ns
+
+
+def table_sizes(maxbytes: int) -> list[int]:
+    """8, 32, 128, ... by 4x, and --maxbytes itself last: the table's largest row is the size asked for."""
+    from spanllm.commands.bench_allreduce import sizes_from
+
+    sizes = sizes_from(MIN_BYTES, maxbytes, 4)
+    return sizes if sizes[-1] == maxbytes else [*sizes, maxbytes]
 
 
 def demo_rank(ctx: DistContext, args) -> dict:
@@ -163,6 +178,17 @@ def check_arguments(args) -> None:
     from spanllm.commands import bench_allreduce as allreduce
     from spanllm.errors import UsageError
 
+    checks.output_file("--json", args.json)
+    if args.no_engine and args.no_real_model:
+        raise UsageError(
+            "--no-real-model: the real model runs after the engine part, which --no-engine skips already; "
+            "drop --no-real-model"
+        )
+    try:
+        maxbytes = allreduce.parse_size(args.maxbytes)
+    except ValueError as e:
+        raise UsageError(f"--maxbytes: {e}") from None
+    checks.at_least("--maxbytes", maxbytes, MIN_BYTES, f" bytes (the table's first row is {MIN_BYTES} bytes)")
     checks.at_least("--nprocs", args.nprocs, 1, " (local gloo ranks)")
     checks.at_least("--iters", args.iters, 1, " (timed samples per row)")
     bench_args = _bench_args(args)

@@ -119,8 +119,9 @@ def check_args(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
         raise UsageError(f"no such file: {', '.join(missing)}; pass `spanllm bench allreduce --json` files")
     if not args.files and not Path(args.results).is_dir():
         raise UsageError(f"--results {str(args.results)!r} is not a folder; pass the folder of benchmark JSON files")
-    if not Path(args.out).parent.is_dir():
-        raise UsageError(f"--out {str(args.out)!r}: folder {str(Path(args.out).parent)!r} does not exist")
+    from spanllm import checks
+
+    checks.output_file("--out", str(args.out))
     return cluster, max_bytes
 
 

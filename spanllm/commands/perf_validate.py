@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from spanllm.errors import SpanllmError, UsageError
+from spanllm.errors import UsageError
 from spanllm.perf.engine_fit import format_constant
 from spanllm.perf.hardware import ClusterSpecError, load_cluster
 from spanllm.perf.validate import validate
@@ -93,16 +93,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--cluster {args.cluster!r}: {e}") from None
     if args.rows < 0:
         raise UsageError(f"--rows {args.rows}: must be >= 0 (0 prints no record; all go to the report)")
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path is not None and not Path(path).parent.is_dir():
-            raise UsageError(f"{flag} {str(path)!r}: folder {str(Path(path).parent)!r} does not exist")
+    if args.out is not None or args.plot is not None:
+        from spanllm import checks
+
+        checks.output_file("--out", None if args.out is None else str(args.out))
+        if args.plot is None and args.out.suffix.lower() == ".png":
+            raise UsageError(f"--out {args.out}: the report is JSON, its plot goes next to it as .png; name it .json")
+        checks.png_file("--plot", args.plot or args.out.with_suffix(".png"))  # the default plot path: checked as --plot
     console = Console(width=160) if not Console().is_terminal else Console()
     report = validate(args.results, cluster)
     if not report["records"]:
-        raise SpanllmError(
-            f"no measurement in {str(args.results)!r} that the model predicts ({report['measurements']} rows read); "
-            "nothing checked, nothing written (run `spanllm bench allreduce --json` or `spanllm bench batch` on a "
-            "GPU machine first)"
+        raise UsageError(
+            f"--results {str(args.results)!r}: no measurement in it that the model predicts ({report['measurements']} "
+            "rows read from its `spanllm bench allreduce --json` / `spanllm bench batch` JSON files); nothing "
+            "checked, nothing written (run those on a GPU machine first, or pass the folder that holds them)"
         )
     t = Table(title=f"predicted vs measured ({len(report['records'])} records, cluster {report['cluster']})")
     for col in ("category", "measurement", "predicted", "measured", "error", "fitted on"):

@@ -27,6 +27,19 @@ from spanllm.perf.plan import PREFILL_ALGO, PlanRow, best, plan, robustness, row
 from spanllm.perf.quantization import get_quantization
 
 MAX_NODES = 4096  # a bound on typos, far above any cluster the presets describe
+# Each mode's own options, None when not given (check_args refuses them in the other mode, then fills these in).
+STATIC_DEFAULTS = {"batch": 16, "prompt": 2048, "decode": 256}
+SERVE_DEFAULTS = {
+    "num_requests": 1000,
+    "request_rate": math.inf,
+    "burstiness": 1.0,
+    "seed": 0,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "min_admit": 1,
+}
+STATIC_ONLY = (*STATIC_DEFAULTS, "no_cuda_graphs", "plot")
+SERVE_ONLY = (*SERVE_DEFAULTS, "samples_file", "lengths", "gpus", "slo_tpot_ms", "slo_ttft_ms")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(PRESETS)}) or a .json/.toml cluster file",
     )
     parser.add_argument("--nodes", type=int, default=8, help=f"nodes of the cluster to use (1..{MAX_NODES})")
-    parser.add_argument("--batch", type=int, default=16, help="static batch: sequences")
-    parser.add_argument("--prompt", type=int, default=2048, help="static batch: prompt tokens per sequence")
-    parser.add_argument("--decode", type=int, default=256, help="static batch: generated tokens per sequence")
+    parser.add_argument("--batch", type=int, default=None, help="static batch: sequences (default: 16)")
+    parser.add_argument(
+        "--prompt", type=int, default=None, help="static batch: prompt tokens per sequence (default: 2048)"
+    )
+    parser.add_argument(
+        "--decode", type=int, default=None, help="static batch: generated tokens per sequence (default: 256)"
+    )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="static batch: price decode launched eagerly")
     parser.add_argument(
         "--quantization",
@@ -65,14 +82,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--serve", action="store_true", help="plan for serving a trace instead of a static batch")
     s.add_argument("--samples-file", type=Path, default=None, help="requests (`bench ... --save-samples` JSON)")
     s.add_argument("--lengths", default=None, metavar="P:O", help="instead of a samples file: prompt:output tokens")
-    s.add_argument("--num-requests", type=int, default=1000, help="with --lengths: how many requests")
-    s.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
-    s.add_argument("--burstiness", type=float, default=1.0, help="arrival gaps ~ gamma(burstiness); 1 = Poisson")
-    s.add_argument("--seed", type=int, default=0, help="arrival draws (as `bench serve --seed`)")
+    s.add_argument("--num-requests", type=int, default=None, help="with --lengths: how many requests (default: 1000)")
+    s.add_argument("--request-rate", type=float, default=None, help="requests per second (default: inf, all at once)")
+    s.add_argument(
+        "--burstiness", type=float, default=None, help="arrival gaps ~ gamma(burstiness) (default: 1, Poisson)"
+    )
+    s.add_argument("--seed", type=int, default=None, help="arrival draws (as `bench serve --seed`; default: 0)")
     s.add_argument("--gpus", type=int, default=None, help="GPUs to use in all (default: nodes x GPUs per node)")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="the engine's max_num_seqs (per replica)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's token budget per step")
-    s.add_argument("--min-admit", type=int, default=1, help="the engine's admission batching (serve --min-admit)")
+    s.add_argument(
+        "--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (per replica; default: 256)"
+    )
+    s.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the engine's token budget per step (default: 8192)"
+    )
+    s.add_argument(
+        "--min-admit", type=int, default=None, help="the engine's admission batching (serve --min-admit; default: 1)"
+    )
     s.add_argument("--slo-tpot-ms", type=float, default=None, help="target p99 TPOT (ms)")
     s.add_argument("--slo-ttft-ms", type=float, default=None, help="target p99 TTFT (ms)")
 
@@ -83,8 +108,43 @@ def _positive_int(name: str, value: int, low: int = 1, high: int | None = None, 
         raise UsageError(f"{name} {value}: must be an integer {allowed}{'; ' + fix if fix else ''}")
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """Refuse an option of the other mode (it would be ignored), then fill in this mode's defaults."""
+    if args.serve:
+        given = [d for d in STATIC_ONLY if getattr(args, d) not in (None, False)]
+        if given:
+            d = given[0]
+            what = "draws the static batch's rows (serving has no plot)" if d == "plot" else "prices the static batch"
+            value = "" if d == "no_cuda_graphs" else f" {getattr(args, d)}"
+            raise UsageError(
+                f"{_flag(d)}{value}: {what}, and --serve plans serving a trace (--samples-file / --lengths) "
+                f"instead; drop {_flag(d)}, or drop --serve"
+            )
+    else:
+        given = [d for d in SERVE_ONLY if getattr(args, d) is not None]
+        if given:
+            d = given[0]
+            raise UsageError(
+                f"{_flag(d)} {getattr(args, d)}: an option of serving (--serve); without --serve plan prices a "
+                f"static batch (--batch / --prompt / --decode); add --serve, or drop {_flag(d)}"
+            )
+    for d, v in {**STATIC_DEFAULTS, **SERVE_DEFAULTS}.items():
+        if getattr(args, d) is None:
+            setattr(args, d, v)
+
+
 def check_args(args: argparse.Namespace):
     """(model, cluster) once every argument is known to be usable; else one UsageError naming the flag."""
+    if (args.json is not None and str(args.json) != "-") or args.plot is not None:
+        from spanllm import checks
+
+        if args.json is not None and str(args.json) != "-":
+            checks.output_file("--json", str(args.json))
+        checks.png_file("--plot", args.plot)
     try:
         model = get_model(args.model)
     except ModelConfigError:
@@ -108,10 +168,7 @@ def check_args(args: argparse.Namespace):
         raise UsageError("--quantization fp8 prices the static batch; --serve prices bf16 only (drop one of them)")
     if args.kv_cache_dtype != "auto" and args.serve:
         raise UsageError("--kv-cache-dtype fp8 prices the static batch; --serve prices bf16 only (drop one of them)")
-    for flag in ("--json", "--plot"):
-        path = getattr(args, flag[2:])
-        if path is not None and str(path) != "-" and not Path(path).parent.is_dir():
-            raise UsageError(f"{flag} {str(path)!r}: folder {str(Path(path).parent)!r} does not exist")
+    check_modes(args)
     if not args.serve:
         for flag in ("--batch", "--prompt", "--decode"):
             _positive_int(flag, getattr(args, flag[2:]), 1, 10**7)
@@ -131,7 +188,12 @@ def check_args(args: argparse.Namespace):
         v = getattr(args, flag[2:].replace("-", "_"))
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise UsageError(f"{flag} {v:g}: must be a finite number of milliseconds > 0")
-    if (args.samples_file is None) == (args.lengths is None):
+    if args.samples_file is not None and args.lengths is not None:
+        raise UsageError(
+            f"--samples-file {str(args.samples_file)!r} and --lengths {args.lengths!r} are exclusive: the requests "
+            "come from one of them; drop one"
+        )
+    if args.samples_file is None and args.lengths is None:
         raise UsageError(
             "--serve needs the requests, one of: --samples-file FILE (e.g. "
             "results/h200/inputs/sharegpt_llama3_seed0_n1000.json) or --lengths P:O (prompt and output tokens)"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from dataclasses import asdict
 
 import torch
@@ -32,6 +31,16 @@ from spanllm.measure.timing import time_calls
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
 
 
+GPU_DEFAULTS = {
+    "buffer_bytes": "16M",
+    "blocks": "1,2,4,8,16,32,64,128,256",
+    "tiles": "256,1024",
+    "protocols": "ll8",
+    "pipelined": "0,1",
+}
+CPU_CANDIDATES = ("ref_hier", "ref_rd", "ref_ring")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", default="1K", help="smallest message (bytes; K/M suffixes)")
     p.add_argument("-e", "--maxbytes", default="16M", help="largest message")
@@ -41,11 +50,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE"
     )
-    p.add_argument("--buffer-bytes", default="16M", help="symmetric buffer of the GPU backends (largest nvrar message)")
-    p.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="nvrar program counts to try")
-    p.add_argument("--tiles", default="256,1024", help="nvrar tile sizes (cells) to try")
-    p.add_argument("--protocols", default="ll8", help="nvrar protocols to try: ll8, simple (comma-separated)")
-    p.add_argument("--pipelined", default="0,1", help="nvrar loop orders to try: 0 tile-major, 1 phase-major")
+    # GPU candidates only (None: not given; check_arguments fills in the defaults on GPUs, refuses them on CPU)
+    p.add_argument(
+        "--buffer-bytes",
+        default=None,
+        help=f"symmetric buffer of the GPU backends (largest nvrar message; default: {GPU_DEFAULTS['buffer_bytes']})",
+    )
+    p.add_argument("--blocks", default=None, help=f"nvrar program counts to try (default: {GPU_DEFAULTS['blocks']})")
+    p.add_argument("--tiles", default=None, help=f"nvrar tile sizes (cells) to try (default: {GPU_DEFAULTS['tiles']})")
+    p.add_argument(
+        "--protocols",
+        default=None,
+        help=f"nvrar protocols to try: ll8, simple (comma-separated; default: {GPU_DEFAULTS['protocols']})",
+    )
+    p.add_argument(
+        "--pipelined",
+        default=None,
+        help=f"nvrar loop orders to try: 0 tile-major, 1 phase-major (default: {GPU_DEFAULTS['pipelined']})",
+    )
     p.add_argument("--out", required=True, help="tuning table JSON to write")
     p.add_argument("--nprocs", type=int, default=2, help="local gloo ranks when not under a launcher")
 
@@ -87,9 +109,9 @@ def tune_rank(ctx: DistContext, args) -> dict:
     itemsize = dtype.itemsize
     topo = Topology.from_env(ctx.world_size, args.ranks_per_node)
     gpu = ctx.device.type == "cuda"
-    buffer_bytes = parse_size(args.buffer_bytes)
+    buffer_bytes = parse_size(args.buffer_bytes) if gpu else None  # check_arguments: given only on GPUs
     names = [default_backend(ctx.device.type)] + (
-        ["torch_one_shot", "torch_two_shot", "nvrar"] if gpu else ["ref_hier", "ref_rd", "ref_ring"]
+        ["torch_one_shot", "torch_two_shot", "nvrar"] if gpu else list(CPU_CANDIDATES)
     )
     comms = {}
     for name in names:
@@ -211,24 +233,42 @@ def check_arguments(args) -> None:
     """Every option, before any rank starts."""
     from spanllm.comm.nvrar.allreduce import MAX_PROGRAMS, PROTOCOLS
 
+    checks.output_file("--out", args.out)
     world = checks.world_size(args.nprocs)
     dtype, sizes = sweep_bytes(args)
-    check_buffer_bytes(args)
     checks.at_least("-n/--iters", args.iters, 1, " (timed samples per candidate)")
     checks.topology(world, args.ranks_per_node)
-    blocks = _ints("--blocks", args.blocks)
-    if max(blocks) > MAX_PROGRAMS:
-        raise UsageError(f"--blocks {args.blocks!r}: at most {MAX_PROGRAMS} programs per launch")
-    _ints("--tiles", args.tiles)
-    _ints("--pipelined", args.pipelined, {0, 1})
-    bad = [p for p in args.protocols.split(",") if p not in PROTOCOLS]
+    given = {k: getattr(args, k) for k in GPU_DEFAULTS if getattr(args, k) is not None}
+    device = checks.device_type(world)
+    if device == "cuda":
+        for k, v in GPU_DEFAULTS.items():
+            setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+    check_buffer_bytes(args)
+    if args.blocks is not None:
+        blocks = _ints("--blocks", args.blocks)
+        if max(blocks) > MAX_PROGRAMS:
+            raise UsageError(f"--blocks {args.blocks!r}: at most {MAX_PROGRAMS} programs per launch")
+    if args.tiles is not None:
+        _ints("--tiles", args.tiles)
+    if args.pipelined is not None:
+        _ints("--pipelined", args.pipelined, {0, 1})
+    bad = [p for p in args.protocols.split(",") if p not in PROTOCOLS] if args.protocols is not None else []
     if bad:
         raise UsageError(
             f"--protocols {args.protocols!r}: {bad[0]!r} is not an nvrar protocol; choose from {', '.join(PROTOCOLS)}"
         )
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UsageError(f"--out {args.out}: no folder {out_dir!r} to write the table into; create it first")
+    if given and device != "cuda":
+        k, v = next(iter(given.items()))
+        flag = "--" + k.replace("_", "-")
+        what = (
+            "sizes the symmetric buffer of the GPU candidates (nvrar, torch symmetric memory)"
+            if k == "buffer_bytes"
+            else "is an nvrar launch parameter, and nvrar does not run on CPU"
+        )
+        raise UsageError(
+            f"{flag} {v!r}: {what}; these ranks run on CPU, where tune times {default_backend('cpu')}, "
+            f"{', '.join(CPU_CANDIDATES)} only; drop {flag}"
+        )
     check_host_memory(sizes[-1], dtype.itemsize, True, world)
 
 

@@ -22,7 +22,7 @@ from spanllm.bench.datasets import (
     sample_random,
     sample_sharegpt,
 )
-from spanllm.commands.dataset_args import add_dataset_arguments, get_samples
+from spanllm.commands.dataset_args import add_dataset_arguments, get_samples, option
 
 
 class WordTokenizer:
@@ -285,13 +285,8 @@ def test_generated_shared_prefix_defaults_and_num_prompts():
     p = argparse.ArgumentParser()
     add_dataset_arguments(p)
     a = p.parse_args(["--dataset-name", "generated-shared-prefix"])
-    assert (a.gsp_num_groups, a.gsp_prompts_per_group, a.gsp_system_prompt_len, a.gsp_question_len) == (
-        64,
-        16,
-        2048,
-        128,
-    )
-    assert a.gsp_output_len == 256
+    gsp = ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")
+    assert tuple(option(a, d) for d in gsp) == (64, 16, 2048, 128, 256)  # argparse's None: not given
     small = ["--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "8"]
     s = get_samples(p.parse_args(["--dataset-name", "generated-shared-prefix", *small]), WordTokenizer())
     assert len(s) == 6 and all(r.prompt_len == 1 + 8 + 128 for r in s)
@@ -325,8 +320,8 @@ def test_prefix_repetition_follows_vllm():
     p = argparse.ArgumentParser()
     add_dataset_arguments(p)
     a = p.parse_args(["--dataset-name", "prefix_repetition"])
-    assert (a.prefix_repetition_prefix_len, a.prefix_repetition_suffix_len) == (256, 256)
-    assert (a.prefix_repetition_num_prefixes, a.prefix_repetition_output_len) == (10, 128)
+    pr = ("prefix_len", "suffix_len", "num_prefixes", "output_len")
+    assert tuple(option(a, f"prefix_repetition_{d}") for d in pr) == (256, 256, 10, 128)
     args = p.parse_args(
         [
             "--dataset-name",

@@ -121,7 +121,7 @@ def test_cli_writes_report_and_plot_where_out_says(results, tmp_path, capsys):
 
 
 def test_no_measurements_is_said_clearly_and_nothing_is_written(tmp_path, capsys):
-    assert main(["perf", "validate", "--results", str(tmp_path), "--out", str(tmp_path / "v.json")]) == 1
+    assert main(["perf", "validate", "--results", str(tmp_path), "--out", str(tmp_path / "v.json")]) == 2
     err = capsys.readouterr().err
     assert "no measurement" in err and "nothing checked" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
