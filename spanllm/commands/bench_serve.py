@@ -47,7 +47,12 @@ from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cac
 from spanllm.bench.serve_client import RequestInput, RequestOutput, first_model, send_request
 from spanllm.bench.serve_metrics import METRICS, arrival_offsets_s, calculate_metrics, parse_goodput, parse_rates
 from spanllm.bench.serve_report import rate_label
-from spanllm.commands.dataset_args import add_dataset_arguments, check_dataset_arguments, get_samples
+from spanllm.commands.dataset_args import (
+    add_dataset_arguments,
+    check_dataset_arguments,
+    get_samples,
+    resolve_dataset_source,
+)
 from spanllm.errors import SpanllmError, UsageError
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -604,6 +609,7 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
     from spanllm.measure.report import machine_info, versions, write_json
 
+    resolve_dataset_source(args)
     cfg, rates = config_from_args(args)
     check_result_file(args, rates)
     if not args.samples_file:

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from spanllm.bench.progress import RequestProgress
-from spanllm.commands.dataset_args import add_dataset_arguments, check_dataset_arguments, get_samples
+from spanllm.commands.dataset_args import (
+    add_dataset_arguments,
+    check_dataset_arguments,
+    get_samples,
+    resolve_dataset_source,
+)
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
@@ -181,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from spanllm import checks
     from spanllm.bench.sample_file import load_samples
 
+    resolve_dataset_source(args)
     check_engine_arguments(args)
     checks.at_least("--num-prompts", args.num_prompts, 1)
     checks.output_file("--json", args.json)

@@ -47,7 +47,13 @@ def add_dataset_arguments(
     """vLLM's dataset flags, shared by `bench serve` and `bench throughput` (seed=False: the caller's parser
     already has --seed, one seed for the engine and the sample, as in vLLM)."""
     g = parser.add_argument_group("dataset (vLLM's flags)")
-    g.add_argument("--dataset-name", choices=DATASET_NAMES, default=default_dataset, help="where requests come from")
+    g.add_argument(
+        "--dataset-name",
+        choices=DATASET_NAMES,
+        default=None,
+        help=f"where requests come from (default {default_dataset})",
+    )
+    parser.set_defaults(default_dataset_name=default_dataset)
     g.add_argument(
         "--dataset-path",
         default=None,
@@ -111,10 +117,30 @@ def option(args: argparse.Namespace, dest: str):
     return next(d[dest] for d in DATASET_OPTIONS.values() if dest in d) if v is None else v
 
 
+def resolve_dataset_source(args: argparse.Namespace) -> None:
+    """First in a command's run(): with --samples-file the requests come from that file, so every option that
+    samples requests is refused when given (it would be ignored); without it, --dataset-name gets its default."""
+    if getattr(args, "samples_file", None):
+        given = [("--dataset-name", args.dataset_name), ("--dataset-path", args.dataset_path)]
+        given += [(_flag(dest), getattr(args, dest, None)) for opts in DATASET_OPTIONS.values() for dest in opts]
+        given += [(_flag(alias), getattr(args, alias, None)) for alias in ALIASES]
+        for flag, v in given:
+            if v is not None:
+                shown = flag if v is True else f"{flag} {v}"
+                raise UsageError(
+                    f"{shown}: the requests come from --samples-file {args.samples_file} (saved with their prompts "
+                    f"and lengths), which this option would not change; drop {flag}"
+                )
+    if args.dataset_name is None:
+        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
+
+
 def check_dataset_arguments(args: argparse.Namespace) -> None:
     """The dataset flags on their own, before any work: every option given belongs to --dataset-name, an alias
     and its option agree, each value is in its range, --dataset-path is a file. (The tokenizer-dependent rules
     wait for the sampling.)"""
+    if args.dataset_name is None:
+        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
     name = args.dataset_name
     for other, opts in DATASET_OPTIONS.items():
         for dest in opts:
@@ -195,6 +221,8 @@ def num_prompts_of(args: argparse.Namespace) -> int:
 
 def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
     """The SampleSet the dataset flags describe (vLLM's mapping of --input-len / --output-len included)."""
+    if args.dataset_name is None:  # a caller that skipped resolve_dataset_source (the Python API, tests)
+        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
     num_prompts = num_prompts_of(args)
     if args.dataset_name != "sharegpt" and args.dataset_path is not None:
         raise UsageError(

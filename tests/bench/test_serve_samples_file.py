@@ -58,10 +58,8 @@ def test_sweep_from_samples_file(server, tmp_path, monkeypatch, capsys):
             "--result-filename",
             "sw.json",
             "--disable-tqdm",
-            "--dataset-path",
-            str(tmp_path / "no-such-file.json"),
         ]
-    )  # not read
+    )
     assert rc == 0, capsys.readouterr()
     doc = json.loads((out / "sw.json").read_text())
     assert doc["dataset"]["samples_file"] == str(samples) and doc["dataset"]["samples_file_requests"] == 8
@@ -87,3 +85,26 @@ def test_bad_samples_file_is_usage_error(server, tmp_path, monkeypatch, capsys):
     bad.write_text("{not json")
     assert main(["bench", "serve", "--base-url", server.url, "--samples-file", str(bad), "--disable-tqdm"]) == 2
     assert "--save-samples" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--dataset-path", "x.json"], "--dataset-path x.json"),
+        (["--dataset-name", "random"], "--dataset-name random"),
+        (["--random-input-len", "9"], "--random-input-len 9"),
+        (["--output-len", "3"], "--output-len 3"),
+        (["--no-oversample"], "--no-oversample"),
+    ],
+)
+def test_options_that_sample_requests_are_refused_with_a_samples_file(tmp_path, capsys, extra, flag):
+    """The requests come from the file: an option that would sample them differently is refused, not ignored."""
+    samples = tmp_path / "s.json"
+    _saved(samples, 3)
+    for cmd in (["bench", "serve", "--base-url", "http://127.0.0.1:9"], ["bench", "throughput", "--model", "tiny"]):
+        assert main([*cmd, "--samples-file", str(samples), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"spanllm: error: {flag}: the requests come from --samples-file {samples} (saved with their prompts and "
+            f"lengths), which this option would not change; drop {flag.split()[0]}"
+        )
