@@ -16,6 +16,16 @@ import os
 
 from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations, save_conversations
 
+TRAFFIC_DEFAULTS = {
+    "base_url": None,
+    "host": "127.0.0.1",
+    "port": 8000,
+    "request_rate": math.inf,
+    "max_active_conversations": 32,
+    "max_context_len": 8192,
+    "request_timeout": 600.0,
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("conversations (ShareGPT)")
@@ -27,15 +37,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-len", type=int, default=256, help="cap on the ShareGPT answer lengths")
     g.add_argument("--seed", type=int, default=0, help="seed of the conversation sampling and the arrivals")
     s = parser.add_argument_group("server and traffic")
-    s.add_argument("--base-url", default=None, help="server URL; default http://HOST:PORT")
-    s.add_argument("--host", default="127.0.0.1", help="server host (without --base-url)")
-    s.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
+    # default=SUPPRESS: an option absent from the namespace was not given (run() fills TRAFFIC_DEFAULTS in), so that
+    # --dry-run, which asks no server, can refuse the ones it would ignore
+    s.add_argument("--base-url", default=argparse.SUPPRESS, help="server URL; default http://HOST:PORT")
+    s.add_argument("--host", default=argparse.SUPPRESS, help="server host (without --base-url; default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=argparse.SUPPRESS, help="server port (without --base-url; default 8000)")
     s.add_argument("--model", default=None, help="model name sent; default: first id of GET /v1/models")
     s.add_argument("--tokenizer", default=None, help="counts prompt tokens (preset, folder or HF id); default --model")
-    s.add_argument("--request-rate", type=float, default=math.inf, help="conversation starts per second (Poisson)")
-    s.add_argument("--max-active-conversations", type=int, default=32, help="conversations in flight at once, at most")
-    s.add_argument("--max-context-len", type=int, default=8192, help="a conversation stops before passing it")
-    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is given up")
+    s.add_argument(
+        "--request-rate",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="conversation starts per second (Poisson; default inf: all at once)",
+    )
+    s.add_argument(
+        "--max-active-conversations",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="conversations in flight at once, at most (default 32)",
+    )
+    s.add_argument(
+        "--max-context-len",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="a conversation stops before passing it (default 8192)",
+    )
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds before a request is given up (default 600)",
+    )
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument("--save-conversations", default=None, help="write the sampled conversations (ShareGPT JSON)")
     parser.add_argument("--dry-run", action="store_true", help="sample (and --save-conversations) only; no server")
@@ -83,12 +115,30 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
 
 
+def fill_traffic_defaults(args: argparse.Namespace) -> None:
+    """The server and traffic options: --dry-run asks no server, so giving one there is refused; then every one
+    absent gets its default (TRAFFIC_DEFAULTS)."""
+    from spanllm.errors import UsageError
+
+    given = [k for k in TRAFFIC_DEFAULTS if hasattr(args, k)]
+    if getattr(args, "dry_run", False) and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(
+            f"{flag} {getattr(args, given[0])}: --dry-run only samples conversations and asks no server, so this "
+            f"option would change nothing; drop {flag} (or --dry-run)"
+        )
+    for k, v in TRAFFIC_DEFAULTS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+
+
 def run(args: argparse.Namespace) -> int:
     from spanllm.bench.serve_client import first_model
     from spanllm.commands.bench_serve import load_tokenizer
     from spanllm.errors import UsageError
     from spanllm.measure.report import machine_info, versions
 
+    fill_traffic_defaults(args)
     check_arguments(args)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     model = args.model

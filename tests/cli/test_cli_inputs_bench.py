@@ -17,6 +17,7 @@ TP = ["bench", "throughput", "--model", "tiny"]
 RANDOM = TP + ["--dataset-name", "random"]
 SERVE = ["bench", "serve", "--base-url", "http://127.0.0.1:9"]
 MT = ["bench", "multi-turn", "--base-url", "http://127.0.0.1:9"]
+MT_DRY = ["bench", "multi-turn", "--dry-run"]
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ CASES = [
         TP + ["--dry-run", "--dataset-path", "list.json"],
         'list.json: entry 0 is 1; expected a ShareGPT record, {"conversations": [{"from": "human"',
     ),
-    (MT + ["--dry-run", "--tokenizer", "tiny", "--dataset-path", "list.json"], "list.json: entry 0 is 1; expected"),
+    (MT_DRY + ["--tokenizer", "tiny", "--dataset-path", "list.json"], "list.json: entry 0 is 1; expected"),
     (TP + ["--dry-run", "--dataset-path", "turns.json"], 'turns.json: entry 0, turn 1 is 7; expected {"from"'),
     (TP + ["--dataset-path", "adir"], "--dataset-path adir: is a folder; give a ShareGPT V3 JSON file"),
     (MT + ["--dataset-path", "adir"], "--dataset-path adir: is a folder"),
@@ -96,7 +97,9 @@ CASES = [
     (TP + ["--random-input-len", "9"], "--random-input-len 9: an option of --dataset-name random"),
     (TP + ["--input-len", "9"], "--input-len 9: sets --random-input-len, options of --dataset-name random"),
     (TP + ["--dry-run", "--json", "out.json"], "--json out.json: --dry-run starts no engine, so there is no result"),
-    (MT + ["--dry-run", "--json", "out.json"], "--json out.json: --dry-run sends no request"),
+    (MT_DRY + ["--json", "out.json"], "--json out.json: --dry-run sends no request"),
+    (MT + ["--dry-run", "--tokenizer", "tiny"], "--base-url http://127.0.0.1:9: --dry-run only samples conversations"),
+    (MT_DRY + ["--tokenizer", "tiny", "--request-rate", "4"], "--request-rate 4.0: --dry-run only samples conver"),
     (SERVE + ["--result-dir", "res"], "--result-dir res: a single-rate run writes its JSON only with --save-result"),
     (SERVE + ["--save-result", "--result-dir", "res", "--result-filename", ""], "--result-filename '': empty"),
     (SERVE + ["--result-filename", "r.json"], "--result-filename shapes the result file, and this run writes none"),
