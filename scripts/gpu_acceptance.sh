@@ -17,7 +17,8 @@
 #   validate      any Hopper GPU (no H200 needed): the GPU tests of PDL, FP8, the paged kernels and the engine
 #                 (GPU_TESTS names others), with TMA=1 the FP8 decode GEMV with TMA loads and W as the MMA's A
 #                 operand against production (scripts/gpu_fp8_tma.py), the fused quantization's crossover
-#                 (scripts/gpu_fused_quant.py: what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), and decode
+#                 (scripts/gpu_fused_quant.py: what spanllm.layers.fp8.FUSED_QUANT_MIN_ROWS should say), its
+#                 mismatch as compiled and without FMA contraction (scripts/gpu_fused_quant_check.py), and decode
 #                 with PDL off / on / on without the prefetch, FP8 first (SKIP_PDL=1 leaves it out)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
@@ -74,8 +75,14 @@ case "$PART" in
     fi
     timeout 110 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
     pack
+    # the fused quantization's one-row mismatch: as compiled, and with no FMA contraction in either kernel
+    timeout 60 python3 scripts/gpu_fused_quant_check.py "$R/fused_check" >"$R/fused_check.log" 2>&1
+    TRITON_DEFAULT_FP_FUSION=0 TRITON_CACHE_DIR=/tmp/triton_no_fma timeout 90 \
+      python3 scripts/gpu_fused_quant_check.py "$R/fused_check_no_fma" >"$R/fused_check_no_fma.log" 2>&1
+    pack
     [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=${PDL_BUDGET_S:-200} bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
     grep -E "^E .*differ|passed|failed" "$R/pytest.txt" | tail -12; tail -16 "$R/fused.log"
+    grep -h "bytes differ in rows \[[0-9]" "$R/fused_check.log" "$R/fused_check_no_fma.log" | head -12
     [ "${SKIP_PDL:-0}" = 1 ] || tail -12 "$R/pdl/run.log"
     [ "$TESTS_RC" = 0 ] || { echo "validate: the GPU tests FAILED (pytest rc $TESTS_RC, $R/pytest.txt)"; exit 1; } ;;
   *) echo "unknown part $PART"; exit 2 ;;
