@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from cli_output import one_error_line
 
 import spanllm.commands.bench_allreduce
 import spanllm.commands.bench_batch
@@ -39,14 +40,6 @@ def no_ranks(monkeypatch):
 
     for mod in COMMAND_MODULES:
         monkeypatch.setattr(mod, "launch", refuse)
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err  # one line, no traceback
-    assert lines[0].startswith("spanllm: error: "), err
-    return lines[0]
 
 
 GEN = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3"]
@@ -225,7 +218,7 @@ CASES = [
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a)[:70] for a, _ in CASES])
 def test_bad_input_is_one_line_exit_2(no_ranks, capsys, argv, needle):
     assert main(argv) == 2
-    assert needle in _error_line(capsys)
+    assert needle in one_error_line(capsys)
 
 
 CPU_ONLY = [
@@ -248,7 +241,7 @@ CPU_ONLY = [
 @pytest.mark.parametrize("argv,needle", CPU_ONLY, ids=[" ".join(a[5:])[:50] for a, _ in CPU_ONLY])
 def test_gpu_options_on_cpu_ranks_are_refused(no_ranks, capsys, argv, needle):
     assert main(argv) == 2
-    assert needle in _error_line(capsys)
+    assert needle in one_error_line(capsys)
 
 
 def test_a_fixed_batch_the_engine_cannot_run_is_a_usage_error():
@@ -261,14 +254,14 @@ def test_a_fixed_batch_the_engine_cannot_run_is_a_usage_error():
 
 def test_memory_refusal_names_the_number_and_the_limit(no_ranks, capsys):
     assert main(AR + ["-e", "64G"]) == 2
-    line = _error_line(capsys)
+    line = one_error_line(capsys)
     assert "(2 ranks x" in line and "GiB is available; lower -e/--maxbytes, or run fewer ranks" in line
 
 
 def test_long_context_needs_the_explicit_switch(no_ranks, monkeypatch, capsys):
     monkeypatch.setenv("SPANLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert main(GEN + ["--max-model-len", "8192", "--max-new-tokens", "5000", "--nprocs", "0"]) == 2
-    assert "--nprocs 0" in _error_line(capsys)  # the long context passed; the next check failed
+    assert "--nprocs 0" in one_error_line(capsys)  # the long context passed; the next check failed
 
 
 def test_argparse_errors_keep_exit_2(capsys):
@@ -343,7 +336,7 @@ def test_bad_pg_timeout_env(monkeypatch, capsys):
     monkeypatch.setattr(spanllm.commands.generate, "launch", launch)
     assert main(GEN) == 2
     assert "SPANLLM_PG_TIMEOUT_S='abc': the collective timeout must be a number of seconds in (0, 604800]" in (
-        _error_line(capsys)
+        one_error_line(capsys)
     )
 
 
@@ -489,18 +482,18 @@ CHECKPOINT_CASES = [
 def test_bad_checkpoint_names_the_file(no_ranks, capsys, checkpoint, damage, needle):
     damage(checkpoint)
     assert main(_gen(checkpoint)) == 2
-    line = _error_line(capsys)
+    line = one_error_line(capsys)
     assert needle in line and str(checkpoint) in line
 
 
 def test_config_file_instead_of_folder(no_ranks, capsys, checkpoint):
     assert main(_gen(checkpoint / "config.json")) == 2
-    assert "config.json' is a file; --model takes the checkpoint folder" in _error_line(capsys)
+    assert "config.json' is a file; --model takes the checkpoint folder" in one_error_line(capsys)
 
 
 def test_checkpoint_token_ids_use_its_vocabulary(no_ranks, capsys, checkpoint):
     assert main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,64"]) == 2
-    assert "prompt token 1 is 64, outside the vocabulary [0, 64); use ids from 0 to 63" in _error_line(capsys)
+    assert "prompt token 1 is 64, outside the vocabulary [0, 64); use ids from 0 to 63" in one_error_line(capsys)
 
 
 # --- good input still reaches the launch ---------------------------------------------------------------------

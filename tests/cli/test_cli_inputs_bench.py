@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_output import one_error_line
 
 import spanllm.bench.serve_client
 import spanllm.commands.bench_serve
@@ -39,14 +40,6 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "turns.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, 7]}]))
     (tmp_path / "adir").mkdir()
     return tmp_path
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err  # one line, no traceback
-    assert lines[0].startswith("spanllm: error: "), err
-    return lines[0]
 
 
 CASES = [
@@ -132,7 +125,7 @@ CASES = [
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a[1:])[:80] for a, _ in CASES])
 def test_bad_bench_input_is_one_line_exit_2(no_work, files, capsys, argv, needle):
     assert main(argv) == 2
-    assert needle in _error(capsys)
+    assert needle in one_error_line(capsys)
     assert not (files / "out.json").exists() and not (files / "res").exists()
 
 

@@ -9,6 +9,7 @@ import argparse
 import os
 
 import pytest
+from cli_output import one_error_line
 
 import spanllm.commands.bench_allreduce
 import spanllm.commands.bench_host
@@ -57,14 +58,6 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "results").mkdir()
     (tmp_path / "bad.json").write_text("{}")
     return tmp_path
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err  # one line, no traceback
-    assert lines[0].startswith("spanllm: error: "), err
-    return lines[0]
 
 
 CASES = [
@@ -125,7 +118,7 @@ CASES = [
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a)[:70] for a, _ in CASES])
 def test_bad_input_is_one_line_exit_2(no_work, files, capsys, argv, needle):
     assert main(argv) == 2
-    assert needle in _error(capsys)
+    assert needle in one_error_line(capsys)
     assert not any(p.name.endswith(".tmp") for p in files.iterdir())
 
 
@@ -162,6 +155,6 @@ def test_demo_table_ends_at_maxbytes():
 
 def test_perf_validate_without_measurements_is_a_usage_error(files, capsys):
     assert main(VALIDATE + ["--out", "v.json"]) == 2
-    line = _error(capsys)
+    line = one_error_line(capsys)
     assert "--results 'res': no measurement in it that the model predicts" in line and "nothing written" in line
     assert not (files / "v.json").exists()

