@@ -315,3 +315,20 @@ def png_file(flag: str, path) -> None:
     if not str(path).lower().endswith(".png"):
         stem = os.path.splitext(str(path))[0]
         raise UsageError(f"{flag} {path}: the plot is a PNG; give a file name ending in .png, e.g. {flag} {stem}.png")
+
+
+def batched_tokens_cover_seqs(max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """The scheduler's rule: a step of max_num_seqs decodes (one token each) must fit the step's token budget."""
+    if max_num_batched_tokens < max_num_seqs:
+        raise UsageError(
+            f"--max-num-batched-tokens {max_num_batched_tokens} is below --max-num-seqs "
+            f"{max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
+        )
+
+
+def no_result_in_dry_run(dry_run: bool, json_path: str | None, runs: str, instead: str) -> None:
+    """`--dry-run --json`: a dry run `runs` nothing, so it has no result to write; `instead` says what it can save."""
+    if dry_run and json_path:
+        raise UsageError(
+            f"--json {json_path}: --dry-run {runs}, so there is no result to write; drop --json ({instead})"
+        )

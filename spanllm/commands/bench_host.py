@@ -169,11 +169,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.temperature <= 100:  # SamplingParams' range; nan too
         raise UsageError(f"--temperature {args.temperature:g}: must be in [0, 100] (0: greedy)")
-    if args.max_num_batched_tokens < args.max_num_seqs:  # the engine commands' rule (engine_args)
-        raise UsageError(
-            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
-            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
-        )
+    checks.batched_tokens_cover_seqs(args.max_num_batched_tokens, args.max_num_seqs)
     if args.scheduling_policy == "prefix" and not args.enable_prefix_caching:
         raise UsageError("--scheduling-policy prefix needs prefix caching: drop --no-enable-prefix-caching")
     rows = [measure(args) for _ in range(args.repeats)]

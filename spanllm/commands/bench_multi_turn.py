@@ -16,15 +16,18 @@ import os
 
 from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations, save_conversations
 
-TRAFFIC_DEFAULTS = {
-    "base_url": None,
-    "host": "127.0.0.1",
-    "port": 8000,
-    "request_rate": math.inf,
-    "max_active_conversations": 32,
-    "max_context_len": 8192,
-    "request_timeout": 600.0,
-}
+# The server and traffic options: (dest, type, default, help). Absent from the namespace unless given (run() fills
+# the defaults in), so that --dry-run, which asks no server, can refuse the ones it would ignore.
+TRAFFIC_OPTIONS = (
+    ("base_url", str, None, "server URL (default http://HOST:PORT)"),
+    ("host", str, "127.0.0.1", "server host, without --base-url"),
+    ("port", int, 8000, "server port, without --base-url"),
+    ("request_rate", float, math.inf, "conversation starts per second (Poisson; inf: all at once)"),
+    ("max_active_conversations", int, 32, "conversations in flight at once, at most"),
+    ("max_context_len", int, 8192, "a conversation stops before passing it"),
+    ("request_timeout", float, 600.0, "seconds before a request is given up"),
+)
+TRAFFIC_DEFAULTS = {dest: default for dest, _, default, _ in TRAFFIC_OPTIONS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,37 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output-len", type=int, default=256, help="cap on the ShareGPT answer lengths")
     g.add_argument("--seed", type=int, default=0, help="seed of the conversation sampling and the arrivals")
     s = parser.add_argument_group("server and traffic")
-    # default=SUPPRESS: an option absent from the namespace was not given (run() fills TRAFFIC_DEFAULTS in), so that
-    # --dry-run, which asks no server, can refuse the ones it would ignore
-    s.add_argument("--base-url", default=argparse.SUPPRESS, help="server URL; default http://HOST:PORT")
-    s.add_argument("--host", default=argparse.SUPPRESS, help="server host (without --base-url; default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=argparse.SUPPRESS, help="server port (without --base-url; default 8000)")
+    for dest, kind, default, what in TRAFFIC_OPTIONS:
+        shown = "" if default is None else f" (default {default})"
+        s.add_argument("--" + dest.replace("_", "-"), type=kind, default=argparse.SUPPRESS, help=what + shown)
     s.add_argument("--model", default=None, help="model name sent; default: first id of GET /v1/models")
     s.add_argument("--tokenizer", default=None, help="counts prompt tokens (preset, folder or HF id); default --model")
-    s.add_argument(
-        "--request-rate",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="conversation starts per second (Poisson; default inf: all at once)",
-    )
-    s.add_argument(
-        "--max-active-conversations",
-        type=int,
-        default=argparse.SUPPRESS,
-        help="conversations in flight at once, at most (default 32)",
-    )
-    s.add_argument(
-        "--max-context-len",
-        type=int,
-        default=argparse.SUPPRESS,
-        help="a conversation stops before passing it (default 8192)",
-    )
-    s.add_argument(
-        "--request-timeout",
-        type=float,
-        default=argparse.SUPPRESS,
-        help="seconds before a request is given up (default 600)",
-    )
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument("--save-conversations", default=None, help="write the sampled conversations (ShareGPT JSON)")
     parser.add_argument("--dry-run", action="store_true", help="sample (and --save-conversations) only; no server")
@@ -108,11 +85,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_dataset_path(args.dataset_path)
     checks.output_file("--json", args.json)
     checks.output_file("--save-conversations", args.save_conversations)
-    if args.dry_run and args.json:
-        raise UsageError(
-            f"--json {args.json}: --dry-run sends no request, so there is no result to write; drop --json "
-            "(--save-conversations writes the sampled conversations)"
-        )
+    checks.no_result_in_dry_run(
+        args.dry_run, args.json, "sends no request", "--save-conversations writes the sampled conversations"
+    )
 
 
 def fill_traffic_defaults(args: argparse.Namespace) -> None:

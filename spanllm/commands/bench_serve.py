@@ -515,20 +515,14 @@ def check_result_file(args: argparse.Namespace, rates: Sequence[float]) -> None:
             f"--result-filename {args.result_filename!r}: empty; give a file name, e.g. --result-filename "
             "result.json, or leave it out for vLLM's name"
         )
-    path = os.path.join(args.result_dir, args.result_filename or "result.json")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(folder):
-        checks.output_file("--result-filename" if args.result_filename else "--result-dir", path)
-        return
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--result-dir {args.result_dir}: {existing} is a file, not a folder; choose another folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    try:  # the folder, as checks.output_file makes any output file's folder (the run used to make it at the end)
+        os.makedirs(args.result_dir, exist_ok=True)
+    except OSError as e:
         raise UsageError(
-            f"--result-dir {args.result_dir}: cannot create it in {existing}; choose a folder you can write"
-        )
+            f"--result-dir {args.result_dir}: cannot create it ({e.strerror}); choose another folder"
+        ) from None
+    path = os.path.join(args.result_dir, args.result_filename or "result.json")
+    checks.output_file("--result-filename" if args.result_filename else "--result-dir", path)
 
 
 def check_numbers(args: argparse.Namespace) -> None:

@@ -191,11 +191,9 @@ def run(args: argparse.Namespace) -> int:
     checks.at_least("--num-prompts", args.num_prompts, 1)
     checks.output_file("--json", args.json)
     checks.output_file("--save-samples", args.save_samples)
-    if args.dry_run and args.json:
-        raise UsageError(
-            f"--json {args.json}: --dry-run starts no engine, so there is no result to write; drop --json "
-            "(--save-samples writes the sampled requests)"
-        )
+    checks.no_result_in_dry_run(
+        args.dry_run, args.json, "starts no engine", "--save-samples writes the sampled requests"
+    )
     if args.samples_file:
         if not load_samples(args.samples_file).requests:
             raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")

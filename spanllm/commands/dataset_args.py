@@ -117,6 +117,13 @@ def option(args: argparse.Namespace, dest: str):
     return next(d[dest] for d in DATASET_OPTIONS.values() if dest in d) if v is None else v
 
 
+def _dataset_name(args: argparse.Namespace) -> str:
+    """--dataset-name, its command's default filled in when it was not given."""
+    if args.dataset_name is None:
+        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
+    return args.dataset_name
+
+
 def resolve_dataset_source(args: argparse.Namespace) -> None:
     """First in a command's run(): with --samples-file the requests come from that file, so every option that
     samples requests is refused when given (it would be ignored); without it, --dataset-name gets its default."""
@@ -131,17 +138,14 @@ def resolve_dataset_source(args: argparse.Namespace) -> None:
                     f"{shown}: the requests come from --samples-file {args.samples_file} (saved with their prompts "
                     f"and lengths), which this option would not change; drop {flag}"
                 )
-    if args.dataset_name is None:
-        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
+    _dataset_name(args)
 
 
 def check_dataset_arguments(args: argparse.Namespace) -> None:
     """The dataset flags on their own, before any work: every option given belongs to --dataset-name, an alias
     and its option agree, each value is in its range, --dataset-path is a file. (The tokenizer-dependent rules
     wait for the sampling.)"""
-    if args.dataset_name is None:
-        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
-    name = args.dataset_name
+    name = _dataset_name(args)
     for other, opts in DATASET_OPTIONS.items():
         for dest in opts:
             v = getattr(args, dest, None)
@@ -221,8 +225,7 @@ def num_prompts_of(args: argparse.Namespace) -> int:
 
 def get_samples(args: argparse.Namespace, tokenizer) -> SampleSet:
     """The SampleSet the dataset flags describe (vLLM's mapping of --input-len / --output-len included)."""
-    if args.dataset_name is None:  # a caller that skipped resolve_dataset_source (the Python API, tests)
-        args.dataset_name = getattr(args, "default_dataset_name", "sharegpt")
+    _dataset_name(args)  # a caller that skipped resolve_dataset_source (the Python API, tests)
     num_prompts = num_prompts_of(args)
     if args.dataset_name != "sharegpt" and args.dataset_path is not None:
         raise UsageError(

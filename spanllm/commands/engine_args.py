@@ -279,11 +279,7 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             load_prefill_config(args.prefill_tiling)
         except ValueError as e:
             raise UsageError(f"--prefill-tiling {args.prefill_tiling}: {e}") from None
-    if args.max_num_batched_tokens < args.max_num_seqs:
-        raise UsageError(
-            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below --max-num-seqs "
-            f"{args.max_num_seqs}: a step of decodes alone would not fit; raise it or lower --max-num-seqs"
-        )
+    checks.batched_tokens_cover_seqs(args.max_num_batched_tokens, args.max_num_seqs)
     if hasattr(args, "min_admit") and args.min_admit > args.max_num_seqs:
         raise UsageError(
             f"--min-admit {args.min_admit}: more than --max-num-seqs {args.max_num_seqs} slots can never be free at "
