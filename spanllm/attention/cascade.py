@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.reference import gather
+from spanllm.kernels.cascade_merge import merge_into
 
 # --prefill-attention: the Triton prefill kernel for every chunk, or the cascade for long-prefix chunks with
 # the parts on torch's cuDNN attention or on its flash attention (both through the aten op that returns the LSE)
@@ -81,14 +82,6 @@ def plan_cascade(q_lens: list[int], context_lens: list[int], min_prefix: int) ->
     return plan
 
 
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Two attentions of the same queries over disjoint keys -> the attention over both. o [..., d], lse [...]
-    (natural log) -> [..., d] float32."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
-    return (w1 * o1.float() + w2 * o2.float()) / (w1 + w2)
-
-
 def cascade_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -96,29 +89,32 @@ def cascade_prefill(
     block_table: torch.Tensor,
     prefix: int,
     attention: Attention,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [c, hq, d]: one chunk at positions [prefix, prefix + c), whose K/V (and its prefix's) are in the cache
-    at block_table [W] -> [c, hq, d]."""
+    at block_table [W] -> out [c, hq, d] (written in place when given: the step's rows of the chunk)."""
     c, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
     k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
     v = gather(v_cache, block_table, prefix + c).to(q.dtype)
     # The chunk's own keys, square causal: K/V repeated per query head (c keys: cheap).
     kc = k[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, hq, c, d]
     vc = v[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]
     o2, lse2 = attention(q.transpose(0, 1)[None], kc, vc, True)  # [1, hq, c, d], [1, hq, c]
-    o2, lse2 = o2[0].transpose(0, 1), lse2[0].transpose(0, 1)  # [c, hq, d], [c, hq]
     if prefix == 0:
-        return o2.to(q.dtype)
+        out.copy_(o2[0].transpose(0, 1))
+        return out
     # The prefix, no mask: GQA without copying the prefix's K/V, the g query heads of a KV head as g*c rows.
     qf = q.view(c, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * c, d)
     kp = k[:prefix].transpose(0, 1)[None]  # [1, hkv, prefix, d] (a strided view of the gather)
     vp = v[:prefix].transpose(0, 1)[None]
     o1, lse1 = attention(qf, kp, vp, False)  # [1, hkv, g*c, d], [1, hkv, g*c]
-    o1 = o1.view(hkv, g, c, d).permute(2, 0, 1, 3).reshape(c, hq, d)
-    lse1 = lse1.view(hkv, g, c).permute(2, 0, 1).reshape(c, hq)
-    return merge(o1, lse1, o2, lse2).to(q.dtype)
+    # Both parts merged by their LSE into out, read in the layouts the attentions wrote (one kernel on CUDA)
+    merge_into(out, o1[0], lse1[0], o2[0], lse2[0])
+    return out
 
 
 def attend_long_chunks(
@@ -134,4 +130,4 @@ def attend_long_chunks(
     (block_tables [P, W]: the prefill chunks')."""
     for ch in plan:
         rows = slice(ch.q_start, ch.q_start + ch.q_len)
-        out[rows] = cascade_prefill(q[rows], k_cache, v_cache, block_tables[ch.chunk], ch.prefix, attention)
+        cascade_prefill(q[rows], k_cache, v_cache, block_tables[ch.chunk], ch.prefix, attention, out[rows])

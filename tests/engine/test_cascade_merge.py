@@ -1,0 +1,89 @@
+"""The cascade prefill's one-pass merge (spanllm.kernels.cascade_merge): the kernel, under Triton's interpreter (a
+child pytest, as test_paged_kernels_interpreter.py), against the torch reference on the layouts the cascade hands
+it (the prefix part GQA-folded and contiguous, the chunk's part a transposed view, the output a slice of the step's
+rows), rows that do not fill a tile; and the reference itself against one attention over all the keys. The GPU
+runs it inside the cascade (tests/engine/test_gpu_cascade.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from triton_interpreter import interpreted_module, run_child_suite
+
+from spanllm.attention.cascade import reference_attention
+from spanllm.kernels.cascade_merge import merge_into, merge_into_reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _parts(c: int, hq: int, hkv: int, d: int, seed: int):
+    """Attention of c queries over 23 prefix keys (GQA-folded, as the cascade runs it) and over 11 other keys
+    (per query head) -> (o1, lse1, o2, lse2, the attention over all 34 keys [c, hq, d])."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(c, hq, d, generator=g)
+    k, v = torch.randn(34, hkv, d, generator=g), torch.randn(34, hkv, d, generator=g)
+    gq = hq // hkv
+    qf = q.view(c, hkv, gq, d).permute(1, 2, 0, 3).reshape(1, hkv, gq * c, d)
+    o1, lse1 = reference_attention(qf, k[:23].transpose(0, 1)[None], v[:23].transpose(0, 1)[None], False)
+    kr, vr = (t[23:].transpose(0, 1).repeat_interleave(gq, dim=0)[None] for t in (k, v))
+    o2, lse2 = reference_attention(q.transpose(0, 1)[None], kr, vr, False)
+    whole, _ = reference_attention(
+        q.transpose(0, 1)[None], *(t.transpose(0, 1).repeat_interleave(gq, dim=0)[None] for t in (k, v)), False
+    )
+    return o1[0], lse1[0], o2[0], lse2[0], whole[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_reference_merge_equals_one_attention_over_all_keys(hq, hkv):
+    o1, lse1, o2, lse2, whole = _parts(13, hq, hkv, 16, seed=hq)
+    out = torch.empty(13, hq, 16)
+    merge_into_reference(out, o1, lse1, o2, lse2)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-5)
+    merge_into(out, o1, lse1, o2, lse2)  # outside the interpreter: the reference (CPU tensors)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_mismatched_shapes_are_refused():
+    o1, lse1, o2, lse2, _ = _parts(5, 8, 2, 16, seed=0)
+    with pytest.raises(ValueError, match="shapes out"):
+        merge_into(torch.empty(6, 8, 16), o1, lse1, o2, lse2)
+    with pytest.raises(ValueError, match="lse shapes"):
+        merge_into(torch.empty(5, 8, 16), o1, lse1[:, :-1], o2, lse2)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    return interpreted_module(monkeypatch, "spanllm.kernels.cascade_merge")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c,hq,hkv", [(37, 8, 2), (5, 4, 4), (64, 8, 1)])
+def test_merge_kernel_equals_the_reference(kernels, c, hq, hkv, dtype):
+    d = 16
+    o1, lse1, o2, lse2, whole = _parts(c, hq, hkv, d, seed=c)
+    o1, o2 = o1.to(dtype), o2.to(dtype)
+    # the output: rows 3 .. 3 + c of a step's [T, hq, d] (strided like the engine's out[rows]); NaN elsewhere
+    step = torch.full((c + 7, hq, d), float("nan"), dtype=dtype)
+    out = step[3 : 3 + c]
+    kernels.merge_into(out, o1, lse1, o2, lse2)
+    want = torch.empty(c, hq, d, dtype=dtype)
+    merge_into_reference(want, o1, lse1, o2, lse2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    else:  # both round the same float32 value once, up to exp's last bit: at most one bf16 step apart
+        torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=2**-7)
+    assert step[:3].isnan().all() and step[3 + c :].isnan().all()  # no row outside its slice written
+    torch.testing.assert_close(out.float(), whole, atol=3e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+INTERPRETER_TESTS = 2 * 3
+
+
+def test_interpreter_suite():
+    """This file's kernel cases again in a child pytest with TRITON_INTERPRET=1: every one must pass there."""
+    if INTERPRETED:
+        pytest.skip("this is the child")
+    pytest.importorskip("triton")
+    run_child_suite(__file__, INTERPRETER_TESTS, "kernel_equals")
