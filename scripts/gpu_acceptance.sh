@@ -21,20 +21,23 @@
 #                 mismatch as compiled and without FMA contraction (scripts/gpu_fused_quant_check.py), and decode
 #                 with PDL off / on / on without the prefetch, FP8 first (SKIP_PDL=1 leaves it out)
 #   diagnose      any Hopper GPU: the cascade prefill's extra costs (scripts/gpu_cascade_probe.py: cuDNN's plan build
-#                 at a new shape, GQA in cuDNN, the merge kernel against torch); where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
+#                 at a new shape, GQA in cuDNN, the merge kernel against torch), its GPU tests, the fused FP8
+#                 quantization's GPU test and mismatch check, and long-context TTFT (the long-prefix part's
+#                 settings, with the profiled 111k prefill, no decodes beside it)
+#   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
-#                 a bf16 and with an FP8 KV cache, and the fused quantization's mismatch check without FMA contraction
+#                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate|diagnose}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate|diagnose|fp8-profile}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
 [ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU" in
   *H200*) ;;
-  *H100*) [ "$PART" = validate ] || [ "$PART" = diagnose ] || [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
+  *H100*) [ "$PART" = validate ] || [ "$PART" = diagnose ] || [ "$PART" = fp8-profile ] || [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 (${GPU:-none}): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -90,17 +93,24 @@ case "$PART" in
     [ "${SKIP_PDL:-0}" = 1 ] || tail -12 "$R/pdl/run.log"
     [ "$TESTS_RC" = 0 ] || { echo "validate: the GPU tests FAILED (pytest rc $TESTS_RC, $R/pytest.txt)"; exit 1; } ;;
   diagnose)
-    timeout 120 python3 scripts/gpu_cascade_probe.py "$R/cascade_probe" >"$R/cascade_probe.log" 2>&1
+    timeout 100 python3 scripts/gpu_cascade_probe.py "$R/cascade_probe" >"$R/cascade_probe.log" 2>&1
     pack
-    TRITON_DEFAULT_FP_FUSION=0 TRITON_CACHE_DIR=/tmp/triton_no_fma timeout 90 \
-      python3 scripts/gpu_fused_quant_check.py "$R/fused_check_no_fma" >"$R/fused_check_no_fma.log" 2>&1
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_cascade.py \
+      "tests/engine/test_fp8.py::test_gpu_fused_activation_quantization_equals_the_unfused_chain" >"$R/pytest.txt" 2>&1
+    timeout 60 python3 scripts/gpu_fused_quant_check.py "$R/fused_check" >"$R/fused_check.log" 2>&1
     pack
+    timeout 260 python3 scripts/gpu_long_context.py "$R/long_context" \
+      --prefill-config results/h100/long_context/best_prefill_config.json --prefill-attention cudnn-cascade \
+      --cascade-min-prefix 0 --chunks 16384 --ttft-reps 3 --no-itl --budget-s 230 >"$R/long_context.log" 2>&1
+    tail -5 "$R/cascade_probe.log"; grep -E "passed|failed" "$R/pytest.txt" | tail -3
+    grep -h "differ" "$R/fused_check.log" | head -6; grep -i "ttft" "$R/long_context.log" | tail -6 ;;
+  fp8-profile)
     S=results/h200/inputs/sharegpt_llama3_seed0_n1000.json
     for kv in ${PROFILE_KV:-auto fp8}; do
       timeout ${PROFILE_TIMEOUT:-250} python3 scripts/gpu_profile_steps.py --model llama3.1-8b --quantization fp8 \
         --kv-cache-dtype $kv --samples-file $S --out "$R/profile_fp8_kv_$kv" >"$R/profile_fp8_kv_$kv.log" 2>&1
       pack
     done
-    grep -h "bytes differ in rows\|differ" "$R/fused_check_no_fma.log" | head -6; tail -4 "$R"/profile_fp8_kv_*.log ;;
+    tail -4 "$R"/profile_fp8_kv_*.log ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
