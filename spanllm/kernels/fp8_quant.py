@@ -126,7 +126,6 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k,
         BLOCK=block,
         num_warps=8 if block >= 4096 else 4,
-        enable_fp_fusion=False,  # as the kernels compared with it (spanllm.kernels.fused_ops.NO_CONTRACTION)
         **launch_options(x.device),
     )
     return q, scale

@@ -30,12 +30,6 @@ from spanllm.kernels import interpreter
 from spanllm.kernels.fp8_quant import FP8_DTYPE, Fp8Activation
 from spanllm.kernels.pdl import launch_options
 
-# The kernels whose outputs must round alike whether they quantize or not (norm, SiLU; and the per-token
-# quantization kernel they are compared with) compile with no FMA contraction: ptxas may otherwise fuse a multiply
-# and an add (PTX mul.f32 / add.f32 without a rounding mode) in one variant of a kernel and not in the other, so
-# that a row's sum of squares differs in its last bit and a few bf16 roundings of the normed row flip.
-NO_CONTRACTION = {"enable_fp_fusion": False}
-
 if triton is not None:
     from spanllm.kernels.fp8_quant import fp8_quantize, fp8_scale
     from spanllm.kernels.pdl import wait_then_release
@@ -269,7 +263,6 @@ def add_rms_norm(
         QUANT=quantize,
         BLOCK=triton.next_power_of_2(h),
         num_warps=8 if h >= 4096 else 4,
-        **NO_CONTRACTION,
         **launch_options(x.device),
     )
     return (Fp8Activation(out, scale, x.dtype) if quantize else out), res_out
@@ -308,21 +301,12 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp
                 f,
                 BLOCK=min(SILU_QUANT_BLOCK, triton.next_power_of_2(f)),
                 num_warps=16 if f > 4096 else 4,
-                **NO_CONTRACTION,
                 **launch_options(gate_up.device),
             )
         return Fp8Activation(q, scale, gate_up.dtype)
     out = torch.empty(n, f, device=gate_up.device, dtype=gate_up.dtype)
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(f, block))](
-        gate_up,
-        out,
-        gate_up.stride(0),
-        out.stride(0),
-        f,
-        BLOCK=block,
-        num_warps=4,
-        **NO_CONTRACTION,
-        **launch_options(gate_up.device),
+        gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4, **launch_options(gate_up.device)
     )
     return out
