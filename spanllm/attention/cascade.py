@@ -27,14 +27,21 @@ from spanllm.kernels.cascade_merge import merge_into
 PREFILL_ATTENTION = ("triton", "cudnn-cascade", "flash-cascade")
 DEFAULT_CASCADE_MIN_PREFIX = 4096
 
-# attention(q [1, H, Lq, d], k [1, H, Lk, d], v [1, H, Lk, d], causal) -> (out [1, H, Lq, d] in q's dtype,
-# lse [1, H, Lq] float32, natural log of the softmax denominator of the scaled scores). causal: Lq == Lk,
-# query i sees keys [0, i].
+# attention(q [1, H, Lq, d], k [1, Hkv, Lk, d], v [1, Hkv, Lk, d], causal) -> (out [1, H, Lq, d] in q's dtype,
+# lse [1, H, Lq] float32, natural log of the softmax denominator of the scaled scores). Hkv divides H: query head
+# h reads KV head h // (H / Hkv) (GQA). causal: Lq == Lk, query i sees keys [0, i].
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v with each KV head repeated for its query heads (for an attention that needs as many as q has)."""
+    g = q.shape[1] // k.shape[1]
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     """The Attention contract in float32 math (CPU tests)."""
+    k, v = repeat_kv(q, k, v)
     s = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5  # [1, H, Lq, Lk]
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -46,14 +53,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     """torch's cuDNN attention: aten::_scaled_dot_product_cudnn_attention(query, key, value, attn_bias,
     compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale) -> (output, logsumexp, ...). Its
-    logsumexp is [B, H, L, 1] float32 in recent torch ([B, H, L] in older): reshaped to [B, H, L]."""
+    logsumexp is [B, H, L, 1] float32 in recent torch ([B, H, L] in older): reshaped to [B, H, L]. cuDNN reads
+    fewer KV heads than query heads itself (seen exact on torch 2.11: results/h100/long_context/call_f/)."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
     return out, lse.reshape(q.shape[:3])
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
     """torch's flash attention: aten::_scaled_dot_product_flash_attention(query, key, value, dropout_p,
-    is_causal, return_debug_mask, *, scale) -> (output, logsumexp [B, H, L] float32, ...)."""
+    is_causal, return_debug_mask, *, scale) -> (output, logsumexp [B, H, L] float32, ...). K/V repeated to q's
+    heads first (torch's flash op is not documented to take fewer)."""
+    k, v = repeat_kv(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
     return out, lse.reshape(q.shape[:3])
 
@@ -100,9 +110,9 @@ def cascade_prefill(
         out = torch.empty_like(q)
     k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
     v = gather(v_cache, block_table, prefix + c).to(q.dtype)
-    # The chunk's own keys, square causal: K/V repeated per query head (c keys: cheap).
-    kc = k[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]  # [1, hq, c, d]
-    vc = v[prefix:].transpose(0, 1).repeat_interleave(g, dim=0)[None]
+    # The chunk's own keys, square causal, GQA: the attention maps each query head to its KV head.
+    kc = k[prefix:].transpose(0, 1)[None]  # [1, hkv, c, d]
+    vc = v[prefix:].transpose(0, 1)[None]
     o2, lse2 = attention(q.transpose(0, 1)[None], kc, vc, True)  # [1, hq, c, d], [1, hq, c]
     if prefix == 0:
         out.copy_(o2[0].transpose(0, 1))

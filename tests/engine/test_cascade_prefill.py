@@ -42,6 +42,19 @@ def test_cascade_equals_reference(prefix, c, hq, hkv):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
+def test_reference_attention_reads_each_query_heads_kv_head():
+    """GQA in the Attention contract: 6 query heads over 2 KV heads equal the same with K/V repeated (heads 0-2
+    read KV head 0, heads 3-5 KV head 1)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 6, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8)
+    for causal in (False, True):
+        out, lse = reference_attention(q, k, v, causal)
+        want, want_lse = reference_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), causal)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        one, _ = reference_attention(q[:, 4:5], k[:, 1:2], v[:, 1:2], causal)
+        torch.testing.assert_close(out[:, 4:5], one)
+
+
 def test_the_lse_is_the_natural_log_of_the_softmax_denominator():
     """The Attention contract's LSE (what the merge weighs the parts by; the merge: test_cascade_merge.py)."""
     g = torch.Generator().manual_seed(0)

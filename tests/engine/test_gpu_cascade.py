@@ -67,6 +67,21 @@ def test_attention_op_returns_out_and_natural_log_lse(kind, causal):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_attention_op_takes_fewer_kv_heads(kind):
+    """GQA as the cascade's causal part calls it (32 query heads, 8 KV heads, BSHD-strided K/V): equal to the
+    same call with K/V repeated to 32 heads (cuDNN reads the groups itself; flash gets them repeated)."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q = torch.randn(1, 32, 700, 128, device=DEV, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(700, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g).transpose(0, 1)[None]
+    v = torch.randn(700, 8, 128, device=DEV, dtype=torch.bfloat16, generator=g).transpose(0, 1)[None]
+    out, lse = CASCADE_ATTENTION[kind](q, k, v, True)
+    want, want_lse = CASCADE_ATTENTION[kind](q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), True)
+    assert out.shape == q.shape and lse.shape == (1, 32, 700)
+    assert (lse - want_lse).abs().max().item() < 1e-5
+    assert (out.float() - want.float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_cascade_matches_the_triton_kernel_at_a_20k_prefix(kind):
     """A chunk of 1000 queries starting mid-block after 20,011 cached keys, 32 / 8 heads of 128, bf16."""
     prefix, c = 20011, 1000
