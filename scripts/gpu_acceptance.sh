@@ -24,20 +24,22 @@
 #                 at a new shape, GQA in cuDNN, the merge kernel against torch), its GPU tests, the fused FP8
 #                 quantization's GPU test and mismatch check, and long-context TTFT (the long-prefix part's
 #                 settings, with the profiled 111k prefill, no decodes beside it)
+#   decode-launch any Hopper GPU: the paged decode kernel's launch shapes by KV-cache dtype
+#                 (scripts/gpu_decode_launch.py: what spanllm.kernels.paged_attention.DECODE_LAUNCH should say)
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
 #                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate|diagnose|fp8-profile}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|decode-launch}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
 [ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU" in
   *H200*) ;;
-  *H100*) [ "$PART" = validate ] || [ "$PART" = diagnose ] || [ "$PART" = fp8-profile ] || [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
+  *H100*) [ "$PART" = validate ] || [ "$PART" = diagnose ] || [ "$PART" = fp8-profile ] || [ "$PART" = decode-launch ] || [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 (${GPU:-none}): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -104,6 +106,10 @@ case "$PART" in
       --cascade-min-prefix 0 --chunks 16384 --ttft-reps 3 --no-itl --budget-s 230 >"$R/long_context.log" 2>&1
     tail -5 "$R/cascade_probe.log"; grep -E "passed|failed" "$R/pytest.txt" | tail -3
     grep -h "differ" "$R/fused_check.log" | head -6; grep -i "ttft" "$R/long_context.log" | tail -6 ;;
+  decode-launch)
+    timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
+      >"$R/decode_launch.log" 2>&1
+    tail -16 "$R/decode_launch.log" ;;
   fp8-profile)
     S=results/h200/inputs/sharegpt_llama3_seed0_n1000.json
     for kv in ${PROFILE_KV:-auto fp8}; do

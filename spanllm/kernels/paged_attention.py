@@ -49,6 +49,12 @@ MAX_SPLITS = 16
 # by splitting.
 PREFETCH_WAVES = 2
 DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
+# The decode key loop's (keys per tile, warps, pipeline stages) by the cache's bytes per element (an FP8 cache: 1).
+DECODE_LAUNCH = {
+    1: (BLOCK_N, 4, DECODE_NUM_STAGES),
+    2: (BLOCK_N, 4, DECODE_NUM_STAGES),
+    4: (BLOCK_N, 4, DECODE_NUM_STAGES),
+}
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
 # to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
 MIN_TILES_PER_SPLIT = 2
@@ -333,6 +339,9 @@ def decode(
     prefetch: bool | None = None,
     out: torch.Tensor | None = None,
     shared: SharedPrefixTensors | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
     a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
@@ -340,11 +349,13 @@ def decode(
     [B, hq, d] view; default a new tensor). min_tiles and prefetch (default: MIN_TILES_PER_SPLIT, and the key loop
     the grid's size selects) let the tests reach every split and both key loops on small inputs. shared: the
     step's shared-prefix plan on the device (spanllm.attention.shared_prefix): stage 1 runs first, over its
-    units, then this kernel over each row's own keys, folding the row's stage-1 partials in."""
+    units, then this kernel over each row's own keys, folding the row's stage-1 partials in. block_n, num_warps,
+    num_stages: the key loop's launch shape (default: DECODE_LAUNCH for the cache's element size; a sweep sets them)."""
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
+    launch = DECODE_LAUNCH[k_cache.element_size()]
     out = torch.empty_like(q) if out is None else out
     scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634
     prefix_args = (context_lens,) * 5  # unused without a plan
@@ -387,15 +398,15 @@ def decode(
         G_PAD=g_pad,
         D=d,
         CACHE_BLOCK=cache_block,
-        BLOCK=BLOCK_N,
+        BLOCK=block_n or launch[0],
         SPLITS=num_splits,
         MIN_TILES=MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
         PREC=_precision(q),
         PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
         HAS_PREFIX=shared is not None,
         PREFIX_SPLITS=MAX_PREFIX_SPLITS,
-        num_warps=4,
-        num_stages=DECODE_NUM_STAGES,
+        num_warps=num_warps or launch[1],
+        num_stages=num_stages or launch[2],
         **launch_options(q.device),
     )
     return out

@@ -1,0 +1,171 @@
+"""The paged decode kernel's launch shape (keys per tile, warps, pipeline stages) by KV-cache dtype, on one GPU.
+
+An FP8 cache holds half the bytes of a bf16 one per key: at the same tile size every load in flight carries half
+as much, so a kernel bound by bytes in flight reads an FP8 cache well below the copy bandwidth (issue 30's FP8
+ShareGPT profile: the decode kernel at ~55% of it). This sweep times spanllm.kernels.paged_attention.decode for
+each launch shape at decode batches of the serving workloads (8B: 32 query / 8 KV heads of 128, block size 16,
+shuffled blocks), checks each against the default shape's output, and reports GB/s of K/V read and the best shape
+per dtype (geometric mean over the batches): what DECODE_LAUNCH should say.
+
+    python3 scripts/gpu_decode_launch.py OUTDIR [--budget-s 150]
+
+Writes OUTDIR/decode_launch.json (machine, versions, settings, every timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+SHAPES = [(256, 256), (256, 512), (256, 1024), (64, 2048), (16, 4096), (1, 8192)]  # (batch, context)
+LAUNCHES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+
+
+def make(batch: int, ctx: int, dtype: torch.dtype, dev):
+    g = torch.Generator(device=dev).manual_seed(batch * 7 + ctx)
+    per = -(-ctx // BS)
+    blocks = batch * per + 1
+    kc = torch.randn(blocks, BS, HKV, D, device=dev, generator=g).to(dtype)
+    vc = torch.randn(blocks, BS, HKV, D, device=dev, generator=g).to(dtype)
+    ids = (torch.randperm(blocks - 1, device=dev, generator=g) + 1).to(torch.int32)
+    tables = ids[: batch * per].view(batch, per).contiguous()
+    cl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HQ, D, device=dev, generator=g, dtype=torch.bfloat16)
+    return q, kc, vc, tables, cl
+
+
+def graph_us(fn, calls: int = 20, reps: int = 5) -> list[float]:
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / calls)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("outdir")
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    args = ap.parse_args()
+    os.makedirs(args.outdir, exist_ok=True)
+    from spanllm.commands.bench_throughput import machine_info
+    from spanllm.kernels import paged_attention as kt
+
+    dev = torch.device("cuda")
+    t_end = time.monotonic() + args.budget_s
+    result = {
+        "machine": machine_info(dev),
+        "settings": {"hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS, "shapes": SHAPES},
+        "default_launch": {str(k): v for k, v in kt.DECODE_LAUNCH.items()},
+        "rows": [],
+        "skipped": [],
+    }
+    path = os.path.join(args.outdir, "decode_launch.json")
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for batch, ctx in SHAPES:
+            q, kc, vc, tables, cl = make(batch, ctx, dtype, dev)
+            splits = kt.num_splits_for(batch, HKV, dev)
+            want = kt.decode(q, kc, vc, tables, cl, splits)
+            kv_bytes = 2 * batch * ctx * HKV * D * kc.element_size()
+            for bn, warps, stages in LAUNCHES:
+                key = {"dtype": str(dtype), "batch": batch, "context": ctx, "block_n": bn, "warps": warps}
+                key["stages"] = stages
+                if time.monotonic() > t_end:
+                    result["skipped"].append(key)
+                    continue
+
+                inputs = (q, kc, vc, tables, cl, splits)
+
+                def call(inputs=inputs, bn=bn, warps=warps, stages=stages):
+                    return kt.decode(*inputs, block_n=bn, num_warps=warps, num_stages=stages)
+
+                try:
+                    err = float((call().float() - want.float()).abs().max())
+                    us = graph_us(call)
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile is recorded, not fatal
+                    result["rows"].append({**key, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                med = statistics.median(us)
+                result["rows"].append(
+                    {
+                        **key,
+                        "splits": splits,
+                        "max_abs_diff": err,
+                        "us": [round(x, 2) for x in us],
+                        "us_median": round(med, 2),
+                        "kv_gb_per_s": round(kv_bytes / med / 1e3, 1),
+                    }
+                )
+            best = min(
+                (
+                    r
+                    for r in result["rows"]
+                    if r.get("batch") == batch
+                    and r.get("context") == ctx
+                    and r["dtype"] == str(dtype)
+                    and "us_median" in r
+                ),
+                key=lambda r: r["us_median"],
+                default=None,
+            )
+            if best:
+                print(
+                    f"{dtype} b{batch} ctx{ctx}: best {best['block_n']}x{best['warps']}w x{best['stages']}s "
+                    f"{best['us_median']} us, {best['kv_gb_per_s']} GB/s",
+                    flush=True,
+                )
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+    # the best launch per dtype: geometric mean of its time relative to each shape's best, over every shape
+    summary = {}
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        rows = [r for r in result["rows"] if r["dtype"] == str(dtype) and "us_median" in r and r["max_abs_diff"] < 2e-2]
+        best_of = {}
+        for r in rows:
+            k = (r["batch"], r["context"])
+            best_of[k] = min(best_of.get(k, math.inf), r["us_median"])
+        by_launch = {}
+        for r in rows:
+            by_launch.setdefault((r["block_n"], r["warps"], r["stages"]), []).append(
+                r["us_median"] / best_of[(r["batch"], r["context"])]
+            )
+        full = {k: v for k, v in by_launch.items() if len(v) == len(best_of)}
+        ranked = sorted(full.items(), key=lambda kv: math.exp(statistics.fmean(map(math.log, kv[1]))))
+        summary[str(dtype)] = [
+            {"launch": list(k), "geomean_vs_best": round(math.exp(statistics.fmean(map(math.log, v))), 3)}
+            for k, v in ranked[:5]
+        ]
+        print(dtype, summary[str(dtype)][:3], flush=True)
+    result["summary"] = summary
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
