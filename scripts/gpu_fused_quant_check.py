@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from spanllm.kernels.fp8_quant import quantize_per_token
-from spanllm.kernels.fused_ops import add_rms_norm
+from spanllm.kernels.fp8_quant import quantize_per_token, quantize_per_token_reference
+from spanllm.kernels.fused_ops import add_rms_norm, add_rms_norm_reference
 from spanllm.measure.report import machine_info, versions
 
 REPEATS = 4
@@ -67,7 +67,31 @@ def check(m: int, h: int, with_residual: bool, fused_first: bool) -> dict:
                 "unfused_byte": int(u0[r, c]),
             }
         )
+    # Which side is off: both against torch's chain (F.rms_norm in float32, rounded, times w, quantized by the
+    # reference), row by row; and each differing row's sum of squares in float64 beside the one torch's float32 gives.
+    ref_plain, _ = add_rms_norm_reference(x, res, w, 1e-5)
+    rq, rs = quantize_per_token_reference(ref_plain)
+    rq = _bytes(rq)
+    xr = (x.float() + res.float()).to(torch.bfloat16).float() if res is not None else x.float()
+    row_stats = []
+    for r in rows[:4]:
+        row = xr[r].double()
+        row_stats.append(
+            {
+                "row": r,
+                "mean_square_float64": float((row * row).mean()),
+                "mean_square_float32": float((xr[r] * xr[r]).mean()),
+                "kernel_bf16_vs_torch_elements": int((plains[0][r] != ref_plain[r]).sum()),
+                "fused_vs_torch_bytes": int((f0[r] != rq[r]).sum()),
+                "unfused_vs_torch_bytes": int((u0[r] != rq[r]).sum()),
+                "scale_vs_torch": [us0[r, 0].item(), rs[r, 0].item()],
+            }
+        )
     return {
+        "fused_vs_torch_rows": sorted({int(r) for r in (f0 != rq).nonzero()[:, 0].tolist()})[:20],
+        "unfused_vs_torch_rows": sorted({int(r) for r in (u0 != rq).nonzero()[:, 0].tolist()})[:20],
+        "kernel_bf16_vs_torch_rows": sorted({int(r) for r in (plains[0] != ref_plain).nonzero()[:, 0].tolist()})[:20],
+        "differing_row_stats": row_stats,
         "rows": m,
         "hidden": h,
         "residual": with_residual,
@@ -99,7 +123,10 @@ def main() -> None:
                         f"m={m} h={h} residual={with_residual} fused_first={fused_first}: fused runs identical "
                         f"{r['fused_runs_identical']} {r['fused_runs_differing_bytes']}, unfused identical "
                         f"{r['unfused_norm_runs_identical']}/{r['unfused_quant_runs_identical']}, scales equal "
-                        f"{r['scales_equal']}, {r['differing_bytes']} bytes differ in rows {r['differing_rows']}",
+                        f"{r['scales_equal']}, {r['differing_bytes']} bytes differ in rows {r['differing_rows']}; "
+                        f"against torch: "
+                        f"fused rows {r['fused_vs_torch_rows'][:6]}, unfused rows {r['unfused_vs_torch_rows'][:6]}, "
+                        f"bf16 norm rows {r['kernel_bf16_vs_torch_rows'][:6]}",
                         flush=True,
                     )
     path = os.path.join(args.outdir, "fused_quant_check.json")
