@@ -16,7 +16,13 @@ from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.engine.sampler import SamplingParams
 from spanllm.kernels import skinny_gemm
-from spanllm.kernels.fp8_quant import FP8_MAX, MIN_SCALE, quantize_per_token, quantize_per_token_reference
+from spanllm.kernels.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    Fp8Activation,
+    quantize_per_token,
+    quantize_per_token_reference,
+)
 from spanllm.layers import fp8
 from spanllm.layers.linear import _Linear
 
@@ -211,9 +217,13 @@ def test_gpu_fp8_linear_in_a_cuda_graph():
 @pytest.mark.parametrize("m", [1, 17, 300, 4100])
 def test_gpu_fused_activation_quantization_equals_the_unfused_chain(m):
     """add_rms_norm / silu_mul with quantize=True (the W8A8 GEMM's input quantized by the kernel that produces it)
-    equal the kernel's output in bf16 quantized by quantize_per_token, bit for bit: the 8B's widths (hidden 4096,
-    ffn 14336), a TP = 4 shard's ffn (3584), the 70B's (28,672: two passes), and widths that leave a masked tail."""
-    from spanllm.kernels.fused_ops import add_rms_norm, silu_mul
+    and the unfused chain (the kernel's output in bf16, then quantize_per_token), both against torch's chain (float32
+    norm / SiLU rounded to bf16, then the reference quantization): the 8B's widths (hidden 4096, ffn 14336), a TP = 4
+    shard's ffn (3584), the 70B's (28,672: two passes), and widths that leave a masked tail. Scales equal torch's
+    everywhere and bytes almost everywhere; in about one row in a thousand the Triton norm's row (fused or not) is
+    a few bf16 roundings off torch's (results/h100/fp8/fused_quant/README.md), so a few of its bytes are one e4m3
+    step off: at most 1% of the rows, 1% of such a row's bytes, one step each."""
+    from spanllm.kernels.fused_ops import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
     g = torch.Generator(device="cuda").manual_seed(m)
     for h in (4096, 5120, 100):
@@ -221,22 +231,34 @@ def test_gpu_fused_activation_quantization_equals_the_unfused_chain(m):
         res = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.rand(h, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
         for r in (res, None):
+            want, res_want = add_rms_norm_reference(x, r, w, 1e-5, quantize=True)
             fused, res_fused = add_rms_norm(x, r, w, 1e-5, quantize=True)
             plain, res_plain = add_rms_norm(x, r, w, 1e-5)
-            q, s = quantize_per_token(plain)
-            assert torch.equal(res_fused, res_plain) and torch.equal(fused.scale, s)
+            assert torch.equal(res_fused, res_want) and torch.equal(res_plain, res_want)
             assert fused.dtype == torch.bfloat16
-            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), _fp8_mismatches(fused.q, q, plain, s)
+            _within_one_step_in_rare_rows(fused, want, f"norm h={h} fused")
+            _within_one_step_in_rare_rows(Fp8Activation(*quantize_per_token(plain), x.dtype), want, f"norm h={h}")
     for f in (14336, 3584, 28672, 3000):
         if f == 28672 and m > 300:
             continue  # the widest at 4,100 rows: 470 MB of input for no new path
         gate_up = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=g) * 3
-        fused = silu_mul(gate_up, quantize=True)
-        q, s = quantize_per_token(silu_mul(gate_up))
-        assert torch.equal(fused.scale, s)
-        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), _fp8_mismatches(
-            fused.q, q, silu_mul(gate_up), s
-        )
+        want = silu_mul_reference(gate_up, quantize=True)
+        _within_one_step_in_rare_rows(silu_mul(gate_up, quantize=True), want, f"silu f={f} fused")
+        _within_one_step_in_rare_rows(Fp8Activation(*quantize_per_token(silu_mul(gate_up)), want.dtype), want, "silu")
+
+
+def _within_one_step_in_rare_rows(got, want, what: str) -> None:
+    """got and want (Fp8Activation) have equal scales, and differ in at most 1% of the rows (at least one), in at
+    most 1% of such a row's bytes (at least one), each by one e4m3 step of the same sign."""
+    m, k = want.q.shape
+    assert torch.equal(got.scale, want.scale), what
+    a, b = got.q.view(torch.uint8).int(), want.q.view(torch.uint8).int()
+    bad = a != b
+    rows = bad.any(dim=1)
+    detail = f"{what}: " + _fp8_mismatches(got.q, want.q, want.dequantized(), want.scale)
+    assert int(rows.sum()) <= max(1, m // 100), detail
+    assert int(bad.sum(dim=1).max()) <= max(1, k // 100), detail
+    assert ((a - b).abs()[bad] == 1).all() and ((a ^ b)[bad] & 0x80 == 0).all(), detail  # adjacent codes, same sign
 
 
 def _fp8_mismatches(got: torch.Tensor, want: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> str:

@@ -1,7 +1,7 @@
 """FP8 activation quantization fused into the kernels that produce a W8A8 GEMM's input (spanllm.kernels.fused_ops
 quantize=True, spanllm.layers.fp8): residual add + RMSNorm before qkv and gate_up, SiLU(gate) * up before down.
 
-- Off until a GPU measures its crossover (fp8.FUSED_QUANT_MIN_ROWS); the tests turn it on.
+- On from fp8.FUSED_QUANT_MIN_ROWS rows (32: an H100 measured the fused chain faster from there); the tests set it.
 - On CPU, the model with the fused path equals the model with every norm and SiLU output left in the model dtype
   and quantized by the GEMM itself, bit for bit, and the fused path is taken exactly where the rule says.
 - Under Triton's interpreter (a child pytest, as test_paged_kernels_interpreter.py), the fused kernels equal the
@@ -39,8 +39,15 @@ def test_fp8_activation_dequantizes_as_the_gemm_sees_it():
     assert torch.equal(a.dequantized(), (q.float() * s).to(torch.bfloat16))
 
 
-def test_off_until_measured_and_named_in_the_description():
-    assert fp8.FUSED_QUANT_MIN_ROWS is None  # no GPU has measured the crossover yet (scripts/gpu_fused_quant.py)
+def test_on_from_the_measured_rows_and_named_in_the_description(monkeypatch):
+    assert fp8.FUSED_QUANT_MIN_ROWS == 32  # results/h100/fp8/fused_quant/fused_quant.json: faster from M = 32
+    assert "x quantized by the norm / SiLU kernel that produces it from 32 rows" in fp8.describe_dispatch()
+    gate_up = (28672, 4096)  # W8A8 from 17 rows in the committed table (o and qkv stay W8A16 to 64 and 32 rows)
+    assert fp8.producer_quantizes(10_000, 4096, 4096) and fp8.producer_quantizes(32, *gate_up)
+    assert not fp8.producer_quantizes(31, *gate_up)  # W8A8 below the crossover: the separate pass
+    assert not fp8.producer_quantizes(16, *gate_up)  # W8A16: no activation quantization at all
+    assert not fp8.producer_quantizes(32, 4096, 4096)  # W8A16 by the table
+    monkeypatch.setattr(fp8, "FUSED_QUANT_MIN_ROWS", None)
     assert "x quantized by a separate pass" in fp8.describe_dispatch()
     assert not fp8.producer_quantizes(10_000, 4096, 4096)
 
