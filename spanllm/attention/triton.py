@@ -113,12 +113,19 @@ class TritonBackend(AttentionBackend):
             tiling += f"; decodes sharing >= {self.min_shared_keys} cached keys read them once per group"
         if self.cascade is not None:
             which = "every chunk" if self.cascade_min_prefix == 0 else f"prefixes >= {self.cascade_min_prefix} keys"
-            tiling += f"; prefill {self.prefill_attention} for {which}, eager"
+            tiling += f"; prefill {self.prefill_attention} for {which} in steps without decodes, eager"
         return f"triton ({tiling})"
+
+    def runs_cascade(self, num_decode: int) -> bool:
+        """Whether this step's long-prefix chunks take the cascade: only in steps without decodes. Beside decodes
+        the scheduler's attention budget cuts each chunk to a new size, so every step would build new cuDNN plans
+        (~45 ms each) and give up the decode graph: on an H100 that made the decodes' p99 inter-token latency 1.36 s
+        against 0.23 s with the Triton kernel (results/h100/long_context/README.md, call D)."""
+        return self.cascade is not None and num_decode == 0
 
     def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
         """A step with a chunk for the cascade runs eagerly (no graph holds its gathers' sizes)."""
-        if self.cascade is None:
+        if not self.runs_cascade(num_decode):
             return False
         prefix = context_lens[num_decode:] - q_lens[num_decode:]
         return bool((prefix >= self.cascade_min_prefix).any())
@@ -160,7 +167,7 @@ class TritonBackend(AttentionBackend):
             meta.prefill_context_lens = ctx[nd:]
             meta.prefill_block_tables = tables[nd:]
             tile_lens = chunk_lens.tolist()
-            if self.cascade is not None:
+            if self.runs_cascade(nd):
                 meta.cascade = plan_cascade(tile_lens, context_lens[nd:].tolist(), self.cascade_min_prefix)
                 for ch in meta.cascade:
                     tile_lens[ch.chunk] = 0  # no tiles: the kernel leaves its rows to the cascade

@@ -129,7 +129,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         default="triton",
         help="prefill chunks with a long cached prefix (EngineConfig.cascade_min_prefix keys): the Triton kernel, "
         "or a cascade of torch's cuDNN / flash attention over the gathered prefix merged with the chunk's causal "
-        "part (eager steps; triton backend only)",
+        "part (in steps without decodes, eagerly; triton backend only)",
     )
     g.add_argument(
         "--cascade-min-prefix",

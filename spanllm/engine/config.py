@@ -66,9 +66,9 @@ class EngineConfig:
     prefill_tiling: PrefillConfig | None = None
     # The Triton backend's prefill attention (spanllm.attention.cascade): "triton" (the paged kernel for every
     # chunk), or a cascade (cudnn-cascade, flash-cascade: torch's fused attention over the gathered prefix, no
-    # mask, merged with the chunk's square causal part) for chunks with >= cascade_min_prefix cached keys,
-    # whose steps then run eagerly (0: every chunk, a prompt's first included, whose cascade is the square causal
-    # part alone). LLM.describe() names it.
+    # mask, merged with the chunk's square causal part) for chunks with >= cascade_min_prefix cached keys in
+    # steps without decodes, which then run eagerly (0: every chunk, a prompt's first included, whose cascade is the
+    # square causal part alone); beside decodes the paged kernel runs. LLM.describe() names it.
     prefill_attention: str = "triton"
     cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX
     # Decodes whose block tables start with the same cached blocks (prefix caching's shared prompts) read those

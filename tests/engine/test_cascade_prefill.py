@@ -73,45 +73,46 @@ def test_plan_picks_the_long_prefixes():
     assert [(p.chunk, p.q_start, p.q_len, p.prefix) for p in plan] == [(0, 0, 10, 0), (1, 10, 3, 8)]
 
 
-def test_a_step_of_decodes_long_and_short_chunks_split_as_the_triton_backend_splits_it():
-    """Two decodes, two long-prefix chunks, a short one: the backend's metadata (built on CPU) leaves the long
-    chunks out of the kernel's tiles and plans them for the cascade; the decodes and the short chunk on the
-    reference, the long ones through attend_long_chunks -> every row equals the reference step."""
+def test_a_step_of_long_and_short_chunks_split_as_the_triton_backend_splits_it():
+    """Two long-prefix chunks and a short one, no decodes: the backend's metadata (built on CPU) leaves the long
+    chunks out of the kernel's tiles and plans them for the cascade; the short chunk on the reference, the long ones
+    through attend_long_chunks -> every row equals the reference step. The same chunks beside decodes: no cascade
+    (the paged kernel runs them, the step may use a graph)."""
     pytest.importorskip("triton")
     from spanllm.attention.triton import TritonBackend
 
     hq, hkv, d, min_prefix = 8, 2, 16, 64
-    q_lens = np.array([1, 1, 21, 9, 40], dtype=np.int32)  # decodes first
-    context_lens = np.array([50, 7, 100 + 21, 30 + 9, 64 + 40], dtype=np.int32)
+    q_lens = np.array([21, 9, 40], dtype=np.int32)
+    context_lens = np.array([100 + 21, 30 + 9, 64 + 40], dtype=np.int32)
     kc, vc, tables = poisoned_paged_pool(context_lens.tolist(), BLOCK, hkv, d, seed=3)
-    nd = 2
-    for r in range(nd):  # the batched reference decode reads past a row's blocks (masked): block 0 there, not NaN
-        tables[r, -(-int(context_lens[r]) // BLOCK) :] = 0
     b = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="cudnn-cascade", cascade_min_prefix=min_prefix)
-    assert b.eager_only(nd, q_lens, context_lens)
-    assert not b.eager_only(nd, q_lens[[0, 1, 3]], context_lens[[0, 1, 3]])  # decodes and the short chunk
-    assert "prefill cudnn-cascade for prefixes >= 64 keys" in b.describe(torch.bfloat16)
+    assert b.eager_only(0, q_lens, context_lens)
+    assert not b.eager_only(0, q_lens[[1]], context_lens[[1]])  # the short chunk alone
+    assert "prefill cudnn-cascade for prefixes >= 64 keys in steps without decodes" in b.describe(torch.bfloat16)
     cos = sin = torch.zeros(int(q_lens.sum()), 1, d)
-    meta = b.build_metadata(nd, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy)
+    meta = b.build_metadata(0, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy)
     assert [(p.chunk, p.q_start, p.prefix) for p in meta.cascade] == [(0, 0, 100), (2, 30, 64)]
     assert set(meta.prefill_tiles[:, 0].tolist()) == {1}  # the kernel runs the short chunk only
-    assert not TritonBackend(hq, hkv, d, torch.device("cpu")).eager_only(nd, q_lens, context_lens)
+    assert not TritonBackend(hq, hkv, d, torch.device("cpu")).eager_only(0, q_lens, context_lens)
+
+    # beside two decodes: no cascade, every chunk in the kernel's tiles
+    dq, dctx = np.array([1, 1] + q_lens.tolist(), dtype=np.int32), np.array([50, 7] + context_lens.tolist())
+    assert not b.eager_only(2, dq, dctx)
+    _, _, dtables = poisoned_paged_pool(dctx.tolist(), BLOCK, hkv, d, seed=3)
+    dcos = torch.zeros(int(dq.sum()), 1, d)
+    dmeta = b.build_metadata(2, dq, dctx, dtables.numpy(), dcos, dcos, torch.zeros(1), torch.from_numpy)
+    assert not dmeta.cascade and set(dmeta.prefill_tiles[:, 0].tolist()) == {0, 1, 2}
 
     q = torch.randn(int(q_lens.sum()), hq, d, generator=torch.Generator().manual_seed(4))
     rmeta = ref.ReferenceBackend(hq, hkv, d, torch.device("cpu")).build_metadata(
-        nd, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy
+        0, q_lens, context_lens, tables.numpy(), cos, sin, torch.zeros(1), torch.from_numpy
     )
     want = ref.reference_attend(q, kc, vc, rmeta)
     out = torch.full_like(q, float("nan"))
-    out[:nd] = ref.reference_decode(q[:nd], kc, vc, meta.decode_block_tables, context_lens[:nd].tolist())
-    short = [j for j in range(3) if j not in {p.chunk for p in meta.cascade}]
-    cu = np.concatenate([[0], np.cumsum(q_lens[nd:])])
-    for j in short:  # what the Triton kernel's tiles cover
-        rows = slice(nd + cu[j], nd + cu[j + 1])
-        out[rows] = ref.reference_prefill(
-            q[rows], kc, vc, meta.prefill_block_tables[j : j + 1], [int(q_lens[nd + j])], [int(context_lens[nd + j])]
-        )
-    attend_long_chunks(q[nd:], kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out[nd:])
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    rows = slice(cu[1], cu[2])  # the short chunk: what the Triton kernel's tiles cover
+    out[rows] = ref.reference_prefill(q[rows], kc, vc, meta.prefill_block_tables[1:2], [9], [39])
+    attend_long_chunks(q, kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
