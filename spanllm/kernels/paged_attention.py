@@ -49,9 +49,12 @@ MAX_SPLITS = 16
 # by splitting.
 PREFETCH_WAVES = 2
 DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
-# The decode key loop's (keys per tile, warps, pipeline stages) by the cache's bytes per element (an FP8 cache: 1).
+# The decode key loop's (keys per tile, warps, pipeline stages) by the cache's bytes per element. An FP8 cache's
+# tiles carry half the bytes of a bf16 one's at the same keys: 128 keys, 2 stages read it 8% faster than 64 keys,
+# 3 stages (geometric mean over batches 1-256, contexts 256-8,192); for bf16, 64 keys, 3 stages stays the best
+# (scripts/gpu_decode_launch.py on an H100: results/h100/decode_launch/).
 DECODE_LAUNCH = {
-    1: (BLOCK_N, 4, DECODE_NUM_STAGES),
+    1: (128, 4, 2),
     2: (BLOCK_N, 4, DECODE_NUM_STAGES),
     4: (BLOCK_N, 4, DECODE_NUM_STAGES),
 }
