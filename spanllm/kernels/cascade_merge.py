@@ -25,6 +25,7 @@ except ImportError:  # the CPU torch wheel comes without Triton
     triton = None
 
 from spanllm.kernels import interpreter
+from spanllm.kernels.pdl import launch_options
 
 
 def merge_into_reference(
@@ -44,6 +45,7 @@ def merge_into_reference(
 
 
 if triton is not None:
+    from spanllm.kernels.pdl import wait_then_release
 
     @triton.jit
     def _merge_kernel(
@@ -66,7 +68,9 @@ if triton is not None:
         s_l2_r,
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_then_release(PDL)
         # one program: BLOCK_R rows of one query head h (KV head h // G, its (h % G)-th query head)
         h = tl.program_id(1)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -123,4 +127,5 @@ def merge_into(out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torc
         D=d,
         BLOCK_R=block_r,
         num_warps=4,
+        **launch_options(out.device),
     )

@@ -46,10 +46,10 @@ def test_every_kernel_of_the_forward_waits_then_releases_first():
     import ast
     import inspect
 
-    from spanllm.kernels import fp8_quant, fused_ops, paged_attention, skinny_gemm
+    from spanllm.kernels import cascade_merge, fp8_quant, fused_ops, paged_attention, skinny_gemm
 
     launched = 0
-    for module in (fused_ops, skinny_gemm, fp8_quant, paged_attention):
+    for module in (fused_ops, skinny_gemm, fp8_quant, paged_attention, cascade_merge):
         tree = ast.parse(inspect.getsource(module))
         kernels = {
             n.name: n
@@ -78,8 +78,8 @@ def test_every_kernel_of_the_forward_waits_then_releases_first():
             assert "PDL" in [a.arg for a in kernels[name].args.args], name
             launched += 1
     # rope + cache, add + RMSNorm, SiLU x up (two), the skinny GEMM, per-token quantization, decode, shared
-    # prefix, prefill
-    assert launched == 9
+    # prefix, prefill, the cascade's merge
+    assert launched == 10
 
 
 def test_weight_prefetch_budget(monkeypatch):
