@@ -2,8 +2,9 @@
 
 1. cuDNN's first call at a new shape: torch builds a cuDNN graph and execution plan per (queries, keys, causal,
    strides) and caches it; a long prompt's chunks meet shapes a server has not seen. For each shape the cascade
-   runs on a 36k and a 111k prompt (chunk 16,384; 32 query / 8 KV heads of 128, bf16), the first call's time and
-   the median of the next calls (CUDA-event timed, synchronized).
+   runs on a 36k and a 111k prompt (chunk 16,384; 32 query / 8 KV heads of 128, bf16; the cascade's layouts, GQA
+   in the causal part), the first call's time and the median of the next calls (CUDA-event timed, synchronized).
+   (Its first run, results/h100/long_context/call_f/, timed the causal part with K/V repeated to 32 heads.)
 2. Whether torch's cuDNN attention takes fewer KV heads than query heads (GQA) directly: if it does, the chunk's
    own K/V need not be repeated per query head. Checked against the repeated call (max abs difference).
 3. The merge of the two parts: spanllm.kernels.cascade_merge's kernel against the same math in torch
@@ -89,10 +90,19 @@ def plan_costs(dev) -> list[dict]:
 
 
 def first_and_later(attention, lq: int, lk: int, causal: bool, h: int, dev) -> tuple[float, list[float]]:
-    """The first call's wall time at this shape (the plan build included) and 3 later calls' event times, ms."""
-    q = torch.randn(1, h, lq, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(1, h, lk, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(1, h, lk, D, device=dev, dtype=torch.bfloat16)
+    """The first call's wall time at this shape (the plan build included) and 3 later calls' event times, ms. The
+    layouts are the cascade's (cuDNN's plans are keyed by strides too): the causal part's q a [1, 32, lq, d] view of
+    the step's [lq, 32, d] rows, its K/V [1, 8, lk, d] views of a gathered [lk, 8, d] (GQA); the prefix part's
+    folded q contiguous [1, 8, 4 lq, d], its K/V views of a gather [lk + lq / 4, 8, d] that also holds the chunk."""
+    if causal:
+        q = torch.randn(lq, HQ, D, device=dev, dtype=torch.bfloat16).transpose(0, 1)[None]
+        k, v = (torch.randn(lk, HKV, D, device=dev, dtype=torch.bfloat16).transpose(0, 1)[None] for _ in range(2))
+    else:
+        q = torch.randn(1, h, lq, D, device=dev, dtype=torch.bfloat16)
+        c = lq // G
+        k, v = (
+            torch.randn(lk + c, HKV, D, device=dev, dtype=torch.bfloat16)[:lk].transpose(0, 1)[None] for _ in range(2)
+        )
     first = wall_ms(lambda: attention(q, k, v, causal))
     return first, [event_ms(lambda: attention(q, k, v, causal)) for _ in range(3)]
 

@@ -35,6 +35,8 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[tor
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v with each KV head repeated for its query heads (for an attention that needs as many as q has)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"GQA: {k.shape[1]} KV heads do not divide {q.shape[1]} query heads")
     g = q.shape[1] // k.shape[1]
     return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 

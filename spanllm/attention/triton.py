@@ -196,15 +196,11 @@ class TritonBackend(AttentionBackend):
         if nd == q.shape[0]:
             return self._decode_rows(q, k_cache, v_cache, meta)
         prefill = (meta.prefill_block_tables, meta.prefill_cu_q, meta.prefill_context_lens, meta.prefill_tiles)
-        if meta.cascade:
+        if meta.cascade:  # a step without decodes (runs_cascade)
             out = torch.empty_like(q)
-            if nd:
-                self._decode_rows(q[:nd], k_cache, v_cache, meta, out[:nd])
             if meta.prefill_tiles.shape[0]:  # the chunks the cascade does not run
-                kernels.prefill(q[nd:], k_cache, v_cache, *prefill, out=out[nd:], config=self.prefill_config)
-            attend_long_chunks(
-                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.cascade, self.cascade, out[nd:]
-            )
+                kernels.prefill(q, k_cache, v_cache, *prefill, out=out, config=self.prefill_config)
+            attend_long_chunks(q, k_cache, v_cache, meta.prefill_block_tables, meta.cascade, self.cascade, out)
             return out
         if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
             out = torch.empty_like(q)

@@ -71,9 +71,10 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         wait_then_release(PDL)
-        # one program: BLOCK_R rows of one query head h (KV head h // G, its (h % G)-th query head)
-        h = tl.program_id(1)
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # one program: BLOCK_R rows of one query head h (KV head h // G, its (h % G)-th query head). Offsets in
+        # int64: a chunk's c x hq x d outputs pass 2^31 elements from c = 2^19 at 32 heads of 128.
+        h = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = rows < c
         cols = tl.arange(0, D)
         kv = h // G

@@ -59,7 +59,8 @@ DECODE_LAUNCH = {
     4: (BLOCK_N, 4, DECODE_NUM_STAGES),
 }
 # A split takes at least this many key tiles: a short context runs in fewer splits (one, with no merge, up
-# to MIN_TILES_PER_SPLIT * BLOCK_N keys), where the merge's latency would cost more than the parallelism gains.
+# to MIN_TILES_PER_SPLIT tiles of keys: 128 keys a tile in bf16, 256 with an FP8 cache's 128-key tiles), where the
+# merge's latency would cost more than the parallelism gains.
 MIN_TILES_PER_SPLIT = 2
 # Prefill with PrefillConfig.lazy_rescale: the running maximum is moved only when some row's grew by more than this
 # (log2 units), so p stays <= 2^8 (FA-4's conditional rescaling).

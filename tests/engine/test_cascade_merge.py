@@ -29,6 +29,7 @@ def _parts(c: int, hq: int, hkv: int, d: int, seed: int):
     o1, lse1 = reference_attention(qf, k[:23].transpose(0, 1)[None], v[:23].transpose(0, 1)[None], False)
     kr, vr = (t[23:].transpose(0, 1).repeat_interleave(gq, dim=0)[None] for t in (k, v))
     o2, lse2 = reference_attention(q.transpose(0, 1)[None], kr, vr, False)
+    o2 = o2[0].transpose(0, 1).contiguous().transpose(0, 1)[None]  # [1, hq, c, d] over a [c, hq, d] buffer, as cuDNN's
     whole, _ = reference_attention(
         q.transpose(0, 1)[None], *(t.transpose(0, 1).repeat_interleave(gq, dim=0)[None] for t in (k, v)), False
     )

@@ -122,7 +122,25 @@ def test_decode_and_prefill_read_an_fp8_cache(kernels, splits):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2
+# An FP8 cache's decode tiles are 128 keys (paged_attention.DECODE_LAUNCH): one short of a tile, exactly one, one past,
+# two and one past, several splits
+FP8_CTX = [127, 128, 129, 257, 300]
+
+
+@pytest.mark.parametrize("splits,min_tiles", [(1, None), (4, 1)])
+def test_decode_reads_an_fp8_cache_in_its_own_tiles(kernels, splits, min_tiles):
+    from spanllm.attention import reference as pa
+
+    assert kernels.DECODE_LAUNCH[1][0] == 128
+    kc, vc, tables = _pool(FP8_CTX, 16, 2, 16, seed=11)
+    kc, vc = (kc * 4).to(torch.float8_e4m3fn), (vc * 4).to(torch.float8_e4m3fn)
+    q = torch.randn(len(FP8_CTX), 8, 16, generator=torch.Generator().manual_seed(5))
+    cl = torch.tensor(FP8_CTX, dtype=torch.int32)
+    out = kernels.decode(q, kc, vc, tables, cl, splits, min_tiles)
+    torch.testing.assert_close(out, pa.reference_decode(q, kc, vc, tables, FP8_CTX), rtol=1e-5, atol=1e-5)
+
+
+INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2 + 2
 
 
 def test_interpreter_suite():
