@@ -9,6 +9,8 @@
 #                 16,384, 3 fresh prompts each) and the inter-token latency of 64 decodes during a 111k prefill;
 #                 then issue 29 offline: generated-shared-prefix (SGLang's defaults) caching on vs off, on with
 #                 --scheduling-policy prefix and with an FP8 KV cache, and the ShareGPT sample on vs off (~530 s)
+#   long-serve    issue 33 as its acceptance says: TTFT of 36k and 111k prompts through `spanllm serve`, one at a
+#                 time on an idle server, 3 each, the first the first ever (scripts/gpu_long_serve.sh; ~250 s)
 #   serve         issue 29 through `spanllm serve`: GSP at SERVE_RATE req/s (1.25 x the offline off run's rate:
 #                 take it from the long-prefix part's gsp_offline_off.json) on vs off, and multi-turn ShareGPT
 #   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
@@ -32,7 +34,7 @@
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|decode-launch}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|decode-launch}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
@@ -57,6 +59,9 @@ case "$PART" in
     SKIP_SERVE=1 SHARED_PREFIX_ABLATION=0 KV8=1 BUDGET_S=330 bash scripts/gpu_prefix_cache.sh "$R/prefix_cache" \
       >"$R/prefix_cache.log" 2>&1
     grep -h "TTFT\|p99" "$R/long_context.log" | tail -6; tail -8 "$R/prefix_cache.log" ;;
+  long-serve)
+    timeout 420 bash scripts/gpu_long_serve.sh "$R/long_serve" >"$R/long_serve.log" 2>&1
+    grep -h "TTFT" "$R/long_serve.log" ;;
   serve)
     SKIP_OFFLINE=1 SERVE_RATE=${SERVE_RATE:?give SERVE_RATE (req/s)} BUDGET_S=540 \
       bash scripts/gpu_prefix_cache.sh "$R/prefix_cache" >"$R/prefix_cache.log" 2>&1

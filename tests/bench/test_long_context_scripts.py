@@ -201,3 +201,31 @@ def test_long_context_prefill_attention_flag():
     assert lc.parse_args(["out", "--prefill-attention", "cudnn-cascade"]).prefill_attention == "cudnn-cascade"
     with pytest.raises(SystemExit):
         lc.parse_args(["out", "--prefill-attention", "sdpa"])
+
+
+def test_long_serve_script_end_to_end_on_the_tiny_preset(tmp_path):
+    """scripts/gpu_long_serve.sh on CPU (tiny preset, its flags overridden): a server on a free port, two lengths
+    of one-at-a-time prompts, a result JSON per length with each prompt's TTFT and length, fresh prompts (a seed
+    per length: the longer prompts do not start with the shorter ones' tokens), the server stopped after."""
+    import os
+    import subprocess
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    env = {**os.environ, "MODEL": "tiny", "SERVE_FLAGS": "--max-num-batched-tokens 256", "LENGTHS": "300,700"}
+    env.update(NUM="2", START_TIMEOUT="120", REQUEST_TIMEOUT="60")
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_long_serve.sh"), str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    for length in (300, 700):
+        d = json.loads((out / f"long_serve_{length}.json").read_text())
+        # the tiny preset's byte tokenizer may re-tokenize the decoded random prompt a token or two longer
+        assert d["completed"] == 2 and all(abs(n - length) <= 4 for n in d["input_lens"]) and len(d["ttfts"]) == 2
+        assert all(t > 0 for t in d["ttfts"])
+        assert d["dataset"]["seed"] == length  # a seed per length: no prompt starts with another length's tokens
+        assert d["serve_flags"] == "--max-num-batched-tokens 256"
+    log = (out / "serve.log").read_text()
+    assert "spanllm serve: stopped" in log
+    assert "TTFT per request" in (out / "run.log").read_text()
