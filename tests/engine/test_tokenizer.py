@@ -32,6 +32,41 @@ def test_llama3_preset_ids_are_llama3s():
     assert tok.eos_token_ids == (128001, 128008, 128009)
 
 
+def test_llama3_special_token_texts_become_their_ids_as_quicktok_says():
+    """The preset's own special-token split equals quicktok's encode_with_special on texts that mix special tokens'
+    texts, their fragments (<|, |>, <|begin without its end) and ordinary text around them (pieces glued to them
+    on both sides), and on a random-token prompt holding hundreds of them."""
+    quicktok = pytest.importorskip("quicktok")
+    import random
+
+    tok = get_tokenizer("llama3.1-8b")
+    enc = quicktok.encoding_for_model("meta-llama/Llama-3.1-8B")
+    specials = sorted(enc.special_tokens_set)
+    assert tok.encode("a<|eot_id|>b", add_special_tokens=False) == [64, 128009, 65]
+    assert tok.encode("<|reserved_special_token_10|><|reserved_special_token_1|>", add_special_tokens=False) == [
+        enc.encode_single_token("<|reserved_special_token_10|>"),
+        enc.encode_single_token("<|reserved_special_token_1|>"),
+    ]
+    rng = random.Random(0)
+    fragments = ["<|", "|>", "<|begin", "_of_text|>", "<", "|", "<|eot_id", "eot_id|>"]
+    for _ in range(400):
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            r = rng.random()
+            if r < 0.3:
+                parts.append(rng.choice(specials))
+            elif r < 0.45:
+                parts.append(rng.choice(fragments))
+            else:
+                parts.append("".join(rng.choice("ab c\n\t'sé的<|>123 ") for _ in range(rng.randint(0, 20))))
+        text = "".join(parts)
+        assert tok.encode(text, add_special_tokens=False) == list(enc.encode_with_special(text)), repr(text)
+    ids = [rng.randrange(enc.n_vocab) for _ in range(3000)]  # random ids, special ones among them
+    text = tok.decode(ids)
+    assert sum(text.count(t) for t in specials) > 0
+    assert tok.encode(text) == [128000, *enc.encode_with_special(text)]
+
+
 def test_byte_tokenizer_round_trip_and_stream():
     tok = get_tokenizer("tiny")
     assert isinstance(tok, ByteTokenizer)
