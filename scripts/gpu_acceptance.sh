@@ -11,8 +11,8 @@
 #                 --scheduling-policy prefix and with an FP8 KV cache, and the ShareGPT sample on vs off (~530 s)
 #   long-serve    issue 33 as its acceptance says: TTFT of 36k and 111k prompts through `spanllm serve`, one at a
 #                 time on an idle server, 3 each, the first the first ever (scripts/gpu_long_serve.sh; ~250 s)
-#   serve         issue 29 through `spanllm serve`: GSP at SERVE_RATE req/s (1.25 x the offline off run's rate:
-#                 take it from the long-prefix part's gsp_offline_off.json) on vs off, and multi-turn ShareGPT
+#   serve         issue 29 through `spanllm serve`: GSP at SERVE_RATE req/s (1.25 x the offline off run's rate;
+#                 default: the committed H200 run's, 13.8) on vs off, and multi-turn ShareGPT
 #   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
 #                 --pdl off / on (with and without the weight prefetch) at batch 1
 #   fp8-serve     issue 30: the `spanllm serve` rate sweep in FP8 beside bf16 on the same requests
@@ -63,7 +63,12 @@ case "$PART" in
     timeout 420 bash scripts/gpu_long_serve.sh "$R/long_serve" >"$R/long_serve.log" 2>&1
     grep -h "TTFT" "$R/long_serve.log" ;;
   serve)
-    SKIP_OFFLINE=1 SERVE_RATE=${SERVE_RATE:?give SERVE_RATE (req/s)} BUDGET_S=540 \
+    # default: 1.25 x the committed H200 offline caching-off run's request rate (a fresh long-prefix run's
+    # gsp_offline_off.json may say otherwise: pass SERVE_RATE then)
+    OFF=results/h200/prefix_cache/gsp_offline_off.json
+    SERVE_RATE=${SERVE_RATE:-$(python3 -c "import json; print(round(1.25 * json.load(open('$OFF'))['requests_per_second'], 2))")}
+    echo "serve rate $SERVE_RATE req/s"
+    SKIP_OFFLINE=1 SERVE_RATE=$SERVE_RATE BUDGET_S=540 \
       bash scripts/gpu_prefix_cache.sh "$R/prefix_cache" >"$R/prefix_cache.log" 2>&1
     tail -12 "$R/prefix_cache.log" ;;
   fp8)
