@@ -47,28 +47,6 @@ def make(batch: int, ctx: int, dtype: torch.dtype, dev):
     return q, kc, vc, tables, cl
 
 
-def graph_us(fn, calls: int = 20, reps: int = 5) -> list[float]:
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / calls)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir")
@@ -77,6 +55,7 @@ def main() -> int:
     os.makedirs(args.outdir, exist_ok=True)
     from spanllm.commands.bench_throughput import machine_info
     from spanllm.kernels import paged_attention as kt
+    from spanllm.measure.timing import graph_us_per_call
 
     dev = torch.device("cuda")
     t_end = time.monotonic() + args.budget_s
@@ -106,15 +85,14 @@ def main() -> int:
                     result["skipped"].append(key)
                     continue
 
-                turn = iter(range(1 << 30))
-
-                def call(copies=copies, turn=turn, splits=splits, bn=bn, warps=warps, stages=stages):
-                    inputs = copies[next(turn) % len(copies)]
+                def call(i, copies=copies, splits=splits, bn=bn, warps=warps, stages=stages):
+                    # call i of a graph reads pool copy i mod copies
+                    inputs = copies[i % len(copies)]
                     return kt.decode(*inputs, splits, block_n=bn, num_warps=warps, num_stages=stages)
 
                 try:
-                    err = float((call().float() - want.float()).abs().max())
-                    us = graph_us(call, calls=max(20, len(copies)))
+                    err = float((call(0).float() - want.float()).abs().max())
+                    us = graph_us_per_call(call, calls=max(20, len(copies)), replays=5)
                 except Exception as e:  # noqa: BLE001 - a shape that does not compile is recorded, not fatal
                     result["rows"].append({**key, "error": f"{type(e).__name__}: {str(e)[:200]}"})
                     continue
