@@ -12,6 +12,10 @@ import os
 
 from spanllm.errors import UsageError
 
+# The longest collective timeout a run may set (--pg-timeout, SPANLLM_PG_TIMEOUT_S; spanllm.launch): finite, since inf
+# (or a value past what the process group's timedelta holds) never fails. Here, so the CLI checks it without torch.
+MAX_COLLECTIVE_TIMEOUT_S = 7 * 86400.0
+
 ALLOW_LONG_CONTEXT_ENV = "SPANLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
 
 

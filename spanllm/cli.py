@@ -177,7 +177,7 @@ def _apply_global(debug: bool, pg_timeout: float | None) -> None:
     if debug:
         os.environ["SPANLLM_DEBUG"] = "1"
     if pg_timeout is not None:
-        from spanllm.launch import MAX_TIMEOUT_S
+        from spanllm.checks import MAX_COLLECTIVE_TIMEOUT_S as MAX_TIMEOUT_S  # torch-free (spanllm.launch is not)
 
         if not 0 < pg_timeout <= MAX_TIMEOUT_S:
             raise UsageError(

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spanllm.checks import MAX_COLLECTIVE_TIMEOUT_S
 from spanllm.comm.torch_dist import default_backend
 from spanllm.errors import Interrupted, RankError, UsageError, exit_code
 
@@ -60,7 +61,7 @@ _WORLD_ENV = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # the launc
 
 TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
-MAX_TIMEOUT_S = 7 * 86400.0  # finite: inf (or a value past what the process group's timedelta holds) never fails
+MAX_TIMEOUT_S = MAX_COLLECTIVE_TIMEOUT_S
 STARTUP_TIMEOUT_S = 120.0  # at least this long for every local rank to start (imports, spawn)
 FAILURE_GRACE_S = 2.0  # after a rank fails, how long its peers get to fail on their own before they are stopped
 
