@@ -165,6 +165,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{os.path.basename(__file__)}: needs a CUDA GPU (run it on the device machine)")
     os.makedirs(args.outdir, exist_ok=True)
     from spanllm.commands.bench_throughput import machine_info
 

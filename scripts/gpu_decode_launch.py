@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("outdir")
     ap.add_argument("--budget-s", type=float, default=150.0)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(f"{os.path.basename(__file__)}: needs a CUDA GPU (run it on the device machine)")
     os.makedirs(args.outdir, exist_ok=True)
     from spanllm.commands.bench_throughput import machine_info
     from spanllm.kernels import paged_attention as kt

@@ -41,11 +41,15 @@ stop() { kill -INT "$SERVER" 2>/dev/null; for _ in $(seq 60); do kill -0 "$SERVE
          kill -KILL "$SERVER" 2>/dev/null; return 0; }
 trap stop EXIT
 # up when /health answers 200 (the engine built, warmed up, the front end listening)
-python3 - "$PORT" "$START_TIMEOUT" <<'EOF' >>"$LOG" 2>&1 || { log "the server did not come up (serve.log)"; exit 1; }
-import sys, time, urllib.request
-port, limit = sys.argv[1], float(sys.argv[2])
+python3 - "$PORT" "$START_TIMEOUT" "$SERVER" <<'EOF' >>"$LOG" 2>&1 || { log "the server did not come up:"; tail -5 "$OUT/serve.log"; exit 1; }
+import os, sys, time, urllib.request
+port, limit, pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 t0 = time.monotonic()
 while time.monotonic() - t0 < limit:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(f"the server exited after {time.monotonic() - t0:.1f} s")
     try:
         if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
             print(f"server up after {time.monotonic() - t0:.1f} s")
