@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 33's measurement as its acceptance states it: the TTFT of long prompts through `spanllm serve`, one request
 # at a time on an otherwise idle server (random prompts of LENGTHS tokens, 16 output tokens, NUM each, no warm-up
-# request: the first of each length is the first the server ever saw; a seed per length, so no prompt starts with
-# another's tokens and hits the prefix cache). The server runs the long-prompt settings
+# request and no bench ready check, which would send the first prompt and fill the cache with its blocks: the first
+# of each length is the first the server ever saw; a seed per length, so no prompt starts with another's tokens and
+# hits the prefix cache; a run whose prompts hit the cache is reported INVALID). The server runs the long-prompt settings
 # (cuDNN cascade on every chunk, 16,384-token chunks) unless SERVE_FLAGS says otherwise.
 #
 #   bash scripts/gpu_long_serve.sh OUTDIR                    # GPU machine (carry .whl: fastapi, uvicorn, quicktok)
-#   MODEL=tiny SERVE_FLAGS="--max-num-batched-tokens 256" LENGTHS=300,900 NUM=2 bash scripts/gpu_long_serve.sh OUT
+#   MODEL=tiny SERVE_FLAGS="--max-num-batched-tokens 256" LENGTHS=300,450 NUM=2 bash scripts/gpu_long_serve.sh OUT
 #                                                            # CPU dry run of the script itself
 #
 # Writes OUTDIR/long_serve_<length>.json (`bench serve --save-result --save-detailed`: per-request TTFT, the
@@ -66,7 +67,7 @@ for len in ${LENGTHS//,/ }; do
   timeout $(( START_TIMEOUT + NUM * REQUEST_TIMEOUT )) python3 -m spanllm.cli bench serve --port "$PORT" --model "$MODEL" \
     --dataset-name random --random-input-len "$len" --random-output-len 16 --random-range-ratio 0 \
     --num-prompts "$NUM" --seed "$len" --max-concurrency 1 --request-rate inf --num-warmups 0 \
-    --ready-check-timeout-sec "$START_TIMEOUT" --request-timeout "$REQUEST_TIMEOUT" --disable-tqdm \
+    --request-timeout "$REQUEST_TIMEOUT" --disable-tqdm \
     --save-result --save-detailed --result-dir "$OUT" --result-filename "long_serve_$len.json" \
     --metadata "serve_flags=$SERVE_FLAGS" >>"$LOG" 2>&1 || { log "bench serve failed at $len tokens"; rc=1; }
   python3 - "$OUT/long_serve_$len.json" <<'EOF' 2>&1 | tee -a "$LOG"
@@ -78,8 +79,11 @@ except OSError:
 ttfts = d.get("ttfts") or []
 print(
     f"{sys.argv[1]}: TTFT per request (s) {[round(t, 3) for t in ttfts]}, input lens {d.get('input_lens')}, "
-    f"prefix-cache hit rate {d.get('prefix_cache_hit_rate')} (must be ~0: fresh prompts)"
+    f"prefix-cache hits {d.get('prefix_cache_hits')} of {d.get('prefix_cache_queries')} tokens"
 )
+if d.get("prefix_cache_hits"):  # a request reused cached blocks: its TTFT is not a fresh prompt's
+    sys.exit("INVALID: prompts hit the prefix cache; the TTFTs above are not those of fresh prompts")
 EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 exit $rc
