@@ -352,9 +352,10 @@ def sampler_table(sampler, vocab: int, device: torch.device, replays: int) -> li
 
 def main() -> int:
     from spanllm.bench.sample_file import load_samples
-    from spanllm.commands.bench_throughput import machine_info, warm_up
+    from spanllm.commands.bench_throughput import machine_info
     from spanllm.commands.engine_args import engine_config_from_args
     from spanllm.engine.llm import LLM
+    from spanllm.engine.warmup import warm_up
     from spanllm.model.config import resolve_model
 
     args = parse()

@@ -105,13 +105,22 @@ def cascade_prefill(
 ) -> torch.Tensor:
     """q [c, hq, d]: one chunk at positions [prefix, prefix + c), whose K/V (and its prefix's) are in the cache
     at block_table [W] -> out [c, hq, d] (written in place when given: the step's rows of the chunk)."""
+    c = q.shape[0]
+    k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
+    v = gather(v_cache, block_table, prefix + c).to(q.dtype)
+    return cascade_dense(q, k, v, prefix, attention, out)
+
+
+def cascade_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, attention: Attention, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The cascade over dense keys: q [c, hq, d] at positions [prefix, prefix + c), k, v [prefix + c, hkv, d]
+    contiguous (the gather's layout: the attentions see strided views of it) -> out [c, hq, d]."""
     c, hq, d = q.shape
-    hkv = k_cache.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
     if out is None:
         out = torch.empty_like(q)
-    k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
-    v = gather(v_cache, block_table, prefix + c).to(q.dtype)
     # The chunk's own keys, square causal, GQA: the attention maps each query head to its KV head.
     kc = k[prefix:].transpose(0, 1)[None]  # [1, hkv, c, d]
     vc = v[prefix:].transpose(0, 1)[None]
@@ -127,6 +136,36 @@ def cascade_prefill(
     # Both parts merged by their LSE into out, read in the layouts the attentions wrote (one kernel on CUDA)
     merge_into(out, o1[0], lse1[0], o2[0], lse2[0])
     return out
+
+
+def full_chunk_prefixes(chunk: int, max_model_len: int) -> list[int]:
+    """The prefixes at which a prompt's full chunks of `chunk` tokens run (chunk, 2 chunk, ...): every prompt's
+    chunks but its last meet these shapes, whatever its length. A chunk ends at or before max_model_len - 1 (one
+    position left for the output)."""
+    return list(range(chunk, max_model_len - chunk, chunk))
+
+
+def warm_full_chunks(
+    attention: Attention,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk: int,
+    prefixes: list[int],
+) -> None:
+    """Run the cascade once at each full chunk's shapes (zeros; the result is dropped), so that the attention's
+    per-shape first-call cost (cuDNN: a graph and plan per (queries, keys) shape, ~45 ms on an H100) is paid here
+    and not by a request. The same strided views as a request's: the parts read one dense [prefix + chunk, hkv, d]
+    buffer (allocated once at the largest prefix)."""
+    if not prefixes:
+        return
+    kv = torch.zeros(2, max(prefixes) + chunk, num_kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(chunk, num_heads, head_dim, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    for p in prefixes:
+        cascade_dense(q, kv[0, : p + chunk], kv[1, : p + chunk], p, attention, out)
 
 
 def attend_long_chunks(

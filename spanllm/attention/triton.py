@@ -30,7 +30,9 @@ from spanllm.attention.cascade import (
     PREFILL_ATTENTION,
     CascadeChunk,
     attend_long_chunks,
+    full_chunk_prefixes,
     plan_cascade,
+    warm_full_chunks,
 )
 from spanllm.attention.metadata import AttentionMetadata
 from spanllm.attention.shared_prefix import (
@@ -129,6 +131,18 @@ class TritonBackend(AttentionBackend):
             return False
         prefix = context_lens[num_decode:] - q_lens[num_decode:]
         return bool((prefix >= self.cascade_min_prefix).any())
+
+    def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[int]:
+        """The cascade at every full chunk's prefix (cuDNN builds a plan per (queries, keys) shape: ~45 ms each on
+        an H100, otherwise paid by the first prompt to reach that prefix). A last, partial chunk's shapes depend
+        on the prompt's length and stay a first-call cost."""
+        if self.cascade is None:
+            return []
+        prefixes = [p for p in full_chunk_prefixes(chunk, max_len) if p >= self.cascade_min_prefix]
+        warm_full_chunks(
+            self.cascade, self.num_heads, self.num_kv_heads, self.head_dim, dtype, self.device, chunk, prefixes
+        )
+        return prefixes
 
     def num_splits(self, batch: int) -> int:
         return kernels.num_splits_for(batch, self.num_kv_heads, self.device)

@@ -8,8 +8,8 @@ rank 0 shows a progress bar on stderr while the requests run (spanllm.bench.prog
     spanllm bench throughput --model llama3.1-8b --num-prompts 1000 --json results/throughput.json     # GPU
 
 The timed region is vLLM's: from handing the text prompts over (tokenization inside) to the last
-output (detokenization inside). Before it, untimed: one short request (Triton compiles, the prefill
-path) and the capture of every decode CUDA-graph bucket, so no capture lands inside the timing.
+output (detokenization inside). Before it, untimed: spanllm.engine.warmup (Triton compiles, every decode CUDA-graph
+bucket, on a GPU a prompt of two full chunks), so no first-call cost lands inside the timing.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from spanllm.commands.dataset_args import (
     resolve_dataset_source,
 )
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
+from spanllm.engine.warmup import warm_up, warm_up_worker
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 
@@ -61,27 +62,6 @@ def machine_info(device: torch.device) -> dict:
     except ImportError:
         pass
     return {**report.machine_info(), "device": str(device), "versions": versions}
-
-
-def warm_up(llm) -> dict:
-    """Untimed: one short request (compiles, prefill path), then every decode graph bucket captured."""
-    from spanllm.engine.sampler import SamplingParams
-
-    t0 = time.perf_counter()
-    llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
-    runner = llm.engine_core.runner
-    captured = runner.capture_all()
-    return {
-        "warmup_s": round(time.perf_counter() - t0, 2),
-        "graph_buckets": captured,
-        "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 3),
-    }
-
-
-def warm_up_worker(llm) -> None:
-    """TP ranks other than 0, in step with rank 0's warm_up: its request's plans, then the same captures."""
-    llm.generate([])
-    llm.engine_core.runner.capture_all()
 
 
 def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:

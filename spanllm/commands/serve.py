@@ -193,15 +193,15 @@ def _worker(llm, warm: bool) -> None:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, on_signal)
     if warm:
-        from spanllm.commands.bench_throughput import warm_up_worker
+        from spanllm.engine.warmup import warm_up_worker
 
         warm_up_worker(llm)
     core.worker_loop()
 
 
 def _rank(ctx, args: argparse.Namespace):
-    from spanllm.commands.bench_throughput import warm_up
     from spanllm.commands.engine_args import build_llm
+    from spanllm.engine.warmup import warm_up
 
     if ctx.rank == 0:
         _log.info("building the engine: model %s", args.model)
@@ -214,8 +214,16 @@ def _rank(ctx, args: argparse.Namespace):
             return None
         print(llm.describe(), flush=True)
         if not args.no_warmup:
-            _log.info("warming up (one request, decode-graph capture)")
-            warm_up(llm)
+            _log.info("warming up (a short request, decode-graph capture, on a GPU a prompt of two full chunks)")
+            w = warm_up(llm)
+            _log.info(
+                "warm-up done in %.1f s: %d decode graphs, a %d-token prefill, the prefill attention at %d full "
+                "chunks' prefixes",
+                w["warmup_s"],
+                len(w["graph_buckets"]),
+                w["prefill_warmup_tokens"],
+                len(w["full_chunk_prefixes_warmed"]),
+            )
         _log.info("starting the HTTP front end (%s)", "own process" if args.frontend_process else "thread")
         if args.frontend_process:
             from spanllm.serve.frontend_process import ProcessServer

@@ -18,8 +18,10 @@ from spanllm.attention import reference as ref
 from spanllm.attention.cascade import (
     attend_long_chunks,
     cascade_prefill,
+    full_chunk_prefixes,
     plan_cascade,
     reference_attention,
+    warm_full_chunks,
 )
 
 BLOCK = 16
@@ -115,6 +117,54 @@ def test_a_step_of_long_and_short_chunks_split_as_the_triton_backend_splits_it()
     attend_long_chunks(q, kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def test_full_chunk_prefixes():
+    # the 8B serving settings: a 111,352-token prompt's full chunks run at prefixes 16,384 ... 81,920, its tail at
+    # 98,304; a prompt of up to 131,071 tokens has a full chunk at 98,304 too, none at 114,688 (it would end at
+    # 131,072: no position left for the output)
+    assert full_chunk_prefixes(16384, 131072) == [16384, 32768, 49152, 65536, 81920, 98304]
+    assert full_chunk_prefixes(16384, 131073) == [16384, 32768, 49152, 65536, 81920, 98304, 114688]
+    assert full_chunk_prefixes(8192, 16384) == []
+    assert full_chunk_prefixes(100, 301) == [100, 200] and full_chunk_prefixes(100, 300) == [100]
+
+
+def _recording_attention(seen: list):
+    def attention(q, k, v, causal):
+        seen.append((tuple(q.shape), tuple(k.shape), k.stride(), causal))
+        return reference_attention(q, k, v, causal)
+
+    return attention
+
+
+def test_warming_the_full_chunks_meets_a_requests_shapes_and_strides():
+    """warm_full_chunks calls the attention with the (queries, keys) shapes and strides that a prompt's full chunks
+    at those prefixes meet in cascade_prefill (a cuDNN plan is keyed on them)."""
+    hq, hkv, d, chunk = 8, 2, 16, 32
+    warm: list = []
+    warm_full_chunks(_recording_attention(warm), hq, hkv, d, torch.float32, torch.device("cpu"), chunk, [32, 64])
+    req: list = []
+    kc, vc, tables = poisoned_paged_pool([64 + chunk], BLOCK, hkv, d, seed=5)
+    q = torch.randn(chunk, hq, d)
+    for prefix in (32, 64):
+        cascade_prefill(q, kc, vc, tables[0], prefix, _recording_attention(req))
+    assert warm == req
+    assert [s[1][2] for s in warm if not s[3]] == [32, 64]  # the prefix parts: 32 and 64 keys
+
+
+def test_the_backend_warms_the_full_chunks_its_cascade_runs():
+    pytest.importorskip("triton")
+    from spanllm.attention.triton import TritonBackend
+
+    hq, hkv, d = 8, 2, 16
+    b = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="cudnn-cascade", cascade_min_prefix=64)
+    seen: list = []
+    b.cascade = _recording_attention(seen)  # reference math on CPU in place of cuDNN
+    # prefixes 32 ... 160 (a chunk at 160 ends at 192 <= 199); 32 is below min_prefix: the kernel's
+    assert b.warm_up_prefill(32, 200, torch.float32) == [64, 96, 128, 160]
+    assert sorted({s[1][2] for s in seen if not s[3]}) == [64, 96, 128, 160]
+    assert TritonBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
+    assert ref.ReferenceBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
 
 
 def test_configuration_and_cli_flag():

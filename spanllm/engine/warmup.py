@@ -1,0 +1,80 @@
+"""The untimed warm-up a server or benchmark runs before its first real request, so that no first-call cost
+lands in a measured request: Triton's compiles, every decode CUDA-graph bucket, and on a GPU the prefill path at
+full chunks (cuDNN's library start-up and plans, the prefill and cascade kernels at their chunk-sized launches).
+
+Under TP every rank runs the same sequence: rank 0 `warm_up`, the others `warm_up_worker`, whose empty generate
+calls follow rank 0's (one per request rank 0 sends) and whose captures are collective."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+PREFILL_WARMUP_SEED = 20261206  # fixed: the same warm-up prompt on every rank and every start
+PREFILL_WARMUP_TAIL = 77  # tokens after the full chunks: a last chunk that does not fill its launch tiles
+
+
+def prefill_warmup_len(llm) -> int:
+    """Tokens of the prefill warm-up prompt: two full chunks (the second one after a cached prefix, the way a long
+    prompt's chunks run) plus a short tail, bounded by max_model_len and half the KV cache. 0 off a GPU (the eager
+    CPU path has no first-call cost worth a long prompt) and where the bounds leave less than one chunk."""
+    runner = llm.engine_core.runner
+    if runner.device.type != "cuda":
+        return 0
+    chunk = llm.engine.max_num_batched_tokens
+    capacity = (runner.cache.num_blocks - 1) * runner.block_size
+    n = min(2 * chunk + PREFILL_WARMUP_TAIL, llm.max_model_len - 1, capacity // 2)
+    return n if n > chunk else 0
+
+
+def _prefill_warmup_prompt(llm, n: int) -> list[int]:
+    vocab = llm.config.vocab_size
+    return np.random.default_rng(PREFILL_WARMUP_SEED).integers(10, vocab - 10, size=n).tolist()
+
+
+def warm_up(llm) -> dict:
+    """Untimed, on rank 0: one short request (compiles), every decode graph bucket captured, one prompt of
+    prefill_warmup_len tokens (none off a GPU), then the prefill attention at every full chunk's shapes (the
+    cascade's cuDNN plans; a GPU only). The prompt's blocks stay in the prefix cache as evictable blocks of random
+    ids, which no real prompt shares."""
+    from spanllm.engine.sampler import SamplingParams
+
+    t0 = time.perf_counter()
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], sp)
+    runner = llm.engine_core.runner
+    captured = runner.capture_all()
+    prefill = prefill_warmup_len(llm)
+    if prefill:
+        llm.generate([_prefill_warmup_prompt(llm, prefill)], SamplingParams(max_tokens=1, ignore_eos=True))
+    warmed = _warm_full_chunks(llm)
+    return {
+        "warmup_s": round(time.perf_counter() - t0, 2),
+        "graph_buckets": captured,
+        "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 3),
+        "prefill_warmup_tokens": prefill,
+        "full_chunk_prefixes_warmed": warmed,
+    }
+
+
+def warm_up_worker(llm) -> None:
+    """TP ranks other than 0, in step with rank 0's warm_up: its short request's plans, the same captures, then
+    the prefill prompt's plans (prefill_warmup_len decides the same on every rank: config and device type)."""
+    llm.generate([])
+    llm.engine_core.runner.capture_all()
+    if prefill_warmup_len(llm):
+        llm.generate([])
+    _warm_full_chunks(llm)
+
+
+def _warm_full_chunks(llm) -> list[int]:
+    """The prefill attention at every full chunk's prefix (the backend's warm_up_prefill; on a GPU only), for
+    prompts up to max_model_len and the KV cache's capacity. Local to each rank (no collective)."""
+    runner = llm.engine_core.runner
+    if runner.device.type != "cuda":
+        return []
+    capacity = (runner.cache.num_blocks - 1) * runner.block_size
+    return runner.backend.warm_up_prefill(
+        llm.engine.max_num_batched_tokens, min(llm.max_model_len, capacity), runner.dtype
+    )

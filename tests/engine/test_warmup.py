@@ -1,0 +1,60 @@
+"""The untimed warm-up (spanllm.engine.warmup): the prefill prompt's length and bounds, and that warming up,
+the long prompt included, changes no later request's tokens."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from engine_workers import PROMPTS, engine_config
+
+from spanllm.engine import warmup
+from spanllm.engine.llm import LLM
+from spanllm.engine.sampler import SamplingParams
+
+
+def fake_llm(device: str, chunk: int, max_model_len: int, num_blocks: int, block_size: int = 16):
+    runner = SimpleNamespace(
+        device=torch.device(device), cache=SimpleNamespace(num_blocks=num_blocks), block_size=block_size
+    )
+    return SimpleNamespace(
+        engine_core=SimpleNamespace(runner=runner),
+        engine=SimpleNamespace(max_num_batched_tokens=chunk),
+        max_model_len=max_model_len,
+    )
+
+
+def test_prefill_warmup_len_two_chunks_and_a_tail_within_the_bounds():
+    # the 8B serving settings: 16,384-token chunks, 131,072 positions, 26,695 blocks
+    assert warmup.prefill_warmup_len(fake_llm("cuda", 16384, 131072, 26695)) == 2 * 16384 + 77
+    # max_model_len bounds it (one position left for the output token)
+    assert warmup.prefill_warmup_len(fake_llm("cuda", 8192, 12000, 26695)) == 11999
+    # half the KV cache bounds it: (1001 - 1) blocks x 16 = 16,000 tokens, half 8,000
+    assert warmup.prefill_warmup_len(fake_llm("cuda", 4096, 131072, 1001)) == 8000
+    # bounds that leave no more than one chunk: no prefill warm-up
+    assert warmup.prefill_warmup_len(fake_llm("cuda", 8192, 8000, 26695)) == 0
+    assert warmup.prefill_warmup_len(fake_llm("cuda", 8192, 131072, 1025)) == 0
+    # off a GPU: none
+    assert warmup.prefill_warmup_len(fake_llm("cpu", 16384, 131072, 26695)) == 0
+
+
+def test_cpu_engine_warms_up_without_the_long_prompt():
+    llm = LLM("tiny", engine_config())
+    out = warmup.warm_up(llm)
+    assert out["prefill_warmup_tokens"] == 0 and out["graph_buckets"] == []
+
+
+def test_warm_up_with_the_long_prompt_changes_no_later_tokens(monkeypatch):
+    """The GPU path on the CPU engine (its length forced): the warm-up prompt's two chunks and tail run, stay in
+    the prefix cache, and later greedy tokens equal a cold engine's."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cold = [o.output_ids for o in LLM("tiny", engine_config()).generate(PROMPTS, params)]
+    llm = LLM("tiny", engine_config())
+    chunk = llm.engine.max_num_batched_tokens
+    monkeypatch.setattr(warmup, "prefill_warmup_len", lambda _llm: 2 * chunk + warmup.PREFILL_WARMUP_TAIL)
+    n = 2 * chunk + 77
+    assert warmup.warm_up(llm)["prefill_warmup_tokens"] == n
+    sched = llm.engine_core.scheduler
+    assert sched.prefix_cache_queries == 8 + n  # the short request and the long prompt ran
+    assert [o.output_ids for o in llm.generate(PROMPTS, params)] == cold
+    assert sched.prefix_cache_hits == 0  # real prompts share no block with the warm-up's random ids
