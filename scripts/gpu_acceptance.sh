@@ -10,7 +10,8 @@
 #                 then issue 29 offline: generated-shared-prefix (SGLang's defaults) caching on vs off, on with
 #                 --scheduling-policy prefix and with an FP8 KV cache, and the ShareGPT sample on vs off (~530 s)
 #   long-serve    issue 33 as its acceptance says: TTFT of 36k and 111k prompts through `spanllm serve`, one at a
-#                 time on an idle server, 3 each, the first the first ever (scripts/gpu_long_serve.sh; ~250 s)
+#                 time on an idle server, 3 each, a new prompt each, the first the first ever, the server's own TTFT
+#                 and queue time beside the client's (scripts/gpu_long_serve.sh; ~250 s)
 #   serve         issue 29 through `spanllm serve`: GSP at SERVE_RATE req/s (1.25 x the offline off run's rate;
 #                 default: the committed H200 run's, 13.8) on vs off, and multi-turn ShareGPT
 #   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
