@@ -157,15 +157,17 @@ def warm_full_chunks(
 ) -> None:
     """Run the cascade once at each full chunk's shapes (zeros; the result is dropped), so that the attention's
     per-shape first-call cost (cuDNN: a graph and plan per (queries, keys) shape, ~45 ms on an H100) is paid here
-    and not by a request. The same strided views as a request's: the parts read one dense [prefix + chunk, hkv, d]
-    buffer (allocated once at the largest prefix)."""
+    and not by a request. The same strided views as a request's: the parts read dense [prefix + chunk, hkv, d]
+    K and V, allocated apart as a request's gathers are, once at the largest prefix (the caching allocator then
+    holds blocks that a request's gathers fit in)."""
     if not prefixes:
         return
-    kv = torch.zeros(2, max(prefixes) + chunk, num_kv_heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(max(prefixes) + chunk, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.zeros_like(k)
     q = torch.zeros(chunk, num_heads, head_dim, dtype=dtype, device=device)
     out = torch.empty_like(q)
     for p in prefixes:
-        cascade_dense(q, kv[0, : p + chunk], kv[1, : p + chunk], p, attention, out)
+        cascade_dense(q, k[: p + chunk], v[: p + chunk], p, attention, out)
 
 
 def attend_long_chunks(
