@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from spanllm import checks
 from spanllm.commands.engine_args import add_model_arguments, check_model_arguments, resolve_dtype
+from spanllm.engine import cuda_allocator
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.sampler import SamplingParams
 from spanllm.engine.timers import CATEGORIES
@@ -556,6 +557,7 @@ def report_from_rank0(kind: str, s: BenchSettings, results: list, args: argparse
 
 
 def run(args: argparse.Namespace) -> int:
+    cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     s = settings_from_args(args)
     world = checks.world_size(args.nprocs)
     checks.at_least("--micro-batches", args.micro_batches, 1)

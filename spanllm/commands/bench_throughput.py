@@ -30,6 +30,7 @@ from spanllm.commands.dataset_args import (
     resolve_dataset_source,
 )
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
+from spanllm.engine import cuda_allocator
 from spanllm.engine.warmup import warm_up, warm_up_worker
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
@@ -163,6 +164,7 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
 
 
 def run(args: argparse.Namespace) -> int:
+    cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     from spanllm import checks
     from spanllm.bench.sample_file import load_samples
 

@@ -17,6 +17,7 @@ from spanllm.commands.engine_args import (
     check_engine_arguments,
     check_model_arguments,
 )
+from spanllm.engine import cuda_allocator
 from spanllm.engine.sampler import SamplingParams
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
@@ -162,6 +163,7 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     prompts = check_arguments(args)
     results = launch(_generate_rank, args, prompts, nprocs=args.nprocs)
     if int(os.environ.get("RANK", "0")) != 0:

@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 
+from spanllm.engine import cuda_allocator
 from spanllm.engine.sampler import INT64_MAX, INT64_MIN
 from spanllm.errors import UsageError
 from spanllm.serve.health import DEFAULT_STALL_TIMEOUT_S, HealthPort
@@ -266,6 +267,7 @@ def _setup_logging() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     from spanllm.launch import DistContext, finish, launch, under_launcher
 
     check_args(args)

@@ -264,7 +264,8 @@ class LLM:
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
             f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
             f"CUDA graphs {graphs}{timers}, {self.describe_pdl()} | "
-            f"{self.kv_sizing.describe()} | max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
+            f"{self.kv_sizing.describe()}{self.describe_allocator()} | max_num_seqs {self.engine.max_num_seqs}, "
+            f"max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
         if self._engine_core is not None:
@@ -290,6 +291,12 @@ class LLM:
         if v is not None:
             return v
         return CPU_PREFILL_TOKENS_BESIDE_DECODES if self.device.type == "cpu" else 0
+
+    def describe_allocator(self) -> str:
+        """On a GPU, the CUDA caching allocator's settings (spanllm.engine.cuda_allocator)."""
+        from spanllm.engine import cuda_allocator
+
+        return f", {cuda_allocator.describe()}" if self.device.type == "cuda" else ""
 
     def describe_pdl(self) -> str:
         if not self.pdl:
