@@ -243,14 +243,18 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             "--scheduling-policy prefix admits requests that share a cached prompt prefix together; it needs prefix "
             "caching: drop --no-enable-prefix-caching, or use --scheduling-policy fcfs"
         )
+    # where the ranks compute (local spawned ranks are CPU even on a GPU machine): the Triton-only options below
+    # are judged by it, never by whether this process sees a GPU
+    device = checks.device_type(checks.world_size(args.nprocs))
+    where = "a GPU" if device == "cuda" else "CPU ranks"
+    no_triton = args.attention_backend == "torch" or checks.no_triton_gpu(device) is not None
     cascade = getattr(args, "prefill_attention", "triton")
-    if cascade != "triton" and (args.attention_backend == "torch" or not torch.cuda.is_available()):
-        where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
+    if cascade != "triton" and no_triton:
         raise UsageError(
             f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
             f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention triton (the default)"
         )
-    if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and torch.cuda.is_available():
+    if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and device == "cuda":
         cap = torch.cuda.get_device_capability(0)
         if cap < MIN_FP8_CAPABILITY:
             raise UsageError(
@@ -258,8 +262,7 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
                 f"{torch.cuda.get_device_name(0)} has {cap[0]}.{cap[1]}. Use --kv-cache-dtype auto"
             )
     if getattr(args, "shared_prefix_attention", "auto") == "on":
-        where = "a machine without a GPU" if not torch.cuda.is_available() else "this GPU"
-        if args.attention_backend == "torch" or not torch.cuda.is_available():
+        if no_triton:
             raise UsageError(
                 "--shared-prefix-attention on is a feature of the triton attention backend, but this run uses "
                 f"--attention-backend {args.attention_backend} on {where}; use auto (on wherever the triton "
@@ -285,7 +288,6 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--min-admit {args.min_admit}: more than --max-num-seqs {args.max_num_seqs} slots can never be free at "
             f"once; give at most {args.max_num_seqs} (1 = off)"
         )
-    device = checks.device_type(checks.world_size(args.nprocs))
     util = args.gpu_memory_utilization
     if util is not None:
         if not 0.0 < util <= 1.0:
@@ -305,14 +307,12 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--attention-backend triton: Triton kernels for CUDA GPUs, and these ranks have {have}; use auto "
             "(triton where it runs, else torch) or torch"
         )
-    if args.prefill_tiling is not None and (
-        args.attention_backend == "torch" or checks.no_triton_gpu(device) or not args.prefill_tiling.strip()
-    ):
+    if args.prefill_tiling is not None and (no_triton or not args.prefill_tiling.strip()):
         why = (
             "is empty: give a PrefillConfig JSON file"
             if not args.prefill_tiling.strip()
             else "tiles the Triton prefill kernel, which this run does not use (--attention-backend "
-            f"{args.attention_backend} on {'a GPU' if device == 'cuda' else 'CPU ranks'}); drop it"
+            f"{args.attention_backend} on {where}); drop it"
         )
         raise UsageError(f"--prefill-tiling {args.prefill_tiling!r} {why}")
     if serving:

@@ -204,9 +204,11 @@ def test_long_context_prefill_attention_flag():
 
 
 def test_long_serve_script_end_to_end_on_the_tiny_preset(tmp_path):
-    """scripts/gpu_long_serve.sh on CPU (tiny preset, its flags overridden): a server on a free port, two lengths
-    of one-at-a-time prompts, a result JSON per length with each prompt's TTFT and length, fresh prompts (a seed
-    per length: the longer prompts do not start with the shorter ones' tokens), the server stopped after."""
+    """scripts/gpu_long_serve.sh on CPU (tiny preset, its flags overridden): a server on a free port, one request per
+    `bench serve` call with a seed per request, a result JSON per request, the server's TTFT and queue time read from
+    /metrics around each, the server stopped after. The tiny preset's byte tokenizer turns every random prompt into
+    the same bytes, so the later prompts hit the cache: the script must report them INVALID and exit non-zero (on
+    a real tokenizer the seeds give prompts that share no block)."""
     import os
     import subprocess
 
@@ -218,14 +220,18 @@ def test_long_serve_script_end_to_end_on_the_tiny_preset(tmp_path):
     run = subprocess.run(
         ["bash", str(SCRIPTS / "gpu_long_serve.sh"), str(out)], env=env, capture_output=True, text=True, timeout=300
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "long_serve_summary.jsonl").read_text().splitlines()]
+    assert [(r["request"], r["first_of_its_length"]) for r in rows] == [(1, True), (2, False), (3, True), (4, False)]
+    assert rows[0]["prefix_cache_hits"] == 0  # the server's first request found nothing cached
+    hit = [r["request"] for r in rows if r["prefix_cache_hits"]]
+    assert hit and run.returncode == 1 and run.stdout.count("INVALID: the prompt hit the prefix cache") == len(hit)
+    for r in rows:
+        assert 0 <= r["server_queue_s"] <= r["server_ttft_s"] <= r["ttft_s"]  # the server's view inside the client's
     for length in (300, 700):
-        d = json.loads((out / f"long_serve_{length}.json").read_text())
-        # the tiny preset's byte tokenizer may re-tokenize the decoded random prompt a token or two longer
-        assert d["completed"] == 2 and all(abs(n - length) <= 4 for n in d["input_lens"]) and len(d["ttfts"]) == 2
-        assert all(t > 0 for t in d["ttfts"])
-        assert d["dataset"]["seed"] == length  # a seed per length: no prompt starts with another length's tokens
-        assert d["serve_flags"] == "--max-num-batched-tokens 256"
-    log = (out / "serve.log").read_text()
-    assert "spanllm serve: stopped" in log
-    assert "TTFT per request" in (out / "run.log").read_text()
+        for rep in (1, 2):
+            d = json.loads((out / f"long_serve_{length}_{rep}.json").read_text())
+            # the byte tokenizer may re-tokenize the decoded random prompt a token or two longer
+            assert d["completed"] == 1 and abs(d["input_lens"][0] - length) <= 4 and d["ttfts"][0] > 0
+            assert d["dataset"]["seed"] == length * 100 + rep  # a seed per request
+            assert d["serve_flags"] == "--max-num-batched-tokens 256"
+    assert "spanllm serve: stopped" in (out / "serve.log").read_text()

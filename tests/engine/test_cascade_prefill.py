@@ -236,6 +236,23 @@ def test_shared_prefix_attention_flag():
     assert resolve_backend("torch", 8, 2, 16, torch.device("cpu"), shared_prefix="auto").name == "torch"
 
 
+def test_triton_only_options_are_judged_by_where_the_ranks_run(monkeypatch):
+    """On a GPU machine, `--nprocs 2` spawns CPU ranks (gloo): the Triton-only options are refused there as on a
+    machine without a GPU, whatever this process sees (the GPU seen here made the check pass before)."""
+    from spanllm.commands.engine_args import check_engine_arguments
+    from spanllm.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ap = _engine_parser()
+    for flags, message in [
+        (["--prefill-attention", "cudnn-cascade"], "--prefill-attention cudnn-cascade is an option of the triton"),
+        (["--shared-prefix-attention", "on"], "--shared-prefix-attention on is a feature of the triton attention"),
+    ]:
+        with pytest.raises(UsageError, match=message) as e:
+            check_engine_arguments(ap.parse_args(["--model", "tiny", "--nprocs", "2", *flags]), serving=False)
+        assert "--attention-backend auto on CPU ranks" in str(e.value)
+
+
 def _engine_parser() -> argparse.ArgumentParser:
     """The model and engine options of a command that builds an engine."""
     from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
