@@ -107,7 +107,7 @@ def resolve_backend(
     head_dim: int,
     device: torch.device,
     prefill_config: PrefillConfig | None = None,
-    prefill_attention: str = "triton",
+    prefill_attention: str = "auto",
     cascade_min_prefix: int | None = None,
     shared_prefix: str = "auto",
     block_size: int = 16,
@@ -115,7 +115,8 @@ def resolve_backend(
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
     prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and
     cascade_min_prefix, None: its default): the Triton backend's prefill attention
-    (spanllm.attention.cascade.PREFILL_ATTENTION). Either set for the reference is an error. shared_prefix:
+    (spanllm.attention.cascade.PREFILL_ATTENTION; auto: a cascade where it pays). A cascade named for the reference
+    is an error. shared_prefix:
     the Triton backend's shared-prefix decode attention (spanllm.attention.shared_prefix; auto: on there, off
     on the reference, which has none: "on" there is an error); block_size: the KV cache's."""
     if name not in BACKENDS:
@@ -155,7 +156,7 @@ def resolve_backend(
             f"prefill_tiling={prefill_config.label()} tiles the Triton prefill kernel, but this runner uses the "
             f"{name} attention backend (on {device}); leave prefill_tiling unset there"
         )
-    if prefill_attention != "triton":
+    if prefill_attention not in ("auto", "triton"):  # auto: the reference has no cascade to pick
         raise ValueError(
             f"prefill_attention={prefill_attention!r} is an option of the Triton attention backend, but this runner "
             f"uses the {name} attention backend (on {device}); leave prefill_attention='triton' there"

@@ -23,9 +23,22 @@ from spanllm.attention.reference import gather
 from spanllm.kernels.cascade_merge import merge_into
 
 # --prefill-attention: the Triton prefill kernel for every chunk, or the cascade for long-prefix chunks with
-# the parts on torch's cuDNN attention or on its flash attention (both through the aten op that returns the LSE)
-PREFILL_ATTENTION = ("triton", "cudnn-cascade", "flash-cascade")
+# the parts on torch's cuDNN attention or on its flash attention (both through the aten op that returns the LSE);
+# auto: cudnn-cascade on a Hopper GPU (where it was measured: ~590 TFLOPS at long prefixes against the paged
+# kernel's ~380, results/h100/long_context/README.md), else triton
+PREFILL_ATTENTION = ("auto", "triton", "cudnn-cascade", "flash-cascade")
 DEFAULT_CASCADE_MIN_PREFIX = 4096
+AUTO_CASCADE_MIN_CAPABILITY = (9, 0)
+
+
+def resolve_prefill_attention(name: str, device: torch.device) -> str:
+    """The prefill attention that runs for `name` on this device (auto resolved; the rest as given)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= AUTO_CASCADE_MIN_CAPABILITY:
+        return "cudnn-cascade"
+    return "triton"
+
 
 # attention(q [1, H, Lq, d], k [1, Hkv, Lk, d], v [1, Hkv, Lk, d], causal) -> (out [1, H, Lq, d] in q's dtype,
 # lse [1, H, Lq] float32, natural log of the softmax denominator of the scaled scores). Hkv divides H: query head

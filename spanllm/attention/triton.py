@@ -32,6 +32,7 @@ from spanllm.attention.cascade import (
     attend_long_chunks,
     full_chunk_prefixes,
     plan_cascade,
+    resolve_prefill_attention,
     warm_full_chunks,
 )
 from spanllm.attention.metadata import AttentionMetadata
@@ -95,8 +96,9 @@ class TritonBackend(AttentionBackend):
         # prefill chunks with at least cascade_min_prefix cached keys run the cascade (spanllm.attention.cascade)
         # with this attention for its parts (0: every chunk; one without a prefix is its square causal part
         # alone); None: every chunk on the Triton prefill kernel
-        self.prefill_attention = prefill_attention
-        self.cascade = CASCADE_ATTENTION.get(prefill_attention)
+        self.prefill_attention_asked = prefill_attention  # "auto" or a name; describe() shows both
+        self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
+        self.cascade = CASCADE_ATTENTION.get(self.prefill_attention)
         self.cascade_min_prefix = cascade_min_prefix
         # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
         if prefill_config is not None:
@@ -113,9 +115,12 @@ class TritonBackend(AttentionBackend):
             tiling = f"prefill tiling {self.prefill_config.label()}, set by prefill_tiling"
         if self.shared_prefix:
             tiling += f"; decodes sharing >= {self.min_shared_keys} cached keys read them once per group"
+        auto = " (auto)" if self.prefill_attention_asked == "auto" else ""
         if self.cascade is not None:
             which = "every chunk" if self.cascade_min_prefix == 0 else f"prefixes >= {self.cascade_min_prefix} keys"
-            tiling += f"; prefill {self.prefill_attention} for {which} in steps without decodes, eager"
+            tiling += f"; prefill {self.prefill_attention}{auto} for {which} in steps without decodes, eager"
+        elif auto:
+            tiling += "; prefill triton (auto: no cascade on this device)"
         return f"triton ({tiling})"
 
     def runs_cascade(self, num_decode: int) -> bool:

@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from spanllm import checks
-from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX
+from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, resolve_prefill_attention
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import (
     ATTENTION_BACKENDS,
@@ -126,10 +126,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
     g.add_argument(
         "--prefill-attention",
         choices=PREFILL_ATTENTION,
-        default="triton",
+        default="auto",
         help="prefill chunks with a long cached prefix (EngineConfig.cascade_min_prefix keys): the Triton kernel, "
         "or a cascade of torch's cuDNN / flash attention over the gathered prefix merged with the chunk's causal "
-        "part (in steps without decodes, eagerly; triton backend only)",
+        "part (in steps without decodes, eagerly; triton backend only); auto: cudnn-cascade on a Hopper GPU, "
+        "else triton",
     )
     g.add_argument(
         "--cascade-min-prefix",
@@ -226,6 +227,18 @@ def check_model_arguments(args: argparse.Namespace, world: int):
     return cfg, topo, device
 
 
+def _runs_no_cascade(prefill_attention: str, no_triton: bool, device: str) -> bool:
+    """Whether the ranks run no cascade: triton named, or auto where it resolves to triton (no Triton backend, or
+    a GPU below AUTO_CASCADE_MIN_CAPABILITY)."""
+    if prefill_attention == "triton":
+        return True
+    if prefill_attention != "auto":
+        return False
+    if no_triton:
+        return True
+    return resolve_prefill_attention("auto", torch.device(device)) == "triton"
+
+
 def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) -> None:
     """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users); for a serving
     engine (TP only) also the model and the heads its TP degree must divide."""
@@ -248,11 +261,11 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
     device = checks.device_type(checks.world_size(args.nprocs))
     where = "a GPU" if device == "cuda" else "CPU ranks"
     no_triton = args.attention_backend == "torch" or checks.no_triton_gpu(device) is not None
-    cascade = getattr(args, "prefill_attention", "triton")
-    if cascade != "triton" and no_triton:
+    cascade = getattr(args, "prefill_attention", "auto")
+    if cascade not in ("auto", "triton") and no_triton:
         raise UsageError(
             f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
-            f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention triton (the default)"
+            f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention auto (the default)"
         )
     if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and device == "cuda":
         cap = torch.cuda.get_device_capability(0)
@@ -270,10 +283,14 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             )
     min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
     checks.at_least("--cascade-min-prefix", min_prefix, 0, " (0: every prefill chunk)")
-    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX and getattr(args, "prefill_attention", "triton") == "triton":
+    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX and _runs_no_cascade(cascade, no_triton, device):
+        why = "is triton" if cascade == "triton" else f"is auto, which runs none on {where}"
+        if cascade == "auto" and device == "cuda" and not no_triton:
+            why = "is auto, which runs none on this GPU (a cascade needs compute capability >= 9.0)"
         raise UsageError(
-            f"--cascade-min-prefix {min_prefix} chooses the chunks that run a cascade, but --prefill-attention is "
-            "triton (no cascade); add --prefill-attention cudnn-cascade (or flash-cascade), or drop the flag"
+            f"--cascade-min-prefix {min_prefix} chooses the chunks that run a cascade, but --prefill-attention "
+            f"{why} (no cascade); add --prefill-attention cudnn-cascade (or flash-cascade) where it can run, or "
+            "drop the flag"
         )
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
@@ -356,7 +373,7 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["async_scheduling"] = False
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
-    if getattr(args, "prefill_attention", "triton") != "triton":
+    if hasattr(args, "prefill_attention"):
         fields["prefill_attention"] = args.prefill_attention
     min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
     if min_prefix != DEFAULT_CASCADE_MIN_PREFIX:

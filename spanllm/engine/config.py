@@ -64,12 +64,13 @@ class EngineConfig:
     # The Triton prefill attention kernel's tiling (spanllm.kernels.prefill_config; e.g. the best of
     # scripts/gpu_prefill_attention.py's sweep, load_prefill_config); None: its default. LLM.describe() names it.
     prefill_tiling: PrefillConfig | None = None
-    # The Triton backend's prefill attention (spanllm.attention.cascade): "triton" (the paged kernel for every
-    # chunk), or a cascade (cudnn-cascade, flash-cascade: torch's fused attention over the gathered prefix, no
-    # mask, merged with the chunk's square causal part) for chunks with >= cascade_min_prefix cached keys in
-    # steps without decodes, which then run eagerly (0: every chunk, a prompt's first included, whose cascade is the
-    # square causal part alone); beside decodes the paged kernel runs. LLM.describe() names it.
-    prefill_attention: str = "triton"
+    # The Triton backend's prefill attention (spanllm.attention.cascade): "auto" (cudnn-cascade on a Hopper GPU,
+    # else triton), "triton" (the paged kernel for every chunk), or a cascade (cudnn-cascade, flash-cascade: torch's
+    # fused attention over the gathered prefix, no mask, merged with the chunk's square causal part) for chunks with
+    # >= cascade_min_prefix cached keys in steps without decodes, which then run eagerly (0: every chunk, a prompt's
+    # first included, whose cascade is the square causal part alone); beside decodes the paged kernel runs.
+    # LLM.describe() names it.
+    prefill_attention: str = "auto"
     cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX
     # Decodes whose block tables start with the same cached blocks (prefix caching's shared prompts) read those
     # keys once per group (spanllm.attention.shared_prefix): auto (on with the Triton backend), on, off

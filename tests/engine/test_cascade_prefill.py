@@ -172,7 +172,7 @@ def test_configuration_and_cli_flag():
     from spanllm.commands.engine_args import engine_config_from_args
     from spanllm.engine.config import EngineConfig
 
-    assert EngineConfig().prefill_attention == "triton"
+    assert EngineConfig().prefill_attention == "auto"
     with pytest.raises(ValueError, match="must be one of"):
         EngineConfig(prefill_attention="sdpa")
     with pytest.raises(ValueError, match="cascade_min_prefix=-1 must be an integer >= 0"):
@@ -183,9 +183,32 @@ def test_configuration_and_cli_flag():
     ap = _engine_parser()
     args = ap.parse_args(["--model", "tiny", "--prefill-attention", "flash-cascade"])
     assert engine_config_from_args(args, torch.device("cpu")).prefill_attention == "flash-cascade"
-    assert (
-        engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).prefill_attention == "triton"
-    )
+    for flags, want in [([], "auto"), (["--prefill-attention", "triton"], "triton")]:
+        cfg = engine_config_from_args(ap.parse_args(["--model", "tiny", *flags]), torch.device("cpu"))
+        assert cfg.prefill_attention == want  # triton named reaches the config (auto is the default)
+    # auto on the reference backend: nothing to pick, no error; a cascade named there: an error (above)
+    assert resolve_backend("torch", 8, 2, 16, torch.device("cpu"), prefill_attention="auto").name == "torch"
+
+
+def test_auto_prefill_attention_resolves_by_device(monkeypatch):
+    """auto: cudnn-cascade on a GPU of compute capability >= 9.0 (Hopper), triton below and on CPU; describe()
+    says it was auto and what it chose."""
+    from spanllm.attention import cascade
+    from spanllm.attention.triton import TritonBackend
+
+    assert cascade.resolve_prefill_attention("auto", torch.device("cpu")) == "triton"
+    assert cascade.resolve_prefill_attention("flash-cascade", torch.device("cpu")) == "flash-cascade"
+    for cap, want in [((9, 0), "cudnn-cascade"), ((10, 0), "cudnn-cascade"), ((8, 9), "triton"), ((8, 0), "triton")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert cascade.resolve_prefill_attention("auto", torch.device("cuda")) == want
+    monkeypatch.undo()
+    pytest.importorskip("triton")
+    b = TritonBackend(8, 2, 16, torch.device("cpu"), prefill_attention="auto")
+    assert b.cascade is None and b.prefill_attention == "triton"
+    assert "prefill triton (auto: no cascade on this device)" in b.describe(torch.bfloat16)
+    named = TritonBackend(8, 2, 16, torch.device("cpu"), prefill_attention="cudnn-cascade")
+    assert "prefill cudnn-cascade for prefixes >= 4096 keys" in named.describe(torch.bfloat16)
+    assert "(auto)" not in named.describe(torch.bfloat16)
 
 
 def test_cascade_min_prefix_flag():
@@ -207,7 +230,13 @@ def test_cascade_min_prefix_flag():
     with pytest.raises(UsageError, match="--cascade-min-prefix -5: must be >= 0"):
         check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "-5"]), serving=False)
     with pytest.raises(UsageError, match="--prefill-attention is triton"):
-        check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)
+        check_engine_arguments(
+            ap.parse_args(["--model", "tiny", "--prefill-attention", "triton", "--cascade-min-prefix", "0"]),
+            serving=False,
+        )
+    if not torch.cuda.is_available():  # auto runs no cascade on CPU ranks: a min prefix would be ignored
+        with pytest.raises(UsageError, match="--prefill-attention is auto, which runs none on CPU ranks"):
+            check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)
 
 
 def test_shared_prefix_attention_flag():
