@@ -4,7 +4,7 @@
 # request and no bench ready check, which would send the first prompt and fill the cache with its blocks: the first
 # request is the first the server ever saw; a seed per request, so no prompt starts with another's tokens and hits
 # the prefix cache; a run whose prompts hit the cache is reported INVALID). The server runs the long-prompt settings
-# (cuDNN cascade on every chunk, 16,384-token chunks) unless SERVE_FLAGS says otherwise.
+# (cuDNN cascade on every chunk, 16,384-token chunks) unless SERVE_FLAGS says otherwise (set and empty: the defaults).
 #
 #   bash scripts/gpu_long_serve.sh OUTDIR                    # GPU machine (carry .whl: fastapi, uvicorn, quicktok)
 #   MODEL=smollm2-135m-instruct SERVE_FLAGS="--max-num-batched-tokens 256" LENGTHS=300,450 NUM=2 \
@@ -22,7 +22,7 @@ OUT=${1:?usage: bash scripts/gpu_long_serve.sh OUTDIR}
 MODEL=${MODEL:-llama3.1-8b}
 LENGTHS=${LENGTHS:-36402,111352}
 NUM=${NUM:-3}
-SERVE_FLAGS=${SERVE_FLAGS:---prefill-attention cudnn-cascade --cascade-min-prefix 0 --max-num-batched-tokens 16384}
+SERVE_FLAGS=${SERVE_FLAGS---prefill-attention cudnn-cascade --cascade-min-prefix 0 --max-num-batched-tokens 16384}
 START_TIMEOUT=${START_TIMEOUT:-300}
 REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-120}
 mkdir -p "$OUT"
