@@ -62,3 +62,13 @@ def load_samples(path: str) -> SampleSet:
             f"--samples-file {path!r} is not a saved sample ({type(e).__name__}: {e}); write one with --save-samples"
         ) from None
     return SampleSet(reqs, {**data.get("info", {}), "samples_file": path})
+
+
+def load_first_samples(path: str, num_prompts: int | None) -> SampleSet:
+    """The first num_prompts saved requests (all of them for None or <= 0): what `--samples-file` with
+    `--num-prompts` means to every bench command. An empty file is a UsageError."""
+    saved = load_samples(path)
+    n = min(num_prompts, len(saved)) if num_prompts is not None and num_prompts > 0 else len(saved)
+    if n < 1:
+        raise UsageError(f"--samples-file {path!r} holds no requests")
+    return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})

@@ -432,16 +432,9 @@ def samples_from_args(args: argparse.Namespace, tokenizer) -> SampleSet:
     """--samples-file (its first --num-prompts requests) or the dataset flags."""
     if not getattr(args, "samples_file", None):
         return get_samples(args, tokenizer)
-    from spanllm.bench.sample_file import load_samples
+    from spanllm.bench.sample_file import load_first_samples
 
-    try:
-        saved = load_samples(args.samples_file)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    n = min(args.num_prompts, len(saved)) if args.num_prompts is not None and args.num_prompts > 0 else len(saved)
-    if n < 1:
-        raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
-    return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})
+    return load_first_samples(args.samples_file, args.num_prompts)
 
 
 def _parse_metadata(items: Sequence[str] | None) -> dict[str, str]:

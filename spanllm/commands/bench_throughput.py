@@ -32,7 +32,6 @@ from spanllm.commands.dataset_args import (
 from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
 from spanllm.engine import cuda_allocator
 from spanllm.engine.warmup import warm_up, warm_up_worker
-from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
@@ -148,14 +147,10 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
 
 
 def requests_from_args(args: argparse.Namespace, tokenizer):
-    from spanllm.bench.datasets import SampleSet
-    from spanllm.bench.sample_file import load_samples, save_samples
+    from spanllm.bench.sample_file import load_first_samples, save_samples
 
     if args.samples_file:  # its first --num-prompts requests, as bench serve
-        samples = load_samples(args.samples_file)
-        n = args.num_prompts
-        if n is not None and n < len(samples):
-            samples = SampleSet(samples.requests[:n], {**samples.info, "num_requests": n})
+        samples = load_first_samples(args.samples_file, args.num_prompts)
     else:
         samples = get_samples(args, tokenizer)
     if args.save_samples:
@@ -166,7 +161,7 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
 def run(args: argparse.Namespace) -> int:
     cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     from spanllm import checks
-    from spanllm.bench.sample_file import load_samples
+    from spanllm.bench.sample_file import load_first_samples
 
     resolve_dataset_source(args)
     check_engine_arguments(args)
@@ -177,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
         args.dry_run, args.json, "starts no engine", "--save-samples writes the sampled requests"
     )
     if args.samples_file:
-        if not load_samples(args.samples_file).requests:
-            raise UsageError(f"--samples-file {args.samples_file!r} holds no requests")
+        load_first_samples(args.samples_file, args.num_prompts)  # refused here, before any rank starts
     else:
         check_dataset_arguments(args)
     if args.dry_run:

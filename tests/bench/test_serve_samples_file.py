@@ -79,6 +79,26 @@ def test_num_prompts_larger_than_file_takes_all(tmp_path):
     assert len(got) == 3 and got.info["num_requests"] == 3
 
 
+def test_bench_throughput_and_serve_take_the_same_first_requests(tmp_path):
+    """Both commands read --samples-file through load_first_samples: the first --num-prompts requests (all for
+    None), the file's size in the info; an empty file refused."""
+    from spanllm.bench.sample_file import load_first_samples
+    from spanllm.commands.bench_throughput import requests_from_args
+    from spanllm.errors import UsageError
+
+    samples = tmp_path / "s.json"
+    reqs = _saved(samples, 5)
+    for n, want in [(2, 2), (None, 5), (9, 5)]:
+        args = type("A", (), {"samples_file": str(samples), "num_prompts": n, "save_samples": None})()
+        a, b = serve.samples_from_args(args, None), requests_from_args(args, None)
+        assert [r.prompt for r in a] == [r.prompt for r in b] == [q.prompt for q in reqs[:want]]
+        assert a.info == b.info and a.info["num_requests"] == want and a.info["samples_file_requests"] == 5
+    empty = tmp_path / "e.json"
+    save_samples(SampleSet([], {}), str(empty))
+    with pytest.raises(UsageError, match="holds no requests"):
+        load_first_samples(str(empty), None)
+
+
 def test_bad_samples_file_is_usage_error(server, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(serve, "load_tokenizer", lambda name: WordTokenizer())
     bad = tmp_path / "bad.json"
