@@ -18,10 +18,19 @@ MAX_COLLECTIVE_TIMEOUT_S = 7 * 86400.0
 
 ALLOW_LONG_CONTEXT_ENV = "SPANLLM_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN
 
+# Sampling temperature's range (SamplingParams checks it too; the HTTP API takes OpenAI's [0, 2]): 0 = greedy
+MAX_TEMPERATURE = 100.0
+
 
 def at_least(flag: str, value: int | float | None, minimum: int | float, what: str = "") -> None:
     if value is not None and value < minimum:
         raise UsageError(f"{flag} {value}: must be >= {minimum}{what}")
+
+
+def temperature(value: float) -> None:
+    """--temperature in [0, MAX_TEMPERATURE] (nan fails too)."""
+    if not 0.0 <= value <= MAX_TEMPERATURE:
+        raise UsageError(f"--temperature {value:g}: must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
 
 
 def world_size(nprocs: int) -> int:

@@ -86,7 +86,7 @@ CASES = [
     (GEN + ["--max-model-len", "8192"], "--max-model-len 8192 exceeds the 4096 positions tiny was trained for"),
     (GEN + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (GEN + ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-    (GEN + ["--temperature", "-1"], "--temperature -1.0: must be in [0, 100] (0 = greedy)"),
+    (GEN + ["--temperature", "-1"], "--temperature -1: must be in [0, 100] (0 = greedy)"),
     # layout and topology
     (GEN + ["--tp", "0"], "--tp 0: must be >= 1"),
     (GEN + ["--pp", "0"], "--pp 0: must be >= 1 (pipeline stages)"),
@@ -179,7 +179,7 @@ CASES = [
     (["demo", "--maxbytes", "64G"], "from --maxbytes) needs about"),
     (["demo", "--iters", "0"], "--iters 0: must be >= 1"),
     # generate: sampling ranges, the batch's micro-batches and KV blocks, before any rank starts
-    (GEN + ["--temperature", "200"], "--temperature 200.0: must be in [0, 100] (0 = greedy)"),
+    (GEN + ["--temperature", "200"], "--temperature 200: must be in [0, 100] (0 = greedy)"),
     (GEN + ["--temperature", "nan"], "--temperature nan: must be in [0, 100] (0 = greedy)"),
     (GEN + ["--top-k", "100000000"], "--top-k 100000000: exceeds the vocabulary of 512 tokens; use at most 512"),
     (GEN + ["--micro-batches", "2"], "--micro-batches 2: more than the 1 prompt(s) of the batch; give at most 1"),

@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
             f"--question-len {args.question_len}{default}: must be in [1, --prompt-len {args.prompt_len}) "
             "(the rest is shared)"
         )
-    if not 0 <= args.temperature <= 100:  # SamplingParams' range; nan too
-        raise UsageError(f"--temperature {args.temperature:g}: must be in [0, 100] (0: greedy)")
+    checks.temperature(args.temperature)
     checks.batched_tokens_cover_seqs(args.max_num_batched_tokens, args.max_num_seqs)
     if args.scheduling_policy == "prefix" and not args.enable_prefix_caching:
         raise UsageError("--scheduling-policy prefix needs prefix caching: drop --no-enable-prefix-caching")

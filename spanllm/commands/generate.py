@@ -126,8 +126,7 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
     check_engine_arguments(args, serving=False)
     checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
     checks.at_least("--top-k", args.top_k, 0, " (0 = off)")
-    if not 0.0 <= args.temperature <= 100.0:  # nan fails too
-        raise UsageError(f"--temperature {args.temperature}: must be in [0, 100] (0 = greedy)")
+    checks.temperature(args.temperature)
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
     prompts = [_parse_ids(p) for p in args.prompt_ids]

@@ -35,6 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from spanllm.checks import MAX_TEMPERATURE
+
 try:  # the one-pass race on the GPU (Triton); the CPU wheel has none and takes the unfused ops
     from spanllm.kernels.sampler import race_argmax
 except ImportError:
@@ -80,8 +82,10 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            raise SamplingParamsError(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError(
+                f"temperature={self.temperature} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p={self.top_p} must be in (0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

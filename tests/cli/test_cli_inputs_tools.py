@@ -105,7 +105,7 @@ CASES = [
     # 5. bench host
     (HOST + ["--question-len", "5"], "--question-len 5: the tokens after a family's shared prefix, and without"),
     (HOST + ["--families", "2", "--prompt-len", "100"], "--question-len 128 (the default): must be in [1, --prompt"),
-    (HOST + ["--temperature", "-1"], "--temperature -1: must be in [0, 100] (0: greedy)"),
+    (HOST + ["--temperature", "-1"], "--temperature -1: must be in [0, 100] (0 = greedy)"),
     (HOST + ["--temperature", "nan"], "--temperature nan: must be in [0, 100]"),
     (HOST + ["--max-num-batched-tokens", "1"], "--max-num-batched-tokens 1 is below --max-num-seqs 256"),
     # 6. demo
