@@ -29,7 +29,8 @@ NUM_DECODES = 64
 DECODE_PROMPT_LEN = 128
 OUTPUT_TOKENS = 16
 TIME_BUDGET_S = 420.0
-PREFILL_ATTENTION = ("triton", "cudnn-cascade", "flash-cascade")  # spanllm.attention.cascade's (checked in a test)
+# spanllm.attention.cascade's (checked in a test)
+PREFILL_ATTENTION = ("auto", "triton", "cudnn-cascade", "flash-cascade")
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -317,8 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--cascade-min-prefix",
         type=int,
-        default=4096,
-        help="EngineConfig.cascade_min_prefix (0: every chunk, a prompt's first included)",
+        default=None,
+        help="EngineConfig.cascade_min_prefix (default: the engine's, 4096; 0: every chunk, a prompt's first "
+        "included; only with a cascade --prefill-attention)",
     )
     ap.add_argument("--ttft-reps", type=int, default=1, help="TTFT requests per prompt length (fresh prompts each)")
     ap.add_argument("--no-itl", action="store_true", help="skip the decodes-beside-a-long-prefill stage")

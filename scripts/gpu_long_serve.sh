@@ -88,6 +88,7 @@ for len in ${LENGTHS//,/ }; do
     # a seed per request: every prompt is new (no cached block), the first of its length meets new shapes
     seed=$((len * 100 + rep))
     log "request $n: $len tokens (seed $seed), alone on the server"
+    rm -f "$OUT/long_serve_${len}_$rep.json"  # a failed call must not leave an earlier run's result here
     read -r ttft0 queue0 < <(metrics)
     # shellcheck disable=SC2086
     timeout $(( START_TIMEOUT + REQUEST_TIMEOUT )) python3 -m spanllm.cli bench serve --port "$PORT" \
@@ -121,6 +122,8 @@ print(
     f"request {n}: {row['input_len']} tokens: TTFT {row['ttft_s']:.3f} s (server {row['server_ttft_s']:.3f} s, "
     f"queue {row['server_queue_s']:.3f} s), prefix-cache hits {row['prefix_cache_hits']}"
 )
+if row["prefix_cache_hits"] is None:  # bench serve found no prefix-cache counters in /metrics
+    sys.exit("INVALID: the server reported no prefix-cache hits; the prompt's freshness is unknown")
 if row["prefix_cache_hits"]:  # a request reused cached blocks: its TTFT is not a fresh prompt's
     sys.exit("INVALID: the prompt hit the prefix cache; its TTFT is not a fresh prompt's")
 EOF

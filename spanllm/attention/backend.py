@@ -111,6 +111,7 @@ def resolve_backend(
     cascade_min_prefix: int | None = None,
     shared_prefix: str = "auto",
     block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> AttentionBackend:
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
     prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and
@@ -118,7 +119,8 @@ def resolve_backend(
     (spanllm.attention.cascade.PREFILL_ATTENTION; auto: a cascade where it pays). A cascade named for the reference
     is an error. shared_prefix:
     the Triton backend's shared-prefix decode attention (spanllm.attention.shared_prefix; auto: on there, off
-    on the reference, which has none: "on" there is an error); block_size: the KV cache's."""
+    on the reference, which has none: "on" there is an error); block_size: the KV cache's; dtype: the run's
+    compute dtype (a cascade takes bf16 / fp16 only)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
     if shared_prefix not in SHARED_PREFIX_ATTENTION:
@@ -134,7 +136,6 @@ def resolve_backend(
             )
         from spanllm.attention.triton import TritonBackend
 
-        extra = {} if cascade_min_prefix is None else {"cascade_min_prefix": cascade_min_prefix}
         return TritonBackend(
             num_heads,
             num_kv_heads,
@@ -142,9 +143,10 @@ def resolve_backend(
             device,
             prefill_config,
             prefill_attention,
+            cascade_min_prefix,
             shared_prefix=shared_prefix != "off",
             block_size=block_size,
-            **extra,
+            dtype=dtype,
         )
     if shared_prefix == "on":
         raise ValueError(
@@ -160,6 +162,11 @@ def resolve_backend(
         raise ValueError(
             f"prefill_attention={prefill_attention!r} is an option of the Triton attention backend, but this runner "
             f"uses the {name} attention backend (on {device}); leave prefill_attention='triton' there"
+        )
+    if cascade_min_prefix is not None:
+        raise ValueError(
+            f"cascade_min_prefix={cascade_min_prefix} chooses the chunks that run a cascade, but this runner uses the "
+            f"{name} attention backend (on {device}), which has none; leave cascade_min_prefix unset there"
         )
     from spanllm.attention.reference import ReferenceBackend
 

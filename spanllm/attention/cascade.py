@@ -25,19 +25,35 @@ from spanllm.kernels.cascade_merge import merge_into
 # --prefill-attention: the Triton prefill kernel for every chunk, or the cascade for long-prefix chunks with
 # the parts on torch's cuDNN attention or on its flash attention (both through the aten op that returns the LSE);
 # auto: cudnn-cascade on a Hopper GPU (where it was measured: ~590 TFLOPS at long prefixes against the paged
-# kernel's ~380, results/h100/long_context/README.md), else triton
+# kernel's ~380, results/h100/long_context/README.md) in bf16 / fp16, else triton
 PREFILL_ATTENTION = ("auto", "triton", "cudnn-cascade", "flash-cascade")
+CASCADE_ATTENTION_NAMES = ("cudnn-cascade", "flash-cascade")
 DEFAULT_CASCADE_MIN_PREFIX = 4096
-AUTO_CASCADE_MIN_CAPABILITY = (9, 0)
+CASCADE_DTYPES = (torch.bfloat16, torch.float16)  # torch's cuDNN and flash attention take these only
+AUTO_CASCADE_CAPABILITY_MAJOR = 9  # Hopper: the only GPUs the cascade was measured on
 
 
-def resolve_prefill_attention(name: str, device: torch.device) -> str:
-    """The prefill attention that runs for `name` on this device (auto resolved; the rest as given)."""
-    if name != "auto":
-        return name
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= AUTO_CASCADE_MIN_CAPABILITY:
-        return "cudnn-cascade"
-    return "triton"
+def resolve_prefill_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The prefill attention that runs for `name` on this device at this compute dtype: auto resolved (a cascade
+    on a Hopper GPU in bf16 / fp16, else triton); a named cascade in another dtype is a ValueError."""
+    if name == "auto":
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == AUTO_CASCADE_CAPABILITY_MAJOR
+        return "cudnn-cascade" if hopper and dtype in CASCADE_DTYPES else "triton"
+    if name in CASCADE_ATTENTION_NAMES and dtype not in CASCADE_DTYPES:
+        raise ValueError(
+            f"prefill_attention={name!r} runs torch's fused attention, which takes bf16 or fp16; this run computes in "
+            f"{str(dtype).removeprefix('torch.')}: use prefill_attention='triton' or 'auto', or a bf16 / fp16 dtype"
+        )
+    return name
+
+
+def cascade_gather_bytes(tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_itemsize: int) -> int:
+    """The cascade's transient K/V for one chunk whose prompt reaches `tokens` positions: the gathered prefix and
+    chunk of K and V in the compute dtype, plus the gather itself where the cache's element is smaller (an FP8
+    cache is gathered, then widened)."""
+    per_token = 2 * num_kv_heads * head_dim
+    gathered = per_token * kv_itemsize if kv_itemsize != dtype.itemsize else 0
+    return tokens * (per_token * dtype.itemsize + gathered)
 
 
 # attention(q [1, H, Lq, d], k [1, Hkv, Lk, d], v [1, Hkv, Lk, d], causal) -> (out [1, H, Lq, d] in q's dtype,

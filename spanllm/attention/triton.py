@@ -75,10 +75,11 @@ class TritonBackend(AttentionBackend):
         device: torch.device,
         prefill_config: PrefillConfig | None = None,
         prefill_attention: str = "triton",
-        cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX,
+        cascade_min_prefix: int | None = None,
         shared_prefix: bool = True,
         min_shared_keys: int = DEFAULT_MIN_SHARED_KEYS,
         block_size: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         # Decodes sharing at least min_shared_keys cached keys read them once per group (shared_prefix.py);
@@ -91,15 +92,21 @@ class TritonBackend(AttentionBackend):
         self.target_units = max(1, 2 * sms // num_kv_heads)
         if prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={prefill_attention!r} must be one of {PREFILL_ATTENTION}")
-        if cascade_min_prefix < 0:
+        if cascade_min_prefix is not None and cascade_min_prefix < 0:
             raise ValueError(f"cascade_min_prefix={cascade_min_prefix} must be >= 0 (0: every prefill chunk)")
         # prefill chunks with at least cascade_min_prefix cached keys run the cascade (spanllm.attention.cascade)
         # with this attention for its parts (0: every chunk; one without a prefix is its square causal part
         # alone); None: every chunk on the Triton prefill kernel
         self.prefill_attention_asked = prefill_attention  # "auto" or a name; describe() shows both
-        self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
+        self.prefill_attention = resolve_prefill_attention(prefill_attention, device, dtype)  # dtype: compute's
         self.cascade = CASCADE_ATTENTION.get(self.prefill_attention)
-        self.cascade_min_prefix = cascade_min_prefix
+        if self.cascade is None and cascade_min_prefix is not None:  # honoured or refused, never ignored
+            why = "auto runs none on this device" if prefill_attention == "auto" else "it is 'triton'"
+            raise ValueError(
+                f"cascade_min_prefix={cascade_min_prefix} chooses the chunks that run a cascade, and "
+                f"prefill_attention={prefill_attention!r} runs none here ({why}); leave cascade_min_prefix unset"
+            )
+        self.cascade_min_prefix = DEFAULT_CASCADE_MIN_PREFIX if cascade_min_prefix is None else cascade_min_prefix
         # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
         if prefill_config is not None:
             prefill_config.check_group(self.group)

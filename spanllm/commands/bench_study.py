@@ -29,6 +29,7 @@ from spanllm.commands.bench_batch import (
     run_layout,
     settings_from_args,
 )
+from spanllm.engine import cuda_allocator
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, launch
 from spanllm.model.config import ModelConfig, resolve_model
@@ -151,6 +152,7 @@ def check_layouts(s: BenchSettings, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cuda_allocator.apply_default()  # before any rank starts CUDA (spawned ranks inherit it)
     s = settings_from_args(args)
     check_layouts(s, args)  # bad values fail before any rank starts
     results = launch(_study_rank, s, args.micro_batches, args.pp, nprocs=args.nprocs)

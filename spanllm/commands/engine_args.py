@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from spanllm import checks
-from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, resolve_prefill_attention
+from spanllm.attention.cascade import CASCADE_DTYPES, DEFAULT_CASCADE_MIN_PREFIX, resolve_prefill_attention
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.config import (
     ATTENTION_BACKENDS,
@@ -135,7 +135,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
     g.add_argument(
         "--cascade-min-prefix",
         type=int,
-        default=DEFAULT_CASCADE_MIN_PREFIX,
+        default=None,
         metavar="KEYS",
         help="with a cascade --prefill-attention: the cached keys a chunk needs before it runs the cascade "
         f"(default {DEFAULT_CASCADE_MIN_PREFIX}; 0: every chunk, a prompt's first included)",
@@ -227,18 +227,6 @@ def check_model_arguments(args: argparse.Namespace, world: int):
     return cfg, topo, device
 
 
-def _runs_no_cascade(prefill_attention: str, no_triton: bool, device: str) -> bool:
-    """Whether the ranks run no cascade: triton named, or auto where it resolves to triton (no Triton backend, or
-    a GPU below AUTO_CASCADE_MIN_CAPABILITY)."""
-    if prefill_attention == "triton":
-        return True
-    if prefill_attention != "auto":
-        return False
-    if no_triton:
-        return True
-    return resolve_prefill_attention("auto", torch.device(device)) == "triton"
-
-
 def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) -> None:
     """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users); for a serving
     engine (TP only) also the model and the heads its TP degree must divide."""
@@ -267,6 +255,14 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"--prefill-attention {cascade} is an option of the triton attention backend, but this run uses "
             f"--attention-backend {args.attention_backend} on {where}; leave --prefill-attention auto (the default)"
         )
+    checks.engine_dtype(args.dtype)
+    compute_dtype = resolve_dtype(args.dtype, torch.device(device))
+    if cascade not in ("auto", "triton") and compute_dtype not in CASCADE_DTYPES:
+        raise UsageError(
+            f"--prefill-attention {cascade} runs torch's fused attention, which takes bf16 or fp16, and --dtype "
+            f"{args.dtype} computes in {str(compute_dtype).removeprefix('torch.')}; use --prefill-attention auto "
+            "(the Triton kernel there) or --dtype bfloat16"
+        )
     if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES and device == "cuda":
         cap = torch.cuda.get_device_capability(0)
         if cap < MIN_FP8_CAPABILITY:
@@ -281,17 +277,27 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
                 f"--attention-backend {args.attention_backend} on {where}; use auto (on wherever the triton "
                 "backend runs) or off"
             )
-    min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
+    min_prefix = getattr(args, "cascade_min_prefix", None)
     checks.at_least("--cascade-min-prefix", min_prefix, 0, " (0: every prefill chunk)")
-    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX and _runs_no_cascade(cascade, no_triton, device):
-        why = "is triton" if cascade == "triton" else f"is auto, which runs none on {where}"
-        if cascade == "auto" and device == "cuda" and not no_triton:
-            why = "is auto, which runs none on this GPU (a cascade needs compute capability >= 9.0)"
-        raise UsageError(
-            f"--cascade-min-prefix {min_prefix} chooses the chunks that run a cascade, but --prefill-attention "
-            f"{why} (no cascade); add --prefill-attention cudnn-cascade (or flash-cascade) where it can run, or "
-            "drop the flag"
-        )
+    if min_prefix is not None:
+        if cascade == "triton":
+            why, fix = "is triton", "add --prefill-attention cudnn-cascade (or flash-cascade)"
+        elif no_triton:  # no Triton backend: no cascade, whatever --prefill-attention says
+            why = f"runs none with --attention-backend {args.attention_backend} on {where}"
+            fix = "drop --attention-backend torch where a GPU runs Triton" if device == "cuda" else "drop it here"
+        elif cascade == "auto" and resolve_prefill_attention("auto", torch.device(device), compute_dtype) == "triton":
+            why = (
+                f"is auto, which runs none here (a cascade on a Hopper GPU in bf16 / fp16; this run: "
+                f"{str(compute_dtype).removeprefix('torch.')})"
+            )
+            fix = "name --prefill-attention cudnn-cascade where it can run"
+        else:
+            why = ""
+        if why:
+            raise UsageError(
+                f"--cascade-min-prefix {min_prefix} chooses the chunks that run a cascade, but --prefill-attention "
+                f"{why} (no cascade); {fix}, or drop --cascade-min-prefix"
+            )
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
 
@@ -375,9 +381,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["max_model_len"] = args.max_model_len
     if hasattr(args, "prefill_attention"):
         fields["prefill_attention"] = args.prefill_attention
-    min_prefix = getattr(args, "cascade_min_prefix", DEFAULT_CASCADE_MIN_PREFIX)
-    if min_prefix != DEFAULT_CASCADE_MIN_PREFIX:
-        fields["cascade_min_prefix"] = min_prefix
+    if getattr(args, "cascade_min_prefix", None) is not None:
+        fields["cascade_min_prefix"] = args.cascade_min_prefix
     if getattr(args, "prefill_tiling", None):
         from spanllm.kernels.prefill_config import load_prefill_config
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
-from spanllm.attention.cascade import DEFAULT_CASCADE_MIN_PREFIX, PREFILL_ATTENTION
+from spanllm.attention.cascade import PREFILL_ATTENTION
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.kernels.pdl import PDL_MODES
@@ -71,7 +71,8 @@ class EngineConfig:
     # first included, whose cascade is the square causal part alone); beside decodes the paged kernel runs.
     # LLM.describe() names it.
     prefill_attention: str = "auto"
-    cascade_min_prefix: int = DEFAULT_CASCADE_MIN_PREFIX
+    # None: DEFAULT_CASCADE_MIN_PREFIX where a cascade runs; a value where none runs is refused (resolve_backend)
+    cascade_min_prefix: int | None = None
     # Decodes whose block tables start with the same cached blocks (prefix caching's shared prompts) read those
     # keys once per group (spanllm.attention.shared_prefix): auto (on with the Triton backend), on, off
     shared_prefix_attention: str = "auto"
@@ -124,8 +125,8 @@ class EngineConfig:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION}")
         v = self.cascade_min_prefix
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"cascade_min_prefix={v!r} must be an integer >= 0 (0: every prefill chunk)")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"cascade_min_prefix={v!r} must be None (the default) or an integer >= 0 (0: every chunk)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
         if self.scheduling_policy == "prefix" and not self.enable_prefix_caching:

@@ -12,20 +12,34 @@ from __future__ import annotations
 import os
 
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
+# Every name PyTorch reads its allocator settings from (PYTORCH_ALLOC_CONF is the newer, device-generic one; where
+# several are set, PyTorch prefers the device's own): a user who set any of them keeps exactly that.
+USER_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 DEFAULT = "expandable_segments:True"
+APPLIED_ENV = "SPANLLM_CUDA_ALLOC_DEFAULT"  # "1" where apply_default set ENV (the ranks inherit it)
+
+
+def _user_setting() -> tuple[str, str] | None:
+    """(name, value) of the first allocator variable set (an empty value counts as unset), else None."""
+    for name in USER_ENVS:
+        if os.environ.get(name):
+            return name, os.environ[name]
+    return None
 
 
 def apply_default() -> None:
-    """Set PYTORCH_CUDA_ALLOC_CONF to DEFAULT where the user has not set it (an empty value counts as unset)."""
-    if not os.environ.get(ENV):
+    """Set PYTORCH_CUDA_ALLOC_CONF to DEFAULT where the user has set none of USER_ENVS."""
+    if _user_setting() is None:
         os.environ[ENV] = DEFAULT
+        os.environ[APPLIED_ENV] = "1"
 
 
 def describe() -> str:
-    """The setting this process runs with, and whose it is."""
-    value = os.environ.get(ENV)
-    if not value:
+    """The setting this process runs with, and whose it is (spanllm's default is the value apply_default set)."""
+    setting = _user_setting()
+    if setting is None:
         return "CUDA allocator: PyTorch's defaults"
-    if value == DEFAULT:
-        return f"CUDA allocator: {value} ({ENV}; spanllm's default)"
-    return f"CUDA allocator: {value} ({ENV})"
+    name, value = setting
+    if name == ENV and value == DEFAULT and os.environ.get(APPLIED_ENV) == "1":
+        return f"CUDA allocator: {value} ({name}; spanllm's default)"
+    return f"CUDA allocator: {value} ({name})"

@@ -367,6 +367,7 @@ class LLM:
 
     def _build_worker(self):
         from spanllm.attention.backend import resolve_backend
+        from spanllm.attention.cascade import cascade_gather_bytes
         from spanllm.engine.worker.kv_cache import (
             CacheSizing,
             PagedKVCache,
@@ -396,6 +397,7 @@ class LLM:
             e.cascade_min_prefix,
             e.shared_prefix_attention,
             e.block_size,
+            dtype=e.dtype,
         )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.kv_dtype
@@ -412,6 +414,10 @@ class LLM:
         )
         if e.cuda_graphs and self.device.type == "cuda":  # the graphs' shared float32 logits buffer
             reserve += e.max_num_seqs * cfg.vocab_size * 4
+        if getattr(backend, "cascade", None) is not None:  # a chunk's gathered prefix K/V, at the longest prompt
+            reserve += cascade_gather_bytes(
+                max_model_len, qkv.num_kv_heads_local, cfg.head_dim, e.dtype, e.kv_dtype.itemsize
+            )
         if self.device.type == "cuda":
             # blocks the build freed (a weight replaced by its FP8 quantization) would count as used below
             torch.cuda.empty_cache()

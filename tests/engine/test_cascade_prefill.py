@@ -175,7 +175,7 @@ def test_configuration_and_cli_flag():
     assert EngineConfig().prefill_attention == "auto"
     with pytest.raises(ValueError, match="must be one of"):
         EngineConfig(prefill_attention="sdpa")
-    with pytest.raises(ValueError, match="cascade_min_prefix=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match="cascade_min_prefix=-1 must be None \\(the default\\) or an integer >= 0"):
         EngineConfig(cascade_min_prefix=-1)
     assert EngineConfig(cascade_min_prefix=0).cascade_min_prefix == 0  # every chunk
     with pytest.raises(ValueError, match="leave prefill_attention='triton'"):
@@ -190,18 +190,24 @@ def test_configuration_and_cli_flag():
     assert resolve_backend("torch", 8, 2, 16, torch.device("cpu"), prefill_attention="auto").name == "torch"
 
 
-def test_auto_prefill_attention_resolves_by_device(monkeypatch):
-    """auto: cudnn-cascade on a GPU of compute capability >= 9.0 (Hopper), triton below and on CPU; describe()
-    says it was auto and what it chose."""
+def test_auto_prefill_attention_resolves_by_device_and_dtype(monkeypatch):
+    """auto: cudnn-cascade on a Hopper GPU (compute capability 9.x, where it was measured) in bf16 / fp16, triton
+    elsewhere (other GPUs, float32, CPU); a named cascade in float32 is refused (torch's fused attention takes half
+    types only); describe() says it was auto and what it chose."""
     from spanllm.attention import cascade
     from spanllm.attention.triton import TritonBackend
 
-    assert cascade.resolve_prefill_attention("auto", torch.device("cpu")) == "triton"
-    assert cascade.resolve_prefill_attention("flash-cascade", torch.device("cpu")) == "flash-cascade"
-    for cap, want in [((9, 0), "cudnn-cascade"), ((10, 0), "cudnn-cascade"), ((8, 9), "triton"), ((8, 0), "triton")]:
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert cascade.resolve_prefill_attention("auto", torch.device("cpu"), bf16) == "triton"
+    assert cascade.resolve_prefill_attention("flash-cascade", torch.device("cpu"), bf16) == "flash-cascade"
+    cases = [((9, 0), bf16, "cudnn-cascade"), ((9, 0), fp16, "cudnn-cascade"), ((9, 0), fp32, "triton")]
+    cases += [((10, 0), bf16, "triton"), ((8, 9), bf16, "triton"), ((8, 0), bf16, "triton")]
+    for cap, dtype, want in cases:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert cascade.resolve_prefill_attention("auto", torch.device("cuda")) == want
+        assert cascade.resolve_prefill_attention("auto", torch.device("cuda"), dtype) == want
     monkeypatch.undo()
+    with pytest.raises(ValueError, match="prefill_attention='cudnn-cascade' runs torch's fused attention, which takes"):
+        cascade.resolve_prefill_attention("cudnn-cascade", torch.device("cpu"), fp32)
     pytest.importorskip("triton")
     b = TritonBackend(8, 2, 16, torch.device("cpu"), prefill_attention="auto")
     assert b.cascade is None and b.prefill_attention == "triton"
@@ -209,6 +215,13 @@ def test_auto_prefill_attention_resolves_by_device(monkeypatch):
     named = TritonBackend(8, 2, 16, torch.device("cpu"), prefill_attention="cudnn-cascade")
     assert "prefill cudnn-cascade for prefixes >= 4096 keys" in named.describe(torch.bfloat16)
     assert "(auto)" not in named.describe(torch.bfloat16)
+    # a min prefix where no cascade runs: refused, not ignored (the engine's API as the CLI)
+    with pytest.raises(ValueError, match="cascade_min_prefix=0 chooses the chunks that run a cascade"):
+        TritonBackend(8, 2, 16, torch.device("cpu"), prefill_attention="auto", cascade_min_prefix=0)
+    from spanllm.attention.backend import resolve_backend
+
+    with pytest.raises(ValueError, match="the torch attention backend .* which has none"):
+        resolve_backend("torch", 8, 2, 16, torch.device("cpu"), cascade_min_prefix=0)
 
 
 def test_cascade_min_prefix_flag():
@@ -234,9 +247,37 @@ def test_cascade_min_prefix_flag():
             ap.parse_args(["--model", "tiny", "--prefill-attention", "triton", "--cascade-min-prefix", "0"]),
             serving=False,
         )
+    # the default's value typed where no cascade runs: refused as any other (the flag's default is "not given")
     if not torch.cuda.is_available():  # auto runs no cascade on CPU ranks: a min prefix would be ignored
-        with pytest.raises(UsageError, match="--prefill-attention is auto, which runs none on CPU ranks"):
-            check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)
+        with pytest.raises(UsageError, match="runs none with --attention-backend auto on CPU ranks"):
+            check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "4096"]), serving=False)
+    assert engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).cascade_min_prefix is None
+
+
+def test_cascade_flags_on_a_hopper_gpu_name_the_real_reason(monkeypatch):
+    """On a (faked) Hopper GPU with one rank: --attention-backend torch makes the min prefix meaningless (the
+    backend, not auto, is the reason); float32 refuses a named cascade and makes auto run none."""
+    from spanllm import checks
+    from spanllm.commands.engine_args import check_engine_arguments
+    from spanllm.errors import UsageError
+
+    monkeypatch.setattr(checks, "device_type", lambda nprocs=None: "cuda")
+    monkeypatch.setattr(checks, "no_triton_gpu", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ap = _engine_parser()
+
+    def refused(*flags) -> str:
+        with pytest.raises(UsageError) as e:
+            check_engine_arguments(ap.parse_args(["--model", "tiny", *flags]), serving=False)
+        return str(e.value)
+
+    msg = refused("--attention-backend", "torch", "--cascade-min-prefix", "0")
+    assert "runs none with --attention-backend torch on a GPU" in msg and "drop --attention-backend torch" in msg
+    msg = refused("--dtype", "float32", "--prefill-attention", "cudnn-cascade")
+    assert "which takes bf16 or fp16, and --dtype float32 computes in float32" in msg
+    msg = refused("--dtype", "float32", "--cascade-min-prefix", "0")
+    assert "is auto, which runs none here (a cascade on a Hopper GPU in bf16 / fp16; this run: float32)" in msg
+    check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)  # runs
 
 
 def test_shared_prefix_attention_flag():
