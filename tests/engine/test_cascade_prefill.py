@@ -44,6 +44,19 @@ def test_cascade_equals_reference(prefix, c, hq, hkv):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("prefix,c", [(37, 21), (1000, 45)])
+def test_cascade_over_an_fp8_cache_widens_it_exactly(prefix, c):
+    """An FP8 (e4m3) cache: the gathered K/V widened to the queries' dtype, the same keys the reference reads
+    (the cache has no scale: values are stored saturated, spanllm.attention.backend.write_kv)."""
+    kc, vc, tables = poisoned_paged_pool([prefix + c], BLOCK, 2, 16, seed=prefix)
+    kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    q = torch.randn(c, 8, 16, generator=torch.Generator().manual_seed(2))
+    out = cascade_prefill(q, kc8, vc8, tables[0], prefix, reference_attention)
+    want = ref.reference_prefill(q, kc8, vc8, tables, [c], [prefix + c])
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
 def test_reference_attention_reads_each_query_heads_kv_head():
     """GQA in the Attention contract: 6 query heads over 2 KV heads equal the same with K/V repeated (heads 0-2
     read KV head 0, heads 3-5 KV head 1)."""
