@@ -153,3 +153,33 @@ def test_refused_param_names_top_k():
     from spanllm.serve.api import refused_param
 
     assert refused_param("top_k=100000 exceeds the vocabulary of 512 tokens; use at most 512, or 0 (off)") == "top_k"
+
+
+def test_the_app_primes_the_request_path_without_the_engine():
+    """build_app runs a completion's and a chat's parsing and tokenization once (their first-use costs paid at
+    start), with nothing sent to the engine."""
+    from types import SimpleNamespace
+
+    from spanllm.serve.api import build_app
+
+    class Recording(ByteTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.texts, self.chats = [], []
+
+        def encode(self, text, add_special_tokens=True):
+            self.texts.append(text)
+            return super().encode(text, add_special_tokens)
+
+        def apply_chat_template(self, messages):
+            self.chats.append(messages)
+            return super().apply_chat_template(messages)
+
+    class NoEngine(SimpleNamespace):
+        def add(self, *a, **k):
+            raise AssertionError("priming must not reach the engine")
+
+    tok = Recording()
+    engine = NoEngine(capacity_tokens=4096, vocab_size=512, max_model_len=4096, has_tokenizer=True, alive=True)
+    build_app(engine, tok, model_name="m", max_model_len=4096)
+    assert "Hello" in tok.texts and tok.chats == [[{"role": "user", "content": "Hello"}]]
