@@ -13,10 +13,13 @@ python3 -m spanllm.cli serve --model smollm2-135m-instruct --port "$PORT" --max-
   >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+up=0
 for _ in $(seq 180); do
-  curl -s -o /dev/null -w "%{http_code}" "http://127.0.0.1:$PORT/health" 2>/dev/null | grep -q 200 && break
+  curl -s -o /dev/null -w "%{http_code}" "http://127.0.0.1:$PORT/health" 2>/dev/null | grep -q 200 && { up=1; break; }
+  kill -0 "$SERVER" 2>/dev/null || break
   sleep 1
 done
+[ "$up" = 1 ] || { echo "the server did not come up ($OUT/serve.log):"; tail -5 "$OUT/serve.log"; exit 1; }
 python3 - "$PORT" "$OUT/first_request.json" <<'PY'
 import json, sys, time, urllib.request
 

@@ -101,7 +101,14 @@ class TritonBackend(AttentionBackend):
         self.prefill_attention = resolve_prefill_attention(prefill_attention, device, dtype)  # dtype: compute's
         self.cascade = CASCADE_ATTENTION.get(self.prefill_attention)
         if self.cascade is None and cascade_min_prefix is not None:  # honoured or refused, never ignored
-            why = "auto runs none on this device" if prefill_attention == "auto" else "it is 'triton'"
+            why = "it is 'triton'"
+            if prefill_attention == "auto":
+                hopper = resolve_prefill_attention("auto", device, torch.bfloat16) != "triton"
+                why = (
+                    f"auto runs none in {str(dtype).removeprefix('torch.')}: a cascade takes bf16 / fp16"
+                    if hopper
+                    else "auto runs a cascade on a Hopper GPU only"
+                )
             raise ValueError(
                 f"cascade_min_prefix={cascade_min_prefix} chooses the chunks that run a cascade, and "
                 f"prefill_attention={prefill_attention!r} runs none here ({why}); leave cascade_min_prefix unset"

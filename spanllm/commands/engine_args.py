@@ -283,8 +283,12 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
         if cascade == "triton":
             why, fix = "is triton", "add --prefill-attention cudnn-cascade (or flash-cascade)"
         elif no_triton:  # no Triton backend: no cascade, whatever --prefill-attention says
-            why = f"runs none with --attention-backend {args.attention_backend} on {where}"
-            fix = "drop --attention-backend torch where a GPU runs Triton" if device == "cuda" else "drop it here"
+            if args.attention_backend == "torch":
+                why = f"runs none with --attention-backend torch (the reference) on {where}"
+                fix = "drop --attention-backend torch" if checks.no_triton_gpu(device) is None else "keep it unset"
+            else:  # the ranks lack a GPU or Triton: the Triton backend cannot run
+                why = f"runs none on {where}, which have {checks.no_triton_gpu(device)} for the triton backend"
+                fix = "run on a GPU with Triton"
         elif cascade == "auto" and resolve_prefill_attention("auto", torch.device(device), compute_dtype) == "triton":
             why = (
                 f"is auto, which runs none here (a cascade on a Hopper GPU in bf16 / fp16; this run: "

@@ -177,7 +177,12 @@ class HFTokenizer:
                 f"the tokenizer of {self.name!r} has no chat template; use /v1/completions with a "
                 "prompt instead of /v1/chat/completions"
             )
-        ids = self._tok.apply_chat_template(_check_messages(messages), add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self._tok.apply_chat_template(_check_messages(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the checkpoint's Jinja template refused these messages (its raise_exception) or broke
+            if not type(e).__module__.startswith("jinja2"):
+                raise
+            raise TokenizerError(f"the chat template of {self.name!r} refused the messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

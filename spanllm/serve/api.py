@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -37,6 +38,7 @@ from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRe
 TEXT_MARGIN = 2
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the handler checks that its client is still there
 _HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
+_log = logging.getLogger("spanllm.serve")
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -517,3 +519,5 @@ def _prime(prepare) -> None:
             prepare(json.dumps(body).encode(), chat)
         except APIError:
             pass  # a tokenizer without a chat template refuses chat: nothing to prime there
+        except Exception as e:  # priming is a speed-up only: the server starts, and the route answers for itself
+            _log.warning("priming the %s route failed (%s: %s)", "chat" if chat else "completion", type(e).__name__, e)

@@ -262,7 +262,7 @@ def test_cascade_min_prefix_flag():
         )
     # the default's value typed where no cascade runs: refused as any other (the flag's default is "not given")
     if not torch.cuda.is_available():  # auto runs no cascade on CPU ranks: a min prefix would be ignored
-        with pytest.raises(UsageError, match="runs none with --attention-backend auto on CPU ranks"):
+        with pytest.raises(UsageError, match="runs none on CPU ranks, which have no GPU for the triton backend"):
             check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "4096"]), serving=False)
     assert engine_config_from_args(ap.parse_args(["--model", "tiny"]), torch.device("cpu")).cascade_min_prefix is None
 
@@ -285,12 +285,30 @@ def test_cascade_flags_on_a_hopper_gpu_name_the_real_reason(monkeypatch):
         return str(e.value)
 
     msg = refused("--attention-backend", "torch", "--cascade-min-prefix", "0")
-    assert "runs none with --attention-backend torch on a GPU" in msg and "drop --attention-backend torch" in msg
+    assert "runs none with --attention-backend torch (the reference) on a GPU" in msg
+    assert "drop --attention-backend torch, or drop --cascade-min-prefix" in msg
     msg = refused("--dtype", "float32", "--prefill-attention", "cudnn-cascade")
     assert "which takes bf16 or fp16, and --dtype float32 computes in float32" in msg
     msg = refused("--dtype", "float32", "--cascade-min-prefix", "0")
     assert "is auto, which runs none here (a cascade on a Hopper GPU in bf16 / fp16; this run: float32)" in msg
     check_engine_arguments(ap.parse_args(["--model", "tiny", "--cascade-min-prefix", "0"]), serving=False)  # runs
+    monkeypatch.setattr(checks, "no_triton_gpu", lambda device: "no Triton")  # a GPU without Triton installed
+    msg = refused("--cascade-min-prefix", "0")
+    assert "runs none on a GPU, which have no Triton for the triton backend" in msg and "--attention-backend" not in msg
+
+    # the engine's API names the same reasons: float32 on a Hopper GPU, and a GPU that is not a Hopper
+    from spanllm.attention import triton as triton_backend
+    from spanllm.attention.triton import TritonBackend
+
+    monkeypatch.setattr(triton_backend.kernels, "num_sms_of", lambda device: 132)  # no CUDA device to ask
+
+    with pytest.raises(ValueError, match="auto runs none in float32: a cascade takes bf16 / fp16"):
+        TritonBackend(
+            8, 2, 16, torch.device("cuda"), cascade_min_prefix=0, prefill_attention="auto", dtype=torch.float32
+        )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="auto runs a cascade on a Hopper GPU only"):
+        TritonBackend(8, 2, 16, torch.device("cuda"), cascade_min_prefix=0, prefill_attention="auto")
 
 
 def test_shared_prefix_attention_flag():

@@ -109,6 +109,32 @@ def test_hf_checkpoint_tokenizer(tmp_path):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
+def test_a_chat_template_that_refuses_is_a_tokenizer_error_and_the_app_still_builds(tmp_path):
+    """A checkpoint's template that raises (its raise_exception, as real templates do for a bad role order) is the
+    client's 400 (TokenizerError), not a 500; the front end's start-up priming logs it and the app builds."""
+    pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from spanllm.serve.api import build_app
+
+    t = Tokenizer(models.BPE(unk_token=None))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(
+        [TEXT], trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
+    fast.save_pretrained(tmp_path)
+    tok = get_tokenizer(str(tmp_path))
+    with pytest.raises(TokenizerError, match="refused the messages: system first"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.apply_chat_template([{"role": "system", "content": "s"}])  # the template's own rule holds
+    engine = type("E", (), {"capacity_tokens": 4096, "vocab_size": 300, "max_model_len": 4096, "alive": True})()
+    build_app(engine, tok, model_name="m", max_model_len=4096)  # priming's chat: a 400, caught
+
+
 def test_presets_without_tokenizer_say_so():
     with pytest.raises(TokenizerError, match="no tokenizer for 'gpt2'"):
         get_tokenizer("gpt2")

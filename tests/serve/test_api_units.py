@@ -183,3 +183,20 @@ def test_the_app_primes_the_request_path_without_the_engine():
     engine = NoEngine(capacity_tokens=4096, vocab_size=512, max_model_len=4096, has_tokenizer=True, alive=True)
     build_app(engine, tok, model_name="m", max_model_len=4096)
     assert "Hello" in tok.texts and tok.chats == [[{"role": "user", "content": "Hello"}]]
+
+
+def test_priming_that_fails_is_logged_and_the_app_still_builds(caplog):
+    """Priming is a speed-up: a tokenizer that breaks on the sample chat (not a client error) leaves a warning, and
+    the app is built (the chat route then answers for itself)."""
+    from types import SimpleNamespace
+
+    from spanllm.serve.api import build_app
+
+    class Broken(ByteTokenizer):
+        def apply_chat_template(self, messages):
+            raise RuntimeError("template engine missing")
+
+    engine = SimpleNamespace(capacity_tokens=4096, vocab_size=512, max_model_len=4096, alive=True)
+    with caplog.at_level("WARNING", logger="spanllm.serve"):
+        assert build_app(engine, Broken(), model_name="m", max_model_len=4096) is not None
+    assert "priming the chat route failed (RuntimeError: template engine missing)" in caplog.text
