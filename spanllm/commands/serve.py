@@ -214,7 +214,8 @@ def _rank(ctx, args: argparse.Namespace):
             _worker(llm, not args.no_warmup)
             return None
         print(llm.describe(), flush=True)
-        if not args.no_warmup:
+
+        def warm() -> None:  # on the engine thread, where the steps will run (spanllm.serve.async_engine)
             _log.info("warming up (a short request, decode-graph capture, on a GPU a prompt of two full chunks)")
             w = warm_up(llm)
             _log.info(
@@ -225,6 +226,7 @@ def _rank(ctx, args: argparse.Namespace):
                 w["prefill_warmup_tokens"],
                 len(w["full_chunk_prefixes_warmed"]),
             )
+
         _log.info("starting the HTTP front end (%s)", "own process" if args.frontend_process else "thread")
         if args.frontend_process:
             from spanllm.serve.frontend_process import ProcessServer
@@ -243,6 +245,7 @@ def _rank(ctx, args: argparse.Namespace):
                 log_level=args.log_level,
                 limits=server_limits(args),
                 heartbeats=beats,
+                warm_up=None if args.no_warmup else warm,
             )
             server.run(
                 on_started=lambda s: print(

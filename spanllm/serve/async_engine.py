@@ -109,10 +109,21 @@ class FrontDoor:
 
 class AsyncEngine(FrontDoor):
     def __init__(
-        self, core, *, max_queued_requests: int | None = None, metrics=None, on_dead=None, heartbeats=None
+        self,
+        core,
+        *,
+        max_queued_requests: int | None = None,
+        metrics=None,
+        on_dead=None,
+        heartbeats=None,
+        warm_up=None,
     ) -> None:
         super().__init__(max_queued_requests)
         self.core = core
+        # Run first on the engine thread (spanllm.engine.warmup): torch keeps cuDNN's attention plans per thread
+        # (and the cuBLAS / cuDNN handles), so a warm-up on another thread leaves them to the first request.
+        self._warm_up = warm_up
+        self.ready = threading.Event()  # set once the warm-up is done and the loop takes requests
         self.metrics = metrics
         self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
         self.heartbeats = heartbeats  # spanllm.serve.health.Heartbeats (--health-port): one beat per pass
@@ -146,6 +157,13 @@ class AsyncEngine(FrontDoor):
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_ready(self) -> bool:
+        """Block until the warm-up is done (True) or the engine thread failed or ended (False)."""
+        while not self.ready.wait(0.1):
+            if not self._thread.is_alive() or self.error is not None:
+                return False
+        return True
 
     @property
     def alive(self) -> bool:
@@ -227,11 +245,17 @@ class AsyncEngine(FrontDoor):
 
         core = self.core
         beats = self.heartbeats
-        last_broadcast = time.monotonic()
-        if beats is not None:
-            beats.beat_engine()
-            beats.set_engine(health.ENGINE_RUNNING)
         try:
+            if self._warm_up is not None:
+                self._warm_up()
+                if self.metrics is not None:
+                    self.metrics.baseline(core)  # the warm-up's tokens and requests are not the server's
+                self.stats_log.baseline(core)
+            last_broadcast = time.monotonic()
+            if beats is not None:
+                beats.beat_engine()
+                beats.set_engine(health.ENGINE_RUNNING)
+            self.ready.set()
             while not self._stop.is_set():
                 if beats is not None:
                     beats.beat_engine()

@@ -50,14 +50,19 @@ class Refusal:
 class PipeEngine(AsyncEngine):
     """AsyncEngine's loop, fed by the front end's pipe and reporting through it."""
 
-    def __init__(self, core, conn, *, on_dead=None, heartbeats=None) -> None:
+    def __init__(self, core, conn, *, on_dead=None, heartbeats=None, warm_up=None) -> None:
         from spanllm.serve.metrics import MetricsRelay
 
         self.conn = conn
         self._send_lock = threading.Lock()
         self._user_on_dead = on_dead
         super().__init__(
-            core, max_queued_requests=None, metrics=MetricsRelay(self._send), on_dead=self._dead, heartbeats=heartbeats
+            core,
+            max_queued_requests=None,
+            metrics=MetricsRelay(self._send),
+            on_dead=self._dead,
+            heartbeats=heartbeats,
+            warm_up=warm_up,
         )
         self.metrics.baseline(core)
         self.adds_received = 0
@@ -67,8 +72,14 @@ class PipeEngine(AsyncEngine):
         self.frontend_done = threading.Event()
         self._reader = threading.Thread(target=self._read, name="spanllm-engine-pipe", daemon=True)
 
-    def start(self) -> None:
+    def start(self, read: bool = True) -> None:
+        """The engine thread and (read) the pipe's reader; ProcessServer reads once the front end runs, after the
+        warm-up (start_reading)."""
         super().start()
+        if read:
+            self._reader.start()
+
+    def start_reading(self) -> None:
         self._reader.start()
 
     def _send(self, msg) -> None:
@@ -160,6 +171,7 @@ class ProcessServer:
         log_level: str = "warning",
         limits=None,
         heartbeats=None,
+        warm_up=None,
     ) -> None:
         core = llm.engine_core
         self.model_name = model_name or llm.config.name
@@ -186,7 +198,7 @@ class ProcessServer:
         }
         self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
         self._child = child
-        self.engine = PipeEngine(core, self._conn, heartbeats=heartbeats)
+        self.engine = PipeEngine(core, self._conn, heartbeats=heartbeats, warm_up=warm_up)
         self._stop_requested = threading.Event()  # stop() or a signal: the front end ends because we asked
 
     @property
@@ -194,9 +206,14 @@ class ProcessServer:
         return self.engine.port
 
     def run(self, on_started=None) -> None:
+        # The warm-up first, on the engine thread (where the steps run); the front end starts after it.
+        self.engine.start(read=False)
+        if not self.engine.wait_ready():
+            self.engine.stop()
+            raise RuntimeError(self.engine.error or "the engine thread ended during its warm-up")
         self._proc.start()
         self._child.close()  # the front end holds its end; ours closes when it exits
-        self.engine.start()
+        self.engine.start_reading()
         if threading.current_thread() is threading.main_thread():
             # The handler only sets a flag (it may interrupt this thread inside a pipe send); the loop acts on it.
             for s in (signal.SIGTERM, signal.SIGINT):

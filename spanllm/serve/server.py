@@ -85,6 +85,7 @@ class Server:
         log_level: str = "warning",
         limits: ServerLimits | None = None,
         heartbeats=None,
+        warm_up=None,
     ) -> None:
         from spanllm.serve.api import build_app
         from spanllm.serve.async_engine import AsyncEngine
@@ -100,6 +101,7 @@ class Server:
             metrics=self.metrics,
             on_dead=self._on_dead,
             heartbeats=heartbeats,
+            warm_up=warm_up,
         )
         self.app = build_app(
             self.engine,
@@ -133,8 +135,12 @@ class Server:
         self._uv.should_exit = True
 
     def run(self, on_started=None) -> None:
-        """Serve until a signal (main thread) or stop(); then end the engine (releases the other ranks)."""
+        """Warm up on the engine thread (warm_up; the port opens after it), serve until a signal (main thread) or
+        stop(); then end the engine (releases the other ranks)."""
         self.engine.start()
+        if not self.engine.wait_ready():
+            self.engine.stop()
+            raise RuntimeError(self.engine.error or "the engine thread ended during its warm-up")
         try:
             if on_started is not None:
                 threading.Thread(target=self._notify, args=(on_started,), daemon=True).start()

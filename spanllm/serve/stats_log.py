@@ -17,6 +17,13 @@ class StatsLogger:
         self.interval_s = interval_s
         self._t = time.monotonic()
         self._last: tuple[int, int] | None = None  # (prompt tokens, generation tokens) at the last line
+        self._finished_before: dict[str, int] = {}  # the warm-up's requests, left out of the shutdown line
+
+    def baseline(self, core) -> None:
+        """Count from here: the warm-up's tokens and requests are not the server's."""
+        s = core.stats
+        self._last = (s.prompt_tokens, s.generation_tokens)
+        self._finished_before = dict(s.finished)
 
     def maybe_log(self, core, in_transit: int = 0) -> None:
         """Engine thread, after each loop pass."""
@@ -40,6 +47,7 @@ class StatsLogger:
         )
 
     def log_shutdown(self, core) -> None:
-        done = core.stats.finished
+        done = {k: v - self._finished_before.get(k, 0) for k, v in core.stats.finished.items()}
+        done = {k: v for k, v in done.items() if v}
         by = ", ".join(f"{k} {v}" for k, v in sorted(done.items())) or "none"
         logger.info("stopped after %d requests (%s)", sum(done.values()), by)

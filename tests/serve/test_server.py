@@ -278,3 +278,51 @@ def test_async_scheduling_serves_the_same_text(offline):
         assert running.metric("spanllm:request_success_total") == 2 * len(PROMPTS)
     finally:
         stop_server(running)
+
+
+def test_the_warm_up_runs_on_the_engine_thread_before_the_port_opens(caplog):
+    """Server(warm_up=...): the warm-up runs on the engine thread (torch keeps cuDNN's attention plans per thread),
+    the port opens only after it, and its requests and tokens are not the server's (metrics, shutdown line)."""
+    import threading
+    import urllib.request
+
+    from spanllm.engine.warmup import warm_up
+    from spanllm.serve.server import Server
+
+    llm = make_llm()
+    seen = {}
+
+    def warm():
+        seen["thread"] = threading.current_thread().name
+        seen["listening_during"] = server.started
+        seen["result"] = warm_up(llm)
+
+    server = Server(llm, host="127.0.0.1", port=0, warm_up=warm)
+    t = threading.Thread(target=server.run, daemon=True)
+    with caplog.at_level("INFO", logger="spanllm.serve"):
+        t.start()
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen["thread"] == "spanllm-engine" and seen["listening_during"] is False
+        base = f"http://127.0.0.1:{server.port}"
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        assert 'spanllm:prompt_tokens_total{model_name="tiny"} 0.0' in metrics  # the warm-up's 8 tokens left out
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=30).read())["usage"]["completion_tokens"] == 2
+        server.stop()
+        t.join(15)
+    assert "stopped after 1 requests (length 1)" in caplog.text  # the warm-up's request is not counted
+
+
+def test_a_failed_warm_up_stops_the_server_before_its_port_opens():
+    from spanllm.serve.server import Server
+
+    def warm():
+        raise RuntimeError("no room for the warm-up prompt")
+
+    server = Server(make_llm(), host="127.0.0.1", port=0, warm_up=warm)
+    with pytest.raises(RuntimeError, match="the engine loop failed: RuntimeError: no room for the warm-up prompt"):
+        server.run()
+    assert not server.started
