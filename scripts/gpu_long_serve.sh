@@ -68,13 +68,10 @@ log "server up"
 metrics() {
   python3 - "$PORT" <<'EOF'
 import sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
 text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
 want = {"spanllm:time_to_first_token_seconds_sum": "ttft", "spanllm:request_queue_time_seconds_sum": "queue"}
-vals = {}
-for line in text.splitlines():
-    name = line.split("{")[0].split(" ")[0]
-    if name in want:
-        vals[want[name]] = float(line.rsplit(" ", 1)[1])
+vals = {want[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in want}
 print(vals.get("ttft", 0.0), vals.get("queue", 0.0))
 EOF
 }

@@ -27,7 +27,6 @@ from spanllm.kernels.cascade_merge import merge_into
 # auto: cudnn-cascade on a Hopper GPU (where it was measured: ~590 TFLOPS at long prefixes against the paged
 # kernel's ~380, results/h100/long_context/README.md) in bf16 / fp16, else triton
 PREFILL_ATTENTION = ("auto", "triton", "cudnn-cascade", "flash-cascade")
-CASCADE_ATTENTION_NAMES = ("cudnn-cascade", "flash-cascade")
 DEFAULT_CASCADE_MIN_PREFIX = 4096
 CASCADE_DTYPES = (torch.bfloat16, torch.float16)  # torch's cuDNN and flash attention take these only
 AUTO_CASCADE_CAPABILITY_MAJOR = 9  # Hopper: the only GPUs the cascade was measured on
@@ -39,7 +38,7 @@ def resolve_prefill_attention(name: str, device: torch.device, dtype: torch.dtyp
     if name == "auto":
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == AUTO_CASCADE_CAPABILITY_MAJOR
         return "cudnn-cascade" if hopper and dtype in CASCADE_DTYPES else "triton"
-    if name in CASCADE_ATTENTION_NAMES and dtype not in CASCADE_DTYPES:
+    if name in CASCADE_ATTENTION and dtype not in CASCADE_DTYPES:
         raise ValueError(
             f"prefill_attention={name!r} runs torch's fused attention, which takes bf16 or fp16; this run computes in "
             f"{str(dtype).removeprefix('torch.')}: use prefill_attention='triton' or 'auto', or a bf16 / fp16 dtype"

@@ -23,7 +23,7 @@ def prefill_warmup_len(llm) -> int:
     if runner.device.type != "cuda":
         return 0
     chunk = llm.engine.max_num_batched_tokens
-    capacity = (runner.cache.num_blocks - 1) * runner.block_size
+    capacity = llm.engine_core.blocks.capacity_tokens
     n = min(2 * chunk + PREFILL_WARMUP_TAIL, llm.max_model_len - 1, capacity // 2)
     return n if n > chunk else 0
 
@@ -74,7 +74,7 @@ def _warm_full_chunks(llm) -> list[int]:
     runner = llm.engine_core.runner
     if runner.device.type != "cuda":
         return []
-    capacity = (runner.cache.num_blocks - 1) * runner.block_size
+    capacity = llm.engine_core.blocks.capacity_tokens
     return runner.backend.warm_up_prefill(
         llm.engine.max_num_batched_tokens, min(llm.max_model_len, capacity), runner.dtype
     )

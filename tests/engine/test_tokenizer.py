@@ -83,7 +83,8 @@ def test_offset_detokenizer_holds_back_partial_characters():
     assert "".join(out) == TEXT and all("\ufffd" not in o for o in out)
 
 
-def test_hf_checkpoint_tokenizer(tmp_path):
+def _hf_checkpoint_folder(path, chat_template: str) -> None:
+    """A byte-level BPE tokenizer trained on a few texts, saved as a checkpoint folder with this chat template."""
     pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -98,8 +99,14 @@ def test_hf_checkpoint_tokenizer(tmp_path):
         ),
     )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    fast.save_pretrained(tmp_path)
+    fast.chat_template = chat_template
+    fast.save_pretrained(path)
+
+
+def test_hf_checkpoint_tokenizer(tmp_path):
+    _hf_checkpoint_folder(
+        tmp_path, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
     tok = get_tokenizer(str(tmp_path))
     ids = tok.encode("hello world", add_special_tokens=False)
     assert tok.decode(ids) == "hello world"
@@ -112,21 +119,11 @@ def test_hf_checkpoint_tokenizer(tmp_path):
 def test_a_chat_template_that_refuses_is_a_tokenizer_error_and_the_app_still_builds(tmp_path):
     """A checkpoint's template that raises (its raise_exception, as real templates do for a bad role order) is the
     client's 400 (TokenizerError), not a 500; the front end's start-up priming logs it and the app builds."""
-    pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from spanllm.serve.api import build_app
 
-    t = Tokenizer(models.BPE(unk_token=None))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(
-        [TEXT], trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    _hf_checkpoint_folder(
+        tmp_path, "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
     )
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
-    fast.save_pretrained(tmp_path)
     tok = get_tokenizer(str(tmp_path))
     with pytest.raises(TokenizerError, match="refused the messages: system first"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -14,11 +14,10 @@ from spanllm.engine.sampler import SamplingParams
 
 
 def fake_llm(device: str, chunk: int, max_model_len: int, num_blocks: int, block_size: int = 16):
-    runner = SimpleNamespace(
-        device=torch.device(device), cache=SimpleNamespace(num_blocks=num_blocks), block_size=block_size
-    )
+    runner = SimpleNamespace(device=torch.device(device))
+    blocks = SimpleNamespace(capacity_tokens=(num_blocks - 1) * block_size)  # block 0 is reserved
     return SimpleNamespace(
-        engine_core=SimpleNamespace(runner=runner),
+        engine_core=SimpleNamespace(runner=runner, blocks=blocks),
         engine=SimpleNamespace(max_num_batched_tokens=chunk),
         max_model_len=max_model_len,
     )
