@@ -227,7 +227,11 @@ def _rank(ctx, args: argparse.Namespace):
                 len(w["full_chunk_prefixes_warmed"]),
             )
 
-        _log.info("starting the HTTP front end (%s)", "own process" if args.frontend_process else "thread")
+        _log.info(
+            "starting the server: %sthe HTTP front end (%s)",
+            "" if args.no_warmup else "the warm-up on the engine thread, then ",
+            "own process" if args.frontend_process else "thread",
+        )
         if args.frontend_process:
             from spanllm.serve.frontend_process import ProcessServer
 
