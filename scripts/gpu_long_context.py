@@ -118,16 +118,11 @@ class Bench:
         return self.rng.integers(10, self.vocab - 10, size=n).tolist()
 
     def warm_up(self) -> dict:
-        """Untimed: compiles and every decode graph, then one prompt of two chunks plus a tail (the prefill path at
-        this chunk size, a chunk after a prefix)."""
-        from spanllm.engine.sampler import SamplingParams
+        """Untimed: the server's warm-up (spanllm.engine.warmup: compiles, every decode graph, a prompt of two chunks
+        plus a tail, the prefill attention at every shape a prompt's chunks meet)."""
+        from spanllm.engine.warmup import warm_up
 
-        t0 = time.perf_counter()
-        sp = SamplingParams(max_tokens=4, ignore_eos=True)
-        self.llm.generate([self.prompt(8)], sp)
-        captured = self.core.runner.capture_all()
-        self.llm.generate([self.prompt(min(2 * self.chunk + 77, max(self.args.prompt_lens)))], sp)
-        return {"warmup_s": time.perf_counter() - t0, "graph_buckets": len(captured)}
+        return warm_up(self.llm)
 
     def _step_until(self, done, max_steps: int = 20000) -> None:
         for _ in range(max_steps):

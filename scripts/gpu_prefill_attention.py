@@ -204,16 +204,17 @@ def sdpa_entry(problem: Problem, backend: str) -> Callable:
 
 def cascade_entry(problem: Problem, attention: str) -> Callable:
     """The engine's cascade prefill (attention: a key of spanllm.attention.cascade.CASCADE_ATTENTION) on the
-    paged pool: make(prefix) -> (fn, to_thd); fn gathers, attends (two parts) and merges."""
-    from spanllm.attention.cascade import CASCADE_ATTENTION, cascade_prefill
+    paged pool at the engine's rounded shapes: make(prefix) -> (fn, to_thd); fn gathers, attends (two parts) and
+    merges."""
+    from spanllm.attention.cascade import CASCADE_ATTENTION, CASCADE_SHAPE_BUCKET, cascade_prefill
 
-    attn = CASCADE_ATTENTION[attention]
+    attn, bucket = CASCADE_ATTENTION[attention], CASCADE_SHAPE_BUCKET[attention]  # the engine's rounding
 
     def make(prefix: int):
         p = problem
 
         def fn():
-            return cascade_prefill(p.q, p.k_cache, p.v_cache, p.tables[0], prefix, attn)
+            return cascade_prefill(p.q, p.k_cache, p.v_cache, p.tables[0], prefix, attn, bucket=bucket)
 
         return fn, lambda o: o
 

@@ -49,9 +49,10 @@ class AttentionBackend(ABC):
         """Whether this step (host arrays, decodes first) must run eagerly even where graphs are on."""
         return False
 
-    def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[int]:
-        """Pay the prefill attention's per-shape first-call costs now, at the shapes of full chunks of `chunk`
-        tokens in prompts of up to max_len tokens; returns the prefixes warmed (none: nothing to warm)."""
+    def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Pay the prefill attention's per-shape first-call costs now, at the shapes that chunks of `chunk` tokens
+        in prompts of up to max_len tokens meet; returns the (queries, prefix) shapes warmed (none: nothing to
+        warm)."""
         return []
 
     @abstractmethod

@@ -122,6 +122,64 @@ def plan_cascade(q_lens: list[int], context_lens: list[int], min_prefix: int) ->
     return plan
 
 
+# cuDNN builds a graph and plan per (queries, keys) shape, ~80 ms for a chunk's two on an H100
+# (results/h100/long_context/first_request/): a prompt's last chunk has a length of its own, so without rounding
+# nearly every long request paid it. The cuDNN cascade runs at shapes rounded to this many rows (its padding costs
+# < 1,024 query rows of the last chunk; the warm-up builds every rounded shape up front). torch's flash attention
+# has no per-shape plan: exact shapes.
+CASCADE_SHAPE_BUCKET = {"cudnn-cascade": 1024, "flash-cascade": 1}
+
+
+@dataclass(frozen=True)
+class CascadeShape:
+    """The dense shapes the cascade runs a chunk of c queries after `prefix` cached keys at, rounded to `bucket`
+    rows so that prompts of different lengths meet the same few shapes (bucket 1: the exact shapes):
+      split  the prefix part reads keys [0, split): prefix rounded down to the bucket;
+      lead   the cached keys [split, prefix) go to the causal part instead, each with a query row in front of the
+             chunk's (computed, dropped), so that the causal part stays square: the chunk's query i, at row
+             lead + i, sees keys [split, prefix + i] there and [0, split) in the prefix part, as it should;
+      side   the causal part's rows: lead + c rounded up (rows past lead + c: zero queries over zero keys);
+      rows   the prefix part's query rows per query head: c rounded up (rows past c: zeros, dropped);
+      keys   the dense K/V rows both parts read: split + side (rows past prefix + c: zeros)."""
+
+    c: int
+    prefix: int
+    bucket: int = 1
+
+    @property
+    def split(self) -> int:
+        return self.prefix // self.bucket * self.bucket
+
+    @property
+    def lead(self) -> int:
+        return self.prefix - self.split
+
+    @property
+    def side(self) -> int:
+        return -(-(self.lead + self.c) // self.bucket) * self.bucket
+
+    @property
+    def rows(self) -> int:
+        return -(-self.c // self.bucket) * self.bucket
+
+    @property
+    def keys(self) -> int:
+        return self.split + self.side
+
+
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, n: int, rows: int) -> torch.Tensor:
+    """The first n tokens of one sequence in a dense [rows, hkv, d] (rows >= n; the rows past n hold whatever the
+    blocks read held: the caller zeroes them)."""
+    if rows == n:
+        return gather(cache, block_table, n)
+    bs = cache.shape[1]
+    have, need = -(-n // bs), -(-rows // bs)
+    blocks = block_table[:have].long()
+    if need > have:  # the first block again, to fill the padding rows in the same gather
+        blocks = torch.cat([blocks, blocks[:1].expand(need - have)])
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:rows]
+
+
 def cascade_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,72 +188,133 @@ def cascade_prefill(
     prefix: int,
     attention: Attention,
     out: torch.Tensor | None = None,
+    bucket: int = 1,
 ) -> torch.Tensor:
     """q [c, hq, d]: one chunk at positions [prefix, prefix + c), whose K/V (and its prefix's) are in the cache
-    at block_table [W] -> out [c, hq, d] (written in place when given: the step's rows of the chunk)."""
+    at block_table [W] -> out [c, hq, d] (written in place when given: the step's rows of the chunk); the
+    attentions at shapes rounded to `bucket` rows (CascadeShape)."""
     c = q.shape[0]
-    k = gather(k_cache, block_table, prefix + c).to(q.dtype)  # [prefix + c, hkv, d] (an FP8 cache widened)
-    v = gather(v_cache, block_table, prefix + c).to(q.dtype)
-    return cascade_dense(q, k, v, prefix, attention, out)
+    n, keys = prefix + c, CascadeShape(c, prefix, bucket).keys
+    k = gather_rows(k_cache, block_table, n, keys).to(q.dtype)  # [keys, hkv, d] (an FP8 cache widened)
+    v = gather_rows(v_cache, block_table, n, keys).to(q.dtype)
+    if keys > n:  # padding rows: zero keys and values (a NaN there would reach real rows as 0 * NaN)
+        k[n:].zero_()
+        v[n:].zero_()
+    return cascade_dense(q, k, v, prefix, attention, out, bucket)
+
+
+def _rows_at(q: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """q [c, hq, d] at rows [start, start + c) of a zero [rows, hq, d]."""
+    buf = q.new_zeros(rows, *q.shape[1:])
+    buf[start : start + q.shape[0]] = q
+    return buf
 
 
 def cascade_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, attention: Attention, out: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    attention: Attention,
+    out: torch.Tensor | None,
+    bucket: int = 1,
 ) -> torch.Tensor:
-    """The cascade over dense keys: q [c, hq, d] at positions [prefix, prefix + c), k, v [prefix + c, hkv, d]
-    contiguous (the gather's layout: the attentions see strided views of it) -> out [c, hq, d]."""
+    """The cascade over dense keys: q [c, hq, d] at positions [prefix, prefix + c), k, v [keys, hkv, d]
+    contiguous with keys = CascadeShape(c, prefix, bucket).keys, rows past prefix + c zero (the gather's layout:
+    the attentions see strided views of it) -> out [c, hq, d]."""
     c, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    s = CascadeShape(c, prefix, bucket)
+    if k.shape[0] != s.keys or v.shape[0] != s.keys:
+        raise ValueError(f"cascade_dense: {k.shape[0]} key rows for {c} queries after {prefix} keys; want {s.keys}")
     if out is None:
         out = torch.empty_like(q)
-    # The chunk's own keys, square causal, GQA: the attention maps each query head to its KV head.
-    kc = k[prefix:].transpose(0, 1)[None]  # [1, hkv, c, d]
-    vc = v[prefix:].transpose(0, 1)[None]
-    o2, lse2 = attention(q.transpose(0, 1)[None], kc, vc, True)  # [1, hq, c, d], [1, hq, c]
-    if prefix == 0:
-        out.copy_(o2[0].transpose(0, 1))
+    # The causal part, square, GQA (the attention maps each query head to its KV head): keys [split, split + side),
+    # the chunk's queries at rows [lead, lead + c)
+    qc = q if s.side == c else _rows_at(q, s.lead, s.side)
+    kc = k[s.split :].transpose(0, 1)[None]  # [1, hkv, side, d]
+    vc = v[s.split :].transpose(0, 1)[None]
+    o2, lse2 = attention(qc.transpose(0, 1)[None], kc, vc, True)  # [1, hq, side, d], [1, hq, side]
+    o2, lse2 = o2[0, :, s.lead : s.lead + c], lse2[0, :, s.lead : s.lead + c]
+    if s.split == 0:
+        out.copy_(o2.transpose(0, 1))
         return out
-    # The prefix, no mask: GQA without copying the prefix's K/V, the g query heads of a KV head as g*c rows.
-    qf = q.view(c, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * c, d)
-    kp = k[:prefix].transpose(0, 1)[None]  # [1, hkv, prefix, d] (a strided view of the gather)
-    vp = v[:prefix].transpose(0, 1)[None]
-    o1, lse1 = attention(qf, kp, vp, False)  # [1, hkv, g*c, d], [1, hkv, g*c]
+    # The prefix, no mask: GQA without copying the prefix's K/V, the g query heads of a KV head as g*rows rows
+    # (exact shapes: a reshape, a view where g is 1; rounded: always a copy, so that every chunk of a rounded shape
+    # meets the same strides as the warm-up's, padded or not)
+    if bucket == 1:
+        qf = q.view(c, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * c, d)
+    else:
+        qf = q.new_empty(hkv, g, s.rows, d)
+        qf[:, :, :c] = q.view(c, hkv, g, d).permute(1, 2, 0, 3)
+        qf[:, :, c:].zero_()
+        qf = qf.view(1, hkv, g * s.rows, d)
+    kp = k[: s.split].transpose(0, 1)[None]  # [1, hkv, split, d] (a strided view of the gather)
+    vp = v[: s.split].transpose(0, 1)[None]
+    o1, lse1 = attention(qf, kp, vp, False)  # [1, hkv, g*rows, d], [1, hkv, g*rows]
     # Both parts merged by their LSE into out, read in the layouts the attentions wrote (one kernel on CUDA)
-    merge_into(out, o1[0], lse1[0], o2[0], lse2[0])
+    merge_into(out, o1[0], lse1[0], o2, lse2, fold=s.rows)
     return out
 
 
-def full_chunk_prefixes(chunk: int, max_model_len: int) -> list[int]:
-    """The prefixes at which a prompt's full chunks of `chunk` tokens run (chunk, 2 chunk, ...): every prompt's
-    chunks but its last meet these shapes, whatever its length. A chunk ends at or before max_model_len - 1 (one
-    position left for the output)."""
-    return list(range(chunk, max_model_len - chunk, chunk))
+def chunk_prefixes(chunk: int, max_model_len: int) -> list[int]:
+    """The prefixes at which a prompt's chunks after its first start (chunk, 2 chunk, ...), for prompts of up to
+    max_model_len - 1 tokens (one position left for the output)."""
+    return list(range(chunk, max_model_len - 1, chunk))
 
 
-def warm_full_chunks(
+def chunk_shapes(chunk: int, max_model_len: int, min_prefix: int, bucket: int) -> list[tuple[int, int]]:
+    """(queries, prefix) pairs whose cascades meet every rounded shape (CascadeShape's split, rows, side) that a
+    prompt's chunks meet alone in a step (chunks of `chunk` tokens, a last one shorter) at the prefixes
+    chunk_prefixes gives from min_prefix on (and prefix 0 where min_prefix is 0), once each (the largest query
+    count stands for its shape); and every causal side up to chunk + bucket, the sides a prompt whose first
+    < bucket tokens hit the prefix cache meets (its chunks start past a multiple of the chunk: the keys past the
+    split go to the causal part). A hit of a bucket or more starts the prefix parts at other splits, not warmed
+    (chunk/bucket shapes per split: too many to build up front). Bucket 1 (exact shapes): the full chunks only (a
+    last chunk's length is the prompt's own)."""
+    prefixes = [p for p in chunk_prefixes(chunk, max_model_len) if p >= min_prefix]
+    if min_prefix == 0:
+        prefixes.insert(0, 0)
+    if bucket == 1:
+        return [(chunk, p) for p in prefixes if p + chunk <= max_model_len - 1]
+    largest: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for p in prefixes:
+        for c in range(1, min(chunk, max_model_len - 1 - p) + 1):
+            s = CascadeShape(c, p, bucket)
+            largest[(s.split, s.rows if s.split else 0, s.side)] = (c, p)  # no prefix part: the side alone
+    sides = {key[2] for key in largest}
+    longest = min(chunk + bucket - 1, max_model_len - 1)  # a chunk after < bucket cached keys
+    for side in range(bucket, -(-longest // bucket) * bucket + 1, bucket):
+        if side not in sides:  # the causal part alone (prefix 0) at this side
+            largest[(0, 0, side)] = (side, 0)
+    return list(largest.values())
+
+
+def warm_chunk_shapes(
     attention: Attention,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
-    chunk: int,
-    prefixes: list[int],
+    shapes: list[tuple[int, int]],
+    bucket: int,
 ) -> None:
-    """Run the cascade once at each full chunk's shapes (zeros; the result is dropped), so that the attention's
-    per-shape first-call cost (cuDNN: a graph and plan per (queries, keys) shape, ~45 ms on an H100) is paid here
-    and not by a request. The same strided views as a request's: the parts read dense [prefix + chunk, hkv, d]
-    K and V, allocated apart as a request's gathers are, once at the largest prefix (the caching allocator then
-    holds blocks that a request's gathers fit in)."""
-    if not prefixes:
+    """Run the cascade once at each (queries, prefix) of `shapes` (zeros; the result is dropped), so that the
+    attention's per-shape first-call cost (cuDNN: a graph and plan per shape) is paid here and not by a request.
+    The same strided views as a request's: the parts read dense K and V allocated apart as a request's gathers
+    are, once at the largest (the caching allocator then holds blocks that a request's gathers fit in)."""
+    if not shapes:
         return
-    k = torch.zeros(max(prefixes) + chunk, num_kv_heads, head_dim, dtype=dtype, device=device)
+    most = max(CascadeShape(c, p, bucket).keys for c, p in shapes)
+    k = torch.zeros(most, num_kv_heads, head_dim, dtype=dtype, device=device)
     v = torch.zeros_like(k)
-    q = torch.zeros(chunk, num_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(max(c for c, _ in shapes), num_heads, head_dim, dtype=dtype, device=device)
     out = torch.empty_like(q)
-    for p in prefixes:
-        cascade_dense(q, k[: p + chunk], v[: p + chunk], p, attention, out)
+    for c, p in shapes:
+        keys = CascadeShape(c, p, bucket).keys
+        cascade_dense(q[:c], k[:keys], v[:keys], p, attention, out[:c], bucket)
 
 
 def attend_long_chunks(
@@ -206,9 +325,10 @@ def attend_long_chunks(
     plan: list[CascadeChunk],
     attention: Attention,
     out: torch.Tensor,
+    bucket: int = 1,
 ) -> None:
     """q, out [T, hq, d]: the step's prefill tokens; the rows of each planned chunk of out get its cascade
-    (block_tables [P, W]: the prefill chunks')."""
+    (block_tables [P, W]: the prefill chunks'), at shapes rounded to `bucket` rows."""
     for ch in plan:
         rows = slice(ch.q_start, ch.q_start + ch.q_len)
-        cascade_prefill(q[rows], k_cache, v_cache, block_tables[ch.chunk], ch.prefix, attention, out[rows])
+        cascade_prefill(q[rows], k_cache, v_cache, block_tables[ch.chunk], ch.prefix, attention, out[rows], bucket)

@@ -26,14 +26,15 @@ import torch
 from spanllm.attention.backend import AttentionBackend, HostToDevice, write_kv
 from spanllm.attention.cascade import (
     CASCADE_ATTENTION,
+    CASCADE_SHAPE_BUCKET,
     DEFAULT_CASCADE_MIN_PREFIX,
     PREFILL_ATTENTION,
     CascadeChunk,
     attend_long_chunks,
-    full_chunk_prefixes,
+    chunk_shapes,
     plan_cascade,
     resolve_prefill_attention,
-    warm_full_chunks,
+    warm_chunk_shapes,
 )
 from spanllm.attention.metadata import AttentionMetadata
 from spanllm.attention.shared_prefix import (
@@ -114,6 +115,7 @@ class TritonBackend(AttentionBackend):
                 f"prefill_attention={prefill_attention!r} runs none here ({why}); leave cascade_min_prefix unset"
             )
         self.cascade_min_prefix = DEFAULT_CASCADE_MIN_PREFIX if cascade_min_prefix is None else cascade_min_prefix
+        self.cascade_bucket = CASCADE_SHAPE_BUCKET.get(self.prefill_attention, 1)  # its shapes' rounding, in rows
         # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
         if prefill_config is not None:
             prefill_config.check_group(self.group)
@@ -133,6 +135,8 @@ class TritonBackend(AttentionBackend):
         if self.cascade is not None:
             which = "every chunk" if self.cascade_min_prefix == 0 else f"prefixes >= {self.cascade_min_prefix} keys"
             tiling += f"; prefill {self.prefill_attention}{auto} for {which} in steps without decodes, eager"
+            if self.cascade_bucket > 1:
+                tiling += f", at shapes rounded to {self.cascade_bucket} rows"
         elif auto:
             tiling += "; prefill triton (auto: no cascade on this device)"
         return f"triton ({tiling})"
@@ -151,17 +155,24 @@ class TritonBackend(AttentionBackend):
         prefix = context_lens[num_decode:] - q_lens[num_decode:]
         return bool((prefix >= self.cascade_min_prefix).any())
 
-    def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[int]:
-        """The cascade at every full chunk's prefix (cuDNN builds a plan per (queries, keys) shape: ~45 ms each on
-        an H100, otherwise paid by the first prompt to reach that prefix). A last, partial chunk's shapes depend
-        on the prompt's length and stay a first-call cost."""
+    def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """The cascade at every shape a prompt's chunks meet alone in a step (cuDNN builds a plan per (queries,
+        keys) shape: ~80 ms a chunk on an H100, otherwise paid by the first prompt to meet it): full chunks and,
+        the cuDNN cascade's shapes being rounded (CASCADE_SHAPE_BUCKET), every last chunk too."""
         if self.cascade is None:
             return []
-        prefixes = [p for p in full_chunk_prefixes(chunk, max_len) if p >= self.cascade_min_prefix]
-        warm_full_chunks(
-            self.cascade, self.num_heads, self.num_kv_heads, self.head_dim, dtype, self.device, chunk, prefixes
+        shapes = chunk_shapes(chunk, max_len, self.cascade_min_prefix, self.cascade_bucket)
+        warm_chunk_shapes(
+            self.cascade,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype,
+            self.device,
+            shapes,
+            self.cascade_bucket,
         )
-        return prefixes
+        return shapes
 
     def num_splits(self, batch: int) -> int:
         return kernels.num_splits_for(batch, self.num_kv_heads, self.device)
@@ -233,7 +244,9 @@ class TritonBackend(AttentionBackend):
             out = torch.empty_like(q)
             if meta.prefill_tiles.shape[0]:  # the chunks the cascade does not run
                 kernels.prefill(q, k_cache, v_cache, *prefill, out=out, config=self.prefill_config)
-            attend_long_chunks(q, k_cache, v_cache, meta.prefill_block_tables, meta.cascade, self.cascade, out)
+            attend_long_chunks(
+                q, k_cache, v_cache, meta.prefill_block_tables, meta.cascade, self.cascade, out, self.cascade_bucket
+            )
             return out
         if meta.decode_rows:  # a mixed-step graph: each kernel writes only its own rows of one output
             out = torch.empty_like(q)

@@ -219,12 +219,12 @@ def _rank(ctx, args: argparse.Namespace):
             _log.info("warming up (a short request, decode-graph capture, on a GPU a prompt of two full chunks)")
             w = warm_up(llm)
             _log.info(
-                "warm-up done in %.1f s: %d decode graphs, a %d-token prefill, the prefill attention at %d full "
-                "chunks' prefixes",
+                "warm-up done in %.1f s: %d decode graphs, a %d-token prefill, the prefill attention at %d chunk "
+                "shapes",
                 w["warmup_s"],
                 len(w["graph_buckets"]),
                 w["prefill_warmup_tokens"],
-                len(w["full_chunk_prefixes_warmed"]),
+                len(w["prefill_shapes_warmed"]),
             )
 
         _log.info(

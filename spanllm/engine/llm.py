@@ -415,9 +415,9 @@ class LLM:
         if e.cuda_graphs and self.device.type == "cuda":  # the graphs' shared float32 logits buffer
             reserve += e.max_num_seqs * cfg.vocab_size * 4
         if getattr(backend, "cascade", None) is not None:  # a chunk's gathered prefix K/V, at the longest prompt
-            reserve += cascade_gather_bytes(
-                max_model_len, qkv.num_kv_heads_local, cfg.head_dim, e.dtype, e.kv_dtype.itemsize
-            )
+            # (its rounded shape's padding rows and the gather's last whole block on top)
+            rows = max_model_len + backend.cascade_bucket + e.block_size
+            reserve += cascade_gather_bytes(rows, qkv.num_kv_heads_local, cfg.head_dim, e.dtype, e.kv_dtype.itemsize)
         if self.device.type == "cuda":
             # blocks the build freed (a weight replaced by its FP8 quantization) would count as used below
             torch.cuda.empty_cache()

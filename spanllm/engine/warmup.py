@@ -35,8 +35,8 @@ def _prefill_warmup_prompt(llm, n: int) -> list[int]:
 
 def warm_up(llm) -> dict:
     """Untimed, on rank 0: one short request (compiles), every decode graph bucket captured, one prompt of
-    prefill_warmup_len tokens (none off a GPU), then the prefill attention at every full chunk's shapes (the
-    cascade's cuDNN plans; a GPU only). The prompt's blocks stay in the prefix cache as evictable blocks of random
+    prefill_warmup_len tokens (none off a GPU), then the prefill attention at every shape a prompt's chunks meet
+    (the cascade's cuDNN plans; a GPU only). The prompt's blocks stay in the prefix cache as evictable blocks of random
     ids, which no real prompt shares."""
     from spanllm.engine.sampler import SamplingParams
 
@@ -48,13 +48,13 @@ def warm_up(llm) -> dict:
     prefill = prefill_warmup_len(llm)
     if prefill:
         llm.generate([_prefill_warmup_prompt(llm, prefill)], SamplingParams(max_tokens=1, ignore_eos=True))
-    warmed = _warm_full_chunks(llm)
+    warmed = _warm_chunk_shapes(llm)
     return {
         "warmup_s": round(time.perf_counter() - t0, 2),
         "graph_buckets": captured,
         "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 3),
         "prefill_warmup_tokens": prefill,
-        "full_chunk_prefixes_warmed": warmed,
+        "prefill_shapes_warmed": warmed,
     }
 
 
@@ -65,12 +65,13 @@ def warm_up_worker(llm) -> None:
     llm.engine_core.runner.capture_all()
     if prefill_warmup_len(llm):
         llm.generate([])
-    _warm_full_chunks(llm)
+    _warm_chunk_shapes(llm)
 
 
-def _warm_full_chunks(llm) -> list[int]:
-    """The prefill attention at every full chunk's prefix (the backend's warm_up_prefill; on a GPU only), for
-    prompts up to max_model_len and the KV cache's capacity. Local to each rank (no collective)."""
+def _warm_chunk_shapes(llm) -> list[tuple[int, int]]:
+    """The prefill attention at every (queries, prefix) shape a prompt's chunks meet (the backend's
+    warm_up_prefill; on a GPU only), for prompts up to max_model_len and the KV cache's capacity. Local to each
+    rank (no collective)."""
     runner = llm.engine_core.runner
     if runner.device.type != "cuda":
         return []

@@ -6,10 +6,10 @@ written in the model dtype straight into the step's output rows:
     out[r, h] = (w1 o1[r, h] + w2 o2[r, h]) / (w1 + w2)
 
 Each part is read where its attention left it: the prefix part in the GQA-folded layout that the cascade gives
-cuDNN (the g query heads of a KV head as g*c rows: o1 [hkv, g*c, d], lse1 [hkv, g*c]), the chunk's part per query
-head (o2 [hq, c, d], lse2 [hq, c]). In torch the same merge is ~10 kernels over float32 copies of both outputs plus
-the permutes back to [c, hq, d]; on a 111k-token prefill on an H100 those took ~0.35 s of device time
-(results/h100/long_context/README.md, "other").
+cuDNN (the g query heads of a KV head as g*f rows, f >= c of them per query head, the first c real: o1
+[hkv, g*f, d], lse1 [hkv, g*f]), the chunk's part per query head (o2 [hq, c, d], lse2 [hq, c]). In torch the same
+merge is ~10 kernels over float32 copies of both outputs plus the permutes back to [c, hq, d]; on a 111k-token
+prefill on an H100 those took ~0.35 s of device time (results/h100/long_context/README.md, "other").
 
 `merge_into_reference` is the same math in torch (the CPU path); the kernel rounds once, at the store.
 """
@@ -29,15 +29,22 @@ from spanllm.kernels.pdl import launch_options
 
 
 def merge_into_reference(
-    out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+    out: torch.Tensor,
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+    fold: int | None = None,
 ) -> None:
-    """out [c, hq, d] <- the merge of o1 [hkv, g*c, d], lse1 [hkv, g*c] (the prefix part, GQA-folded) and
-    o2 [hq, c, d], lse2 [hq, c] (the chunk's own keys), in float32, rounded once to out's dtype."""
+    """out [c, hq, d] <- the merge of o1 [hkv, g*f, d], lse1 [hkv, g*f] (the prefix part, GQA-folded, f = fold
+    rows per query head, default c, the first c of them real) and o2 [hq, c, d], lse2 [hq, c] (the chunk's own
+    keys), in float32, rounded once to out's dtype."""
     c, hq, d = out.shape
     hkv = o1.shape[0]
     g = hq // hkv
-    o1 = o1.reshape(hkv, g, c, d).permute(2, 0, 1, 3).reshape(c, hq, d)
-    lse1 = lse1.reshape(hkv, g, c).permute(2, 0, 1).reshape(c, hq)
+    f = c if fold is None else fold
+    o1 = o1.reshape(hkv, g, f, d)[:, :, :c].permute(2, 0, 1, 3).reshape(c, hq, d)
+    lse1 = lse1.reshape(hkv, g, f)[:, :, :c].permute(2, 0, 1).reshape(c, hq)
     o2, lse2 = o2.transpose(0, 1), lse2.transpose(0, 1)
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m)[..., None], torch.exp(lse2 - m)[..., None]
@@ -55,6 +62,7 @@ if triton is not None:
         o2_ptr,
         lse2_ptr,
         c,
+        fold,
         G,
         s_out_r,
         s_out_h,
@@ -78,7 +86,7 @@ if triton is not None:
         ok = rows < c
         cols = tl.arange(0, D)
         kv = h // G
-        r1 = (h % G) * c + rows  # the row of the folded prefix part
+        r1 = (h % G) * fold + rows  # the row of the folded prefix part
         lse1 = tl.load(lse1_ptr + kv * s_l1_h + r1 * s_l1_r, mask=ok, other=0.0)
         lse2 = tl.load(lse2_ptr + h * s_l2_h + rows * s_l2_r, mask=ok, other=0.0)
         m = tl.maximum(lse1, lse2)
@@ -92,18 +100,28 @@ if triton is not None:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def merge_into(out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor,
+    o1: torch.Tensor,
+    lse1: torch.Tensor,
+    o2: torch.Tensor,
+    lse2: torch.Tensor,
+    fold: int | None = None,
+) -> None:
     """out [c, hq, d] <- the merge (shapes as `merge_into_reference`); the kernel on CUDA (and under the
     interpreter), the reference elsewhere. Each tensor's last dimension must be contiguous (the attentions'
     outputs are); any other strides are taken as they are."""
     c, hq, d = out.shape
     hkv = o1.shape[0]
-    if hq % hkv or o1.shape != (hkv, hq // hkv * c, d) or o2.shape != (hq, c, d):
-        raise ValueError(f"merge_into: shapes out {tuple(out.shape)}, o1 {tuple(o1.shape)}, o2 {tuple(o2.shape)}")
+    f = c if fold is None else fold
+    if hq % hkv or f < c or o1.shape != (hkv, hq // hkv * f, d) or o2.shape != (hq, c, d):
+        raise ValueError(
+            f"merge_into: shapes out {tuple(out.shape)}, o1 {tuple(o1.shape)}, o2 {tuple(o2.shape)}, fold {fold}"
+        )
     if lse1.shape != o1.shape[:2] or lse2.shape != o2.shape[:2]:
         raise ValueError(f"merge_into: lse shapes {tuple(lse1.shape)}, {tuple(lse2.shape)} do not match the outputs")
     if not interpreter.runs_kernels(out) or d & (d - 1) or any(t.stride(-1) != 1 for t in (out, o1, o2)):
-        merge_into_reference(out, o1, lse1, o2, lse2)
+        merge_into_reference(out, o1, lse1, o2, lse2, f)
         return
     block_r = 32
     grid = (triton.cdiv(c, block_r), hq)
@@ -114,6 +132,7 @@ def merge_into(out: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o2: torc
         o2,
         lse2,
         c,
+        f,
         hq // hkv,
         out.stride(0),
         out.stride(1),

@@ -16,12 +16,14 @@ from paged_pools import poisoned_paged_pool
 
 from spanllm.attention import reference as ref
 from spanllm.attention.cascade import (
+    CascadeShape,
     attend_long_chunks,
     cascade_prefill,
-    full_chunk_prefixes,
+    chunk_prefixes,
+    chunk_shapes,
     plan_cascade,
     reference_attention,
-    warm_full_chunks,
+    warm_chunk_shapes,
 )
 
 BLOCK = 16
@@ -34,27 +36,54 @@ CASES = [(5, 9), (16, 16), (37, 21), (0, 13), (300, 1), (1000, 45)]
 
 @pytest.mark.parametrize("prefix,c", CASES)
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
-def test_cascade_equals_reference(prefix, c, hq, hkv):
+@pytest.mark.parametrize("bucket", [1, 16, 48])
+def test_cascade_equals_reference(prefix, c, hq, hkv, bucket):
+    """Exact shapes (bucket 1) and shapes rounded to 16 / 48 rows (padding queries and keys; part of the prefix
+    moved to the causal part; 48: padding past the sequence's last block). The last block's rows past the sequence
+    hold NaN (unwritten slots): the padding keys and values that read them must be zeroed."""
     d = 16
     kc, vc, tables = poisoned_paged_pool([prefix + c], BLOCK, hkv, d, seed=prefix + c)
+    _poison_tail(kc, vc, tables[0], prefix + c)
     q = torch.randn(c, hq, d, generator=torch.Generator().manual_seed(1))
-    out = cascade_prefill(q, kc, vc, tables[0], prefix, reference_attention)
+    out = cascade_prefill(q, kc, vc, tables[0], prefix, reference_attention, bucket=bucket)
     want = ref.reference_prefill(q, kc, vc, tables, [c], [prefix + c])
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("prefix,c", [(37, 21), (1000, 45)])
-def test_cascade_over_an_fp8_cache_widens_it_exactly(prefix, c):
+def test_cascade_over_an_fp8_cache_widens_it_exactly(prefix, c):  # at rounded shapes (padding zeroed after widening)
     """An FP8 (e4m3) cache: the gathered K/V widened to the queries' dtype, the same keys the reference reads
     (the cache has no scale: values are stored saturated, spanllm.attention.backend.write_kv)."""
     kc, vc, tables = poisoned_paged_pool([prefix + c], BLOCK, 2, 16, seed=prefix)
+    _poison_tail(kc, vc, tables[0], prefix + c)  # e4m3 has a NaN: it widens to NaN, then zeroed
     kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     q = torch.randn(c, 8, 16, generator=torch.Generator().manual_seed(2))
-    out = cascade_prefill(q, kc8, vc8, tables[0], prefix, reference_attention)
+    out = cascade_prefill(q, kc8, vc8, tables[0], prefix, reference_attention, bucket=32)
     want = ref.reference_prefill(q, kc8, vc8, tables, [c], [prefix + c])
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+def _poison_tail(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, n: int) -> None:
+    """NaN in the rows of the sequence's last block past its n tokens."""
+    if n % BLOCK:
+        last = int(table[(n - 1) // BLOCK])
+        kc[last, n % BLOCK :] = float("nan")
+        vc[last, n % BLOCK :] = float("nan")
+
+
+def test_padding_keys_are_zeroed():
+    """Without the zeroing, the NaN rows of the last block would reach real rows (0 * NaN in P @ V): a chunk whose
+    rounded shape reads them."""
+    from spanllm.attention.cascade import gather_rows
+
+    prefix, c = 37, 21
+    kc, vc, tables = poisoned_paged_pool([prefix + c], BLOCK, 2, 16, seed=9)
+    _poison_tail(kc, vc, tables[0], prefix + c)
+    assert gather_rows(kc, tables[0], prefix + c, 64)[prefix + c :].isnan().any()  # what the zeroing must clear
+    out = cascade_prefill(torch.randn(c, 8, 16), kc, vc, tables[0], prefix, reference_attention, bucket=32)
+    assert not out.isnan().any()
 
 
 def test_reference_attention_reads_each_query_heads_kv_head():
@@ -132,50 +161,95 @@ def test_a_step_of_long_and_short_chunks_split_as_the_triton_backend_splits_it()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
-def test_full_chunk_prefixes():
-    # the 8B serving settings: a 111,352-token prompt's full chunks run at prefixes 16,384 ... 81,920, its tail at
-    # 98,304; a prompt of up to 131,071 tokens has a full chunk at 98,304 too, none at 114,688 (it would end at
-    # 131,072: no position left for the output)
-    assert full_chunk_prefixes(16384, 131072) == [16384, 32768, 49152, 65536, 81920, 98304]
-    assert full_chunk_prefixes(16384, 131073) == [16384, 32768, 49152, 65536, 81920, 98304, 114688]
-    assert full_chunk_prefixes(8192, 16384) == []
-    assert full_chunk_prefixes(100, 301) == [100, 200] and full_chunk_prefixes(100, 300) == [100]
+def test_cascade_shape_rounds_to_the_bucket():
+    s = CascadeShape(c=3634, prefix=32768, bucket=1024)  # a 36,402-token prompt's last chunk at chunk 16,384
+    assert (s.split, s.lead, s.side, s.rows, s.keys) == (32768, 0, 4096, 4096, 36864)
+    s = CascadeShape(c=100, prefix=5000, bucket=1024)  # a prefix off the bucket: 904 keys go to the causal part
+    assert (s.split, s.lead, s.side, s.rows, s.keys) == (4096, 904, 1024, 1024, 5120)
+    s = CascadeShape(c=200, prefix=5000, bucket=1024)
+    assert (s.split, s.lead, s.side, s.rows, s.keys) == (4096, 904, 2048, 1024, 6144)
+    s = CascadeShape(c=77, prefix=700, bucket=1024)  # the whole prefix in the causal part: no prefix part
+    assert (s.split, s.lead, s.side, s.rows, s.keys) == (0, 700, 1024, 1024, 1024)
+    s = CascadeShape(c=13048, prefix=98304)  # bucket 1: the exact shapes
+    assert (s.split, s.lead, s.side, s.rows, s.keys) == (98304, 0, 13048, 13048, 111352)
+
+
+def test_chunk_prefixes_and_shapes():
+    """A prompt of up to max_model_len - 1 tokens: its chunks after the first start at chunk, 2 chunk, ...; the
+    cuDNN cascade meets one shape per rounded query count at each (the largest count stands for it); bucket 1:
+    the full chunks only."""
+    assert chunk_prefixes(16384, 131072) == [16384, 32768, 49152, 65536, 81920, 98304, 114688]
+    assert chunk_prefixes(8192, 8193) == [] and chunk_prefixes(8192, 8194) == [8192]
+    assert chunk_prefixes(100, 301) == [100, 200] and chunk_prefixes(100, 300) == [100, 200]
+    shapes = chunk_shapes(16384, 131072, 4096, 1024)
+    assert len(shapes) == 7 * 16 + 1 and shapes[:2] == [(1024, 16384), (2048, 16384)]
+    # at 114688 the last chunk holds at most 131071 - 114688 = 16383 queries: rows 16384 all the same
+    assert [c for c, p in shapes if p == 114688][-2:] == [15360, 16383]
+    # and the causal side of a full chunk after < 1024 cached keys (a prefix-cache hit): 17408, alone
+    assert shapes[-1] == (17408, 0)
+    assert chunk_shapes(16384, 131072, 4096, 1) == [(16384, p) for p in chunk_prefixes(16384, 131072)[:-1]]
+    # min_prefix 0: the first chunk (prefix 0) too; a chunk off the bucket: the causal part's side varies too
+    # (at 100: split 64, lead 36; queries 1-28: rows 64, side 64; 29-64: 64, 128; 65-92: 128, 128; 93-100: 128, 192)
+    want = [(64, 0), (100, 0), (28, 100), (64, 100), (92, 100), (100, 100), (56, 200), (64, 200), (100, 200)]
+    assert chunk_shapes(100, 301, 0, 64) == want
+    assert chunk_shapes(100, 301, 150, 1) == [(100, 200)] and chunk_shapes(100, 300, 150, 1) == []
 
 
 def _recording_attention(seen: list):
     def attention(q, k, v, causal):
-        seen.append((tuple(q.shape), tuple(k.shape), k.stride(), causal))
+        seen.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), causal))
         return reference_attention(q, k, v, causal)
 
     return attention
 
 
-def test_warming_the_full_chunks_meets_a_requests_shapes_and_strides():
-    """warm_full_chunks calls the attention with the (queries, keys) shapes and strides that a prompt's full chunks
-    at those prefixes meet in cascade_prefill (a cuDNN plan is keyed on them)."""
-    hq, hkv, d, chunk = 8, 2, 16, 32
+@pytest.mark.parametrize(
+    "chunk,bucket,min_prefix,hits", [(32, 32, 32, (0, 16)), (32, 1, 32, (0,)), (40, 16, 0, (0,)), (64, 32, 0, (0, 16))]
+)
+def test_the_warm_up_meets_every_shape_and_stride_a_prompts_chunks_meet(chunk, bucket, min_prefix, hits):
+    """warm_chunk_shapes calls the attention with every (queries, keys) shape and stride that the chunks of any
+    prompt of up to max_len - 1 tokens meet in cascade_prefill (a cuDNN plan is keyed on them), its first `hit`
+    tokens cached (every hit under the bucket: the chunks start past a multiple of the chunk): at rounded shapes
+    every chunk, at exact ones (bucket 1) the full chunks after no hit. The warm-up meets no other shape but causal
+    sides (every side up to chunk + bucket)."""
+    hq, hkv, d, max_len = 8, 2, 16, 120
     warm: list = []
-    warm_full_chunks(_recording_attention(warm), hq, hkv, d, torch.float32, torch.device("cpu"), chunk, [32, 64])
-    req: list = []
-    kc, vc, tables = poisoned_paged_pool([64 + chunk], BLOCK, hkv, d, seed=5)
-    q = torch.randn(chunk, hq, d)
-    for prefix in (32, 64):
-        cascade_prefill(q, kc, vc, tables[0], prefix, _recording_attention(req))
-    assert warm == req
-    assert [s[1][2] for s in warm if not s[3]] == [32, 64]  # the prefix parts: 32 and 64 keys
+    shapes = chunk_shapes(chunk, max_len, min_prefix, bucket)
+    warm_chunk_shapes(_recording_attention(warm), hq, hkv, d, torch.float32, torch.device("cpu"), shapes, bucket)
+    kc, vc, tables = poisoned_paged_pool([max_len], BLOCK, hkv, d, seed=5)
+    met: list = []
+    for hit in hits:
+        for n in range(hit + 1, max_len):  # every prompt length: its chunks
+            for prefix in range(hit, n, chunk):
+                c = min(chunk, n - prefix)
+                if prefix < min_prefix or (bucket == 1 and c < chunk):
+                    continue
+                q = torch.randn(c, hq, d)
+                cascade_prefill(q, kc, vc, tables[0], prefix, _recording_attention(met), bucket=bucket)
+    assert set(met) <= set(warm)
+    assert all(s[4] for s in set(warm) - set(met))  # extra: causal parts only
+    if bucket > 1:  # every causal side up to chunk + bucket - 1 rows
+        sides = {s[0][2] for s in warm if s[4]}
+        assert sides == set(range(bucket, -(-(chunk + bucket - 1) // bucket) * bucket + 1, bucket))
+    if set(hits) == set(range(0, bucket, BLOCK)) and chunk % bucket == 0:  # every hit under the bucket met
+        assert set(met) == set(warm)
 
 
-def test_the_backend_warms_the_full_chunks_its_cascade_runs():
+def test_the_backend_warms_the_chunk_shapes_its_cascade_runs():
     pytest.importorskip("triton")
     from spanllm.attention.triton import TritonBackend
 
     hq, hkv, d = 8, 2, 16
     b = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="cudnn-cascade", cascade_min_prefix=64)
+    assert b.cascade_bucket == 1024 and "at shapes rounded to 1024 rows" in b.describe(torch.bfloat16)
+    b.cascade_bucket = 16  # small shapes on CPU
     seen: list = []
     b.cascade = _recording_attention(seen)  # reference math on CPU in place of cuDNN
-    # prefixes 32 ... 160 (a chunk at 160 ends at 192 <= 199); 32 is below min_prefix: the kernel's
-    assert b.warm_up_prefill(32, 200, torch.float32) == [64, 96, 128, 160]
-    assert sorted({s[1][2] for s in seen if not s[3]}) == [64, 96, 128, 160]
+    # prefixes 32 ... 192 (a prompt of up to 199 tokens); 32 is below min_prefix: the kernel's
+    assert b.warm_up_prefill(32, 200, torch.float32) == chunk_shapes(32, 200, 64, 16)
+    assert sorted({s[2][2] for s in seen if not s[4]}) == [64, 96, 128, 160, 192]  # the prefix parts' keys
+    flash = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="flash-cascade", cascade_min_prefix=64)
+    assert flash.cascade_bucket == 1 and "rounded" not in flash.describe(torch.bfloat16)
     assert TritonBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
     assert ref.ReferenceBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
 

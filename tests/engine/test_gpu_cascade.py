@@ -82,12 +82,15 @@ def test_attention_op_takes_fewer_kv_heads(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_cascade_matches_the_triton_kernel_at_a_20k_prefix(kind):
-    """A chunk of 1000 queries starting mid-block after 20,011 cached keys, 32 / 8 heads of 128, bf16."""
+@pytest.mark.parametrize("bucket", [1, 1024])
+def test_cascade_matches_the_triton_kernel_at_a_20k_prefix(kind, bucket):
+    """A chunk of 1000 queries starting mid-block after 20,011 cached keys, 32 / 8 heads of 128, bf16; at the
+    exact shapes and at shapes rounded to 1024 rows (what the cuDNN cascade runs: 555 keys moved to the causal
+    part, padding queries and keys)."""
     prefix, c = 20011, 1000
     kc, vc, tables = _pool([prefix + c], 8, 128, seed=1)
     q = torch.randn(c, 32, 128, device=DEV, dtype=torch.bfloat16)
-    out = cascade_prefill(q, kc, vc, tables[0], prefix, CASCADE_ATTENTION[kind])
+    out = cascade_prefill(q, kc, vc, tables[0], prefix, CASCADE_ATTENTION[kind], bucket=bucket)
     tiles = torch.tensor(kt.prefill_tiles([c], 4, context_lens=[prefix + c]), dtype=torch.int32, device=DEV)
     cu = torch.tensor([0, c], dtype=torch.int32, device=DEV)
     cl = torch.tensor([prefix + c], dtype=torch.int32, device=DEV)
