@@ -159,6 +159,12 @@ def test_a_step_of_long_and_short_chunks_split_as_the_triton_backend_splits_it()
     attend_long_chunks(q, kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out)
     assert not out.isnan().any()
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    # the same step at shapes rounded to 32 rows (prefix 100: its last 4 keys in the causal part; queries padded)
+    out = torch.full_like(q, float("nan"))
+    out[rows] = ref.reference_prefill(q[rows], kc, vc, meta.prefill_block_tables[1:2], [9], [39])
+    attend_long_chunks(q, kc, vc, meta.prefill_block_tables, meta.cascade, reference_attention, out, 32)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
 def test_cascade_shape_rounds_to_the_bucket():
