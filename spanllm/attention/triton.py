@@ -143,9 +143,10 @@ class TritonBackend(AttentionBackend):
 
     def runs_cascade(self, num_decode: int) -> bool:
         """Whether this step's long-prefix chunks take the cascade: only in steps without decodes. Beside decodes
-        the scheduler's attention budget cuts each chunk to a new size, so every step would build new cuDNN plans
-        (~45 ms each) and give up the decode graph: on an H100 that made the decodes' p99 inter-token latency 1.36 s
-        against 0.23 s with the Triton kernel (results/h100/long_context/README.md, call D)."""
+        the scheduler's attention budget cuts each chunk to a new size, so every step built new cuDNN plans (~45 ms
+        each, at the exact shapes of then) and gave up the decode graph: on an H100 that made the decodes' p99
+        inter-token latency 1.36 s against 0.23 s with the Triton kernel (results/h100/long_context/README.md, call
+        D). The rounded shapes bound the plans now; the eager step (no decode graph) remains."""
         return self.cascade is not None and num_decode == 0
 
     def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
