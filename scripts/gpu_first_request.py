@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -143,14 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.check_args(sargs)
     dev = torch.device("cuda", 0)
     doc = {
-        "gpu": {
-            "name": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(),
-            "python": platform.python_version(),
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
-        },
+        "cudnn": torch.backends.cudnn.version(),  # the GPU, torch and CUDA: write_json's machine and versions
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
         "settings": {
             "serve_argv": serve_argv,
             "lengths": args.lengths,

@@ -158,12 +158,13 @@ class AsyncEngine(FrontDoor):
     def start(self) -> None:
         self._thread.start()
 
-    def wait_ready(self) -> bool:
-        """Block until the warm-up is done (True) or the engine thread failed or ended (False)."""
+    def wait_ready(self) -> None:
+        """Block until the warm-up is done; where the engine thread failed or ended first, stop it and raise
+        RuntimeError with its error (the server then never opens its port)."""
         while not self.ready.wait(0.1):
             if not self._thread.is_alive() or self.error is not None:
-                return False
-        return True
+                self.stop()
+                raise RuntimeError(self.error or "the engine thread ended during its warm-up")
 
     @property
     def alive(self) -> bool:

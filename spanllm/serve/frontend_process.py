@@ -208,9 +208,7 @@ class ProcessServer:
     def run(self, on_started=None) -> None:
         # The warm-up first, on the engine thread (where the steps run); the front end starts after it.
         self.engine.start(read=False)
-        if not self.engine.wait_ready():
-            self.engine.stop()
-            raise RuntimeError(self.engine.error or "the engine thread ended during its warm-up")
+        self.engine.wait_ready()
         self._proc.start()
         self._child.close()  # the front end holds its end; ours closes when it exits
         self.engine.start_reading()
