@@ -6,10 +6,11 @@
 #
 # decode: `bench throughput` with one random 128-token prompt and 256 output tokens (the decode1 stage of
 # scripts/gpu_fp8.sh) for {bf16, fp8} x {off, on, on_nopf (PDL without the weight prefetch)}, and with 16 of them
-# (batch 16) in FP8: decode_b{1,16}_{bf16,fp8}_pdl_{off,on,on_nopf}.json.
+# (batch 16) in FP8: decode_b{1,16}_{bf16,fp8}_pdl_{off,on,on_nopf}.json (PDL_BATCHES, PDL_QUANTS and PDL_MODES choose
+# fewer: e.g. PDL_BATCHES=1 PDL_QUANTS=bf16 PDL_MODES=on_nopf).
 # tests: pytest_pdl.txt (with the fused FP8 activation quantization's GPU test). fused: scripts/gpu_fused_quant.py
 # (fused_quant.json: the W8A8 input quantized by its producer vs a separate pass, PDL off / on). throughput: the committed 1000-request ShareGPT sample, FP8, off vs on:
-# throughput_fp8_pdl_{off,on}.json. Everything under BUDGET_S (540 s): a run that would not fit is skipped, said in run.log.
+# throughput_fp8_pdl_{off,on,on_nopf}.json (PDL_MODES too). Everything under BUDGET_S (540 s): a run that would not fit is skipped, said in run.log.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -39,11 +40,11 @@ step() {  # step NAME LIMIT CMD...: under timeout, never past the budget
 for stage in "${STAGES[@]}"; do
   case $stage in
     decode)
-      for batch in 1 16; do
-        for q in fp8 bf16; do  # FP8 first: batch-1 FP8 decode is what PDL is for (issue 30)
+      for batch in ${PDL_BATCHES:-1 16}; do
+        for q in ${PDL_QUANTS:-fp8 bf16}; do  # FP8 first: batch-1 FP8 decode is what PDL is for (issue 30)
           [ $batch = 16 ] && [ $q = bf16 ] && continue  # batch 16: FP8 only (the time budget)
           qf=""; [ $q = fp8 ] && qf="--quantization fp8"
-          for mode in off on on_nopf; do  # on_nopf: PDL without the skinny GEMM's weight prefetch
+          for mode in ${PDL_MODES:-off on on_nopf}; do  # on_nopf: PDL without the skinny GEMM's weight prefetch
             step "decode b$batch $q pdl $mode" 90 env SPANLLM_SKINNY_PREFETCH_BYTES=$([ $mode = on_nopf ] && echo 0 || echo $((16 << 20))) \
               $TR -m spanllm.cli bench throughput --model llama3.1-8b $qf --pdl ${mode%_nopf} --dataset-name random --input-len 128 --output-len 256 --num-prompts $batch \
               --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$OUTDIR/decode_b${batch}_${q}_pdl_$mode.json"
@@ -57,9 +58,10 @@ for stage in "${STAGES[@]}"; do
     fused)
       step "fused activation quantization" 120 python3 scripts/gpu_fused_quant.py "$OUTDIR" ;;
     throughput)
-      for mode in off on; do
-        step "ShareGPT fp8 pdl $mode" 110 $TR -m spanllm.cli bench throughput --model llama3.1-8b --quantization fp8 \
-          --pdl $mode --num-prompts 1000 --samples-file "$SAMPLES" --json "$OUTDIR/throughput_fp8_pdl_$mode.json"
+      for mode in ${PDL_MODES:-off on on_nopf}; do
+        step "ShareGPT fp8 pdl $mode" 110 env SPANLLM_SKINNY_PREFETCH_BYTES=$([ $mode = on_nopf ] && echo 0 || echo $((16 << 20))) \
+          $TR -m spanllm.cli bench throughput --model llama3.1-8b --quantization fp8 \
+          --pdl ${mode%_nopf} --num-prompts 1000 --samples-file "$SAMPLES" --json "$OUTDIR/throughput_fp8_pdl_$mode.json"
       done ;;
   esac
 done

@@ -69,7 +69,7 @@ class BenchSettings:
     tuning: str | None = None
     breakdown_steps: int = 32  # decode steps of the eager breakdown pass
     decode_gemm: str = "torch"  # EngineConfig.decode_gemm
-    pdl: str = "off"  # EngineConfig.pdl
+    pdl: str = "auto"  # EngineConfig.pdl
     quantization: str | None = None  # EngineConfig.quantization (--quantization fp8)
     max_model_len: int | None = None
     json: str | None = None  # where the report goes; rows also land in partial_path(json) as they finish

@@ -65,7 +65,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, positional: bool = F
     parser.add_argument(
         "--pdl",
         choices=PDL_MODES,
-        default="off",
+        default="auto",
         help="programmatic dependent launch of the forward's Triton kernels (each may start while the one before "
         "it finishes): auto = on where supported (GPU of compute capability >= 9.0), on (refused elsewhere), off",
     )

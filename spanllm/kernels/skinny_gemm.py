@@ -44,11 +44,12 @@ FP8 weights (W8A16)
 Programmatic dependent launch (spanllm.kernels.pdl)
     With PDL on, this kernel's programs become resident while the kernel before it (a norm, RoPE, the attention)
     still runs. W depends on no kernel (weights are written once, at load), so before its gdc_wait each program
-    asks L2 to fetch the first tiles of its W range (`prefetch.global.L2`, one per 32-byte sector: a hint that
+    may ask L2 to fetch the first tiles of its W range (`prefetch.global.L2`, one per 32-byte sector: a hint that
     loads nothing into registers and writes nothing) and HBM streams W while the previous kernel finishes; the
     loads after the wait then find those tiles in L2. At most W_PREFETCH_BYTES per GEMM (spread over its
     programs), so that a prefetch never pushes its own first tiles out of the 50 MB L2. x and everything else is
-    read after the wait, as the protocol requires.
+    read after the wait, as the protocol requires. W_PREFETCH_BYTES is 0 by default: on an H100, batch-1 decode
+    with 16 MiB was slower than with none (results/h100/pdl/).
 
 Config
     `choose_config` is a pure function of (M, N, K, #SMs, element size) and the module's table
@@ -89,8 +90,10 @@ MAX_M = 16  # rows of x the kernel handles with a bf16/fp16/fp32 W: one MMA tile
 FP8_MAX_M = 128  # rows with an FP8 W (W8A16): BLOCK_M grows to 128
 FP8_ALWAYS_WEIGHT_ONLY_M = 16  # up to here W8A16 always (one MMA tile); above, only where the table measured it faster
 # With PDL: bytes of W a GEMM prefetches into L2 before its wait (module docstring), over all its programs; 0 = none.
-# SPANLLM_SKINNY_PREFETCH_BYTES replaces it (benchmarks: scripts/gpu_pdl.sh measures with and without).
-W_PREFETCH_BYTES = 16 << 20
+# SPANLLM_SKINNY_PREFETCH_BYTES replaces it (benchmarks: scripts/gpu_pdl.sh measures with and without). 0 by
+# default: with 16 MiB, batch-1 decode was slower than PDL without it, in FP8 (+5.7%) and bf16 (+0.5%) on an H100
+# (results/h100/pdl/).
+W_PREFETCH_BYTES = 0
 PREFETCH_ENV = "SPANLLM_SKINNY_PREFETCH_BYTES"
 PREFETCH_SECTOR = 32  # bytes one prefetch instruction asks for
 BLOCK_M = 16
