@@ -27,6 +27,10 @@
 #                 at a new shape, GQA in cuDNN, the merge kernel against torch), its GPU tests, the fused FP8
 #                 quantization's GPU test and mismatch check, and long-context TTFT (the long-prefix part's
 #                 settings, with the profiled 111k prefill, no decodes beside it)
+#   conversation  any Hopper GPU: a conversation's turns on an idle engine (each prompt the one before it plus new
+#                 tokens, the conversation so far in the prefix cache; scripts/gpu_first_request.py --conversation):
+#                 auto's cuDNN cascade with its cost model (the default) against it on every long-prefix chunk
+#                 (--no-cascade-cost), twice each, and the paged kernel alone (--prefill-attention triton)
 #   decode-launch any Hopper GPU: the paged decode kernel's launch shapes by KV-cache dtype
 #                 (scripts/gpu_decode_launch.py: what spanllm.kernels.paged_attention.DECODE_LAUNCH should say)
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
@@ -35,14 +39,14 @@
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|decode-launch}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
 [ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU:$PART" in
   *H200*:*) ;;
-  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch) ;;  # any Hopper
+  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation) ;;  # any Hopper
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -115,6 +119,19 @@ case "$PART" in
       --cascade-min-prefix 0 --chunks 16384 --ttft-reps 3 --no-itl --budget-s 230 >"$R/long_context.log" 2>&1
     tail -5 "$R/cascade_probe.log"; grep -E "passed|failed" "$R/pytest.txt" | tail -3
     grep -h "differ" "$R/fused_check.log" | head -6; grep -i "ttft" "$R/long_context.log" | tail -6 ;;
+  conversation)
+    L=${CONV_LENGTHS:-50000,50300,50600,51600,53600,55600,57600,61600,61900}
+    for run in a b; do
+      for rule in cost always; do
+        flag=""; [ $rule = always ] && flag=--no-cascade-cost
+        timeout 150 python3 scripts/gpu_first_request.py "$R/${rule}_$run.json" --conversation --lengths $L \
+          --probe '' $flag -- --model llama3.1-8b >"$R/${rule}_$run.log" 2>&1
+        pack
+      done
+    done
+    timeout 150 python3 scripts/gpu_first_request.py "$R/paged.json" --conversation --lengths $L --probe '' \
+      -- --model llama3.1-8b --prefill-attention triton >"$R/paged.log" 2>&1
+    for f in "$R"/*.log; do echo "== $(basename $f)"; grep -o "^[0-9]* tokens[^:]*: TTFT [0-9.]* s" "$f" | tr '\n' ';'; echo; done ;;
   decode-launch)
     timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
       >"$R/decode_launch.log" 2>&1

@@ -7,6 +7,10 @@ price cuDNN's per-shape plan build at the sizes the requests' last chunks meet.
 
     python3 scripts/gpu_first_request.py OUT.json --lengths 36402,36402,111352,111352,111000 -- SERVE_FLAGS...
 
+With --conversation the lengths are one conversation's prompts, each the one before it with new tokens after (a
+chat's turns, or an agent's calls, with the conversation so far in the prefix cache). --no-cascade-cost runs auto's
+cuDNN cascade on every long-prefix chunk (the rule before its cost model; an A/B).
+
 SERVE_FLAGS are `spanllm serve`'s (the model first). GPU only."""
 
 from __future__ import annotations
@@ -105,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens every prompt starts with (the same random ones): requests after the first hit the prefix cache",
     )
     ap.add_argument(
+        "--conversation",
+        action="store_true",
+        help="each prompt is the one before it plus new tokens (lengths increasing): every request after the first "
+        "hits the prefix cache for the conversation so far",
+    )
+    ap.add_argument(
+        "--no-cascade-cost",
+        action="store_true",
+        help="auto's cascade on every chunk past the min prefix, without its cost model (the rule before it)",
+    )
+    ap.add_argument(
         "--bucket",
         type=int,
         default=None,
@@ -116,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",")]
         if args.common_prefix < 0 or any(n <= args.common_prefix for n in lengths):
             raise ValueError
+        if args.conversation and (args.common_prefix or any(b <= a for a, b in zip(lengths, lengths[1:]))):
+            raise ValueError
         shapes = [tuple(int(v) for v in s.split(":")) for s in args.probe.split(",") if s]
     except ValueError:
         ap.error(
             f"--lengths {args.lengths!r} / --probe {args.probe!r} / --common-prefix {args.common_prefix}: give "
-            "N,N,... (each > the common prefix) and Q:P,Q:P,... ('' for none)"
+            "N,N,... (each > the common prefix; increasing, without a common prefix, with --conversation) and "
+            "Q:P,Q:P,... ('' for none)"
         )
 
     import numpy as np
@@ -150,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "bucket": args.bucket,
             "common_prefix": args.common_prefix,
+            "conversation": args.conversation,
+            "cascade_cost": not args.no_cascade_cost,
         },
         "requests": [],
     }
@@ -165,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--bucket {args.bucket}: give 1 .. {backend.cascade_bucket} (the backend's own)", file=sys.stderr)
             return 2
         backend.cascade_bucket = args.bucket
+    if args.no_cascade_cost:
+        if getattr(backend, "cascade_cost", None) is None:
+            print("--no-cascade-cost: this engine's cascade has no cost model (not auto's cuDNN)", file=sys.stderr)
+            return 2
+        backend.cascade_cost = None
     doc["cascade_bucket"] = getattr(backend, "cascade_bucket", None)
     doc["describe"] = llm.describe()
     print(doc["describe"], flush=True)
@@ -178,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     seen = set()
     common = rng.integers(10, llm.config.vocab_size - 10, size=args.common_prefix).tolist()
+    prompt: list[int] = []
     for n in lengths:
-        prompt = common + rng.integers(10, llm.config.vocab_size - 10, size=n - len(common)).tolist()
+        if args.conversation:  # the conversation so far, then this turn's new tokens
+            prompt = prompt + rng.integers(10, llm.config.vocab_size - 10, size=n - len(prompt)).tolist()
+        else:
+            prompt = common + rng.integers(10, llm.config.vocab_size - 10, size=n - len(common)).tolist()
         row = timed_request(core, prompt)
+        row["cascade_plans_known"] = len(getattr(backend, "_planned", ()))  # grows when a request built new ones
         row["first_of_its_length"] = n not in seen
         seen.add(n)
         doc["requests"].append(row)

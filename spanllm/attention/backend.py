@@ -113,6 +113,7 @@ def resolve_backend(
     shared_prefix: str = "auto",
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    num_layers: int = 1,
 ) -> AttentionBackend:
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
     prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and
@@ -121,7 +122,8 @@ def resolve_backend(
     is an error. shared_prefix:
     the Triton backend's shared-prefix decode attention (spanllm.attention.shared_prefix; auto: on there, off
     on the reference, which has none: "on" there is an error); block_size: the KV cache's; dtype: the run's
-    compute dtype (a cascade takes bf16 / fp16 only)."""
+    compute dtype (a cascade takes bf16 / fp16 only); num_layers: the layers whose attention the runner's forward
+    runs (auto's cascade weighs a plan build, once, against every layer's attention)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} must be one of {BACKENDS}")
     if shared_prefix not in SHARED_PREFIX_ATTENTION:
@@ -148,6 +150,7 @@ def resolve_backend(
             shared_prefix=shared_prefix != "off",
             block_size=block_size,
             dtype=dtype,
+            num_layers=num_layers,
         )
     if shared_prefix == "on":
         raise ValueError(

@@ -6,10 +6,11 @@ log-sum-exp, so each part runs on a fused SDPA kernel at its best shape (no mask
     out = (exp(lse1 - m) o1 + exp(lse2 - m) o2) / (exp(lse1 - m) + exp(lse2 - m)),  m = max(lse1, lse2)
 
 The keys are gathered from the paged cache (its block table) into dense tensors per chunk per layer. The
-Triton backend runs this for the prefill chunks whose prefix is at least `min_prefix` keys (`plan_cascade`),
-on CUDA, in eager steps only (the gather's sizes are the step's, not a graph's); the rest of the step keeps
-the paged kernels. The attention of each part is one `Attention` function; on CPU the tests use
-`reference_attention` (float32 math) through the same code.
+Triton backend runs this for the prefill chunks whose prefix is at least `min_prefix` keys (`plan_cascade`; with
+`auto`, only those where `CascadeCost` estimates it faster than the paged kernel), on CUDA, in eager steps only
+(the gather's sizes are the step's, not a graph's); the rest of the step keeps the paged kernels. The attention
+of each part is one `Attention` function; on CPU the tests use `reference_attention` (float32 math) through the
+same code.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ class CascadeChunk:
     prefix: int  # cached keys before it
 
 
-def plan_cascade(q_lens: list[int], context_lens: list[int], min_prefix: int) -> list[CascadeChunk]:
+def plan_cascade(
+    q_lens: list[int], context_lens: list[int], min_prefix: int, takes: Callable[[int, int], bool] | None = None
+) -> list[CascadeChunk]:
     """The prefill chunks (q_lens, context_lens: the step's prefill chunks, in order) with a prefix of at least
-    min_prefix keys."""
+    min_prefix keys and, where `takes` is given, for which takes(queries, prefix) holds."""
     plan, start = [], 0
     for j, (t, n) in enumerate(zip(q_lens, context_lens)):
-        if n - t >= min_prefix:
+        if n - t >= min_prefix and (takes is None or takes(t, n - t)):
             plan.append(CascadeChunk(j, start, t, n - t))
         start += t
     return plan
@@ -165,6 +168,52 @@ class CascadeShape:
     @property
     def keys(self) -> int:
         return self.split + self.side
+
+
+def cascade_pairs(s: CascadeShape) -> int:
+    """Query-key pairs the cascade computes for a chunk at shape s, its padding included: the prefix part's rows
+    over the split's keys, and the causal part's square half."""
+    return s.rows * s.split + s.side * (s.side + 1) // 2
+
+
+def paged_pairs(c: int, prefix: int) -> int:
+    """Query-key pairs the paged prefill kernel computes for c queries after `prefix` keys (causal in the chunk)."""
+    return c * prefix + c * (c + 1) // 2
+
+
+def cascade_plan_parts(s: CascadeShape) -> list[tuple[str, int, int]]:
+    """The attentions whose shapes cuDNN builds a plan for when the cascade runs at shape s: the prefix part
+    (rows over split keys; none without a prefix part) and the causal part (side)."""
+    parts = [("causal", s.side, s.side)]
+    if s.split:
+        parts.append(("prefix", s.rows, s.split))
+    return parts
+
+
+@dataclass(frozen=True)
+class CascadeCost:
+    """`auto`'s choice for one long-prefix chunk: the cascade where it is estimated faster than the paged prefill
+    kernel, each at its measured rate over the pairs it computes (the cascade's rounded padding included), plus
+    plan_s for each of the cascade's parts at a shape cuDNN has not met (its graph and plan, built in that call).
+    So a chunk of a few hundred queries after a long prefix (a chat's next turn with the conversation cached) runs
+    the paged kernel: the cascade would compute its rows rounded up to the bucket and build a plan for a new
+    prefix length; a long prompt's chunks, at shapes the warm-up built, run the cascade."""
+
+    cascade_tflops: float
+    paged_tflops: float
+    plan_s: float
+
+    def cascade_s(self, s: CascadeShape, flop_per_pair: float, new_plans: int) -> float:
+        return cascade_pairs(s) * flop_per_pair / (self.cascade_tflops * 1e12) + new_plans * self.plan_s
+
+    def paged_s(self, c: int, prefix: int, flop_per_pair: float) -> float:
+        return paged_pairs(c, prefix) * flop_per_pair / (self.paged_tflops * 1e12)
+
+
+# Measured on an H100 (results/h100/long_context/README.md): the cuDNN cascade at 446-587 TFLOPS over 8,192-query
+# chunks after 0-123k cached keys, the paged kernel at its best tiling 384-398; cuDNN's first call at a new shape
+# 40-50 ms more than the next. Only `auto` asks it: a cascade named by the user runs on every chunk min_prefix lets in.
+CUDNN_CASCADE_COST = CascadeCost(cascade_tflops=550.0, paged_tflops=390.0, plan_s=0.045)
 
 
 def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, n: int, rows: int) -> torch.Tensor:

@@ -27,10 +27,13 @@ from spanllm.attention.backend import AttentionBackend, HostToDevice, write_kv
 from spanllm.attention.cascade import (
     CASCADE_ATTENTION,
     CASCADE_SHAPE_BUCKET,
+    CUDNN_CASCADE_COST,
     DEFAULT_CASCADE_MIN_PREFIX,
     PREFILL_ATTENTION,
     CascadeChunk,
+    CascadeShape,
     attend_long_chunks,
+    cascade_plan_parts,
     chunk_shapes,
     plan_cascade,
     resolve_prefill_attention,
@@ -81,6 +84,7 @@ class TritonBackend(AttentionBackend):
         min_shared_keys: int = DEFAULT_MIN_SHARED_KEYS,
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
+        num_layers: int = 1,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         # Decodes sharing at least min_shared_keys cached keys read them once per group (shared_prefix.py);
@@ -116,6 +120,19 @@ class TritonBackend(AttentionBackend):
             )
         self.cascade_min_prefix = DEFAULT_CASCADE_MIN_PREFIX if cascade_min_prefix is None else cascade_min_prefix
         self.cascade_bucket = CASCADE_SHAPE_BUCKET.get(self.prefill_attention, 1)  # its shapes' rounding, in rows
+        # auto's cuDNN cascade takes a chunk only where CascadeCost estimates it faster than the paged kernel, for
+        # the attention of every layer this runner's forward runs (num_layers; a plan serves them all). The plans
+        # cuDNN holds are tracked here: those the warm-up built and those of every chunk planned since (cuDNN
+        # keeps them for the process; the steps and the warm-up run on one thread, where its cache is).
+        self.cascade_cost = (
+            CUDNN_CASCADE_COST if prefill_attention == "auto" and self.prefill_attention == "cudnn-cascade" else None
+        )
+        self.flop_per_pair = 4.0 * num_heads * head_dim * num_layers
+        self._planned: set[tuple[str, int, int]] = set()
+        # A chunk declined only for its plans adds the time the cascade would have saved to its missing plans'
+        # account; once the account covers the plans, the next such chunk builds them (a shape that recurs is
+        # worth its plans; one that does not costs at most twice the better choice: ski rental)
+        self._forgone: dict[tuple[tuple[str, int, int], ...], float] = {}
         # The prefill kernel's tiling (None: its default for the dtype); tiles and kernel share its block_q.
         if prefill_config is not None:
             prefill_config.check_group(self.group)
@@ -134,6 +151,8 @@ class TritonBackend(AttentionBackend):
         auto = " (auto)" if self.prefill_attention_asked == "auto" else ""
         if self.cascade is not None:
             which = "every chunk" if self.cascade_min_prefix == 0 else f"prefixes >= {self.cascade_min_prefix} keys"
+            if self.cascade_cost is not None:
+                which += " where estimated faster than the paged kernel"
             tiling += f"; prefill {self.prefill_attention}{auto} for {which} in steps without decodes, eager"
             if self.cascade_bucket > 1:
                 tiling += f", at shapes rounded to {self.cascade_bucket} rows"
@@ -150,11 +169,72 @@ class TritonBackend(AttentionBackend):
         return self.cascade is not None and num_decode == 0
 
     def eager_only(self, num_decode: int, q_lens: np.ndarray, context_lens: np.ndarray) -> bool:
-        """A step with a chunk for the cascade runs eagerly (no graph holds its gathers' sizes)."""
+        """A step with a chunk for the cascade runs eagerly (no graph holds its gathers' sizes). The runner asks
+        once per step, before it replays a graph or builds the step's metadata (plan_chunks); a step whose long
+        chunks all run the paged kernel replays a graph, so their forgone savings are recorded here."""
         if not self.runs_cascade(num_decode):
             return False
-        prefix = context_lens[num_decode:] - q_lens[num_decode:]
-        return bool((prefix >= self.cascade_min_prefix).any())
+        nd = num_decode
+        chunks = [
+            (int(c), int(n) - int(c))
+            for c, n in zip(q_lens[nd:], context_lens[nd:])
+            if n - c >= self.cascade_min_prefix
+        ]
+        if any(self.takes_cascade(c, p) for c, p in chunks):
+            return True
+        self._declined(chunks)
+        return False
+
+    def takes_cascade(self, c: int, prefix: int) -> bool:
+        """Whether a chunk of c queries after `prefix` cached keys (>= cascade_min_prefix, in a step without
+        decodes) runs the cascade: always for a cascade the user named; with auto, where CascadeCost estimates it
+        faster than the paged kernel once its plans exist, and its missing plans' build (plan_s a part) is paid
+        for by this chunk's saving plus what declined chunks missing the same plans would have saved. Pure:
+        eager_only and build_metadata ask it for the same step (plan_chunks records after)."""
+        if self.cascade_cost is None:
+            return True
+        s, missing, saving = self._estimate(c, prefix)
+        if saving <= 0:
+            return False
+        return len(missing) * self.cascade_cost.plan_s < saving + self._forgone.get(missing, 0.0)
+
+    def _estimate(self, c: int, prefix: int) -> tuple[CascadeShape, tuple[tuple[str, int, int], ...], float]:
+        """The chunk's rounded shape, its parts without a plan, and the time the cascade saves once planned."""
+        cost = self.cascade_cost
+        s = CascadeShape(c, prefix, self.cascade_bucket)
+        missing = tuple(part for part in cascade_plan_parts(s) if part not in self._planned)
+        saving = cost.paged_s(c, prefix, self.flop_per_pair) - cost.cascade_s(s, self.flop_per_pair, 0)
+        return s, missing, saving
+
+    def planned(self, c: int, prefix: int) -> None:
+        """The cascade will run a chunk of c queries after `prefix` keys: cuDNN holds its parts' plans after."""
+        self._planned.update(cascade_plan_parts(CascadeShape(c, prefix, self.cascade_bucket)))
+
+    def plan_chunks(self, q_lens: list[int], context_lens: list[int]) -> list[CascadeChunk]:
+        """The chunks of a step without decodes that run the cascade (takes_cascade), recording what it learns:
+        the plans the taken chunks build, and the saving each chunk declined for its plans alone forwent."""
+        plan = plan_cascade(q_lens, context_lens, self.cascade_min_prefix, self.takes_cascade)
+        for ch in plan:
+            self.planned(ch.q_len, ch.prefix)
+        taken = {ch.chunk for ch in plan}
+        self._declined(
+            [
+                (c, n - c)
+                for j, (c, n) in enumerate(zip(q_lens, context_lens))
+                if j not in taken and n - c >= self.cascade_min_prefix
+            ]
+        )
+        return plan
+
+    def _declined(self, chunks: list[tuple[int, int]]) -> None:
+        """(queries, prefix) chunks that run the paged kernel: each one declined for its missing plans alone adds
+        the saving it forwent to their account (takes_cascade)."""
+        if self.cascade_cost is None:
+            return
+        for c, p in chunks:
+            _, missing, saving = self._estimate(c, p)
+            if saving > 0 and missing:
+                self._forgone[missing] = self._forgone.get(missing, 0.0) + saving
 
     def warm_up_prefill(self, chunk: int, max_len: int, dtype: torch.dtype) -> list[tuple[int, int]]:
         """The cascade at every shape a prompt's chunks meet alone in a step (cuDNN builds a plan per (queries,
@@ -173,6 +253,8 @@ class TritonBackend(AttentionBackend):
             shapes,
             self.cascade_bucket,
         )
+        for c, p in shapes:
+            self.planned(c, p)
         return shapes
 
     def num_splits(self, batch: int) -> int:
@@ -213,7 +295,7 @@ class TritonBackend(AttentionBackend):
             meta.prefill_block_tables = tables[nd:]
             tile_lens = chunk_lens.tolist()
             if self.runs_cascade(nd):
-                meta.cascade = plan_cascade(tile_lens, context_lens[nd:].tolist(), self.cascade_min_prefix)
+                meta.cascade = self.plan_chunks(tile_lens, context_lens[nd:].tolist())
                 for ch in meta.cascade:
                     tile_lens[ch.chunk] = 0  # no tiles: the kernel leaves its rows to the cascade
             meta.prefill_tiles = h2d(self.tiles(tile_lens, context_lens[nd:].tolist()))

@@ -398,6 +398,7 @@ class LLM:
             e.shared_prefix_attention,
             e.block_size,
             dtype=e.dtype,
+            num_layers=len(self.model.layer_ids),
         )
         per_block = bytes_per_block(
             len(self.model.layer_ids), e.block_size, qkv.num_kv_heads_local, cfg.head_dim, e.kv_dtype

@@ -16,11 +16,16 @@ from paged_pools import poisoned_paged_pool
 
 from spanllm.attention import reference as ref
 from spanllm.attention.cascade import (
+    CUDNN_CASCADE_COST,
+    CascadeCost,
     CascadeShape,
     attend_long_chunks,
+    cascade_pairs,
+    cascade_plan_parts,
     cascade_prefill,
     chunk_prefixes,
     chunk_shapes,
+    paged_pairs,
     plan_cascade,
     reference_attention,
     warm_chunk_shapes,
@@ -254,10 +259,74 @@ def test_the_backend_warms_the_chunk_shapes_its_cascade_runs():
     # prefixes 32 ... 192 (a prompt of up to 199 tokens); 32 is below min_prefix: the kernel's
     assert b.warm_up_prefill(32, 200, torch.float32) == chunk_shapes(32, 200, 64, 16)
     assert sorted({s[2][2] for s in seen if not s[4]}) == [64, 96, 128, 160, 192]  # the prefix parts' keys
+    # the backend knows cuDNN holds their plans (auto's cost model counts none for them)
+    assert b._planned == {
+        part for c, p in chunk_shapes(32, 200, 64, 16) for part in cascade_plan_parts(CascadeShape(c, p, 16))
+    }
     flash = TritonBackend(hq, hkv, d, torch.device("cpu"), prefill_attention="flash-cascade", cascade_min_prefix=64)
     assert flash.cascade_bucket == 1 and "rounded" not in flash.describe(torch.bfloat16)
     assert TritonBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
     assert ref.ReferenceBackend(hq, hkv, d, torch.device("cpu")).warm_up_prefill(32, 200, torch.float32) == []
+
+
+def test_pair_counts_and_plan_parts_of_a_rounded_shape():
+    """300 queries after 50,000 cached keys at the cuDNN cascade's 1,024-row rounding: the prefix part computes
+    1,024 rows over 49,152 keys, the causal part a 2,048-row square half (848 cached keys moved in front of the
+    chunk); the paged kernel computes 300 x 50,000 pairs plus the chunk's own causal half."""
+    s = CascadeShape(300, 50_000, 1024)
+    assert (s.split, s.lead, s.side, s.rows) == (49_152, 848, 2048, 1024)
+    assert cascade_pairs(s) == 1024 * 49_152 + 2048 * 2049 // 2 == 52_429_824
+    assert paged_pairs(300, 50_000) == 300 * 50_000 + 300 * 301 // 2 == 15_045_150
+    assert cascade_plan_parts(s) == [("causal", 2048, 2048), ("prefix", 1024, 49_152)]
+    assert cascade_plan_parts(CascadeShape(300, 500, 1024)) == [("causal", 1024, 1024)]  # no prefix part
+    f = 4 * 32 * 128 * 32  # FLOP a pair over Llama 3.1 8B's 32 query heads of 128 and 32 layers
+    cost = CascadeCost(cascade_tflops=500.0, paged_tflops=250.0, plan_s=0.5)
+    assert cost.cascade_s(s, f, 2) == 52_429_824 * f / 500e12 + 1.0
+    assert cost.paged_s(300, 50_000, f) == 15_045_150 * f / 250e12
+
+
+def test_auto_takes_the_cascade_where_it_is_estimated_faster(monkeypatch):
+    """auto on a (faked) Hopper GPU, at Llama 3.1 8B's shapes (only the host-side planning runs): a short chunk
+    after a long prefix runs the paged kernel, planned or not (the cascade would compute 1,024 rows for its 300); a
+    long prompt's warmed last chunk runs the cascade; 2,000 queries after 50,000 keys are faster on the cascade once
+    its two plans exist (100.5 ms against 137.1 ms) but not by the plans' 90 ms: declined twice, each decline adding
+    its 36.6 ms to their account (through eager_only when the step replays a graph, through plan_chunks when it
+    runs eagerly), then taken, and taken after without an account. A cascade the user names runs on every chunk
+    its min prefix lets in."""
+    pytest.importorskip("triton")
+    from spanllm.attention import triton as triton_backend
+    from spanllm.attention.triton import TritonBackend
+
+    monkeypatch.setattr(triton_backend.kernels, "num_sms_of", lambda device: 132)  # no CUDA device to ask
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    b = TritonBackend(32, 8, 128, cuda, prefill_attention="auto", num_layers=32)
+    assert b.prefill_attention == "cudnn-cascade" and b.cascade_cost is CUDNN_CASCADE_COST
+    assert "cudnn-cascade (auto) for prefixes >= 4096 keys where estimated faster than the paged kernel" in b.describe(
+        torch.bfloat16
+    )
+    b.planned(300, 50_000)
+    assert not b.takes_cascade(300, 50_000)
+    b.planned(4856, 106_496)  # the 111,352-token prompt's last chunk (8,192-token chunks), as the warm-up builds it
+    assert b.takes_cascade(4856, 106_496)
+
+    q, ctx = np.array([2000], dtype=np.int32), np.array([52_000], dtype=np.int32)
+    assert not b.takes_cascade(2000, 50_000)
+    assert not b.eager_only(0, q, ctx)  # a graph replays this step: the decline is recorded here
+    assert b.plan_chunks([2000], [52_000]) == []  # an eager step (graphs off) declines it again
+    assert b.takes_cascade(2000, 50_000) and b.eager_only(0, q, ctx)  # 3 x 36.6 ms > 90 ms
+    tables = np.arange(52_000 // 16 + 1, dtype=np.int32)[None]
+    cos = sin = torch.zeros(2000, 1, 128)
+    meta = b.build_metadata(0, q, ctx, tables, cos, sin, torch.zeros(1), torch.from_numpy)
+    assert [(p.q_len, p.prefix) for p in meta.cascade] == [(2000, 50_000)] and meta.prefill_tiles.shape[0] == 0
+    assert b._forgone and all(missing for missing in b._forgone)
+    assert b.takes_cascade(2000, 50_000) and b.takes_cascade(1900, 50_100)  # the same rounded shape: planned
+    assert not b.eager_only(2, np.array([1, 1, 2000]), np.array([9, 9, 52_000]))  # beside decodes: never
+    assert not b.eager_only(0, np.array([2000]), np.array([2000 + 4000]))  # below the min prefix: never
+
+    named = TritonBackend(32, 8, 128, cuda, prefill_attention="cudnn-cascade", num_layers=32)
+    assert named.cascade_cost is None and named.takes_cascade(300, 50_000)
+    assert "estimated" not in named.describe(torch.bfloat16)
 
 
 def test_configuration_and_cli_flag():

@@ -70,9 +70,14 @@ def _chain(t: dict) -> list[torch.Tensor]:
     return [h, r, y, z, o, a.q.view(torch.uint8), a.scale, u, n2.q.view(torch.uint8), n2.scale, rb, v, w]
 
 
-def test_pdl_chain_equals_no_pdl_bit_for_bit_eager_and_in_graphs():
+@pytest.mark.parametrize("prefetch", [0, 16 << 20], ids=["no-prefetch", "prefetch-16MiB"])
+def test_pdl_chain_equals_no_pdl_bit_for_bit_eager_and_in_graphs(monkeypatch, prefetch):
+    """With the skinny GEMM's weight prefetch off (the default) and on (SPANLLM_SKINNY_PREFETCH_BYTES)."""
     from spanllm.cuda_graph import capture_graph
     from spanllm.kernels import arrival_counters, pdl
+    from spanllm.kernels.skinny_gemm import PREFETCH_ENV
+
+    monkeypatch.setenv(PREFETCH_ENV, str(prefetch))
 
     dev = torch.device("cuda", torch.cuda.current_device())
     if not pdl.supported(dev):
