@@ -34,10 +34,12 @@ def _prefill_warmup_prompt(llm, n: int) -> list[int]:
 
 
 def warm_up(llm) -> dict:
-    """Untimed, on rank 0: one short request (compiles), every decode graph bucket captured, one prompt of
-    prefill_warmup_len tokens (none off a GPU), then the prefill attention at every shape a prompt's chunks meet
-    (the cascade's cuDNN plans; a GPU only). The prompt's blocks stay in the prefix cache as evictable blocks of random
-    ids, which no real prompt shares."""
+    """Untimed, on rank 0: one short request (compiles), every decode graph bucket captured, the prefill attention
+    at every shape a prompt's chunks meet (the cascade's cuDNN plans; a GPU only), then one prompt of
+    prefill_warmup_len tokens (none off a GPU). The shapes come first: with them planned, `auto` runs the prompt's
+    second chunk on the cascade as a real prompt's, so the kernels it launches in the forward compile here (the
+    cascade's merge, in the forward's PDL variant) and not in a client's first request. The prompt's blocks stay in
+    the prefix cache as evictable blocks of random ids, which no real prompt shares."""
     from spanllm.engine.sampler import SamplingParams
 
     t0 = time.perf_counter()
@@ -45,10 +47,10 @@ def warm_up(llm) -> dict:
     llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], sp)
     runner = llm.engine_core.runner
     captured = runner.capture_all()
+    warmed = _warm_chunk_shapes(llm)
     prefill = prefill_warmup_len(llm)
     if prefill:
         llm.generate([_prefill_warmup_prompt(llm, prefill)], SamplingParams(max_tokens=1, ignore_eos=True))
-    warmed = _warm_chunk_shapes(llm)
     return {
         "warmup_s": round(time.perf_counter() - t0, 2),
         "graph_buckets": captured,
@@ -59,23 +61,28 @@ def warm_up(llm) -> dict:
 
 
 def warm_up_worker(llm) -> None:
-    """TP ranks other than 0, in step with rank 0's warm_up: its short request's plans, the same captures, then
-    the prefill prompt's plans (prefill_warmup_len decides the same on every rank: config and device type)."""
+    """TP ranks other than 0, in step with rank 0's warm_up: its short request's plans, the same captures, the
+    chunk shapes, then the prefill prompt's plans (prefill_warmup_len decides the same on every rank: config and
+    device type)."""
     llm.generate([])
     llm.engine_core.runner.capture_all()
+    _warm_chunk_shapes(llm)
     if prefill_warmup_len(llm):
         llm.generate([])
-    _warm_chunk_shapes(llm)
 
 
 def _warm_chunk_shapes(llm) -> list[tuple[int, int]]:
     """The prefill attention at every (queries, prefix) shape a prompt's chunks meet (the backend's
-    warm_up_prefill; on a GPU only), for prompts up to max_model_len and the KV cache's capacity. Local to each
-    rank (no collective)."""
+    warm_up_prefill; on a GPU only), for prompts up to max_model_len and the KV cache's capacity, its Triton
+    kernels launched as the forward launches them (PDL or not: a kernel's PDL variant is its own compile). Local to
+    each rank (no collective)."""
+    from spanllm.kernels import pdl
+
     runner = llm.engine_core.runner
     if runner.device.type != "cuda":
         return []
     capacity = llm.engine_core.blocks.capacity_tokens
-    return runner.backend.warm_up_prefill(
-        llm.engine.max_num_batched_tokens, min(llm.max_model_len, capacity), runner.dtype
-    )
+    with pdl.launching(llm.pdl):
+        return runner.backend.warm_up_prefill(
+            llm.engine.max_num_batched_tokens, min(llm.max_model_len, capacity), runner.dtype
+        )

@@ -57,3 +57,34 @@ def test_warm_up_with_the_long_prompt_changes_no_later_tokens(monkeypatch):
     assert sched.prefix_cache_queries == 8 + n  # the short request and the long prompt ran
     assert [o.output_ids for o in llm.generate(PROMPTS, params)] == cold
     assert sched.prefix_cache_hits == 0  # real prompts share no block with the warm-up's random ids
+
+
+def test_the_chunk_shapes_warm_first_and_in_the_forwards_pdl_scope(monkeypatch):
+    """On a (faked) GPU: the chunk shapes before the long prompt (with their plans known, auto's cascade runs the
+    prompt's second chunk as a real prompt's, so its forward kernels compile in the warm-up), each in the PDL scope
+    the forward launches in (a kernel's PDL variant is a compile of its own)."""
+    from spanllm.kernels import pdl
+
+    cuda = torch.device("cuda")
+    order: list = []
+    for engine_pdl in (True, False):
+        llm = fake_llm("cuda", 64, 1000, 1000)
+        llm.pdl = engine_pdl
+        llm.engine_core.runner.dtype = torch.bfloat16
+        llm.engine_core.runner.capture_all = lambda: order.append("capture") or []
+        llm.engine_core.runner.graph_memory_bytes = 0
+        llm.engine_core.runner.backend = SimpleNamespace(
+            warm_up_prefill=lambda chunk, max_len, dtype: order.append(("shapes", pdl.launch_options(cuda))) or []
+        )
+        llm.get_tokenizer = lambda: SimpleNamespace(bos_token_id=1)
+        llm.config = SimpleNamespace(vocab_size=1000)
+        llm.generate = lambda prompts, params=None: order.append(("generate", len(prompts[0]) if prompts else 0))
+        order.clear()
+        out = warmup.warm_up(llm)
+        assert out["prefill_warmup_tokens"] == 2 * 64 + 77
+        want_pdl = {"PDL": True, "launch_pdl": True} if engine_pdl else {"PDL": False}
+        assert order == [("generate", 8), "capture", ("shapes", want_pdl), ("generate", 2 * 64 + 77)]
+        assert pdl.launch_options(cuda) == {"PDL": False}  # the scope closed after
+        order.clear()
+        warmup.warm_up_worker(llm)  # the other TP ranks: the same order
+        assert order == [("generate", 0), "capture", ("shapes", want_pdl), ("generate", 0)]
