@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "bucket": args.bucket,
             "common_prefix": args.common_prefix,
             "conversation": args.conversation,
-            "cascade_cost": not args.no_cascade_cost,
+            "no_cascade_cost": args.no_cascade_cost,
         },
         "requests": [],
     }
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         backend.cascade_cost = None
     doc["cascade_bucket"] = getattr(backend, "cascade_bucket", None)
+    doc["cascade_cost"] = getattr(backend, "cascade_cost", None) is not None  # auto's cost model weighs each chunk
     doc["describe"] = llm.describe()
     print(doc["describe"], flush=True)
     free, total = torch.cuda.mem_get_info()

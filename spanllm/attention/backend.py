@@ -113,7 +113,7 @@ def resolve_backend(
     shared_prefix: str = "auto",
     block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16,
-    num_layers: int = 1,
+    num_layers: int | None = None,
 ) -> AttentionBackend:
     """The backend `name` (auto: triton on CUDA with Triton installed, else the reference) for this runner.
     prefill_config: the Triton prefill kernel's tiling (None: its default); prefill_attention (and

@@ -84,7 +84,7 @@ class TritonBackend(AttentionBackend):
         min_shared_keys: int = DEFAULT_MIN_SHARED_KEYS,
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
-        num_layers: int = 1,
+        num_layers: int | None = None,
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         # Decodes sharing at least min_shared_keys cached keys read them once per group (shared_prefix.py);
@@ -124,10 +124,18 @@ class TritonBackend(AttentionBackend):
         # the attention of every layer this runner's forward runs (num_layers; a plan serves them all). The plans
         # cuDNN holds are tracked here: those the warm-up built and those of every chunk planned since (cuDNN
         # keeps them for the process; the steps and the warm-up run on one thread, where its cache is).
+        # Under TP every rank keeps this state alike (the same warm-up, then the same steps), so every rank makes
+        # the same choice: it decides whether a step replays a graph (padded all-reduces) or runs eagerly (exact
+        # ones), which the ranks must agree on.
         self.cascade_cost = (
             CUDNN_CASCADE_COST if prefill_attention == "auto" and self.prefill_attention == "cudnn-cascade" else None
         )
-        self.flop_per_pair = 4.0 * num_heads * head_dim * num_layers
+        if self.cascade_cost is not None and (num_layers is None or num_layers < 1):
+            raise ValueError(
+                f"num_layers={num_layers}: auto's cascade weighs a plan build against the attention of every layer "
+                "the runner's forward runs; give that count (>= 1)"
+            )
+        self.flop_per_pair = 4.0 * num_heads * head_dim * (num_layers or 0)
         self._planned: set[tuple[str, int, int]] = set()
         # A chunk declined only for its plans adds the time the cascade would have saved to its missing plans'
         # account; once the account covers the plans, the next such chunk builds them (a shape that recurs is
@@ -207,8 +215,14 @@ class TritonBackend(AttentionBackend):
         return s, missing, saving
 
     def planned(self, c: int, prefix: int) -> None:
-        """The cascade will run a chunk of c queries after `prefix` keys: cuDNN holds its parts' plans after."""
-        self._planned.update(cascade_plan_parts(CascadeShape(c, prefix, self.cascade_bucket)))
+        """The cascade will run a chunk of c queries after `prefix` keys: cuDNN holds its parts' plans after (an
+        account of forgone savings whose plans all exist now is closed)."""
+        parts = cascade_plan_parts(CascadeShape(c, prefix, self.cascade_bucket))
+        if self._planned.issuperset(parts):
+            return
+        self._planned.update(parts)
+        for missing in [m for m in self._forgone if self._planned.issuperset(m)]:
+            del self._forgone[missing]
 
     def plan_chunks(self, q_lens: list[int], context_lens: list[int]) -> list[CascadeChunk]:
         """The chunks of a step without decodes that run the cascade (takes_cascade), recording what it learns:

@@ -319,14 +319,38 @@ def test_auto_takes_the_cascade_where_it_is_estimated_faster(monkeypatch):
     cos = sin = torch.zeros(2000, 1, 128)
     meta = b.build_metadata(0, q, ctx, tables, cos, sin, torch.zeros(1), torch.from_numpy)
     assert [(p.q_len, p.prefix) for p in meta.cascade] == [(2000, 50_000)] and meta.prefill_tiles.shape[0] == 0
-    assert b._forgone and all(missing for missing in b._forgone)
-    assert b.takes_cascade(2000, 50_000) and b.takes_cascade(1900, 50_100)  # the same rounded shape: planned
+    # its plans are known now, and their account closed: the same rounded shape is taken on its saving alone
+    assert set(cascade_plan_parts(CascadeShape(2000, 50_000, 1024))) <= b._planned and not b._forgone
+    assert b.takes_cascade(2000, 50_000) and b.takes_cascade(1900, 50_100)
     assert not b.eager_only(2, np.array([1, 1, 2000]), np.array([9, 9, 52_000]))  # beside decodes: never
     assert not b.eager_only(0, np.array([2000]), np.array([2000 + 4000]))  # below the min prefix: never
 
     named = TritonBackend(32, 8, 128, cuda, prefill_attention="cudnn-cascade", num_layers=32)
     assert named.cascade_cost is None and named.takes_cascade(300, 50_000)
     assert "estimated" not in named.describe(torch.bfloat16)
+    with pytest.raises(ValueError, match="num_layers=None: auto's cascade weighs a plan build against the attention"):
+        TritonBackend(32, 8, 128, cuda, prefill_attention="auto")  # the count the cost model needs, not a guess
+
+
+def test_the_engine_gives_its_backend_its_own_layer_count(monkeypatch):
+    """LLM builds its attention backend with the layers its forward runs (auto's cost model weighs a plan build
+    against all of them): the tiny preset's 4 layers at PP = 1."""
+    from spanllm.attention import backend as backend_module
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+    from spanllm.model.config import resolve_model
+
+    seen = {}
+    real = backend_module.resolve_backend
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "resolve_backend", spy)  # LLM imports it from there when it builds
+    cfg = resolve_model("tiny")
+    LLM(cfg, EngineConfig(dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=64)).worker  # builds it
+    assert seen["num_layers"] == cfg.num_layers == 4
 
 
 def test_configuration_and_cli_flag():

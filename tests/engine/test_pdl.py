@@ -103,6 +103,25 @@ def test_weight_prefetch_budget(monkeypatch):
         sg.prefetch_budget()
 
 
+def test_every_command_defaults_to_auto():
+    """The engine commands' --pdl, the study's settings and EngineConfig agree: auto (on where supported)."""
+    import argparse
+    import dataclasses
+
+    from spanllm.commands import bench_batch
+    from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments
+
+    ap = argparse.ArgumentParser()
+    add_model_arguments(ap)
+    add_engine_arguments(ap)
+    assert ap.parse_args(["--model", "tiny"]).pdl == "auto"
+    bench = argparse.ArgumentParser()
+    bench_batch.add_arguments(bench)
+    assert bench.parse_args(["--model", "tiny"]).pdl == "auto"
+    field = {f.name: f for f in dataclasses.fields(bench_batch.BenchSettings)}["pdl"]
+    assert field.default == "auto" == EngineConfig().pdl
+
+
 def test_engine_config_validates_the_mode():
     assert EngineConfig().pdl == "auto"  # on where supported: off on CPU (below)
     with pytest.raises(ValueError, match=r"pdl='yes' must be one of \('auto', 'on', 'off'\)"):

@@ -52,12 +52,15 @@ def test_fused_ops(monkeypatch, pdl_on):
             assert k.metadata.launch_pdl and "griddepcontrol.wait" in k.asm["ptx"], name
 
 
-@pytest.mark.parametrize("pdl_on", [False, True], ids=["no-pdl", "pdl-prefetch"])
-def test_skinny_gemm(monkeypatch, pdl_on):
+@pytest.mark.parametrize(
+    "pdl_on,prefetch", [(False, 0), (True, 0), (True, 16 << 20)], ids=["no-pdl", "pdl", "pdl-prefetch"]
+)
+def test_skinny_gemm(monkeypatch, pdl_on, prefetch):
+    """PDL off, PDL on (the default on Hopper, without the weight prefetch), PDL on with a prefetch budget."""
     from spanllm.kernels import skinny_gemm as sg
     from spanllm.layers import fp8
 
-    monkeypatch.setenv(sg.PREFETCH_ENV, str(16 << 20))  # the prefetch is off by default: a budget compiles it in
+    monkeypatch.setenv(sg.PREFETCH_ENV, str(prefetch))
     x = torch.zeros(1, 4096, dtype=BF16)
     w = torch.zeros(6144, 4096, dtype=BF16)
     q, scale = fp8.quantize_weight(torch.zeros(6144, 4096))
@@ -68,8 +71,9 @@ def test_skinny_gemm(monkeypatch, pdl_on):
         sg.skinny_linear(torch.zeros(64, 4096, dtype=BF16), q, weight_scale=scale)  # BLOCK_M 64
     kernels = _compiled(launches, 4)
     for (name, k), (_, _, kwargs) in zip(kernels, launches, strict=True):
-        assert kwargs["PREFETCH"] == pdl_on  # the prefetch rides on PDL only
-        assert ("prefetch.global.L2" in k.asm["ptx"]) == pdl_on, name
+        assert kwargs["PREFETCH"] == (pdl_on and prefetch > 0)  # the prefetch rides on PDL only
+        assert ("prefetch.global.L2" in k.asm["ptx"]) == (pdl_on and prefetch > 0), name
+        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl_on, name
 
 
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16-cache", "fp8-cache"])
