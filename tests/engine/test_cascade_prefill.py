@@ -349,7 +349,8 @@ def test_the_engine_gives_its_backend_its_own_layer_count(monkeypatch):
 
     monkeypatch.setattr(backend_module, "resolve_backend", spy)  # LLM imports it from there when it builds
     cfg = resolve_model("tiny")
-    LLM(cfg, EngineConfig(dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=64)).worker  # builds it
+    worker = LLM(cfg, EngineConfig(dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=64)).worker  # builds it
+    assert worker.backend.name == "torch"  # the reference on CPU; the count reaches whichever backend
     assert seen["num_layers"] == cfg.num_layers == 4
 
 
