@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=d.max_connections,
-        help="concurrent connections; beyond, requests answer 503",
+        help="connections open at once; one opened beyond them is answered 503 (OpenAI's error body) and closed",
     )
     g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     g.add_argument(
@@ -101,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_stop_string_length,
         help="characters per stop string",
     )
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop_token_ids per request")
     g.add_argument(
         "--health-port",
         type=int,
@@ -157,6 +158,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("max_body_bytes", "max_connections", "max_stop_string_length"):
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     checks.at_least("--max-stop-strings", args.max_stop_strings, 0)
+    checks.at_least("--max-stop-token-ids", args.max_stop_token_ids, 0)
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
         v = getattr(args, flag)
         if not 0 < v <= 3600:  # nan fails too
@@ -178,6 +180,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         max_connections=args.max_connections,
         max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length,
+        max_stop_token_ids=args.max_stop_token_ids,
     )
 
 

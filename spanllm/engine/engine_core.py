@@ -485,6 +485,11 @@ def validate_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
+    if params.min_tokens and len(params.stop_token_ids) >= vocab_size:  # ids are unique (SamplingParams)
+        raise RequestError(
+            f"stop_token_ids lists all {vocab_size} tokens of the vocabulary and min_tokens={params.min_tokens} "
+            "forbids them until then: no token could be sampled; drop min_tokens or some stop ids"
+        )
     for t, _ in params.logit_bias:
         if t >= vocab_size:
             raise RequestError(f"logit_bias names token {t}, outside the vocabulary [0, {vocab_size})")

@@ -108,6 +108,8 @@ class SamplingParams:
             raise SamplingParamsError(f"stop={self.stop!r} must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must hold non-negative integers")
+        # once each (in order): every step checks a row's ids, and masks them before min_tokens
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "0 = off")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "0 = off")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "1 = off", open_low=True)

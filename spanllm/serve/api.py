@@ -265,6 +265,7 @@ def build_app(
             chat,
             max_stop_strings=limits.max_stop_strings,
             max_stop_length=limits.max_stop_string_length,
+            max_stop_token_ids=limits.max_stop_token_ids,
         )
         if req.model is not None and req.model != model_name:
             raise APIError(
@@ -277,6 +278,13 @@ def build_app(
 
     def submit(prompt_ids: list[int], params: SamplingParams, rid: str, n: int, chat_default: bool) -> list:
         """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in."""
+        queued = engine.max_queued_requests
+        if queued is not None and n > queued:  # never admissible, even on an idle server: not a 503 to retry
+            raise APIError(
+                f"n={n}: the choices wait in the engine's queue at once, and it holds {queued} requests "
+                f"(--max-queued-requests); use n <= {queued}",
+                "n",
+            )
         if chat_default:  # chat without max_tokens: the rest of the context
             room = ctx_limit - len(prompt_ids)
             if room < 1:
@@ -285,9 +293,13 @@ def build_app(
                     f"context of {ctx_limit} tokens",
                     "messages",
                 )
-            params = SamplingParams(
-                **{**params.__dict__, "max_tokens": room, "min_tokens": min(params.min_tokens, room)}
-            )
+            if params.min_tokens > room:  # refused, as with an explicit max_tokens, not lowered
+                raise APIError(
+                    f"min_tokens={params.min_tokens}: the prompt has {len(prompt_ids)} tokens, which leaves "
+                    f"{room} of this model's context of {ctx_limit}; use min_tokens <= {room}",
+                    "min_tokens",
+                )
+            params = SamplingParams(**{**params.__dict__, "max_tokens": room})
         queues = []
         try:
             for i in range(n):

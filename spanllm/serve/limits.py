@@ -1,13 +1,15 @@
 """What one connection may cost the server before the app sees its request: the size of the body, the time its
-headers and its body take to arrive. (Concurrent connections: uvicorn's limit_concurrency, a 503.)
+headers and its body take to arrive, and how many connections may be open at once.
 
 - `ServerLimits`: the values, one flag each in `spanllm serve` (spanllm.commands.serve).
 - `BodyLimitMiddleware` (ASGI): refuses a body whose Content-Length is over the limit before reading a byte of it
   (413), caps a body sent without one (or longer than it said) while it streams in (413), and gives up on a body
   that stops arriving (408). The app then gets the whole body at once.
-- `header_timeout_protocol`: uvicorn's h11 protocol with a deadline on the request line and headers (a client
-  that connects and sends nothing, or half its headers, is disconnected); the keep-alive timeout covers the
-  idle time between requests.
+- `limited_h11_protocol`: uvicorn's h11 protocol with a deadline on the request line and headers (a client
+  that connects and sends nothing, or half its headers, is disconnected; the keep-alive timeout covers the
+  idle time between requests), and a connection beyond max_connections answered with OpenAI's error body (503)
+  and closed, while the connections within the limit are served. (uvicorn's own limit_concurrency refuses every
+  request on every connection once the limit is reached, in plain text: not used.)
 """
 
 from __future__ import annotations
@@ -25,12 +27,20 @@ class ServerLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0  # between two chunks of a body
     keep_alive_s: float = 5.0  # uvicorn's default
-    max_connections: int = 2048  # concurrent connections (uvicorn's limit_concurrency): more get 503
+    max_connections: int = 2048  # concurrent connections: one beyond gets 503 (limited_h11_protocol)
     max_stop_strings: int = 16
     max_stop_string_length: int = 256  # characters
+    # stop_token_ids per request: each engine step checks a request's ids (and masks them before min_tokens), so
+    # an unbounded list (a 3 MB body holds a million) slowed every other stream ~5x
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
-        for name, lo in (("max_body_bytes", 1), ("max_connections", 1), ("max_stop_strings", 0)):
+        for name, lo in (
+            ("max_body_bytes", 1),
+            ("max_connections", 1),
+            ("max_stop_strings", 0),
+            ("max_stop_token_ids", 0),
+        ):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= {lo}")
         if self.max_stop_string_length < 1:
@@ -98,16 +108,27 @@ def _too_large(size: int, cap: int, so_far: bool = False) -> str:
     return f"the request body is too large: {what}; the limit is {cap} bytes (--max-body-bytes)"
 
 
-def header_timeout_protocol(header_timeout_s: float):
+def limited_h11_protocol(header_timeout_s: float, max_connections: int | None = None):
     """uvicorn's H11Protocol, closing a connection whose request line and headers take longer than
-    header_timeout_s (counted from the connection, or from the first byte of a next request)."""
+    header_timeout_s (counted from the connection, or from the first byte of a next request), and answering every
+    request of a connection opened while max_connections others are open with a 503 (then closing it)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderTimeoutH11(H11Protocol):
+    async def refuse(scope, receive, send) -> None:
+        await _send_error(
+            send,
+            503,
+            "ServiceUnavailableError",
+            f"the server has its limit of {max_connections} connections open (--max-connections); retry later",
+        )
+
+    class LimitedH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(transport)  # adds this connection to the server's open ones
+            if max_connections is not None and len(self.connections) > max_connections:
+                self.app = refuse  # this connection's request gets the 503 (its connection: close ends it)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -134,4 +155,4 @@ def header_timeout_protocol(header_timeout_s: float):
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self.transport.close()
 
-    return HeaderTimeoutH11
+    return LimitedH11

@@ -204,7 +204,7 @@ def _top(path: str) -> str | None:
     return path.split(".")[0].split("[")[0] or None
 
 
-def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int):
+def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int, max_stop_token_ids: int = 1024):
     """A parsed body -> ChatCompletionRequest / CompletionRequest, or APIError naming the field and its range."""
     refused = REFUSED_CHAT if chat else REFUSED_COMPLETIONS
     for name, (ok, why) in refused.items():
@@ -226,6 +226,11 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
             raise APIError(
                 f"stop: a string of {len(s)} characters; at most {max_stop_length} (--max-stop-string-length)", "stop"
             )
+    if req.stop_token_ids and len(req.stop_token_ids) > max_stop_token_ids:
+        raise APIError(
+            f"stop_token_ids: {len(req.stop_token_ids)} ids; at most {max_stop_token_ids} (--max-stop-token-ids)",
+            "stop_token_ids",
+        )
     if req.logit_bias:
         for k in req.logit_bias:
             if not _TOKEN_ID_KEY.fullmatch(k) or int(k) > INT32_MAX:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from spanllm.serve.limits import ServerLimits, header_timeout_protocol
+from spanllm.serve.limits import ServerLimits, limited_h11_protocol
 
 
 def make_uvicorn(
@@ -57,9 +57,8 @@ def make_uvicorn(
             log_level=log_level,
             timeout_graceful_shutdown=5,
             lifespan="off",
-            http=header_timeout_protocol(limits.header_timeout_s),
+            http=limited_h11_protocol(limits.header_timeout_s, limits.max_connections),
             timeout_keep_alive=limits.keep_alive_s,
-            limit_concurrency=limits.max_connections,
         )
     )
 

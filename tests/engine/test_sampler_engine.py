@@ -173,6 +173,10 @@ def test_a_seeded_penalized_request_samples_the_same_whatever_shares_its_batch(l
     [
         (SamplingParams(max_tokens=4, logit_bias={250: 1.0}), r"logit_bias names token 250, outside the vocabulary"),
         (SamplingParams(max_tokens=4, top_k=251), r"top_k=251 exceeds the vocabulary of 250 tokens"),
+        (  # every token forbidden until min_tokens: nothing could be sampled
+            SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=list(range(250)) * 2),
+            r"stop_token_ids lists all 250 tokens of the vocabulary and min_tokens=2 forbids them",
+        ),
     ],
 )
 def test_ids_beyond_the_vocabulary_are_refused_at_admission(llm, params, match):

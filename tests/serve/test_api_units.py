@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spanllm.engine.sampler import INT64_MAX, INT64_MIN, TokenLogprob
+from spanllm.engine.sampler import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprob
 from spanllm.engine.tokenizer import ByteTokenizer
 from spanllm.serve.api import LogprobsFormatter, seed_for_choice
 from spanllm.serve.async_engine import queued_estimate
@@ -82,6 +82,21 @@ def test_validation_messages(body, chat, param, words):
     with pytest.raises(APIError) as e:
         validate(body, chat, max_stop_strings=16, max_stop_length=256)
     assert e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_stop_token_ids_are_bounded_and_kept_once():
+    ok = validate({"prompt": "x", "stop_token_ids": [7] * 1024}, False, max_stop_strings=16, max_stop_length=256)
+    assert len(ok.stop_token_ids) == 1024
+    with pytest.raises(APIError) as e:
+        validate(
+            {"prompt": "x", "stop_token_ids": [7] * 3},
+            False,
+            max_stop_strings=16,
+            max_stop_length=256,
+            max_stop_token_ids=2,
+        )
+    assert e.value.param == "stop_token_ids" and "3 ids; at most 2 (--max-stop-token-ids)" in e.value.message
+    assert SamplingParams(stop_token_ids=[5, 5, 3, 5, 9, 3]).stop_token_ids == (5, 3, 9)  # once each, in order
 
 
 def test_user_is_accepted():

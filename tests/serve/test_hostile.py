@@ -72,6 +72,8 @@ CASES = [
     ({"temperature": 2.5}, "temperature", ["[0, 2]"]),
     ({"stop": ["x"] * 10_000}, "stop", ["10000 strings", "at most 16", "--max-stop-strings"]),
     ({"stop": "x" * 100_000}, "stop", ["100000 characters", "at most 256"]),
+    # a million ids slowed every other stream ~5x (each step checks them): bounded, duplicates counted
+    ({"stop_token_ids": [5] * 1025}, "stop_token_ids", ["1025 ids", "at most 1024", "--max-stop-token-ids"]),
     ({"stream_options": {"include_usage": True}}, "stream_options", ["stream=true"]),
     ({"frobnicate": 1}, "frobnicate", ["unknown field"]),
     ({"logit_bias": {"abc": 1}}, "logit_bias", ["token id"]),
@@ -171,13 +173,19 @@ def test_body_and_header_timeouts(cli_server):
 
 
 def test_connection_limit(cli_server):
+    """--max-connections 16: with 15 open, a 16th is served; with 16 open, a 17th gets OpenAI's 503 body, and the
+    16 within the limit are still served (all within the 2 s header timeout that closes idle connections)."""
     proc, base = cli_server
     port = int(base.rsplit(":", 1)[1])
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(16)]
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(15)]
     try:
         time.sleep(0.2)
-        r = httpx.get(base + "/health", timeout=10)
-        assert r.status_code == 503  # uvicorn's limit_concurrency: --max-connections 16
+        assert httpx.get(base + "/health", timeout=10).status_code == 200  # the 16th
+        socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.2)
+        _error(httpx.get(base + "/health", timeout=10), 503, None, "limit of 16 connections", "--max-connections")
+        socks[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # one within the limit
+        assert socks[0].recv(65536).startswith(b"HTTP/1.1 200")
     finally:
         for s in socks:
             s.close()
@@ -223,6 +231,30 @@ def test_max_queued_requests_counts_only_what_waits():
 
         codes = [x.status_code for x in asyncio.run(burst())]
         assert codes == [200] * 100, codes
+    finally:
+        stop_server(r)
+        llm.close()
+
+
+def test_requests_that_no_idle_server_could_take_are_400_not_503():
+    """--max-queued-requests 2: n = 3 choices wait at once, which the queue never holds: a 400 naming n (a 503
+    says retry, and the openai client retries it); n = 2 is served. Chat without max_tokens: a min_tokens beyond
+    the context's room is refused as it is with an explicit max_tokens, not lowered to the room."""
+    llm = make_llm(max_num_seqs=2)
+    r = start_server(llm, model_name="tiny", max_queued_requests=2)
+    try:
+        body = {"prompt": "p", "max_tokens": 2, "ignore_eos": True}
+        _error(httpx.post(r.base_url + "/v1/completions", json={**body, "n": 3}, timeout=60), 400, "n", "n=3", "<= 2")
+        ok = httpx.post(r.base_url + "/v1/completions", json={**body, "n": 2}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        chat = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100_000}
+        _error(
+            httpx.post(r.base_url + "/v1/chat/completions", json=chat, timeout=60),
+            400,
+            "min_tokens",
+            "min_tokens=100000",
+            "use min_tokens <=",
+        )
     finally:
         stop_server(r)
         llm.close()
