@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
-/health, /metrics.
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions (streaming and not), /v1/models (list and
+retrieve), /health, /metrics.
 
 Request bodies are validated by spanllm.serve.protocol (pydantic models: types, ranges, refused fields); every
 refusal, and every 404 / 405, answers OpenAI's error body {"error": {"message", "type", "param", "code"}}.
@@ -236,21 +236,27 @@ def build_app(
             return PlainTextResponse("")
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "spanllm",
+            "root": model_name,
+            "max_model_len": max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "spanllm",
-                    "root": model_name,
-                    "max_model_len": max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (client.models.retrieve); ids may hold "/"
+    async def model(model: str):
+        if model != model_name:
+            raise APIError(
+                f"The model `{model}` does not exist: this server serves {model_name!r}", "model", 404, "NotFoundError"
+            )
+        return model_card()
 
     def prepare(raw: bytes, chat: bool):
         """(request, sampling params of choice 0, prompt ids, echo text) from the raw body, or APIError."""

@@ -40,6 +40,9 @@ def client(server) -> openai.OpenAI:
 def test_models_health(server):
     c = client(server)
     assert c.models.list().data[0].id == "tiny"
+    assert c.models.retrieve("tiny").id == "tiny"  # OpenAI's retrieve-model route
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        c.models.retrieve("gpt-4")
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
