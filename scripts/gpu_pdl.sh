@@ -37,6 +37,7 @@ step() {  # step NAME LIMIT CMD...: under timeout, never past the budget
   log "$name: $*"
   timeout "$limit" "$@" >>"$LOG" 2>&1 || log "$name FAILED (rc $?)"
 }
+prefetch_bytes() { [ "$1" = on_nopf ] && echo 0 || echo $((16 << 20)); }  # on_nopf: PDL without the prefetch
 for stage in "${STAGES[@]}"; do
   case $stage in
     decode)
@@ -45,7 +46,7 @@ for stage in "${STAGES[@]}"; do
           [ $batch = 16 ] && [ $q = bf16 ] && continue  # batch 16: FP8 only (the time budget)
           qf=""; [ $q = fp8 ] && qf="--quantization fp8"
           for mode in ${PDL_MODES:-off on on_nopf}; do  # on_nopf: PDL without the skinny GEMM's weight prefetch
-            step "decode b$batch $q pdl $mode" 90 env SPANLLM_SKINNY_PREFETCH_BYTES=$([ $mode = on_nopf ] && echo 0 || echo $((16 << 20))) \
+            step "decode b$batch $q pdl $mode" 90 env SPANLLM_SKINNY_PREFETCH_BYTES=$(prefetch_bytes $mode) \
               $TR -m spanllm.cli bench throughput --model llama3.1-8b $qf --pdl ${mode%_nopf} --dataset-name random --input-len 128 --output-len 256 --num-prompts $batch \
               --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$OUTDIR/decode_b${batch}_${q}_pdl_$mode.json"
           done
@@ -59,7 +60,7 @@ for stage in "${STAGES[@]}"; do
       step "fused activation quantization" 120 python3 scripts/gpu_fused_quant.py "$OUTDIR" ;;
     throughput)
       for mode in ${PDL_MODES:-off on on_nopf}; do
-        step "ShareGPT fp8 pdl $mode" 110 env SPANLLM_SKINNY_PREFETCH_BYTES=$([ $mode = on_nopf ] && echo 0 || echo $((16 << 20))) \
+        step "ShareGPT fp8 pdl $mode" 110 env SPANLLM_SKINNY_PREFETCH_BYTES=$(prefetch_bytes $mode) \
           $TR -m spanllm.cli bench throughput --model llama3.1-8b --quantization fp8 \
           --pdl ${mode%_nopf} --num-prompts 1000 --samples-file "$SAMPLES" --json "$OUTDIR/throughput_fp8_pdl_$mode.json"
       done ;;

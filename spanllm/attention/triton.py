@@ -182,16 +182,19 @@ class TritonBackend(AttentionBackend):
         chunks all run the paged kernel replays a graph, so their forgone savings are recorded here."""
         if not self.runs_cascade(num_decode):
             return False
-        nd = num_decode
-        chunks = [
-            (int(c), int(n) - int(c))
-            for c, n in zip(q_lens[nd:], context_lens[nd:])
-            if n - c >= self.cascade_min_prefix
-        ]
-        if any(self.takes_cascade(c, p) for c, p in chunks):
+        chunks = self._long_chunks(q_lens[num_decode:], context_lens[num_decode:])
+        if any(self.takes_cascade(c, p) for _, c, p in chunks):
             return True
         self._declined(chunks)
         return False
+
+    def _long_chunks(self, q_lens, context_lens) -> list[tuple[int, int, int]]:
+        """(index, queries, prefix) of the prefill chunks with at least cascade_min_prefix cached keys."""
+        return [
+            (j, int(c), int(n) - int(c))
+            for j, (c, n) in enumerate(zip(q_lens, context_lens))
+            if n - c >= self.cascade_min_prefix
+        ]
 
     def takes_cascade(self, c: int, prefix: int) -> bool:
         """Whether a chunk of c queries after `prefix` cached keys (>= cascade_min_prefix, in a step without
@@ -201,18 +204,18 @@ class TritonBackend(AttentionBackend):
         eager_only and build_metadata ask it for the same step (plan_chunks records after)."""
         if self.cascade_cost is None:
             return True
-        s, missing, saving = self._estimate(c, prefix)
+        missing, saving = self._estimate(c, prefix)
         if saving <= 0:
             return False
         return len(missing) * self.cascade_cost.plan_s < saving + self._forgone.get(missing, 0.0)
 
-    def _estimate(self, c: int, prefix: int) -> tuple[CascadeShape, tuple[tuple[str, int, int], ...], float]:
-        """The chunk's rounded shape, its parts without a plan, and the time the cascade saves once planned."""
+    def _estimate(self, c: int, prefix: int) -> tuple[tuple[tuple[str, int, int], ...], float]:
+        """The chunk's cascade parts without a plan, and the time the cascade saves once planned."""
         cost = self.cascade_cost
         s = CascadeShape(c, prefix, self.cascade_bucket)
         missing = tuple(part for part in cascade_plan_parts(s) if part not in self._planned)
         saving = cost.paged_s(c, prefix, self.flop_per_pair) - cost.cascade_s(s, self.flop_per_pair, 0)
-        return s, missing, saving
+        return missing, saving
 
     def planned(self, c: int, prefix: int) -> None:
         """The cascade will run a chunk of c queries after `prefix` keys: cuDNN holds its parts' plans after (an
@@ -231,22 +234,16 @@ class TritonBackend(AttentionBackend):
         for ch in plan:
             self.planned(ch.q_len, ch.prefix)
         taken = {ch.chunk for ch in plan}
-        self._declined(
-            [
-                (c, n - c)
-                for j, (c, n) in enumerate(zip(q_lens, context_lens))
-                if j not in taken and n - c >= self.cascade_min_prefix
-            ]
-        )
+        self._declined([ch for ch in self._long_chunks(q_lens, context_lens) if ch[0] not in taken])
         return plan
 
-    def _declined(self, chunks: list[tuple[int, int]]) -> None:
-        """(queries, prefix) chunks that run the paged kernel: each one declined for its missing plans alone adds
-        the saving it forwent to their account (takes_cascade)."""
+    def _declined(self, chunks: list[tuple[int, int, int]]) -> None:
+        """(index, queries, prefix) chunks that run the paged kernel: each one declined for its missing plans alone
+        adds the saving it forwent to their account (takes_cascade)."""
         if self.cascade_cost is None:
             return
-        for c, p in chunks:
-            _, missing, saving = self._estimate(c, p)
+        for _, c, p in chunks:
+            missing, saving = self._estimate(c, p)
             if saving > 0 and missing:
                 self._forgone[missing] = self._forgone.get(missing, 0.0) + saving
 

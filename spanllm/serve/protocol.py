@@ -204,7 +204,7 @@ def _top(path: str) -> str | None:
     return path.split(".")[0].split("[")[0] or None
 
 
-def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int, max_stop_token_ids: int = 1024):
+def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int, max_stop_token_ids: int):
     """A parsed body -> ChatCompletionRequest / CompletionRequest, or APIError naming the field and its range."""
     refused = REFUSED_CHAT if chat else REFUSED_COMPLETIONS
     for name, (ok, why) in refused.items():

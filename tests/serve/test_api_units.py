@@ -9,7 +9,15 @@ from spanllm.engine.sampler import INT64_MAX, INT64_MIN, SamplingParams, TokenLo
 from spanllm.engine.tokenizer import ByteTokenizer
 from spanllm.serve.api import LogprobsFormatter, seed_for_choice
 from spanllm.serve.async_engine import queued_estimate
+from spanllm.serve.limits import ServerLimits
 from spanllm.serve.protocol import APIError, validate
+
+_D = ServerLimits()  # the server's defaults, as api.py hands them to validate
+LIMITS = {
+    "max_stop_strings": _D.max_stop_strings,
+    "max_stop_length": _D.max_stop_string_length,
+    "max_stop_token_ids": _D.max_stop_token_ids,
+}
 
 H, I = 75, 76  # "H", "I" under the byte tokenizer (byte + 3)
 LPS = [TokenLogprob(H, -0.5, ((H, -0.5), (I, -1.25))), TokenLogprob(I, -0.25, ((I, -0.25), (H, -2.0)))]
@@ -80,27 +88,21 @@ def test_queued_estimate(engine_waiting, running, in_transit, max_num_seqs, want
 )
 def test_validation_messages(body, chat, param, words):
     with pytest.raises(APIError) as e:
-        validate(body, chat, max_stop_strings=16, max_stop_length=256)
+        validate(body, chat, **LIMITS)
     assert e.value.param == param and words in e.value.message, e.value.message
 
 
 def test_stop_token_ids_are_bounded_and_kept_once():
-    ok = validate({"prompt": "x", "stop_token_ids": [7] * 1024}, False, max_stop_strings=16, max_stop_length=256)
+    ok = validate({"prompt": "x", "stop_token_ids": [7] * 1024}, False, **LIMITS)
     assert len(ok.stop_token_ids) == 1024
     with pytest.raises(APIError) as e:
-        validate(
-            {"prompt": "x", "stop_token_ids": [7] * 3},
-            False,
-            max_stop_strings=16,
-            max_stop_length=256,
-            max_stop_token_ids=2,
-        )
+        validate({"prompt": "x", "stop_token_ids": [7] * 3}, False, **{**LIMITS, "max_stop_token_ids": 2})
     assert e.value.param == "stop_token_ids" and "3 ids; at most 2 (--max-stop-token-ids)" in e.value.message
     assert SamplingParams(stop_token_ids=[5, 5, 3, 5, 9, 3]).stop_token_ids == (5, 3, 9)  # once each, in order
 
 
 def test_user_is_accepted():
-    assert validate({"prompt": "x", "user": "alice"}, False, max_stop_strings=16, max_stop_length=256).user == "alice"
+    assert validate({"prompt": "x", "user": "alice"}, False, **LIMITS).user == "alice"
 
 
 def test_chat_logprobs_bytes_of_partial_characters():
@@ -148,12 +150,12 @@ def test_completion_text_offset_never_passes_the_text():
 )
 def test_refusals_of_lookalike_values(body, chat, param, words):
     with pytest.raises(APIError) as e:
-        validate(body, chat, max_stop_strings=16, max_stop_length=256)
+        validate(body, chat, **LIMITS)
     assert e.value.param == param and words in e.value.message, e.value.message
 
 
 def test_best_of_one_is_accepted():
-    assert validate({"prompt": "x", "best_of": 1}, False, max_stop_strings=16, max_stop_length=256).n == 1
+    assert validate({"prompt": "x", "best_of": 1}, False, **LIMITS).n == 1
 
 
 def test_a_number_python_cannot_read_is_a_400():
