@@ -32,7 +32,7 @@ from spanllm.engine.fixed_batch import FixedBatchExecutor, GenerationOutput, bui
 from spanllm.engine.sampler import BatchSampler, SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
-from spanllm.kernels import pdl
+from spanllm.kernels import gemv, pdl
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto, table_id
 from spanllm.layers.fp8 import MIN_FP8_CAPABILITY, check_fp8_device, describe_dispatch
@@ -319,10 +319,29 @@ class LLM:
             if ckpt is not None and self.config.checkpoint_dir
             else "quantized at load"
         )
+        one_row = ""
+        if self.device.type == "cuda" and gemv.measured_table():
+            one_row = f"; {gemv.describe_one_row(self._layer_gemms())}"
         return (
-            f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token); "
-            f"embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
+            f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token)"
+            f"{one_row}; embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
         )
+
+    def _layer_gemms(self, lm_head: bool = False) -> list[tuple[str, int, int, int]]:
+        """(name, N, K, element bytes) of a decoder layer's weight GEMMs (and the LM head's)."""
+        layer = next(iter(self.model.model.layers.values()), None)
+        weights = []
+        if layer is not None:
+            a, mlp = layer.self_attn, layer.mlp
+            weights += [
+                ("qkv", a.qkv_proj.weight),
+                ("o", a.o_proj.weight),
+                ("gate_up", mlp.gate_up_proj.weight),
+                ("down", mlp.down_proj.weight),
+            ]
+        if lm_head and self.model.lm_head is not None:
+            weights.append(("lm_head", self.model.lm_head.weight))
+        return [(name, *w.shape, w.element_size()) for name, w in weights]
 
     def describe_decode_gemm(self) -> str:
         """Which kernel each weight GEMM of a decode step with <= 16 rows runs (EngineConfig.decode_gemm), as
@@ -334,23 +353,12 @@ class LLM:
             return "decode GEMMs F.linear"
         if self.device.type != "cuda":
             return f"decode GEMMs {mode}: F.linear (no CUDA device)"
-        layer = next(iter(self.model.model.layers.values()), None)
-        gemms = []
-        if layer is not None:
-            a, mlp = layer.self_attn, layer.mlp
-            gemms += [
-                ("qkv", a.qkv_proj.weight),
-                ("o", a.o_proj.weight),
-                ("gate_up", mlp.gate_up_proj.weight),
-                ("down", mlp.down_proj.weight),
-            ]
-        if self.model.lm_head is not None:
-            gemms.append(("lm_head", self.model.lm_head.weight))
+        shapes = self._layer_gemms(lm_head=True)
         if mode == "skinny":
-            return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above): " + ", ".join(
-                g[0] for g in gemms
+            one_row = f" ({gemv.describe_one_row(shapes)})" if gemv.measured_table() else ""
+            return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above){one_row}: " + ", ".join(
+                g[0] for g in shapes
             )
-        shapes = [(name, *w.shape, w.element_size()) for name, w in gemms]
         return f"decode GEMMs auto (measured table) at {describe_auto(shapes)}"
 
     # --- the worker: one runner, one KV cache, one attention backend (built on first use) ---------------

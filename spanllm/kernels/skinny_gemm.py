@@ -75,7 +75,7 @@ from typing import NamedTuple
 
 import torch
 
-from spanllm.kernels import interpreter
+from spanllm.kernels import gemv, interpreter
 from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.pdl import launch_options
 
@@ -214,6 +214,8 @@ def prefer_skinny(m: int, n: int, k: int, elem_bytes: int = 2) -> bool:
     MAX_M rows, or no Triton: F.linear."""
     if triton is None or m > MAX_M:
         return False
+    if m == 1 and gemv.beats_torch(n, k, elem_bytes):
+        return True  # skinny_linear runs one row on the CUDA-core GEMV (gemv.takes)
     key = _table_key(m, n, k, elem_bytes)
     if key is None:
         return False
@@ -243,7 +245,8 @@ def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
     def picks(rows: int) -> str:
         skinny = [name for name, n, k, e in gemms if prefer_skinny(rows, n, k, e)]
         rest = [name for name, *_ in gemms if name not in skinny]
-        return f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
+        text = f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
+        return f"{gemv.describe_one_row(gemms, skinny)}; {text}" if rows == 1 and gemv.measured_table() else text
 
     runs: list[list] = []  # [first rows, last rows, picks]
     for rows in range(1, MAX_M + 1):
@@ -510,6 +513,8 @@ def skinny_linear(
     one per output channel): weight is float8_e4m3fn and y = x @ (weight * weight_scale[:, None])^T, at most
     FP8_MAX_M rows (W8A16: x is not quantized).
     `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) replaces choose_config (benchmarks, tests).
+    One row of x without `config` runs spanllm.kernels.gemv (CUDA cores) where its measured table says that is
+    faster for the shape (gemv.takes).
     Allocates y (and the split-K workspace) with torch.empty: safe inside CUDA-graph capture once one eager call
     has run (split-K's arrival counters are allocated outside any capture: arrival_counters).
     """
@@ -560,6 +565,8 @@ def skinny_linear(
         )
     if m == 0 or n == 0 or k == 0:
         return (torch.zeros if k == 0 else torch.empty)((*lead, n), dtype=x.dtype, device=x.device)
+    if m == 1 and config is None and x.dtype in gemv.X_DTYPES and gemv.takes(n, k, weight.element_size()):
+        return gemv.gemv(x, weight, weight_scale=weight_scale)  # one row: the CUDA-core GEMV measured faster
     x2 = x.reshape(m, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
