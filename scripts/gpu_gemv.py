@@ -117,6 +117,9 @@ def main() -> None:
     args = ap.parse_args()
     if gv.triton is None:
         raise SystemExit("scripts/gpu_gemv.py: needs Triton (not installed)")
+    unknown = [d for d in args.dtypes.split(",") if d not in ("fp8", "bf16")]
+    if unknown:
+        raise SystemExit(f"scripts/gpu_gemv.py: unknown --dtypes {unknown}; known: fp8, bf16")
     if not torch.cuda.is_available():
         raise SystemExit("scripts/gpu_gemv.py: needs a CUDA GPU; none found")
     run(args)
@@ -127,7 +130,7 @@ def run(args) -> None:
     from spanllm.measure.timing import graph_us_per_call
 
     t0 = time.monotonic()
-    longest = 0.0
+    longest = 5.0  # a first guess at one measurement (a compile and a graph), before any was timed
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
@@ -198,12 +201,16 @@ def run(args) -> None:
             entry = run_layer(dtype, layer, shapes[layer], measure, doc["copy_GBps"], sms, l2, args.min_calls, gen)
             if entry is not None:
                 table.append(entry)
+                write_table(args.outdir, doc["machine"]["gpu"], table)  # after every layer: a timeout keeps them
             torch.cuda.empty_cache()
     doc["table"] = table
     save()
-    with open(os.path.join(args.outdir, "gemv_configs.json"), "w") as f:
-        json.dump({"about": f"scripts/gpu_gemv.py on {doc['machine']['gpu']}", "entries": table}, f, indent=1)
     print("wrote", out_path, flush=True)
+
+
+def write_table(outdir: str, gpu: str, table: list[dict]) -> None:
+    with open(os.path.join(outdir, "gemv_configs.json"), "w") as f:
+        json.dump({"about": f"scripts/gpu_gemv.py on {gpu}", "entries": table}, f, indent=1)
 
 
 def run_layer(dtype: str, layer: str, shape, measure, copy_gbps: float, sms: int, l2: int, min_calls: int, gen):
@@ -226,7 +233,8 @@ def run_layer(dtype: str, layer: str, shape, measure, copy_gbps: float, sms: int
             what = f"{row['median_us']:8.2f} us {gbps:6.0f} GB/s {100 * gbps / copy_gbps:4.0f}%"
         else:
             what = row.get("failed") or row.get("skipped", "")
-        print(f"{dtype:4s} {layer:8s} {row['kernel']:7s} {str(row.get('config', '')):24s} {what}", flush=True)
+        kernel = row["kernel"] + (" again" if row.get("again") else "")
+        print(f"{dtype:4s} {layer:8s} {kernel:12s} {str(row.get('config', '')):24s} {what}", flush=True)
         return row
 
     skinny_cfg = tuple(sg.choose_config(1, n, k, sms, eb, x_bytes=2))

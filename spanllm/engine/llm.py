@@ -321,7 +321,7 @@ class LLM:
         )
         one_row = ""
         if self.device.type == "cuda" and gemv.measured_table():
-            one_row = f"; {gemv.describe_one_row(self._layer_gemms())}"
+            one_row = f"; one row: {gemv.describe_one_row(self._layer_gemms())}"
         return (
             f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token)"
             f"{one_row}; embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
@@ -355,7 +355,7 @@ class LLM:
             return f"decode GEMMs {mode}: F.linear (no CUDA device)"
         shapes = self._layer_gemms(lm_head=True)
         if mode == "skinny":
-            one_row = f" ({gemv.describe_one_row(shapes)})" if gemv.measured_table() else ""
+            one_row = f" (one row: {gemv.describe_one_row(shapes)})" if gemv.measured_table() else ""
             return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above){one_row}: " + ", ".join(
                 g[0] for g in shapes
             )

@@ -79,22 +79,29 @@ def table_path() -> str:
     return os.environ.get(TABLE_ENV) or _TABLE_FILE
 
 
-@functools.cache
 def measured_table() -> dict[tuple[int, int, int], dict]:
-    """(N, K, element bytes) -> {"config": GemvConfig, "gemv_us", "skinny_us", "torch_us" (16-bit only)}."""
-    path = table_path()
+    """(N, K, element bytes) -> {"config": GemvConfig, "gemv_us", "skinny_us", "torch_us" (16-bit only)} of the
+    table table_path() names now (each file read once)."""
+    return _read_table(table_path())
+
+
+@functools.cache
+def _read_table(path: str) -> dict[tuple[int, int, int], dict]:
     if path == _TABLE_FILE and not os.path.exists(path):
         return {}
     try:
         with open(path) as f:
             entries = json.load(f)["entries"]
-        return {
-            (e["n"], e["k"], e["elem_bytes"]): {
-                "config": check_config(e["config"]),
-                **{t: float(e[t]) for t in ("gemv_us", "skinny_us", "torch_us") if t in e},
-            }
-            for e in entries
-        }
+        table = {}
+        for e in entries:
+            n, k, eb, cfg = e["n"], e["k"], e["elem_bytes"], check_config(e["config"])
+            if eb not in (1, 2) or k % cfg.block_k:
+                raise ValueError(f"entry N={n} K={k} elem_bytes={eb}: needs elem_bytes 1 or 2 and BLOCK_K dividing K")
+            times = {t: float(e[t]) for t in ("gemv_us", "skinny_us", "torch_us") if t in e}
+            if "gemv_us" not in times or "skinny_us" not in times:
+                raise ValueError(f"entry N={n} K={k}: gemv_us and skinny_us (measured in the same run) are required")
+            table[(n, k, eb)] = {"config": cfg, **times}
+        return table
     except (OSError, ValueError, KeyError, TypeError) as e:
         origin = f" (set by {TABLE_ENV})" if path != _TABLE_FILE else ""
         raise RuntimeError(f"GEMV table {path}{origin}: {e}") from e
@@ -103,21 +110,25 @@ def measured_table() -> dict[tuple[int, int, int], dict]:
 def takes(n: int, k: int, elem_bytes: int) -> bool:
     """Whether one row times W [n, k] runs this kernel instead of the skinny GEMM: the table measured it faster."""
     e = measured_table().get((n, k, elem_bytes))
-    return triton is not None and e is not None and e["gemv_us"] < e.get("skinny_us", float("inf"))
+    return triton is not None and e is not None and e["gemv_us"] < e["skinny_us"]
 
 
 def beats_torch(n: int, k: int, elem_bytes: int) -> bool:
-    """Whether this kernel was measured faster than F.linear for one row times a 16-bit W [n, k]."""
+    """Whether this kernel was measured faster than F.linear for one row times a 16-bit W [n, k] (an entry without
+    F.linear's time never replaces it)."""
     e = measured_table().get((n, k, elem_bytes))
-    return takes(n, k, elem_bytes) and e["gemv_us"] < e.get("torch_us", float("inf"))
+    return takes(n, k, elem_bytes) and "torch_us" in e and e["gemv_us"] < e["torch_us"]
 
 
-def describe_one_row(gemms: list[tuple[str, int, int, int]], candidates: list[str] | None = None) -> str:
-    """Which of the named GEMMs (name, N, K, element bytes) run one row here, e.g. '1 row: GEMV qkv, o (table
-    5 entries)'; `candidates`: only those names (the rest do not reach the skinny path)."""
-    names = [g for g, n, k, e in gemms if (candidates is None or g in candidates) and takes(n, k, e)]
+def takes_names(gemms: list[tuple[str, int, int, int]]) -> list[str]:
+    """The names of the GEMMs (name, N, K, element bytes) whose one-row call runs here."""
+    return [g for g, n, k, e in gemms if takes(n, k, e)]
+
+
+def describe_one_row(gemms: list[tuple[str, int, int, int]]) -> str:
+    """e.g. 'CUDA-core GEMV qkv, o (table 5 entries)': which of the named GEMMs run one row here."""
     where = "" if table_path() == _TABLE_FILE else f" from {table_path()}"
-    return f"1 row: CUDA-core GEMV {', '.join(names) or '-'} (table {len(measured_table())} entries{where})"
+    return f"CUDA-core GEMV {', '.join(takes_names(gemms)) or '-'} (table {len(measured_table())} entries{where})"
 
 
 def table_config(n: int, k: int, elem_bytes: int) -> GemvConfig:

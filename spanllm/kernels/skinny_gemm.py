@@ -243,10 +243,13 @@ def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
     counts with the same choice together, e.g. '1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head'."""
 
     def picks(rows: int) -> str:
-        skinny = [name for name, n, k, e in gemms if prefer_skinny(rows, n, k, e)]
-        rest = [name for name, *_ in gemms if name not in skinny]
-        text = f"skinny {', '.join(skinny) or '-'}; F.linear {', '.join(rest) or '-'}"
-        return f"{gemv.describe_one_row(gemms, skinny)}; {text}" if rows == 1 and gemv.measured_table() else text
+        skinny = [g for g in gemms if prefer_skinny(rows, *g[1:])]
+        rest = [name for name, *_ in gemms if name not in [g[0] for g in skinny]]
+        one_row = gemv.takes_names(skinny) if rows == 1 else []  # these run the CUDA-core GEMV (skinny_linear)
+        text = (
+            f"skinny {', '.join(g[0] for g in skinny if g[0] not in one_row) or '-'}; F.linear {', '.join(rest) or '-'}"
+        )
+        return f"{gemv.describe_one_row(skinny)}; {text}" if rows == 1 and gemv.measured_table() else text
 
     runs: list[list] = []  # [first rows, last rows, picks]
     for rows in range(1, MAX_M + 1):

@@ -42,11 +42,11 @@ def table(tmp_path, monkeypatch):
         path = tmp_path / "gemv_configs.json"
         path.write_text(json.dumps({"entries": entries}))
         monkeypatch.setenv(gemv.TABLE_ENV, str(path))
-        gemv.measured_table.cache_clear()
+        gemv._read_table.cache_clear()
         skinny_gemm.prefer_skinny.cache_clear()
 
     yield use
-    gemv.measured_table.cache_clear()
+    gemv._read_table.cache_clear()
     skinny_gemm.prefer_skinny.cache_clear()
 
 
@@ -60,6 +60,7 @@ def interp(monkeypatch):
     if not interpreter.interpreting():
         pytest.skip("the kernels were not built by Triton's interpreter")
     shims.patch_scalar_index(monkeypatch)
+    shims.widen_bf16_dot(monkeypatch)  # the skinny kernel's bf16 tl.dot, compared with the GEMV below
 
 
 def _weight(dtype: str, n: int, k: int, seed: int):
@@ -103,7 +104,24 @@ def test_interp_gemv(interp, dtype, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_interp_skinny_linear_takes_gemv_where_measured_faster(interp, table, dtype):
+def test_interp_split_merge_sums_in_split_order(interp, dtype):
+    """Chunk partials 2^20, -2^20, 2^-5 (one weight of 1 times x per chunk): summed in split order from zero they
+    give 2^-5 exactly; any other order loses it to fp32 rounding (2^20 + 2^-5 needs 25 bits)."""
+    from spanllm.kernels import gemv
+
+    k, n = 3 * 64, 16
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    x[0, 0], x[0, 64], x[0, 128] = 2.0**20, -(2.0**20), 2.0**-5
+    w = torch.ones(n, k, dtype=torch.bfloat16)
+    scale = None
+    if dtype == "fp8":
+        w, scale = w.to(torch.float8_e4m3fn), torch.ones(n)
+    y = gemv.gemv(x, w, (16, 64, 3, 4, 2), weight_scale=scale)
+    assert y.float().eq(2.0**-5).all(), y
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_interp_skinny_linear_takes_gemv_where_measured_faster(interp, table, dtype, monkeypatch):
     from spanllm.kernels import gemv, skinny_gemm
 
     n, k = 64, 256
@@ -112,22 +130,33 @@ def test_interp_skinny_linear_takes_gemv_where_measured_faster(interp, table, dt
     cfg = [16, 128, 2, 4, 2]
     table([{"n": n, "k": k, "elem_bytes": eb, "config": cfg, "gemv_us": 5.0, "skinny_us": 6.0, "torch_us": 7.0}])
     assert gemv.takes(n, k, eb)
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     via_skinny = skinny_gemm.skinny_linear(x, w, weight_scale=scale)
-    assert torch.equal(via_skinny, gemv.gemv(x, w, cfg, weight_scale=scale))
+    assert calls == [(n, k)] and torch.equal(via_skinny, real(x, w, cfg, weight_scale=scale))
+    skinny_gemm.skinny_linear(x, w, config=(16, 128, 1, 4, 2), weight_scale=scale)  # an explicit skinny config
+    skinny_gemm.skinny_linear(torch.cat([x, x]), w, weight_scale=scale)  # two rows
+    assert calls == [(n, k)]
+    err = ((via_skinny.float() - _reference(x, w, scale)).abs().max() / _reference(x, w, scale).abs().max()).item()
+    assert err < 1e-2
     assert skinny_gemm.prefer_skinny(1, n, k, eb)  # the GEMV (5 us) beat F.linear (7 us): the skinny path takes it
     # two rows, or an explicit skinny config: the skinny kernel (its own sum order differs from the GEMV's)
     two = skinny_gemm.skinny_linear(torch.cat([x, x]), w, weight_scale=scale)
     assert torch.equal(two[0], two[1])
-    table([{"n": n, "k": k, "elem_bytes": eb, "config": cfg, "gemv_us": 6.5, "skinny_us": 6.0}])
+    two_ref = _reference(torch.cat([x, x]), w, scale)
+    assert ((two.float() - two_ref).abs().max() / two_ref.abs().max()).item() < 1e-2
+    table([{"n": n, "k": k, "elem_bytes": eb, "config": cfg, "gemv_us": 6.0, "skinny_us": 6.0}])  # a tie: skinny
     assert not gemv.takes(n, k, eb)
     assert torch.equal(skinny_gemm.skinny_linear(x, w, weight_scale=scale), two[:1])
+    assert calls == [(n, k)]
 
 
 def test_interpreter_suite():
     if INTERPRETED:
         pytest.skip("this is the child")
     pytest.importorskip("triton")
-    shims.run_child_suite(__file__, 2 * len(CASES) + 2, "interp_")
+    shims.run_child_suite(__file__, 2 * len(CASES) + 4, "interp_")
 
 
 def test_table_rules(table):
@@ -163,8 +192,30 @@ def test_table_rules(table):
     assert skinny_gemm.prefer_skinny(1, 96, 256, 2)  # F.linear loses to the GEMV at one row
     assert not skinny_gemm.prefer_skinny(2, 96, 256, 2)  # two rows: the skinny table decides (no entry: F.linear)
     gemms = [("qkv", 96, 256, 2), ("o", 64, 256, 1), ("down", 64, 256, 2)]
-    assert gemv.describe_one_row(gemms).startswith("1 row: CUDA-core GEMV qkv, down (table 3 entries from ")
-    assert "1 row: CUDA-core GEMV qkv (table 3" in skinny_gemm.describe_auto(gemms)
+    assert gemv.describe_one_row(gemms).startswith("CUDA-core GEMV qkv, down (table 3 entries from ")
+    text = skinny_gemm.describe_auto(gemms)
+    # one row: qkv on the GEMV (it beat F.linear), down stays on F.linear (the GEMV lost to it), o (FP8) too
+    assert text.startswith("1 row: CUDA-core GEMV qkv (table 3 entries from ") and text.count("GEMV") == 1, text
+    assert "; skinny -; F.linear o, down | 2-16 rows: skinny -; F.linear qkv, o, down" in text, text
+    table(
+        [
+            {
+                "n": 64,
+                "k": 256,
+                "elem_bytes": 2,
+                "config": [16, 128, 2, 4, 2],
+                "gemv_us": 6,
+                "skinny_us": 6,
+                "torch_us": 9,
+            },
+            {"n": 96, "k": 256, "elem_bytes": 2, "config": [16, 128, 2, 4, 2], "gemv_us": 5, "skinny_us": 6},
+        ]
+    )
+    assert not gemv.takes(64, 256, 2)  # a tie keeps the skinny GEMM
+    assert gemv.takes(96, 256, 2) and not gemv.beats_torch(96, 256, 2)  # F.linear never timed: never replaced
+    assert gemv.describe_one_row(gemms).startswith("CUDA-core GEMV qkv (table 2 entries")  # where skinny_linear runs
+    assert skinny_gemm.describe_auto(gemms).startswith("1 row: CUDA-core GEMV - (table 2")  # auto keeps F.linear
+    assert gemv.split_chunk(512, 128, 16) == (4, 128) and gemv.split_chunk(1024, 128, 3) == (3, 384)
 
 
 def test_bad_table_and_refusals(table, tmp_path, monkeypatch):
@@ -173,6 +224,12 @@ def test_bad_table_and_refusals(table, tmp_path, monkeypatch):
     pytest.importorskip("triton")
     table([{"n": 64, "k": 256, "elem_bytes": 2, "config": [12, 128, 1, 4, 2], "gemv_us": 5, "skinny_us": 6}])
     with pytest.raises(RuntimeError, match=r"GEMV table .*gemv_configs.json \(set by SPANLLM_GEMV_TABLE\).*block_n=12"):
+        gemv.measured_table()
+    table([{"n": 64, "k": 256, "elem_bytes": 2, "config": [16, 512, 1, 4, 2], "gemv_us": 5, "skinny_us": 6}])
+    with pytest.raises(RuntimeError, match="BLOCK_K dividing K"):
+        gemv.measured_table()
+    table([{"n": 64, "k": 256, "elem_bytes": 2, "config": [16, 128, 1, 4, 2], "gemv_us": 5}])
+    with pytest.raises(RuntimeError, match="gemv_us and skinny_us"):
         gemv.measured_table()
     table([])
     x, w = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.bfloat16)
@@ -192,7 +249,6 @@ def test_bad_table_and_refusals(table, tmp_path, monkeypatch):
 def test_committed_table_is_valid_when_present():
     from spanllm.kernels import gemv
 
-    gemv.measured_table.cache_clear()
     if os.environ.get(gemv.TABLE_ENV):
         pytest.skip("SPANLLM_GEMV_TABLE points elsewhere")
     entries = gemv.measured_table()
