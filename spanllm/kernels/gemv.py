@@ -52,6 +52,9 @@ X_DTYPES = (torch.bfloat16, torch.float16)
 # same format (a sweep's output before it is committed). No file: no entries, the skinny GEMM runs.
 _TABLE_FILE = os.path.join(os.path.dirname(__file__), "gemv_configs.json")
 TABLE_ENV = "SPANLLM_GEMV_TABLE"
+# "1": load the first W tile before the PDL wait (`early_w`). Off by default: not yet timed on a GPU (a benchmark's
+# switch until it is).
+EARLY_W_ENV = "SPANLLM_GEMV_EARLY_W"
 
 
 class GemvConfig(NamedTuple):
@@ -162,9 +165,9 @@ if triton is not None:
         SPLIT_K: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        EARLY_W: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        wait_then_release(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,10 +178,24 @@ if triton is not None:
         w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
         x_ptrs = x_ptr + k_start + offs_k
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if EARLY_W:
+            # W is written by no kernel (weights are loaded once, before any forward), so under PDL its first tile
+            # may be loaded before the wait, while the kernel before this one drains (spanllm.kernels.pdl). x is
+            # that kernel's output: read only after the wait.
+            w0 = tl.load(w_ptrs, eviction_policy="evict_first")
+            wait_then_release(PDL)
+            x0 = tl.load(x_ptrs, eviction_policy="evict_last").to(tl.float32)
+            acc += w0.to(tl.float32) * x0[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            loop_start = k_start + BLOCK_K
+        else:
+            wait_then_release(PDL)
+            loop_start = k_start
         # num_stages >= 2: Triton stages W and x through shared memory with cp.async (bytes in flight without
         # registers); x is then read in W's register layout. num_stages = 1 would convert x's layout through shared
         # memory with barriers on every trip: the sweep keeps stages >= 2.
-        for _ in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        for _ in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             w = tl.load(w_ptrs, eviction_policy="evict_first")  # W is streamed once: keep L2 for x
             xv = tl.load(x_ptrs, eviction_policy="evict_last").to(tl.float32)
             acc += w.to(tl.float32) * xv[None, :]
@@ -207,16 +224,26 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
+def early_w(pdl: bool) -> bool:
+    """Whether a launch loads its first W tile before its PDL wait: with PDL and SPANLLM_GEMV_EARLY_W=1."""
+    return pdl and os.environ.get(EARLY_W_ENV, "0") == "1"
+
+
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: tuple | None = None, weight_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: tuple | None = None,
+    weight_scale: torch.Tensor | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """y [1, N] = x [1, K] @ weight[N, K]^T (times weight_scale[:, None] for FP8 weights), in x's dtype.
 
-        weight: contiguous [N, K] in x's dtype, or float8_e4m3fn with weight_scale float32 [N]. K a multiple of the
-        config's BLOCK_K. `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): a launch to run (benchmarks,
-    tests); None takes the measured table's for the shape (an error where it has none).
-        Allocates y and the split-K workspace with torch.empty: safe inside CUDA-graph capture once one eager call
-        has run (the arrival counters are allocated outside any capture)."""
+            weight: contiguous [N, K] in x's dtype, or float8_e4m3fn with weight_scale float32 [N]. K a multiple of the
+            config's BLOCK_K. `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): a launch to run (benchmarks,
+        tests); None takes the measured table's for the shape (an error where it has none). `early`: load the first W
+    tile before the PDL wait (default `early_w`: under PDL; tests force it to run the path without PDL).
+            Allocates y and the split-K workspace with torch.empty: safe inside CUDA-graph capture once one eager call
+            has run (the arrival counters are allocated outside any capture)."""
     if triton is None:
         raise RuntimeError("gemv needs Triton, which is not installed; use torch.nn.functional.linear")
     if config is None and (weight.dim() != 2 or tuple(weight.shape) + (weight.element_size(),) not in measured_table()):
@@ -255,6 +282,7 @@ def gemv(
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
     counters = arrival_counters(x.device, n_tiles) if split > 1 else y
+    launch = launch_options(x.device)
     _gemv_kernel[(n_tiles, split)](
         x1,
         weight,
@@ -271,8 +299,9 @@ def gemv(
         SPLIT_K=split,
         HAS_SCALE=fp8,
         NUM_STAGES=cfg.num_stages,
+        EARLY_W=early_w(launch["PDL"]) if early is None else early,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **launch_options(x.device),
+        **launch,
     )
     return y

@@ -81,13 +81,16 @@ def _reference(x, w, scale):
 CASES = [(70, 256, (16, 64, 2, 4, 2)), (64, 512, (8, 64, 4, 4, 3)), (48, 128, (32, 128, 1, 4, 2))]
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k,config", CASES)
-def test_interp_gemv(interp, dtype, n, k, config):
+def test_interp_gemv(interp, dtype, n, k, config, early):
     from spanllm.kernels import gemv
 
     x, w, scale = _weight(dtype, n, k, n + k)
-    y = gemv.gemv(x, w, config, weight_scale=scale)
+    y = gemv.gemv(x, w, config, weight_scale=scale, early=early)
+    if early:  # the first tile taken before the (here absent) wait: the same products in the same order
+        assert torch.equal(y, gemv.gemv(x, w, config, weight_scale=scale, early=False))
     assert y.shape == (1, n) and y.dtype == torch.bfloat16
     ref = _reference(x, w, scale)
     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -156,7 +159,7 @@ def test_interpreter_suite():
     if INTERPRETED:
         pytest.skip("this is the child")
     pytest.importorskip("triton")
-    shims.run_child_suite(__file__, 2 * len(CASES) + 4, "interp_")
+    shims.run_child_suite(__file__, 4 * len(CASES) + 4, "interp_")
 
 
 def test_table_rules(table):
@@ -275,7 +278,7 @@ def test_compiles_sm90_staged_without_spills(dtype, stages):
            "scale_ptr": "*fp32", "N": "i32", "K": "i32", "k_chunk": "i32", "stride_wn": "i32"}  # fmt: skip
     names = list(sig)
     consts = {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 2, "HAS_SCALE": dtype == "fp8", "NUM_STAGES": stages,
-              "PDL": True}  # fmt: skip
+              "EARLY_W": True, "PDL": True}  # fmt: skip
     sig.update({c: "constexpr" for c in consts})
     # what Triton's launcher specializes for these tensors and sizes: 16-byte aligned pointers, multiples of 16
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names}
@@ -283,6 +286,12 @@ def test_compiles_sm90_staged_without_spills(dtype, stages):
     kern = triton.compile(src, target=GPUTarget(*hopper.TARGET), options={"num_warps": 4, "num_stages": stages})
     ptx = kern.asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx and "griddepcontrol.wait" in ptx
+    # the first W tile's loads come before the wait; nothing else global does
+    before = ptx[: ptx.index("griddepcontrol.wait")]
+    loads = [line for line in before.splitlines() if "ld.global" in line]
+    eb = 1 if dtype == "fp8" else 2
+    assert len(loads) == 16 * 512 * eb // (128 * 16), loads  # the tile in 16-byte vectors over 128 threads
+    assert all("evict_first.L2::cache_hint.v4.b32" in line for line in loads) and "st.global" not in before
     report = _load("_sm90_registers", os.path.join(ROOT, "scripts", "sm90_registers.py")).ptxas_report(ptx)
     assert report["spill_stores_bytes"] == 0 and report["registers"] <= 128, report
 
