@@ -249,7 +249,7 @@ def describe_auto(gemms: list[tuple[str, int, int, int]]) -> str:
         text = (
             f"skinny {', '.join(g[0] for g in skinny if g[0] not in one_row) or '-'}; F.linear {', '.join(rest) or '-'}"
         )
-        return f"{gemv.describe_one_row(skinny)}; {text}" if rows == 1 and gemv.measured_table() else text
+        return f"{gemv.describe_one_row(skinny)}; {text}" if one_row else text
 
     runs: list[list] = []  # [first rows, last rows, picks]
     for rows in range(1, MAX_M + 1):

@@ -317,17 +317,23 @@ def test_measured_times_cover_the_table():
 def test_prefer_skinny_follows_the_measured_times(monkeypatch):
     """On the 8B's TP=1 shapes (bf16): qkv, o and down measured faster in the skinny kernel, gate_up
     slower; any M up to 16 takes the nearest measured bucket; unmeasured shapes, fp32, more than 16 rows, or
-    no Triton: F.linear."""
+    no Triton: F.linear. One row: the CUDA-core GEMV's table (spanllm.kernels.gemv) measured it faster than
+    F.linear for all four and the LM head, so the skinny path (which hands one row to the GEMV) takes them."""
     if gemm.triton is None:
         assert not gemm.prefer_skinny(1, 6144, 4096)
         return
+    from spanllm.kernels import gemv
+
     qkv, o, gate_up, down = SHAPES_8B_TP1
-    for m in (1, 2, 8, 16):
+    for m in (2, 8, 16):
         assert gemm.prefer_skinny(m, *qkv) and gemm.prefer_skinny(m, *o) and gemm.prefer_skinny(m, *down)
         assert not gemm.prefer_skinny(m, *gate_up)
+    lm_head = (128256, 4096)
+    for shape in (qkv, o, gate_up, down, lm_head):
+        assert gemm.prefer_skinny(1, *shape) == gemv.beats_torch(*shape, 2) is True, shape
+    assert not gemm.prefer_skinny(2, *lm_head)  # the LM head: never measured at more rows
     assert not gemm.prefer_skinny(17, *qkv)
     assert not gemm.prefer_skinny(1, *qkv, elem_bytes=4)
-    assert not gemm.prefer_skinny(1, 128256, 4096)  # the LM head: never measured
     gemm.prefer_skinny.cache_clear()
     monkeypatch.setattr(gemm, "triton", None)
     try:
@@ -344,7 +350,10 @@ def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
         pytest.skip("prefer_skinny is False everywhere without Triton")
     qkv, o, gate_up, down = SHAPES_8B_TP1
     eight = [("qkv", *qkv, 2), ("o", *o, 2), ("gate_up", *gate_up, 2), ("down", *down, 2), ("lm_head", 128256, 4096, 2)]
-    assert gemm.describe_auto(eight) == "1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
+    assert gemm.describe_auto(eight) == (
+        "1 row: CUDA-core GEMV qkv, o, gate_up, down, lm_head (table 9 entries); skinny -; F.linear - | "
+        "2-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
+    )  # one row: the GEMV's table (spanllm/kernels/gemv_configs.json) measured it faster than both
     q70, o70, gu70, d70 = SHAPES_TP2["70b"]
     seventy = [("qkv", *q70, 2), ("o", *o70, 2), ("gate_up", *gu70, 2), ("down", *d70, 2)]
     assert gemm.describe_auto(seventy) == (
@@ -355,7 +364,7 @@ def test_describe_auto_groups_row_counts_with_the_same_choice(monkeypatch):
     kept = {k: v for k, v in times.items() if k[1:3] != qkv}
     monkeypatch.setattr(gemm, "measured_table", lambda: (configs, kept))
     try:
-        assert not gemm.prefer_skinny(1, *qkv) and gemm.prefer_skinny(1, *o)
+        assert not gemm.prefer_skinny(2, *qkv) and gemm.prefer_skinny(2, *o)
     finally:
         gemm.prefer_skinny.cache_clear()
 

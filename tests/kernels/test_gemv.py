@@ -217,7 +217,7 @@ def test_table_rules(table):
     assert not gemv.takes(64, 256, 2)  # a tie keeps the skinny GEMM
     assert gemv.takes(96, 256, 2) and not gemv.beats_torch(96, 256, 2)  # F.linear never timed: never replaced
     assert gemv.describe_one_row(gemms).startswith("CUDA-core GEMV qkv (table 2 entries")  # where skinny_linear runs
-    assert skinny_gemm.describe_auto(gemms).startswith("1 row: CUDA-core GEMV - (table 2")  # auto keeps F.linear
+    assert skinny_gemm.describe_auto(gemms) == "1-16 rows: skinny -; F.linear qkv, o, down"  # auto keeps F.linear
     assert gemv.split_chunk(512, 128, 16) == (4, 128) and gemv.split_chunk(1024, 128, 3) == (3, 384)
 
 
