@@ -56,7 +56,9 @@ def test_fused_ops(monkeypatch, pdl_on):
     "pdl_on,prefetch", [(False, 0), (True, 0), (True, 16 << 20)], ids=["no-pdl", "pdl", "pdl-prefetch"]
 )
 def test_skinny_gemm(monkeypatch, pdl_on, prefetch):
-    """PDL off, PDL on (the default on Hopper, without the weight prefetch), PDL on with a prefetch budget."""
+    """PDL off, PDL on (the default on Hopper, without the weight prefetch), PDL on with a prefetch budget; one row of
+    the 8B's qkv runs the CUDA-core GEMV (its committed table), in bf16 and FP8."""
+    from spanllm.kernels import gemv
     from spanllm.kernels import skinny_gemm as sg
     from spanllm.layers import fp8
 
@@ -64,15 +66,21 @@ def test_skinny_gemm(monkeypatch, pdl_on, prefetch):
     x = torch.zeros(1, 4096, dtype=BF16)
     w = torch.zeros(6144, 4096, dtype=BF16)
     q, scale = fp8.quantize_weight(torch.zeros(6144, 4096))
+    assert gemv.takes(6144, 4096, 2) and gemv.takes(6144, 4096, 1)
     with capture(monkeypatch, pdl_on) as launches:
-        sg.skinny_linear(x, w)
+        sg.skinny_linear(x, w)  # one row: the GEMV
         sg.skinny_linear(x, w, config=(64, 256, 4, 4, 3))  # split-K: the last program sums
-        sg.skinny_linear(x, q, weight_scale=scale)  # FP8 W8A16
+        sg.skinny_linear(x, q, weight_scale=scale)  # FP8, one row: the GEMV
+        sg.skinny_linear(torch.zeros(2, 4096, dtype=BF16), q, weight_scale=scale)  # FP8 W8A16, 2 rows
         sg.skinny_linear(torch.zeros(64, 4096, dtype=BF16), q, weight_scale=scale)  # BLOCK_M 64
-    kernels = _compiled(launches, 4)
+    kernels = _compiled(launches, 5)
+    assert [name for name, _ in kernels] == ["_gemv_kernel", "_skinny_gemm_kernel", "_gemv_kernel"] + [
+        "_skinny_gemm_kernel"
+    ] * 2
     for (name, k), (_, _, kwargs) in zip(kernels, launches, strict=True):
-        assert kwargs["PREFETCH"] == (pdl_on and prefetch > 0)  # the prefetch rides on PDL only
-        assert ("prefetch.global.L2" in k.asm["ptx"]) == (pdl_on and prefetch > 0), name
+        if name == "_skinny_gemm_kernel":
+            assert kwargs["PREFETCH"] == (pdl_on and prefetch > 0)  # the prefetch rides on PDL only
+        assert ("prefetch.global.L2" in k.asm["ptx"]) == (pdl_on and prefetch > 0 and name != "_gemv_kernel"), name
         assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl_on, name
 
 
