@@ -41,13 +41,14 @@ import torch.nn.functional as F
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 if __package__ in (None, "") and __name__ == "__main__":  # `python scripts/gpu_gemv.py` without PYTHONPATH=.
     sys.path.insert(0, os.path.dirname(SCRIPTS))
+sys.path.insert(0, SCRIPTS)  # the widening benchmark's shapes, data and checks (its sibling)
+
+from gpu_fp8_widen import LAYERS, TOL, max_rel_err, quantized_weight  # noqa: E402
 
 from spanllm.kernels import gemv as gv  # noqa: E402
 from spanllm.kernels import skinny_gemm as sg  # noqa: E402
 
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # 8B, TP 1
 LM_HEAD = {"lm_head": (128256, 4096)}
-TOL = 2e-2  # max |y - ref| / max |ref|: bf16 output rounding is ~4e-3; far above means a wrong kernel
 TILINGS = [(2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024), (8, 2048), (16, 256),
            (16, 512), (16, 1024), (32, 256), (32, 512)]  # fmt: skip
 MAX_ACC_PER_THREAD = 64  # fp32 accumulators a thread holds (BLOCK_N * BLOCK_K / threads): more spills
@@ -94,17 +95,11 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> t
     return x.float() @ wf.T
 
 
-def max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
 def make_weight(dtype: str, n: int, k: int, device, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    if dtype == "bf16":
-        return w, None
-    from spanllm.layers.fp8 import quantize_weight
-
-    return quantize_weight(w)
+    """W = randn * 0.02 in bf16, or quantized per row to FP8 as the engine does (gpu_fp8_widen.quantized_weight)."""
+    if dtype == "fp8":
+        return quantized_weight(n, k, device, gen)
+    return (torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16), None
 
 
 def main() -> None:

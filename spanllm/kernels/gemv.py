@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 
 from spanllm.kernels import interpreter
-from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.pdl import launch_options
+from spanllm.kernels.split_k import effective_split_k, split_k_buffers, split_k_chunk
 
 try:
     import triton
@@ -138,13 +138,6 @@ def table_config(n: int, k: int, elem_bytes: int) -> GemvConfig:
     return measured_table()[(n, k, elem_bytes)]["config"]
 
 
-def split_chunk(k: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """(effective split, chunk): K cut into chunks of whole BLOCK_K tiles; rounding can leave fewer splits."""
-    tiles = k // block_k
-    per = -(-tiles // split_k)
-    return -(-tiles // per), per * block_k
-
-
 if triton is not None:
     from spanllm.kernels.pdl import wait_then_release
 
@@ -238,20 +231,25 @@ def gemv(
 ) -> torch.Tensor:
     """y [1, N] = x [1, K] @ weight[N, K]^T (times weight_scale[:, None] for FP8 weights), in x's dtype.
 
-            weight: contiguous [N, K] in x's dtype, or float8_e4m3fn with weight_scale float32 [N]. K a multiple of the
-            config's BLOCK_K. `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): a launch to run (benchmarks,
-        tests); None takes the measured table's for the shape (an error where it has none). `early`: load the first W
+    weight: contiguous [N, K] in x's dtype, or float8_e4m3fn with weight_scale float32 [N]. K a multiple of the
+    config's BLOCK_K. `config` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): a launch to run (benchmarks,
+    tests); None takes the measured table's for the shape (an error where it has none). `early`: load the first W
     tile before the PDL wait (default `early_w`: under PDL; tests force it to run the path without PDL).
-            Allocates y and the split-K workspace with torch.empty: safe inside CUDA-graph capture once one eager call
-            has run (the arrival counters are allocated outside any capture)."""
+    Allocates y and the split-K workspace with torch.empty: safe inside CUDA-graph capture once one eager call
+    has run (the arrival counters are allocated outside any capture)."""
     if triton is None:
         raise RuntimeError("gemv needs Triton, which is not installed; use torch.nn.functional.linear")
-    if config is None and (weight.dim() != 2 or tuple(weight.shape) + (weight.element_size(),) not in measured_table()):
-        raise ValueError(
-            f"gemv: no measured config for weight {tuple(weight.shape)} {weight.dtype} in {table_path()}; "
-            "pass config= or measure the shape with scripts/gpu_gemv.py"
-        )
-    cfg = check_config(config if config is not None else table_config(*weight.shape, weight.element_size()))
+    if weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"gemv: weight must be a contiguous [N, K] matrix, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if config is None:
+        if (n, k, weight.element_size()) not in measured_table():
+            raise ValueError(
+                f"gemv: no measured config for weight {(n, k)} {weight.dtype} in {table_path()}; "
+                "pass config= or measure the shape with scripts/gpu_gemv.py"
+            )
+        config = table_config(n, k, weight.element_size())
+    cfg = check_config(config)
     if x.dtype not in X_DTYPES:
         raise ValueError(f"gemv: x dtype {x.dtype} not supported ({', '.join(map(str, X_DTYPES))})")
     fp8 = weight_scale is not None
@@ -259,9 +257,6 @@ def gemv(
         raise ValueError(f"gemv: with weight_scale the weight must be {FP8_WEIGHT_DTYPE}, got {weight.dtype}")
     if not fp8 and weight.dtype != x.dtype:
         raise ValueError(f"gemv: dtype mismatch: x is {x.dtype}, weight is {weight.dtype} (FP8 needs weight_scale)")
-    if weight.dim() != 2 or not weight.is_contiguous():
-        raise ValueError(f"gemv: weight must be a contiguous [N, K] matrix, got shape {tuple(weight.shape)}")
-    n, k = weight.shape
     if x.numel() != k or x.shape[-1] != k:
         raise ValueError(f"gemv: x must hold one row of K={k} values, got shape {tuple(x.shape)}")
     if fp8 and (weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,)):
@@ -277,11 +272,11 @@ def gemv(
     x1 = x.reshape(k)
     if x1.stride(0) != 1:
         x1 = x1.contiguous()
-    split, chunk = split_chunk(k, cfg.block_k, cfg.split_k)
+    split = effective_split_k(k, cfg.block_k, cfg.split_k)
+    chunk = split_k_chunk(k, cfg.block_k, split)
     n_tiles = triton.cdiv(n, cfg.block_n)
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    counters = arrival_counters(x.device, n_tiles) if split > 1 else y
+    ws, counters = split_k_buffers(y.view(1, n), split, n_tiles)  # partials [split, 1, N]: the kernel's [split, N]
     launch = launch_options(x.device)
     _gemv_kernel[(n_tiles, split)](
         x1,

@@ -76,8 +76,8 @@ from typing import NamedTuple
 import torch
 
 from spanllm.kernels import gemv, interpreter
-from spanllm.kernels.arrival_counters import arrival_counters
 from spanllm.kernels.pdl import launch_options
+from spanllm.kernels.split_k import cdiv, effective_split_k, split_k_buffers, split_k_chunk
 
 try:
     import triton
@@ -150,20 +150,6 @@ def measured_table() -> tuple[dict, dict]:
 def m_bucket(m: int) -> int:
     """The table's bucket of M: the next power of two (1, 2, 4, ... 128)."""
     return 1 << max(0, m - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def split_k_chunk(k: int, block_k: int, split_k: int) -> int:
-    """The K range of one split: ceil(K / split_k) rounded up to a multiple of BLOCK_K."""
-    return _cdiv(_cdiv(k, split_k), block_k) * block_k
-
-
-def effective_split_k(k: int, block_k: int, split_k: int) -> int:
-    """The number of non-empty chunks: rounding the chunk up to BLOCK_K can leave the last splits empty."""
-    return _cdiv(k, split_k_chunk(k, block_k, split_k))
 
 
 def _check_config(cfg: tuple) -> SkinnyConfig:
@@ -294,7 +280,7 @@ def choose_config(
         # 128-byte lines, 16-byte vectors). Short K (tests, tiny layers): the smallest power of two >= K.
         block_k = max(128, min(256, (32 * 1024) // (block_n * elem_bytes)))
         block_k = max(16, min(block_k, 1 << max(0, k - 1).bit_length()))
-        n_tiles = _cdiv(n, block_n)
+        n_tiles = cdiv(n, block_n)
         for split in (1, 2, 4, 8, 16):
             if split > 1 and split_k_chunk(k, block_k, split) // block_k < 2:
                 continue  # chunks of one tile: nothing to pipeline
@@ -476,15 +462,6 @@ def num_sms_of(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_NUM_SMS
-
-
-def split_k_buffers(y: torch.Tensor, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials [split, M, N], the tiles' arrival counters) of a split-K launch writing y [M, N]; without a
-    split, y twice (the kernel touches neither)."""
-    if split == 1:
-        return y, y
-    m, n = y.shape
-    return torch.empty((split, m, n), dtype=torch.float32, device=y.device), arrival_counters(y.device, n_tiles)
 
 
 def skinny_gemm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:

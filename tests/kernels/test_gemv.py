@@ -97,7 +97,8 @@ def test_interp_gemv(interp, dtype, n, k, config, early):
     assert err < 1e-2, f"max rel error {err:.3g}"
     assert torch.equal(y, gemv.gemv(x, w, config, weight_scale=scale))  # the split merge sums in a fixed order
     # the sum itself: fp32 partial sums per split chunk, added in split order, scaled, rounded once
-    split, chunk = gemv.split_chunk(k, config[1], config[2])
+    split = gemv.effective_split_k(k, config[1], config[2])
+    chunk = gemv.split_k_chunk(k, config[1], split)
     wf = w.float()
     parts = [x.float()[:, i * chunk : (i + 1) * chunk] @ wf[:, i * chunk : (i + 1) * chunk].T for i in range(split)]
     total = sum(parts[1:], parts[0]) if split > 1 else parts[0]
@@ -218,7 +219,8 @@ def test_table_rules(table):
     assert gemv.takes(96, 256, 2) and not gemv.beats_torch(96, 256, 2)  # F.linear never timed: never replaced
     assert gemv.describe_one_row(gemms).startswith("CUDA-core GEMV qkv (table 2 entries")  # where skinny_linear runs
     assert skinny_gemm.describe_auto(gemms) == "1-16 rows: skinny -; F.linear qkv, o, down"  # auto keeps F.linear
-    assert gemv.split_chunk(512, 128, 16) == (4, 128) and gemv.split_chunk(1024, 128, 3) == (3, 384)
+    split_chunk = lambda k, bk, s: (gemv.effective_split_k(k, bk, s), gemv.split_k_chunk(k, bk, s))  # noqa: E731
+    assert split_chunk(512, 128, 16) == (4, 128) and split_chunk(1024, 128, 3) == (3, 384)
 
 
 def test_bad_table_and_refusals(table, tmp_path, monkeypatch):
