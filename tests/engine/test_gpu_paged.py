@@ -161,8 +161,9 @@ def test_mixed_graphs_match_eager_on_the_8b_shapes():
 
 
 def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
-    """decode_gemm='auto' (the default) on a 2-layer slice of the 8B in bf16: the measured table sends qkv, o
-    and down to the skinny kernel at 1-16 rows, gate_up and the LM head to F.linear, and the engine says so.
+    """decode_gemm='auto' (the default) on a 2-layer slice of the 8B in bf16: the measured tables send one row of
+    every GEMM to the CUDA-core GEMV, and qkv, o and down to the skinny kernel at 2-16 rows, gate_up and the LM head
+    to F.linear, and the engine says so.
     Prefill (more than 16 rows) runs F.linear either way, so every request's first token equals the 'torch'
     engine's; two runs give the same tokens; the skinny kernels ran."""
     prompts = [list(range(1000, 1000 + n)) for n in (20, 70, 33)]
@@ -180,7 +181,8 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         if mode == "auto":
             assert (
-                "decode GEMMs auto (measured table) at 1-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
+                "decode GEMMs auto (measured table) at 1 row: CUDA-core GEMV qkv, o, gate_up, down, lm_head (table 9"
+                " entries); skinny -; F.linear - | 2-16 rows: skinny qkv, o, down; F.linear gate_up, lm_head"
             ) in llm.describe()
         outs = [o.output_ids for o in llm.generate(prompts, params)]
         assert all(len(o) == 10 for o in outs)
@@ -188,6 +190,75 @@ def test_auto_decode_gemm_on_the_8b_shapes_in_bf16():
         llm.close()
     assert runs["auto"][0] == runs["auto"][1]
     assert [o[0] for o in runs["auto"][0]] == [o[0] for o in runs["torch"][0]]
+
+
+def test_gemv_fusions_at_the_committed_table_shapes():
+    """The one-row GEMV's fusions (spanllm.kernels.gemv_fusion) at every shape of the committed table, at the table's
+    own launch config: SiLU(gate) * up in the epilogue gives fused_ops.silu_mul of the plain GEMV's output bit for
+    bit (where N is even: a [gate | up] weight); the residual add + RMSNorm as x is loaded writes the fused norm
+    kernel's residual sum exactly and y within two output roundings of the unfused chain's (it skips two bf16
+    roundings of x); reruns are bit-identical."""
+    from spanllm.kernels import fused_ops, gemv
+    from spanllm.kernels.gemv_fusion import NormedRow
+    from spanllm.layers.fp8 import quantize_weight
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    checked = []
+    for (n, k, eb), entry in gemv.measured_table().items():
+        w = torch.randn(n, k, device=DEV, generator=g).mul_(0.02).to(torch.bfloat16)
+        w, scale = quantize_weight(w) if eb == 1 else (w, None)
+        x = torch.randn(1, k, device=DEV, generator=g).to(torch.bfloat16)
+        if n % 2 == 0 and entry["config"].block_n >= 2:
+            y = gemv.gemv(x, w, weight_scale=scale, glu_out=True)
+            assert torch.equal(y, fused_ops.silu_mul(gemv.gemv(x, w, weight_scale=scale))), (n, k, eb)
+            assert torch.equal(gemv.gemv(x, w, weight_scale=scale, glu_out=True), y)
+        h, res = (torch.randn(2, 1, k, device=DEV, generator=g) * 2).to(torch.bfloat16)
+        nw = (1 + 0.2 * torch.randn(k, device=DEV, generator=g)).to(torch.bfloat16)
+        for residual in (res, None):
+            x = NormedRow.of(h, residual, nw, 1e-5)
+            y = gemv.gemv(x, w, weight_scale=scale)
+            normed, res_sum = fused_ops.add_rms_norm(h, residual, nw, 1e-5)
+            assert torch.equal(x.residual_out, res_sum), (n, k, eb)
+            unfused = gemv.gemv(normed, w, weight_scale=scale).float()
+            diff = (y.float() - unfused).abs().max().item()
+            assert diff <= 2 * 2**-8 * unfused.abs().max().item(), (n, k, eb, diff)
+            again = NormedRow.of(h, residual, nw, 1e-5)
+            assert torch.equal(gemv.gemv(again, w, weight_scale=scale), y)
+        checked.append((n, k, eb, entry["config"]))
+    assert len(checked) == len(gemv.measured_table()) >= 1
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_engine_one_row_gemv_fusions_on_the_8b_shapes(quantization, monkeypatch):
+    """A 2-layer slice of the 8B at batch 1: the engine says what the one-row GEMV fuses (SPANLLM_GEMV_FUSE), its
+    decode graphs run it, and two runs with both fusions give the same tokens (the residual the GEMV writes is read
+    by the next layer's); with SiLU alone, the tokens of no fusion (SiLU's epilogue is bit-exact)."""
+    prompts = [list(range(1000, 1040))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for fuse in ("silu,norm", "silu,norm", "silu", ""):
+        monkeypatch.setenv("SPANLLM_GEMV_FUSE", fuse)
+        cfg = EngineConfig(
+            dtype=torch.bfloat16,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            num_kv_blocks=64,
+            max_model_len=512,
+            quantization=quantization,
+        )
+        llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
+        said = {
+            "silu,norm": "also computes SiLU x up after gate_up and the norm before qkv, gate_up",
+            "silu": "also computes SiLU x up after gate_up (",
+            "": "also computes nothing else (",
+        }[fuse]
+        assert said in llm.describe(), llm.describe()
+        outs = [o.output_ids for o in llm.generate(prompts, params)]
+        assert [len(o) for o in outs] == [12]
+        runs.setdefault(fuse, []).append(outs)
+        llm.close()
+    assert runs["silu,norm"][0] == runs["silu,norm"][1]
+    assert runs["silu"][0] == runs[""][0]
 
 
 def test_batch_sampler_one_pass_race_equals_the_unfused_ops():
