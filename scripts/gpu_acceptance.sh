@@ -36,22 +36,20 @@
 #   gemv          any Hopper GPU: the CUDA-core GEMV's launch configs against the skinny GEMM and F.linear at one row
 #                 (scripts/gpu_gemv.py: what spanllm/kernels/gemv_configs.json should say), then batch-1 decode, FP8
 #                 and bf16, with the committed tables and with the sweep's GEMV table (SPANLLM_GEMV_TABLE)
-#   gemv-fusion   any Hopper GPU: the GPU tests of the one-row GEMV's fusions (spanllm.kernels.gemv_fusion), then
-#                 batch-1 decode, FP8 and bf16, with SPANLLM_GEMV_FUSE none / silu / silu,norm, alternating (FUSE_MODES)
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
 #                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|gemv-fusion}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
 [ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU:$PART" in
   *H200*:*) ;;
-  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv | *H100*:gemv-fusion) ;;  # any Hopper
+  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv) ;;  # any Hopper
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -165,26 +163,6 @@ case "$PART" in
       done
     done
     grep -E "best gemv|skinny again" "$R/gemv.log" | head -24
-    for f in "$R"/decode_b1_*.json; do
-      [ -e "$f" ] || continue
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], round(d['median_itl_ms'], 3), 'ms')" "$f"
-    done ;;
-  gemv-fusion)
-    timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-      tests/engine/test_gpu_paged.py -k "gemv" >"$R/pytest.txt" 2>&1
-    pack
-    for run in ${DECODE_RUNS:-fp8_a bf16_a fp8_b}; do
-      q=${run%_*}; qf=""; [ $q = fp8 ] && qf="--quantization fp8"
-      for fuse in ${FUSE_MODES:-none silu silu,norm}; do
-        [ "$fuse" = none ] && env_fuse="" || env_fuse=$fuse
-        SPANLLM_GEMV_FUSE=$env_fuse timeout 75 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput \
-          --model llama3.1-8b $qf --dataset-name random --input-len 128 --output-len 256 --num-prompts 1 \
-          --max-num-seqs 16 --max-num-batched-tokens 2048 --json "$R/decode_b1_${run}_fuse_${fuse/,/_}.json" \
-          >>"$R/decode.log" 2>&1
-        pack
-      done
-    done
-    grep -E "passed|failed|^FAILED|^ERROR" "$R/pytest.txt" | tail -12
     for f in "$R"/decode_b1_*.json; do
       [ -e "$f" ] || continue
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], round(d['median_itl_ms'], 3), 'ms')" "$f"

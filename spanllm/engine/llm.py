@@ -32,7 +32,7 @@ from spanllm.engine.fixed_batch import FixedBatchExecutor, GenerationOutput, bui
 from spanllm.engine.sampler import BatchSampler, SamplingParams
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
-from spanllm.kernels import gemv, gemv_fusion, pdl
+from spanllm.kernels import gemv, pdl
 from spanllm.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from spanllm.kernels.skinny_gemm import describe_auto, table_id
 from spanllm.layers.fp8 import MIN_FP8_CAPABILITY, check_fp8_device, describe_dispatch
@@ -321,7 +321,7 @@ class LLM:
         )
         one_row = ""
         if self.device.type == "cuda" and gemv.measured_table():
-            one_row = f"; one row: {gemv.describe_one_row(self._layer_gemms())}{self.describe_gemv_fusion()}"
+            one_row = f"; one row: {gemv.describe_one_row(self._layer_gemms())}"
         return (
             f"weights fp8 e4m3 per-channel, {origin} ({where}): {describe_dispatch()} (activations per token)"
             f"{one_row}; embedding and LM head {self.engine.dtype}; GEMM table {table_id()}"
@@ -359,22 +359,7 @@ class LLM:
             return f"decode GEMMs skinny (Triton, <= {SKINNY_MAX_M} rows; F.linear above){one_row}: " + ", ".join(
                 g[0] for g in shapes
             )
-        return f"decode GEMMs auto (measured table) at {describe_auto(shapes)}{self.describe_gemv_fusion()}"
-
-    def describe_gemv_fusion(self) -> str:
-        """What the one-row GEMV does besides the product (spanllm.kernels.gemv_fusion), as the layers decide it,
-        e.g. '; the one-row GEMV also computes SiLU x up after gate_up and the norm before qkv, gate_up'."""
-        layer = next(iter(self.model.model.layers.values()), None)
-        if layer is None or self.device.type != "cuda":
-            return ""
-        a, mlp = layer.self_attn, layer.mlp
-        h = torch.empty(1, a.qkv_proj.weight.shape[1], dtype=self.engine.dtype, device=self.device)
-        parts = ["SiLU x up after gate_up"] if gemv_fusion.fuses("silu") and mlp.gate_up_proj.runs_gemv(h) else []
-        if gemv_fusion.fuses("norm"):
-            norm = [name for name, lin in (("qkv", a.qkv_proj), ("gate_up", mlp.gate_up_proj)) if lin.runs_gemv(h)]
-            parts += [f"the norm before {', '.join(norm)}"] if norm else []
-        fuse = os.environ.get(gemv_fusion.ENV, gemv_fusion.DEFAULT)
-        return f"; the one-row GEMV also computes {' and '.join(parts) or 'nothing else'} ({gemv_fusion.ENV}={fuse})"
+        return f"decode GEMMs auto (measured table) at {describe_auto(shapes)}"
 
     # --- the worker: one runner, one KV cache, one attention backend (built on first use) ---------------
     @property

@@ -24,14 +24,10 @@ def effective_split_k(k: int, block_k: int, split_k: int) -> int:
     return cdiv(k, split_k_chunk(k, block_k, split_k))
 
 
-def split_k_buffers(
-    y: torch.Tensor, split: int, n_tiles: int, n: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials [split, M, N], the tiles' arrival counters) of a split-K launch writing y [M, N] (N: y's
-    columns, or n partial sums a row where the epilogue combines them into fewer); without a split, y twice (the
-    kernel touches neither)."""
+def split_k_buffers(y: torch.Tensor, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials [split, M, N], the tiles' arrival counters) of a split-K launch writing y [M, N]; without a
+    split, y twice (the kernel touches neither)."""
     if split == 1:
         return y, y
-    m = y.shape[0]
-    n = y.shape[1] if n is None else n
+    m, n = y.shape
     return torch.empty((split, m, n), dtype=torch.float32, device=y.device), arrival_counters(y.device, n_tiles)

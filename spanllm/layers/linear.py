@@ -12,8 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spanllm.kernels import gemv
-from spanllm.kernels.gemv_fusion import NormedRow
 from spanllm.layers import fp8
 from spanllm.layers.tp import TPContext, divide
 
@@ -36,11 +34,7 @@ class _Linear(nn.Module):
         else:
             self.weight = tp.empty(out_local, in_local)
 
-    def gemm(self, x: torch.Tensor | fp8.Fp8Activation | NormedRow, silu_out: bool = False) -> torch.Tensor:
-        """x @ W^T [..., K] -> [..., N]. A NormedRow, or silu_out (SiLU(gate) * up of the [gate | up] output,
-        [..., N / 2]): the one-row GEMV, which the caller checked this layer runs (runs_gemv; gemv_fusion)."""
-        if isinstance(x, NormedRow) or silu_out:
-            return gemv.gemv(x, self.weight, weight_scale=self.weight_scale, glu_out=silu_out)
+    def gemm(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., K] -> [..., N]
         if self.weight_scale is None:
             if isinstance(x, fp8.Fp8Activation):
                 raise TypeError("an Fp8Activation reached a linear layer whose weight is not FP8 (quantizes_input)")
@@ -51,21 +45,6 @@ class _Linear(nn.Module):
         """Whether the kernel producing this layer's input of `rows` rows should quantize it (fused_ops'
         quantize=True): the GEMM runs W8A8 and the fused quantization is on at that size (fp8.producer_quantizes)."""
         return self.weight_scale is not None and fp8.producer_quantizes(rows, *self.weight.shape)
-
-    def runs_gemv(self, x: torch.Tensor) -> bool:
-        """Whether this layer's GEMM of x runs the one-row CUDA-core GEMV (so it can also do the work of the kernels
-        around it: spanllm.kernels.gemv_fusion): x is one row on a GPU, and the GEMM it would run (W8A16 for FP8
-        weights; the skinny path in the model dtype where decode_gemm sends it there) hands that row to the GEMV
-        (its table takes the shape)."""
-        if x.numel() != x.shape[-1] or not x.is_cuda or x.dtype not in gemv.X_DTYPES:
-            return False
-        n, k = self.weight.shape
-        if self.weight_scale is None:
-            if x.dtype != self.weight.dtype or not self.tp.use_skinny(x, self.weight):
-                return False  # F.linear
-        elif fp8.uses_activation_quant(1, n, k):
-            return False  # W8A8
-        return gemv.takes(n, k, self.weight.element_size())
 
     @staticmethod
     def _check_fp8_shape(n: int, k: int, checkpoint: bool = False) -> None:
@@ -110,7 +89,7 @@ class ColumnParallelLinear(_Linear):
         self.out_local = divide(out_features, tp.size, "out_features")
         super().__init__(tp, self.out_local, in_features)  # W [out/tp, in]
 
-    def forward(self, x: torch.Tensor | fp8.Fp8Activation | NormedRow) -> torch.Tensor:  # [..., in] -> [..., out/tp]
+    def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., in] -> [..., out/tp]
         return self.gemm(x)
 
 

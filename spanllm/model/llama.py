@@ -3,7 +3,7 @@
 One forward over packed tokens (vLLM's layout): a step's tokens from every scheduled sequence in one [N] row,
 with the attention metadata saying which sequence each belongs to (spanllm.attention). The residual stream
 travels beside the hidden state, and each norm first adds the previous sub-layer's output into it (one fused
-kernel on GPU, spanllm.kernels.fused_ops; at one row, the work of the GEMV that reads it: spanllm.kernels.gemv_fusion).
+kernel on GPU, spanllm.kernels.fused_ops).
 
 A pipeline stage is this same class with the parts it does not run left as None (torchtitan's way): the
 embedding lives on the first stage, the final norm and LM head on the last, and `layers` holds only the stage's
@@ -18,10 +18,9 @@ from torch import nn
 
 from spanllm.attention.layer import Attention
 from spanllm.attention.metadata import AttentionMetadata
-from spanllm.kernels import gemv_fusion, pdl
+from spanllm.kernels import pdl
 from spanllm.kernels.fp8_quant import Fp8Activation
 from spanllm.kernels.fused_ops import add_rms_norm, silu_mul
-from spanllm.kernels.gemv_fusion import NormedRow
 from spanllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from spanllm.layers.norm import RMSNorm
 from spanllm.layers.tp import TPContext
@@ -48,10 +47,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor | Fp8Activation | NormedRow) -> torch.Tensor:  # [N, hidden]
-        row = x.h if isinstance(x, NormedRow) else x
-        if isinstance(row, torch.Tensor) and gemv_fusion.fuses("silu") and self.gate_up_proj.runs_gemv(row):
-            return self.down_proj(self.gate_up_proj.gemm(x, silu_out=True))  # one row: SiLU in the GEMV's epilogue
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # [N, hidden]
         gate_up = self.gate_up_proj(x)
         # SiLU(gate) * up, one kernel on GPU, which quantizes its output when down runs W8A8 (FP8)
         return self.down_proj(silu_mul(gate_up, quantize=self.down_proj.quantizes_input(gate_up.shape[0])))
@@ -75,22 +71,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous sub-layer's output [N, hidden] (the embedding when residual is None). Returns
         (this layer's MLP output, the residual stream before it); the same sums and roundings as
-        `residual = h + attn(norm(h)); out = residual + mlp(norm(residual))`, except that a one-row GEMV computing
-        its input keeps the normed row in fp32 (spanllm.kernels.gemv_fusion)."""
-        x, residual = _norm_for(self.self_attn.qkv_proj, self.input_layernorm, h, residual)
+        `residual = h + attn(norm(h)); out = residual + mlp(norm(residual))`."""
+        # Each norm quantizes its output to FP8 itself when the GEMM it feeds runs W8A8 (spanllm.layers.fp8).
+        norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps, quantize=qkv.quantizes_input(h.shape[0]))
         h = self.self_attn(x, meta, cache)
-        x, residual = _norm_for(self.mlp.gate_up_proj, self.post_attention_layernorm, h, residual)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps, quantize=gate_up.quantizes_input(h.shape[0]))
         return self.mlp(x), residual
-
-
-def _norm_for(linear, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None):
-    """(RMSNorm(h + residual) as `linear` takes it, h + residual). One row into the CUDA-core GEMV: the GEMV
-    computes both (the residual tensor is written when `linear` runs, next). Otherwise the fused kernel, which
-    quantizes its output to FP8 itself when `linear` runs W8A8 (spanllm.layers.fp8)."""
-    if gemv_fusion.fuses("norm") and linear.runs_gemv(h):
-        x = NormedRow.of(h, residual, norm.weight, norm.eps)
-        return x, x.residual_out
-    return add_rms_norm(h, residual, norm.weight, norm.eps, quantize=linear.quantizes_input(h.shape[0]))
 
 
 class LlamaModel(nn.Module):
