@@ -144,6 +144,7 @@ class EngineCore:
             vocab_size=self.vocab_size,
             max_model_len=self.config.max_model_len,
             capacity_tokens=self.blocks.capacity_tokens,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def add_request(
@@ -158,6 +159,7 @@ class EngineCore:
             raise RuntimeError("only TP rank 0 schedules; other ranks run worker_loop()")
         if params.stop and (self.tokenizer is None or not with_text):
             raise RequestError("stop strings need text output (a tokenizer); use stop_token_ids for token prompts")
+        prompt_ids = token_ids(prompt_ids)
         self.validate(prompt_ids, params)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -457,10 +459,17 @@ class EngineCore:
 
 
 def validate_request(
-    prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int, capacity_tokens: int
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    capacity_tokens: int,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> None:
     """The admission checks, on the engine's fixed limits only (a front end in another process runs them too).
-    Raises RequestError naming the value, the limit and the fix."""
+    Raises RequestError naming the value, the limit and the fix. eos_token_ids: the model's, masked with the stop
+    ids before min_tokens."""
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")
     total = len(prompt_ids) + params.max_tokens  # the lengths first: O(1), before the O(prompt) id checks below
@@ -477,7 +486,11 @@ def validate_request(
             "more memory"
         )
     for i, t in enumerate(prompt_ids):
-        if not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RequestError(
+                f"prompt token {i} is {t!r} ({type(t).__name__}), not a token id: give the prompt as Python ints"
+            )
+        if not 0 <= t < vocab_size:
             raise RequestError(
                 f"prompt token {i} is {t!r}, outside the vocabulary [0, {vocab_size}); "
                 f"use ids from 0 to {vocab_size - 1}"
@@ -485,10 +498,12 @@ def validate_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})")
-    if params.min_tokens and len(params.stop_token_ids) >= vocab_size:  # ids are unique (SamplingParams)
+    eos = () if params.ignore_eos else tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+    if params.min_tokens and len(set(params.stop_token_ids) | set(eos)) >= vocab_size:
         raise RequestError(
-            f"stop_token_ids lists all {vocab_size} tokens of the vocabulary and min_tokens={params.min_tokens} "
-            "forbids them until then: no token could be sampled; drop min_tokens or some stop ids"
+            f"stop_token_ids{' with the EOS ids' if eos else ''} cover all {vocab_size} tokens of the vocabulary and "
+            f"min_tokens={params.min_tokens} forbids them until then: no token could be sampled; drop min_tokens or "
+            "some stop ids"
         )
     for t, _ in params.logit_bias:
         if t >= vocab_size:
@@ -497,6 +512,25 @@ def validate_request(
         raise RequestError(
             f"top_k={params.top_k} exceeds the vocabulary of {vocab_size} tokens; use at most {vocab_size}, or 0 (off)"
         )
+
+
+def token_ids(prompt) -> list:
+    """The prompt as a list of Python ints where its ids are integers of any kind (numpy, a torch tensor's
+    elements); anything else is kept as it is, for validate_request to name."""
+    import operator
+
+    if prompt is None or isinstance(prompt, (str, bytes)):
+        return prompt
+    out = []
+    for t in prompt:
+        if isinstance(t, bool) or isinstance(t, int):
+            out.append(t)
+            continue
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            out.append(t)
+    return out
 
 
 def _find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -590,7 +590,7 @@ class LLM:
         returns the outputs; the others run the step plans it sends and return []). `on_output(out)`, if given,
         is called on rank 0 with every RequestOutput of every step as it lands (new tokens, `finished`): a
         progress bar's hook; it runs inside the engine loop, so keep it cheap."""
-        from spanllm.engine.engine_core import RequestError
+        from spanllm.engine.engine_core import RequestError, token_ids
 
         core = self.engine_core
         if core.rank != 0:
@@ -606,7 +606,9 @@ class LLM:
                     ids_list.append(self.get_tokenizer().encode(p))
                     texts.append(True)
                 else:
-                    ids_list.append(list(p))
+                    if p is None:
+                        raise RequestError("a prompt is None: give a string or a list of token ids")
+                    ids_list.append(token_ids(p))  # numpy / torch integer ids as Python ints
                     texts.append(self.tokenizer is not None)
             for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
                 core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked

@@ -86,8 +86,8 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"temperature={self.temperature} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
             )
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"top_p={self.top_p} must be in (0, 1]")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p={self.top_p!r} must be a number in (0, 1]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens={self.max_tokens} must be an integer >= 1")
         if not isinstance(self.top_k, int) or self.top_k < -1:

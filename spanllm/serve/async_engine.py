@@ -53,7 +53,7 @@ class EngineDead:
 
 class FrontDoor:
     """What the HTTP handlers hold, in either mode (AsyncEngine here, frontend_process.EngineClient): the
-    engine's fixed limits (vocab_size, capacity_tokens, max_model_len, has_tokenizer), `alive`, `error`,
+    engine's fixed limits (vocab_size, capacity_tokens, max_model_len, has_tokenizer, eos_token_ids), `alive`, `error`,
     `num_waiting()`, and the two halves every request goes through: `_open_stream` before it goes to the
     engine, `_deliver` for what comes back. Subclasses count an admitted request in `_count_add`."""
 
@@ -75,6 +75,7 @@ class FrontDoor:
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             capacity_tokens=self.capacity_tokens,
+            eos_token_ids=self.eos_token_ids,
         )
         if params.stop and not self.has_tokenizer:
             raise RequestError("stop strings need a tokenizer")
@@ -151,6 +152,10 @@ class AsyncEngine(FrontDoor):
     @property
     def has_tokenizer(self) -> bool:
         return self.core.tokenizer is not None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.core.eos_token_ids)
 
     def _count_add(self) -> None:  # under self._lock
         self._pending_adds += 1

@@ -194,6 +194,7 @@ class ProcessServer:
                 "max_model_len": core.config.max_model_len,
                 "max_num_seqs": core.config.max_num_seqs,
                 "has_tokenizer": core.tokenizer is not None,
+                "eos_token_ids": tuple(core.eos_token_ids),
             },
         }
         self._proc = ctx.Process(target=frontend_main, args=(child, cfg), name="spanllm-frontend")
@@ -266,6 +267,7 @@ class EngineClient(FrontDoor):
         self.max_model_len = limits["max_model_len"]
         self.max_num_seqs = limits["max_num_seqs"]
         self.has_tokenizer = limits["has_tokenizer"]
+        self.eos_token_ids = tuple(limits["eos_token_ids"])
         self.metrics = metrics
         self.on_dead, self.on_shutdown = on_dead, on_shutdown
         self._send_lock = threading.Lock()

@@ -179,6 +179,37 @@ def test_preemption_by_recompute_takes_the_newest():
     assert sched.waiting[0] is b and [s.request_id for s, _ in batch.entries] == ["a"]
 
 
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_two_half_prefilled_prompts_never_hold_the_pool_forever(caching, async_scheduling):
+    """A decode runs beside two 40-token prompts, and the attention budget cuts the first prompt's chunk, so the
+    second is admitted with what is left. Once the decode is done, the two prompts hold all 11 blocks part-way
+    through their prefills (36 and 8 of 40 tokens); neither could ever take another block. The oldest preempts
+    the newest: both finish with the tokens each gives alone, and every block is free after."""
+    from spanllm.engine.config import EngineConfig
+
+    cfg = EngineConfig(dtype=torch.float32, block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=64,
+                       max_model_len=128, long_prefill_attention_budget=100, enable_prefix_caching=caching,
+                       async_scheduling=async_scheduling)  # fmt: skip
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompts = [list(range(100, 140)), list(range(200, 240))]
+    alone_llm = LLM("tiny", cfg)
+    alone = [alone_llm.generate([p], params)[0].output_ids for p in prompts]
+    core = LLM("tiny", cfg).engine_core
+    core.add_request([7, 8], SamplingParams(max_tokens=4, ignore_eos=True), request_id="decode")
+    core.step()
+    for i, p in enumerate(prompts):
+        core.add_request(p, params, request_id=f"p{i}")
+    outs = {}
+    for _ in range(100):
+        outs.update({o.request_id: o.output_ids for o in core.step() if o.finished})
+        if not core.has_unfinished():
+            break
+    assert not core.has_unfinished() and sorted(outs) == ["decode", "p0", "p1"]
+    assert [outs["p0"], outs["p1"]] == alone and core.scheduler.num_preemptions >= 1
+    assert core.blocks.num_free == core.blocks.num_usable
+
+
 def test_abort_frees_blocks_from_either_queue():
     bm = BlockManager(20, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64), bm)
@@ -361,6 +392,8 @@ def test_tp2_equals_transformers_with_chunks_preemption_and_aborts(hf_checkpoint
         ),
         ([1, 2], SamplingParams(max_tokens=127), "maximum context length is 128"),
         ([1, 2], SamplingParams(max_tokens=4, stop_token_ids=(999,)), "stop_token_ids holds 999"),
+        ([True, 2], SamplingParams(max_tokens=2), r"prompt token 0 is True \(bool\), not a token id"),
+        ([1, 2.0], SamplingParams(max_tokens=2), r"prompt token 1 is 2.0 \(float\), not a token id"),
     ],
 )
 def test_bad_requests_are_refused_at_admission(tp1_llm, prompt, params, match):
@@ -379,6 +412,33 @@ def test_request_that_never_fits_the_pool(hf_checkpoint):
     assert not llm.engine_core.has_unfinished()
 
 
+def test_min_tokens_refused_where_stop_ids_and_eos_forbid_every_token(tp1_llm):
+    """Before min_tokens EOS and the stop ids are masked: stop ids covering every other id leave nothing to sample."""
+    core = tp1_llm.engine_core
+    vocab, eos = core.vocab_size, core.eos_token_ids
+    others = tuple(t for t in range(vocab) if t not in eos)
+    with pytest.raises(RequestError, match=f"stop_token_ids with the EOS ids cover all {vocab} tokens"):
+        tp1_llm.generate([[5, 6]], SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others))
+    assert not core.has_unfinished()
+    # ignore_eos leaves EOS samplable; without min_tokens nothing is masked
+    for p in (SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others, ignore_eos=True),
+              SamplingParams(max_tokens=4, stop_token_ids=others)):  # fmt: skip
+        assert tp1_llm.generate([[5, 6]], p)[0].output_ids
+
+
+def test_generate_takes_integer_ids_of_any_kind(tp1_llm):
+    """numpy and torch integer ids are token ids (as Python ints); bools and None are refused by name."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = tp1_llm.generate([[5, 6, 7]], params)[0].output_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int32(5), np.int64(6), 7]):
+        assert tp1_llm.generate([prompt], params)[0].output_ids == want
+    with pytest.raises(RequestError, match="a prompt is None"):
+        tp1_llm.generate([None], params)
+    assert not tp1_llm.engine_core.has_unfinished()
+
+
 def test_generate_checks_every_request_before_admitting_any(tp1_llm):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         tp1_llm.generate([[1, 2, 3], [4, 999]], SamplingParams(max_tokens=2))
@@ -390,6 +450,7 @@ def test_generate_checks_every_request_before_admitting_any(tp1_llm):
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
+        ({"top_p": "0.5"}, r"top_p='0.5' must be a number in \(0, 1\]"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_k": -5}, "top_k"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),

@@ -7,7 +7,9 @@ Policy (decode-first with chunked prefill, as vLLM V1 and Sarathi-Serve; FCFS):
    kept), until a block frees up or the sequence itself is the newest (then it is preempted).
    Decodes are never starved by prefills: they take the budget before any prompt does.
 2. Running sequences in the middle of a chunked prefill get the rest of the token budget, oldest
-   first: a chunk of at most the budget left.
+   first: a chunk of at most the budget left. If the oldest of them has no block for its next chunk, the newest
+   running sequences not scheduled in this step (newer prompts part-way through theirs) are preempted until it
+   has one: two half-prefilled prompts can otherwise hold the whole pool and neither ever finishes.
 3. Waiting sequences are admitted in arrival order while the budget, `max_num_seqs` and free blocks
    allow. The first that does not fit stops admission (strict FCFS: nothing behind it skips ahead).
    Admission never preempts, and a step that preempted admits nothing.
@@ -243,7 +245,10 @@ class Scheduler:
                 break
             if id(seq) in scheduled or seq.num_uncomputed <= 1:
                 continue
-            n, pairs_left = self._capped(seq, self._chunk_that_fits(seq, budget), seq.num_computed, pairs_left, out)
+            n = self._chunk_that_fits(seq, budget)
+            if n == 0 and self._preempt_newer(seq, scheduled, out):
+                n = self._chunk_that_fits(seq, budget)
+            n, pairs_left = self._capped(seq, n, seq.num_computed, pairs_left, out)
             if n == 0:
                 break  # no blocks (or no attention budget): later prefills would not fit either (FCFS among them)
             self.blocks.grow(seq, seq.num_computed + n)
@@ -377,6 +382,20 @@ class Scheduler:
                 return False
         self.blocks.grow(seq, num_positions)
         return True
+
+    def _preempt_newer(self, seq: Sequence, scheduled: set[int], out: ScheduledBatch) -> bool:
+        """Free a block for the next chunk of seq (a prefill part-way through) by preempting the newest running
+        sequences behind it that this step has not scheduled; False when none could go (only the step's decodes,
+        which finish and free theirs, hold the rest)."""
+        newer = self.running[self.running.index(seq) + 1 :]
+        preempted = False
+        while self._chunk_that_fits(seq, 1) == 0:
+            victim = next((s for s in reversed(newer) if id(s) not in scheduled and s in self.running), None)
+            if victim is None:
+                break
+            self._preempt(victim, out)
+            preempted = True
+        return preempted
 
     def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
         """Preemption by recompute: the sequence keeps its tokens and prefills them all again later."""
