@@ -35,6 +35,7 @@ SHAPES_TP2 = {  # (N, K) per GPU at TP 2
     "8b": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
 }
 SHAPES_8B_TP1 = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+SHAPES_70B_TP8 = [(1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584)]
 
 
 def _triton():
@@ -277,7 +278,7 @@ def test_config_overrides_are_valid_and_used():
     assert configs and any(key[3] == 1 for key in configs)
     for (mb, n, k, elem), cfg in configs.items():
         assert elem in (1, 2) and mb == gemm.m_bucket(mb)
-        assert (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"] + SHAPES_8B_TP1
+        assert (n, k) in SHAPES_TP2["70b"] + SHAPES_TP2["8b"] + SHAPES_8B_TP1 + SHAPES_70B_TP8
         c = gemm._check_config(cfg)
         assert gemm.effective_split_k(k, c.block_k, c.split_k) == c.split_k
         assert (c.block_n * elem + gemm.block_m_for(mb) * 2) * c.block_k * c.num_stages <= 227 * 1024
