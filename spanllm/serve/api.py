@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +34,8 @@ from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailabl
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
 from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
 
+# Request bodies above this many bytes are parsed and tokenized in a thread of their own (PreparePools).
+LARGE_BODY_BYTES = 256 * 1024
 # A text prompt of more than TEXT_MARGIN x (max characters per token) x (context tokens) characters cannot fit and is
 # refused without tokenizing it. The margin covers normalizers that merge characters (NFC-style: a letter and its
 # combining mark become one); the tokenizers served here have none, for which a margin of 1 would be exact.
@@ -78,7 +82,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
             logprobs=logprobs,
         )
     except SamplingParamsError as e:
-        raise APIError(str(e), str(e).split("=", 1)[0] or None) from None
+        raise APIError(str(e), _leading_name(str(e))) from None
+
+
+def _leading_name(message: str) -> str | None:
+    """The parameter a SamplingParamsError is about: the name its message starts with ("logit_bias[5]=...",
+    "logit_bias names token 5 twice" -> "logit_bias")."""
+    m = re.match(r"[A-Za-z_]+", message)
+    return m.group(0) if m else None
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -139,26 +150,36 @@ class LogprobsFormatter:
     """TokenLogprob lists -> OpenAI's shapes: completions' {tokens, token_logprobs, top_logprobs, text_offset}
     and chat's {content: [{token, logprob, bytes, top_logprobs}]}. A token's text is tokenizer.decode([id])."""
 
-    def __init__(self, tokenizer, chat: bool) -> None:
+    def __init__(self, tokenizer, chat: bool, prompt_ids: list[int] = (), start: int = 0) -> None:
         self.tokenizer, self.chat = tokenizer, chat
+        # completions' text_offset: each choice's characters so far, by its own detokenizer (the engine's text
+        # before stop strings hold any back), from `start` (the echoed prompt's length)
+        self._prompt_ids, self._start = list(prompt_ids), start
+        self._detok: dict[int, Any] = {}
+        self._offset: dict[int, int] = {}
 
     def token(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
-    def format(self, lps, offset: int) -> dict:
-        """The logprobs of one engine event's tokens. offset (completions' text_offset): characters of the choice's
-        text before the event; its tokens start there, after the text the previous events emitted. A token that
-        ends inside a character adds no text until the character completes (the detokenizer holds it back), so
-        the offsets never run past the text and are the same streamed or not."""
+    def format(self, lps, choice: int = 0) -> dict:
+        """The logprobs of one engine event's tokens of choice `choice`. text_offset (completions): characters of
+        the choice's text before each token, as the detokenizer produces it: a token that ends inside a character
+        adds none until the character completes, and text that a stop string may still remove counts (the
+        offsets do not wait for it to be emitted), so they are the same streamed or not, with stop strings or
+        without."""
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in lps]}
-        tokens = [self.token(lp.token_id) for lp in lps]
+        detok = self._detok.get(choice)
+        if detok is None:
+            detok = self._detok[choice] = self.tokenizer.detokenizer(self._prompt_ids)
+        offset = self._offset.get(choice, self._start)
         offsets = []
-        for t in tokens:  # (the engine's events carry one token each; a list of several counts whole characters)
+        for lp in lps:
             offsets.append(offset)
-            offset += 0 if "\ufffd" in t else len(t)
+            offset += len(detok.push(lp.token_id))
+        self._offset[choice] = offset
         return {
-            "tokens": tokens,
+            "tokens": [self.token(lp.token_id) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [self._top_by_text(lp.top) for lp in lps],
             "text_offset": offsets,
@@ -188,6 +209,20 @@ class LogprobsFormatter:
         return {**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
 
 
+class PreparePools:
+    """The worker threads that parse, validate and tokenize request bodies (CPU work proportional to the body: a
+    megabyte of text tokenizes in seconds), off the event loop. Bodies above LARGE_BODY_BYTES queue for one thread
+    of their own, so a burst of huge prompts (most of them refused once tokenized) waits behind itself and never in
+    front of the small requests, which have `small_workers` threads."""
+
+    def __init__(self, small_workers: int = 4) -> None:
+        self.small = ThreadPoolExecutor(max_workers=small_workers, thread_name_prefix="spanllm-prepare")
+        self.large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spanllm-prepare-large")
+
+    def for_body(self, nbytes: int) -> ThreadPoolExecutor:
+        return self.large if nbytes > LARGE_BODY_BYTES else self.small
+
+
 def build_app(
     engine: AsyncEngine,
     tokenizer,
@@ -198,7 +233,9 @@ def build_app(
     limits: ServerLimits | None = None,
 ) -> FastAPI:
     limits = limits or ServerLimits()
+    pools = PreparePools()
     app = FastAPI(title="spanllm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.prepare_pools = pools
     app.add_middleware(BodyLimitMiddleware, limits=limits)
     ctx_limit = min(max_model_len, engine.capacity_tokens)
 
@@ -386,12 +423,16 @@ def build_app(
     async def handle(request: Request, chat: bool):
         raw = await request.body()
         # Parsing, validation and tokenizing are CPU work proportional to the body (8 MiB of text tokenizes in
-        # seconds): a worker thread does it, so that the event loop keeps serving the other requests' streams.
-        req, params, prompt_ids, echo_text = await asyncio.to_thread(prepare, raw, chat)
+        # seconds): a worker thread does it, so that the event loop keeps serving the other requests' streams, and
+        # large bodies have a thread of their own (PreparePools).
+        loop = asyncio.get_running_loop()
+        req, params, prompt_ids, echo_text = await loop.run_in_executor(pools.for_body(len(raw)), prepare, raw, chat)
         chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queues = submit(prompt_ids, params, rid, req.n, chat_default)
-        lp = LogprobsFormatter(tokenizer, chat) if params.logprobs is not None else None
+        lp = None
+        if params.logprobs is not None:
+            lp = LogprobsFormatter(tokenizer, chat, prompt_ids, len(echo_text or ""))
         base = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -411,7 +452,6 @@ def build_app(
         n = len(queues)
         last: dict[int, Any] = {}
         lps: dict[int, list[dict]] = {i: [] for i in range(n)}  # each event's formatted logprobs, as streamed
-        offset = [len(echo_text or "")] * n
         try:
             async for i, d in merged(queues, request):
                 if d is None:
@@ -420,8 +460,7 @@ def build_app(
                 if err is not None:
                     raise err
                 if lp is not None and d.new_logprobs:
-                    lps[i].append(lp.format(d.new_logprobs, offset[i]))
-                offset[i] += len(d.new_text or "")
+                    lps[i].append(lp.format(d.new_logprobs, i))
                 if d.finished:
                     last[i] = d
                     if len(last) == n:
@@ -455,7 +494,6 @@ def build_app(
         n = len(queues)
         done: set[int] = set()
         num_output = [0] * n
-        offset = [len(echo_text or "")] * n
 
         def chunk(i: int, text: str | None, logprobs=None, finish=None, **extra) -> str:
             if chat:
@@ -492,8 +530,7 @@ def build_app(
                 if d.new_ids or d.new_text:  # one chunk per token step (text may be "": a partial character)
                     logprobs = None
                     if lp is not None and d.new_logprobs:
-                        logprobs = lp.format(d.new_logprobs, offset[i])
-                    offset[i] += len(d.new_text)
+                        logprobs = lp.format(d.new_logprobs, i)
                     yield chunk(i, d.new_text, logprobs)
                 if d.finished:  # OpenAI's last chunk of a choice: no new text, the finish reason
                     done.add(i)

@@ -24,7 +24,7 @@ LPS = [TokenLogprob(H, -0.5, ((H, -0.5), (I, -1.25))), TokenLogprob(I, -0.25, ((
 
 
 def test_completion_logprobs_shape():
-    out = LogprobsFormatter(ByteTokenizer(), chat=False).format(LPS, offset=5)
+    out = LogprobsFormatter(ByteTokenizer(), chat=False, start=5).format(LPS)
     assert out == {
         "tokens": ["H", "I"],
         "token_logprobs": [-0.5, -0.25],
@@ -34,7 +34,7 @@ def test_completion_logprobs_shape():
 
 
 def test_chat_logprobs_shape():
-    out = LogprobsFormatter(ByteTokenizer(), chat=True).format(LPS[:1], offset=0)
+    out = LogprobsFormatter(ByteTokenizer(), chat=True).format(LPS[:1])
     assert out == {
         "content": [
             {
@@ -110,28 +110,24 @@ def test_chat_logprobs_bytes_of_partial_characters():
     UTF-8 (not U+FFFD's bytes per token)."""
     tok = ByteTokenizer()
     ids = tok.encode("👨", add_special_tokens=False)  # four byte tokens
-    out = LogprobsFormatter(tok, chat=True).format([TokenLogprob(i, -0.1, ()) for i in ids], offset=0)
+    out = LogprobsFormatter(tok, chat=True).format([TokenLogprob(i, -0.1, ()) for i in ids])
     assert [e["token"] for e in out["content"]] == ["\ufffd"] * 4
     assert bytes(b for e in out["content"] for b in e["bytes"]) == "👨".encode()
 
 
-def test_completion_text_offset_never_passes_the_text():
-    """Tokens of a partial character add no characters: the offsets stay inside the text, one event at a time
-    (as streamed) or several at once."""
+def test_completion_text_offset_is_where_each_token_starts():
+    """Offsets count the detokenized text before each token: the four bytes of a partial character add nothing until
+    it completes, so its tokens all start at the character, and the next token after it. The same whether the
+    tokens come in one event or one at a time, and per choice."""
     tok = ByteTokenizer()
     ids = tok.encode("a👨b", add_special_tokens=False)  # a, four bytes of 👨, b
     lps = [TokenLogprob(i, -0.1, ()) for i in ids]
-    fmt = LogprobsFormatter(tok, chat=False)
-    assert fmt.format(lps, offset=0)["text_offset"] == [0, 1, 1, 1, 1, 1]
-    # event by event, with the text each event emitted (the detokenizer holds a partial character back)
-    emitted = ["a", "", "", "", "👨", "b"]
-    parts, offset = [], 0
-    for lp, text in zip(lps, emitted):
-        parts.append(fmt.format([lp], offset))
-        offset += len(text)
-    merged = fmt.merge(parts)
-    assert merged["text_offset"] == [0, 1, 1, 1, 1, 2] and max(merged["text_offset"]) < len("a👨b")
-    assert merged["tokens"] == [fmt.token(i) for i in ids]
+    assert LogprobsFormatter(tok, chat=False).format(lps)["text_offset"] == [0, 1, 1, 1, 1, 2]
+    fmt = LogprobsFormatter(tok, chat=False, start=3)  # after an echoed prompt of 3 characters
+    parts = {c: [fmt.format([lp], c) for lp in lps] for c in (0, 1)}  # two choices, interleaved by event
+    for c in (0, 1):
+        merged = fmt.merge(parts[c])
+        assert merged["text_offset"] == [3, 4, 4, 4, 4, 5] and merged["tokens"] == [fmt.token(i) for i in ids]
 
 
 @pytest.mark.parametrize(
@@ -217,3 +213,30 @@ def test_priming_that_fails_is_logged_and_the_app_still_builds(caplog):
     with caplog.at_level("WARNING", logger="spanllm.serve"):
         assert build_app(engine, Broken(), model_name="m", max_model_len=4096) is not None
     assert "priming the chat route failed (RuntimeError: template engine missing)" in caplog.text
+
+
+def test_large_bodies_are_prepared_in_a_thread_of_their_own():
+    """Bodies above LARGE_BODY_BYTES queue for one thread of their own: huge prompts, tokenized for seconds each,
+    never hold the threads that the small requests are prepared in (found by a hostile test: 24 refused 1.3 MB
+    prompts delayed a 1-token request by 15-26 s)."""
+    import threading
+
+    from spanllm.serve.api import LARGE_BODY_BYTES, PreparePools
+
+    pools = PreparePools(small_workers=3)
+    assert pools.for_body(LARGE_BODY_BYTES + 1) is pools.large and pools.for_body(LARGE_BODY_BYTES) is pools.small
+    assert pools.large._max_workers == 1 and pools.small._max_workers == 3
+    name = lambda: threading.current_thread().name  # noqa: E731
+    assert pools.large.submit(name).result().startswith("spanllm-prepare-large")
+    assert pools.small.submit(name).result().startswith("spanllm-prepare_")
+
+
+def test_a_sampling_refusal_names_its_field():
+    """The duplicate logit_bias token (two keys for id 5) names logit_bias, not its whole message (found by a
+    hostile test)."""
+    from spanllm.serve.api import sampling_params
+
+    req = validate({"prompt": "x", "logit_bias": {"05": 1, "5": -1}}, False, **LIMITS)
+    with pytest.raises(APIError) as e:
+        sampling_params(req, False)
+    assert e.value.param == "logit_bias" and "names token 5 twice" in e.value.message
