@@ -175,7 +175,7 @@ def test_a_seeded_penalized_request_samples_the_same_whatever_shares_its_batch(l
         (SamplingParams(max_tokens=4, top_k=251), r"top_k=251 exceeds the vocabulary of 250 tokens"),
         (  # every token forbidden until min_tokens: nothing could be sampled
             SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=list(range(250)) * 2),
-            r"stop_token_ids lists all 250 tokens of the vocabulary and min_tokens=2 forbids them",
+            r"stop_token_ids with the EOS ids cover all 250 tokens of the vocabulary and min_tokens=2 forbids them",
         ),
     ],
 )
