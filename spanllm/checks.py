@@ -75,10 +75,16 @@ def _triton_missing() -> bool:
     return importlib.util.find_spec("triton") is None
 
 
-def allreduce_names(names, device: str, flag: str = "--allreduce") -> None:
-    """Registered names whose backend runs on `device` (and finds Triton, for nvrar)."""
+def allreduce_names(names, device: str, flag: str = "--allreduce", world: int | None = None) -> None:
+    """Registered names whose backend runs on `device` (and finds Triton, for nvrar); given the run's world size,
+    not for a single rank, where no all-reduce runs (the name would be accepted and never used)."""
     from spanllm.comm import registry
 
+    if world == 1 and names:
+        raise UsageError(
+            f"{flag} {','.join(names)}: this run has one rank, where no all-reduce runs; give --nprocs N (N > 1: "
+            f"tensor parallel over N ranks) or drop {flag}"
+        )
     for name in names:
         if name not in registry.ALGORITHMS:
             raise UsageError(

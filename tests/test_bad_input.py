@@ -44,6 +44,7 @@ def no_ranks(monkeypatch):
 
 GEN = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3"]
 BATCH = ["bench", "batch", "--model", "tiny"]
+THROUGHPUT = ["bench", "throughput", "--model", "tiny", "--dataset-name", "random", "--num-prompts", "4"]
 STUDY = ["bench", "study", "--model", "tiny", "--nprocs", "2"]
 AR = ["bench", "allreduce", "--nprocs", "2"]
 TUNE = ["tune", "--out", os.path.join(os.path.dirname(__file__), "never-written.json")]
@@ -111,6 +112,17 @@ CASES = [
         "--allreduce 'ring': no such all-reduce algorithm; registered: ref_ring",
     ),
     (GEN + ["--nprocs", "2", "--allreduce", "nvrar"], "--allreduce nvrar: runs on cuda only"),
+    # bench host's bounds (a run's block lists and queue live in host memory)
+    (["bench", "host", "--prompt-len", "100000000"], "--prompt-len 100000000 + --output-len 150: more than 131072"),
+    (["bench", "host", "--max-num-seqs", "100000", "--prompt-len", "4000"], "more than 4194304; give fewer"),
+    (["bench", "host", "--requests", "100000000"], "--requests 100000000: at most 100000"),
+    # one rank runs no all-reduce: a name given there would be accepted and never used
+    (GEN + ["--allreduce", "ref_ring"], "--allreduce ref_ring: this run has one rank, where no all-reduce runs"),
+    (BATCH + ["--allreduce", "gloo"], "--allreduce gloo: this run has one rank, where no all-reduce runs"),
+    # bench throughput and serve check the name before any rank starts, as generate and bench batch do
+    (THROUGHPUT + ["--nprocs", "2", "--allreduce", "nosuch"], "--allreduce 'nosuch': no such all-reduce algorithm"),
+    (THROUGHPUT + ["--allreduce", "gloo"], "--allreduce gloo: this run has one rank"),
+    (["serve", "--model", "tiny", "--nprocs", "2", "--allreduce", "nvrar"], "--allreduce nvrar: runs on cuda only"),
     (GEN + ["--decode-gemm", "skinny"], "--decode-gemm skinny: a Triton kernel for CUDA GPUs"),
     (GEN + ["--pdl", "on"], "--pdl on: programmatic dependent launch of Triton kernels on a GPU, and these ranks"),
     (BATCH + ["--pdl", "on"], "--pdl on: programmatic dependent launch of Triton kernels on a GPU"),

@@ -178,7 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if not batch_sizes or min(batch_sizes) < 1:
         raise UsageError(f"--batch-sizes {args.batch_sizes!r}: give positive integers like 1,8")
     allreduce = _csv(args.allreduce, str, "--allreduce")
-    checks.allreduce_names(allreduce, device)
+    checks.allreduce_names(allreduce, device, world=world)
     checks.tuning(args.tuning)
     if args.plot:
         _check_matplotlib()

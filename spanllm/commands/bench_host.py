@@ -19,6 +19,11 @@ import torch
 from spanllm.engine.core.scheduler import SCHEDULING_POLICIES
 
 DEFAULT_QUESTION_LEN = 128
+# Bounds of a run (the block manager holds max_num_seqs sequences' blocks in Python lists; every request is queued at
+# once): a sequence of at most Llama 3.1's context, at most this many blocks and requests
+MAX_SEQ_TOKENS = 131072
+MAX_BLOCKS = 1 << 22
+MAX_REQUESTS = 100_000
 
 
 class _NoModel:
@@ -152,6 +157,20 @@ def run(args: argparse.Namespace) -> int:
     for name in ("requests", "prompt_len", "output_len", "max_num_seqs", "block_size", "repeats", "vocab"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.prompt_len + args.output_len > MAX_SEQ_TOKENS:
+        raise UsageError(
+            f"--prompt-len {args.prompt_len} + --output-len {args.output_len}: more than {MAX_SEQ_TOKENS} tokens a "
+            "sequence (Llama 3.1's context); give shorter lengths"
+        )
+    blocks = args.max_num_seqs * -(-(args.prompt_len + args.output_len) // args.block_size) + 2
+    if blocks > MAX_BLOCKS:
+        raise UsageError(
+            f"--max-num-seqs {args.max_num_seqs} sequences of {args.prompt_len + args.output_len} tokens in blocks of "
+            f"{args.block_size}: {blocks} KV blocks, more than {MAX_BLOCKS}; give fewer sequences, shorter lengths or "
+            "larger blocks"
+        )
+    if args.requests > MAX_REQUESTS:
+        raise UsageError(f"--requests {args.requests}: at most {MAX_REQUESTS} (all are queued at once)")
     if args.families < 0:
         raise UsageError(f"--families {args.families}: must be >= 0 (0: every prompt distinct)")
     if args.question_len is not None and not args.families:

@@ -246,7 +246,10 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
         )
     # where the ranks compute (local spawned ranks are CPU even on a GPU machine): the Triton-only options below
     # are judged by it, never by whether this process sees a GPU
-    device = checks.device_type(checks.world_size(args.nprocs))
+    world = checks.world_size(args.nprocs)
+    device = checks.device_type(world)
+    if getattr(args, "allreduce", None):
+        checks.allreduce_names([args.allreduce], device, world=world)
     where = "a GPU" if device == "cuda" else "CPU ranks"
     no_triton = args.attention_backend == "torch" or checks.no_triton_gpu(device) is not None
     cascade = getattr(args, "prefill_attention", "auto")

@@ -43,8 +43,13 @@ def warm_up(llm) -> dict:
     from spanllm.engine.sampler import SamplingParams
 
     t0 = time.perf_counter()
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    llm.generate([[llm.get_tokenizer().bos_token_id or 1] * 8], sp)
+    # 8 prompt tokens and 4 to generate, fewer where the context or the KV pool is smaller (the user's limits, not
+    # the warm-up's: a server with --max-model-len 10 must start); none where not even 1 + 1 tokens fit
+    limit = min(llm.max_model_len, llm.engine_core.blocks.capacity_tokens)
+    prompt_len = min(8, limit - 1)
+    if prompt_len >= 1:
+        sp = SamplingParams(max_tokens=min(4, limit - prompt_len), ignore_eos=True)
+        llm.generate([[llm.get_tokenizer().bos_token_id or 1] * prompt_len], sp)
     runner = llm.engine_core.runner
     captured = runner.capture_all()
     warmed = _warm_chunk_shapes(llm)

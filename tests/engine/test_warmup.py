@@ -88,3 +88,16 @@ def test_the_chunk_shapes_warm_first_and_in_the_forwards_pdl_scope(monkeypatch):
         order.clear()
         warmup.warm_up_worker(llm)  # the other TP ranks: the same order
         assert order == [("generate", 0), "capture", ("shapes", want_pdl), ("generate", 0)]
+
+
+def test_warm_up_request_fits_a_small_context():
+    """The warm-up request (8 prompt tokens, 4 to generate) shrinks to the user's context or KV pool: with
+    max_model_len 10 (found by a hostile test: `spanllm serve --max-model-len 10` died on its own warm-up) and
+    with a 2-token context; a request of the user's own still runs after it."""
+    from spanllm.engine.config import EngineConfig
+
+    for max_len in (10, 2):
+        llm = LLM("tiny", EngineConfig(dtype=torch.float32, max_model_len=max_len, num_kv_blocks=64))
+        assert warmup.warm_up(llm)["prefill_warmup_tokens"] == 0
+        out = llm.generate([[5]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        assert len(out.output_ids) == 1 and not llm.engine_core.has_unfinished()
