@@ -323,6 +323,15 @@ def output_file(flag: str, path: str | None) -> None:
         ) from None
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable here; choose a path you can write")
+    # os.access answers yes to root everywhere (and knows nothing of /proc): opening the file says what writing will
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot be written ({e.strerror}); choose a path you can write") from None
+    if not existed:
+        os.remove(path)
 
 
 def png_file(flag: str, path) -> None:

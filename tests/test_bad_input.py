@@ -538,3 +538,18 @@ def test_good_input_reaches_the_launch(monkeypatch, argv):
         monkeypatch.setattr(mod, "launch", launched)
     with pytest.raises(_Launched):
         main(argv)
+
+
+def test_files_that_cannot_be_read_or_written_are_refused_first(no_ranks, capsys, tmp_path):
+    """A cluster file holding a JSON list (not an object), and an output path that opening refuses even to root
+    (os.access says yes to root everywhere): one line each, before any work (found by a hostile test)."""
+    listed = tmp_path / "cluster.json"
+    listed.write_text("[1, 2]")
+    assert main(["plan", "--model", "llama3.1-70b", "--cluster", str(listed)]) == 2
+    assert "holds a list; it must be one object of ClusterSpec's fields" in one_error_line(capsys)
+    assert main(["bench", "host", "--requests", "8", "--json", "/proc/spanllm-never/out.json"]) == 2
+    assert "--json /proc/spanllm-never/out.json: cannot" in one_error_line(capsys)
+    out = tmp_path / "fresh.json"
+    assert main(["bench", "host", "--requests", "4", "--prompt-len", "8", "--output-len", "2", "--repeats", "1",
+                 "--json", str(out)]) == 0  # fmt: skip
+    assert out.exists()

@@ -823,12 +823,19 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     if not path.is_file():
         raise ClusterSpecError(f"cluster file {s!r} does not exist")
     text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    elif path.suffix == ".toml":
-        data = tomllib.loads(text)
-    else:
-        raise ClusterSpecError(f"cluster file {s!r}: suffix {path.suffix!r} not understood; use .json or .toml")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ClusterSpecError(f"cluster file {s!r}: suffix {path.suffix!r} not understood; use .json or .toml")
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ClusterSpecError(f"cluster file {s!r} is not valid {path.suffix[1:].upper()}: {e}") from None
+    if not isinstance(data, dict):
+        raise ClusterSpecError(
+            f"cluster file {s!r} holds a {type(data).__name__}; it must be one object of ClusterSpec's fields"
+        )
     return cluster_from_dict(data, source=s)
 
 
