@@ -193,7 +193,14 @@ CASES = [
     # generate: sampling ranges, the batch's micro-batches and KV blocks, before any rank starts
     (GEN + ["--temperature", "200"], "--temperature 200: must be in [0, 100] (0 = greedy)"),
     (GEN + ["--temperature", "nan"], "--temperature nan: must be in [0, 100] (0 = greedy)"),
-    (GEN + ["--top-k", "100000000"], "--top-k 100000000: exceeds the vocabulary of 512 tokens; use at most 512"),
+    (
+        GEN + ["--top-k", "100000000", "--temperature", "0.5"],
+        "--top-k 100000000: exceeds the vocabulary of 512 tokens; use at most 512",
+    ),
+    # honoured or refused: a cut of greedy decoding's candidates could never change its token
+    (GEN + ["--top-k", "5"], "--top-k: greedy decoding (--temperature 0, the default) takes the most likely token"),
+    (GEN + ["--top-p", "0.9", "--top-k", "5"], "--top-k and --top-p: greedy decoding"),
+    (THROUGHPUT + ["--num-kv-blocks", "999999999"], "num_kv_blocks=999999999: 30517.6 GiB of KV cache"),
     (GEN + ["--micro-batches", "2"], "--micro-batches 2: more than the 1 prompt(s) of the batch; give at most 1"),
     (
         GEN + ["--prompt-ids", "1,2", "--num-kv-blocks", "3", "--max-new-tokens", "20"],

@@ -129,6 +129,13 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
     checks.temperature(args.temperature)
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
+    cut = [f for f, on in (("--top-k", args.top_k), ("--top-p", args.top_p != 1.0)) if on]
+    if cut and args.temperature == 0.0:
+        raise UsageError(
+            f"{' and '.join(cut)}: greedy decoding (--temperature 0, the default) takes the most likely token, which "
+            f"{'they' if len(cut) > 1 else 'it'} would never cut; give --temperature > 0 to sample, or drop "
+            f"{' and '.join(cut)}"
+        )
     prompts = [_parse_ids(p) for p in args.prompt_ids]
     names = [
         f"--prompt-ids #{i} ({p!r})" if len(p) <= 40 else f"--prompt-ids #{i}" for i, p in enumerate(args.prompt_ids)

@@ -11,11 +11,13 @@ keeps) becomes KV blocks. On CPU the pool gets
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from spanllm.engine.core.block_manager import RESERVED_BLOCKS
+from spanllm.errors import UsageError
 from spanllm.kernels.shared_prefix_layout import MAX_PREFIX_SPLITS
 
 GIB = 1 << 30
@@ -70,6 +72,18 @@ def size_pool(
     num_kv_blocks: int | None,
 ) -> CacheSizing:
     if num_kv_blocks is not None:
+        # a pool that cannot fit this device at all (GPU: what is free now; CPU: its physical memory) is refused
+        # here, with its size, rather than by the allocator
+        if device.type == "cuda":
+            room, where = torch.cuda.mem_get_info(device)[0], "free on this GPU"
+        else:
+            room, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of memory on this machine"
+        if num_kv_blocks * per_block > room:
+            raise UsageError(
+                f"num_kv_blocks={num_kv_blocks}: {num_kv_blocks * per_block / GIB:.1f} GiB of KV cache "
+                f"({per_block / 2**20:.3g} MiB a block), more than the {room / GIB:.1f} GiB {where}; give at most "
+                f"{room // per_block} blocks"
+            )
         return CacheSizing(num_kv_blocks, block_size, per_block, "num_kv_blocks set")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
