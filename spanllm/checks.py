@@ -41,7 +41,18 @@ def world_size(nprocs: int) -> int:
     if world is not None:
         return world
     at_least("--nprocs", nprocs, 1, " (local gloo ranks)")
+    limit = max_local_ranks()
+    if nprocs > limit:
+        raise UsageError(
+            f"--nprocs {nprocs}: more local ranks than this machine runs usefully (at most {limit}: 4 per CPU core, "
+            f"at least 8; each is a process with its own torch); give fewer, or launch on more machines with torchrun"
+        )
     return nprocs
+
+
+def max_local_ranks() -> int:
+    """The most local gloo ranks --nprocs may start: 4 per CPU core, and never fewer than 8 (the 2 x 4 topologies)."""
+    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def device_type(nprocs: int | None = None) -> str:

@@ -105,6 +105,7 @@ CASES = [
         "--ranks-per-node 0: ranks_per_node=0 must be a positive integer",
     ),
     (GEN + ["--micro-batches", "0"], "--micro-batches 0: must be >= 1"),
+    (GEN + ["--nprocs", "100000"], "--nprocs 100000: more local ranks than this machine runs usefully (at most "),
     # names: dtype, all-reduce, GEMM, removed flags, model
     (GEN + ["--dtype", "fp8"], "--dtype 'fp8' is not supported; choose one of auto, float32"),
     (
