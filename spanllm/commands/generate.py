@@ -121,9 +121,7 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         )
     checks.layout(args.tp, args.pp, world, cfg, topo)
     checks.at_least("--micro-batches", args.micro_batches, 1)
-    if args.allreduce is not None:
-        checks.allreduce_names([args.allreduce], device, world=world)
-    check_engine_arguments(args, serving=False)
+    check_engine_arguments(args, serving=False)  # --allreduce too
     checks.at_least("--max-new-tokens", args.max_new_tokens, 1)
     checks.at_least("--top-k", args.top_k, 0, " (0 = off)")
     checks.temperature(args.temperature)

@@ -28,6 +28,7 @@ after those writes, in the same order. Outputs arrive one step later than they a
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field, replace
 
@@ -517,17 +518,12 @@ def validate_request(
 def token_ids(prompt) -> list:
     """The prompt as a list of Python ints where its ids are integers of any kind (numpy, a torch tensor's
     elements); anything else is kept as it is, for validate_request to name."""
-    import operator
-
-    if prompt is None or isinstance(prompt, (str, bytes)):
+    if prompt is None:
         return prompt
     out = []
     for t in prompt:
-        if isinstance(t, bool) or isinstance(t, int):
-            out.append(t)
-            continue
         try:
-            out.append(operator.index(t))
+            out.append(t if isinstance(t, int) else operator.index(t))  # bools stay bools (an int subclass)
         except TypeError:
             out.append(t)
     return out

@@ -86,8 +86,7 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"temperature={self.temperature} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
             )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"top_p={self.top_p!r} must be a number in (0, 1]")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "1 = no nucleus cut", open_low=True)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens={self.max_tokens} must be an integer >= 1")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -155,8 +155,7 @@ class LogprobsFormatter:
         # completions' text_offset: each choice's characters so far, by its own detokenizer (the engine's text
         # before stop strings hold any back), from `start` (the echoed prompt's length)
         self._prompt_ids, self._start = list(prompt_ids), start
-        self._detok: dict[int, Any] = {}
-        self._offset: dict[int, int] = {}
+        self._choices: dict[int, list] = {}  # choice -> [its detokenizer, characters so far]
 
     def token(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
@@ -169,15 +168,13 @@ class LogprobsFormatter:
         without."""
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in lps]}
-        detok = self._detok.get(choice)
-        if detok is None:
-            detok = self._detok[choice] = self.tokenizer.detokenizer(self._prompt_ids)
-        offset = self._offset.get(choice, self._start)
+        state = self._choices.get(choice)
+        if state is None:
+            state = self._choices[choice] = [self.tokenizer.detokenizer(self._prompt_ids), self._start]
         offsets = []
         for lp in lps:
-            offsets.append(offset)
-            offset += len(detok.push(lp.token_id))
-        self._offset[choice] = offset
+            offsets.append(state[1])
+            state[1] += len(state[0].push(lp.token_id))
         return {
             "tokens": [self.token(lp.token_id) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
@@ -235,7 +232,6 @@ def build_app(
     limits = limits or ServerLimits()
     pools = PreparePools()
     app = FastAPI(title="spanllm", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.prepare_pools = pools
     app.add_middleware(BodyLimitMiddleware, limits=limits)
     ctx_limit = min(max_model_len, engine.capacity_tokens)
 

@@ -160,33 +160,17 @@ def test_interpreter_suite():
     shims.run_child_suite(__file__, 2 * len(CASES) + 4, "interp_")
 
 
+def _entry(n: int, elem_bytes: int, gemv_us: float, skinny_us: float, torch_us: float | None = None) -> dict:
+    """A GEMV table entry of W [n, 256] at the config (16, 128, 2, 4, 2), with its times."""
+    times = {"gemv_us": gemv_us, "skinny_us": skinny_us} | ({} if torch_us is None else {"torch_us": torch_us})
+    return {"n": n, "k": 256, "elem_bytes": elem_bytes, "config": [16, 128, 2, 4, 2], **times}
+
+
 def test_table_rules(table):
     from spanllm.kernels import gemv, skinny_gemm
 
     pytest.importorskip("triton")
-    table(
-        [
-            {
-                "n": 64,
-                "k": 256,
-                "elem_bytes": 2,
-                "config": [16, 128, 2, 4, 2],
-                "gemv_us": 5,
-                "skinny_us": 6,
-                "torch_us": 4,
-            },
-            {
-                "n": 96,
-                "k": 256,
-                "elem_bytes": 2,
-                "config": [16, 128, 2, 4, 2],
-                "gemv_us": 5,
-                "skinny_us": 6,
-                "torch_us": 9,
-            },
-            {"n": 64, "k": 256, "elem_bytes": 1, "config": [16, 128, 2, 4, 2], "gemv_us": 7, "skinny_us": 6},
-        ]
-    )
+    table([_entry(64, 2, 5, 6, torch_us=4), _entry(96, 2, 5, 6, torch_us=9), _entry(64, 1, 7, 6)])
     assert gemv.takes(64, 256, 2) and not gemv.beats_torch(64, 256, 2)  # faster than skinny, slower than F.linear
     assert gemv.takes(96, 256, 2) and gemv.beats_torch(96, 256, 2)
     assert not gemv.takes(64, 256, 1) and not gemv.takes(128, 256, 2)
@@ -198,20 +182,7 @@ def test_table_rules(table):
     # one row: qkv on the GEMV (it beat F.linear), down stays on F.linear (the GEMV lost to it), o (FP8) too
     assert text.startswith("1 row: CUDA-core GEMV qkv (table 3 entries from ") and text.count("GEMV") == 1, text
     assert "; skinny -; F.linear o, down | 2-16 rows: skinny -; F.linear qkv, o, down" in text, text
-    table(
-        [
-            {
-                "n": 64,
-                "k": 256,
-                "elem_bytes": 2,
-                "config": [16, 128, 2, 4, 2],
-                "gemv_us": 6,
-                "skinny_us": 6,
-                "torch_us": 9,
-            },
-            {"n": 96, "k": 256, "elem_bytes": 2, "config": [16, 128, 2, 4, 2], "gemv_us": 5, "skinny_us": 6},
-        ]
-    )
+    table([_entry(64, 2, 6, 6, torch_us=9), _entry(96, 2, 5, 6)])
     assert not gemv.takes(64, 256, 2)  # a tie keeps the skinny GEMM
     assert gemv.takes(96, 256, 2) and not gemv.beats_torch(96, 256, 2)  # F.linear never timed: never replaced
     assert gemv.describe_one_row(gemms).startswith("CUDA-core GEMV qkv (table 2 entries")  # where skinny_linear runs
