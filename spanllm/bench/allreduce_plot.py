@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from spanllm.output_files import save_figure
 
-def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> None:
+
+def plot_allreduce(docs: list[dict], path: str, title: str | None = None, flag: str = "--plot") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,5 +41,5 @@ def plot_allreduce(docs: list[dict], path: str, title: str | None = None) -> Non
     where = f"{len(gpus)} x {gpus[0]}" if gpus else f"{world} CPU ranks (gloo)"
     fig.suptitle(title or f"spanllm bench allreduce on {where}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(flag, path, fig, dpi=120)
     plt.close(fig)

@@ -19,9 +19,7 @@ hit rate over the run (from /metrics, when it has the counters).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from spanllm.bench.prefix_cache_metrics import prefix_cache_counters, prefix_cac
 from spanllm.bench.serve_client import RequestInput, send_request
 from spanllm.bench.serve_metrics import arrival_offsets_s
 from spanllm.errors import UsageError
+from spanllm.output_files import write_json
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def sample_conversations(
     return out, info
 
 
-def save_conversations(conversations: list[Conversation], path: str) -> None:
+def save_conversations(conversations: list[Conversation], path: str, flag: str = "--save-conversations") -> None:
     """The sampled conversations (their replayed turns) as a ShareGPT file: `--dataset-path` of it samples the
     same conversations and lengths again (for a machine without the ShareGPT package)."""
     records = [
@@ -122,9 +121,7 @@ def save_conversations(conversations: list[Conversation], path: str) -> None:
         }
         for c in conversations
     ]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(records, f, ensure_ascii=False)
+    write_json(flag, path, records, ensure_ascii=False)
 
 
 def render(history: list[tuple[str, str]], user: str) -> str:

@@ -16,9 +16,10 @@ import os
 
 from spanllm.bench.datasets import SampleRequest, SampleSet
 from spanllm.errors import UsageError
+from spanllm.output_files import write_json
 
 
-def save_samples(samples: SampleSet, path: str) -> None:
+def save_samples(samples: SampleSet, path: str, flag: str = "--save-samples") -> None:
     data = {
         "info": samples.info,
         "requests": [
@@ -31,8 +32,7 @@ def save_samples(samples: SampleSet, path: str) -> None:
             for r in samples
         ],
     }
-    with open(path, "w") as f:
-        json.dump(data, f)
+    write_json(flag, path, data)
 
 
 def load_samples(path: str) -> SampleSet:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spanllm.bench.serve_metrics import percentile_word
+from spanllm.output_files import save_figure
 
 _HEADERS = {
     "ttft": ("TTFT", "Time to First Token"),
@@ -115,7 +116,7 @@ def sweep_table(runs: Sequence[dict[str, Any]], title: str):
     return table
 
 
-def plot_sweep(runs: Sequence[dict[str, Any]], path: str, title: str) -> None:
+def plot_sweep(runs: Sequence[dict[str, Any]], path: str, title: str, flag: str = "--result-dir") -> None:
     """TTFT and TPOT (median and the highest percentile asked for) and output throughput against request rate.
     Rates sit at evenly spaced positions (a sweep is usually geometric and ends with inf)."""
     import matplotlib
@@ -148,5 +149,5 @@ def plot_sweep(runs: Sequence[dict[str, Any]], path: str, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(flag, path, fig, dpi=120)
     plt.close(fig)

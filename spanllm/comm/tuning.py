@@ -13,6 +13,7 @@ import torch
 
 from spanllm.comm.topology import Topology
 from spanllm.dtypes import DTYPE_NAMES
+from spanllm.output_files import write_json
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class TuningTable:
 
         return LaunchParams(**e.nvrar_launch)
 
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump({"kind": "tuning", **self.meta, "entries": [asdict(e) for e in self.entries]}, f, indent=1)
+    def save(self, path: str, flag: str = "--out") -> None:
+        doc = {"kind": "tuning", **self.meta, "entries": [asdict(e) for e in self.entries]}
+        write_json(flag, path, doc, indent=1)
 
     @classmethod
     def load(cls, path: str) -> TuningTable:

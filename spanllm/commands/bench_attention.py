@@ -14,14 +14,13 @@ the bandwidth they imply.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 
 from spanllm.launch import DistContext, finish, launch
 from spanllm.measure.timing import time_calls
+from spanllm.output_files import write_json
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
 
@@ -155,8 +154,6 @@ def run(args: argparse.Namespace) -> int:
         )
     r = launch(_rank, args)[0]
     if args.json and r is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1, default=str)
+        write_json("--json", args.json, r, indent=1, default=str)
         print(f"wrote {args.json}")
     return finish(0)

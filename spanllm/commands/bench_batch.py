@@ -46,6 +46,7 @@ from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 from spanllm.model.config import resolve_model
 from spanllm.model.parallel_dims import ParallelDims
+from spanllm.output_files import save_figure
 from spanllm.workloads import WORKLOADS
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
@@ -501,8 +502,7 @@ def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure("--json", path, fig, dpi=120)
     plt.close(fig)
 
 

@@ -11,12 +11,12 @@ sampler's calls and the per-request outputs. On a GPU this time is serialized wi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from spanllm.engine.core.scheduler import SCHEDULING_POLICIES
+from spanllm.output_files import write_json
 
 DEFAULT_QUESTION_LEN = 128
 # Bounds of a run (the block manager holds max_num_seqs sequences' blocks in Python lists; every request is queued at
@@ -203,6 +203,5 @@ def run(args: argparse.Namespace) -> int:
             f"{best['mean_families_running']:.1f} per step on average ({args.scheduling_policy})"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "runs": rows}, f, indent=1)
+        write_json("--json", args.json, {"settings": vars(args), "runs": rows}, indent=1)
     return 0

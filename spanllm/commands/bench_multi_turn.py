@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import os
 
 from spanllm.bench.multi_turn import MultiTurnConfig, run_conversations, sample_conversations, save_conversations
+from spanllm.output_files import write_json
 
 # The server and traffic options: (dest, type, default, help). Absent from the namespace unless given (run() fills
 # the defaults in), so that --dry-run, which asks no server, can refuse the ones it would ignore.
@@ -167,10 +166,8 @@ def run(args: argparse.Namespace) -> int:
         + (f"{100 * rate:.1f}%" if rate is not None else f"unknown ({r.get('prefix_cache_note')})")
     )
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if not callable(v)}
         doc = {**r, "dataset": info, "settings": settings, "machine": machine_info(), "versions": versions()}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
+        write_json("--json", args.json, doc, indent=1, default=str)
         print(f"wrote {args.json}")
     return 0 if r["completed"] > 0 and not r["failed"] else 1

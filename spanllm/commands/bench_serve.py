@@ -56,6 +56,7 @@ from spanllm.commands.dataset_args import (
 from spanllm.errors import SpanllmError, UsageError
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+STATUS_LINE_S = 30.0  # a status line this often while no live progress bar shows (benchmark_async)
 DETAILED_FIELDS = (
     "input_lens",
     "output_lens",
@@ -171,9 +172,12 @@ async def benchmark_async(
     cfg: ServeBenchConfig,
     count_output_tokens: Callable[[str], int] | None = None,
     on_request_done: Callable[[], None] | None = None,
+    status_lines: bool = False,
 ) -> dict[str, Any]:
     """Send every sample at its arrival time, wait for all, and return vLLM's result fields plus the per-request
-    arrays (DETAILED_FIELDS) and error_counts."""
+    arrays (DETAILED_FIELDS) and error_counts. status_lines: where no live progress bar shows (a log file, a pipe,
+    --disable-tqdm), a line on stderr every STATUS_LINE_S says how many requests have answered, so that a server
+    that accepts connections and never answers is seen long before --request-timeout."""
     import aiohttp
 
     if not len(samples):
@@ -203,7 +207,10 @@ async def benchmark_async(
                     f"warning: {len(failed)} of {cfg.num_warmups} warm-up requests failed: {failed[0]}", file=sys.stderr
                 )
 
+        answered = 0
+
         async def one(inp: RequestInput) -> RequestOutput:
+            nonlocal answered
             arrived = time.perf_counter()
             if sem is None:
                 out = await send_request(session, inp, cfg.request_timeout_s)
@@ -211,6 +218,7 @@ async def benchmark_async(
                 async with sem:
                     out = await send_request(session, inp, cfg.request_timeout_s)
             out.client_queue_time = out.start_time - arrived
+            answered += 1
             if on_request_done:
                 on_request_done()
             return out
@@ -219,12 +227,28 @@ async def benchmark_async(
         offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
         start = time.perf_counter()
         tasks = []
-        for inp, offset in zip(inputs, offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(inp)))
-        outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+
+        async def report_status() -> None:
+            while True:
+                await asyncio.sleep(STATUS_LINE_S)
+                print(
+                    f"bench serve: {answered} of {len(inputs)} requests answered, {len(tasks) - answered} in flight, "
+                    f"{time.perf_counter() - start:.0f} s (--request-timeout {cfg.request_timeout_s:g} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        status = asyncio.create_task(report_status()) if status_lines else None
+        try:
+            for inp, offset in zip(inputs, offsets):
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(inp)))
+            outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+        finally:
+            if status is not None:
+                status.cancel()
         duration = time.perf_counter() - start
         cache1 = await prefix_cache_counters(session, cfg.base_url)
 
@@ -299,7 +323,10 @@ def run_benchmark(samples: Sequence, config: ServeBenchConfig, tokenizer=None, p
         if progress is not None:
             task = progress.add_task(f"rate {rate_label(config.request_rate)} req/s", total=len(samples))
             on_done = lambda: progress.advance(task)  # noqa: E731
-        result = asyncio.run(benchmark_async(samples, config, output_token_counter(tokenizer), on_done))
+        bar_shown = progress is not None and progress.console.is_terminal
+        result = asyncio.run(
+            benchmark_async(samples, config, output_token_counter(tokenizer), on_done, status_lines=not bar_shown)
+        )
     finally:
         if own:
             progress.stop()
@@ -593,6 +620,7 @@ def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequ
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from spanllm import output_files
     from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
     from spanllm.measure.report import machine_info, versions, write_json
 
@@ -655,6 +683,7 @@ def run(args: argparse.Namespace) -> int:
                 "bench_serve_sweep",
                 settings,
                 done,
+                flag="--result-dir",
                 dataset=samples.info,
             )
 
@@ -667,10 +696,8 @@ def run(args: argparse.Namespace) -> int:
     if len(rates) == 1:
         if args.save_result:
             path = result_path(args, cfg.label, model, rates, dt)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             doc = {**saved[0], **metadata, **extra, "machine": machine_info(), "versions": versions()}
-            with open(path, "w") as f:
-                json.dump(doc, f, indent=1, default=str)
+            output_files.write_json("--result-dir", path, doc, indent=1, default=str)
             print(f"wrote {path}")
     else:
         title = (
@@ -687,7 +714,7 @@ def run(args: argparse.Namespace) -> int:
             "request_rates": [rate_label(r) for r in rates],
             **metadata,
         }
-        write_json(path, "bench_serve_sweep", settings, saved, **extra)
+        write_json(path, "bench_serve_sweep", settings, saved, flag="--result-dir", **extra)
         png = os.path.splitext(path)[0] + ".png"
         plot_sweep(saved, png, title)
         print(f"wrote {path}\nwrote {png}")

@@ -15,8 +15,6 @@ bucket, on a GPU a prompt of two full chunks), so no first-call cost lands insid
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import numpy as np
@@ -33,6 +31,7 @@ from spanllm.commands.engine_args import add_engine_arguments, add_model_argumen
 from spanllm.engine import cuda_allocator
 from spanllm.engine.warmup import warm_up, warm_up_worker
 from spanllm.launch import DistContext, finish, launch
+from spanllm.output_files import write_json
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
 
@@ -205,8 +204,6 @@ def run(args: argparse.Namespace) -> int:
         + (f"{100 * pc['hit_rate']:.1f}% ({pc['hits']} of {pc['queries']} prompt tokens)" if pc["queries"] else "n/a")
     )
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1, default=str)
+        write_json("--json", args.json, r, indent=1, default=str)
         print(f"wrote {args.json}")
     return finish(0)

@@ -7,16 +7,16 @@ results/perf_validation.json unless asked to (`--out results/perf_validation.jso
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from spanllm.errors import UsageError
+from spanllm.output_files import save_figure, write_json
 from spanllm.perf.engine_fit import format_constant
 from spanllm.perf.hardware import ClusterSpecError, load_cluster
 from spanllm.perf.validate import validate
 
 
-def plot_report(report: dict, path: Path) -> None:
+def plot_report(report: dict, path: Path, flag: str = "--plot") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,7 +52,7 @@ def plot_report(report: dict, path: Path) -> None:
     ax.set_title(f"spanllm.perf: predicted vs measured ({report['cluster']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(flag, path, fig, dpi=120)
     plt.close(fig)
 
 
@@ -219,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
             plot_report(report, args.plot)
             console.print(f"wrote {args.plot}")
         return 0
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json("--out", args.out, report, indent=2)
     console.print(f"wrote {args.out}")
     png = args.plot or args.out.with_suffix(".png")
-    plot_report(report, png)
+    plot_report(report, png, "--plot" if args.plot else "--out")
     console.print(f"wrote {png}")
     return 0

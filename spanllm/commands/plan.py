@@ -20,10 +20,20 @@ from pathlib import Path
 
 from spanllm.errors import UsageError
 from spanllm.model.config import ModelConfigError
+from spanllm.output_files import save_figure, write_json
 from spanllm.perf.hardware import PRESETS, ClusterSpecError, load_cluster
 from spanllm.perf.inference import Workload, tp_group_shape
 from spanllm.perf.model_shape import MODELS, get_model
-from spanllm.perf.plan import PREFILL_ALGO, PlanRow, best, plan, robustness, row_to_dict
+from spanllm.perf.plan import (
+    PREFILL_ALGO,
+    PlanRow,
+    best,
+    fewest_nodes_that_fit,
+    fits_somewhere,
+    plan,
+    robustness,
+    row_to_dict,
+)
 from spanllm.perf.quantization import get_quantization
 
 MAX_NODES = 4096  # a bound on typos, far above any cluster the presets describe
@@ -333,14 +343,36 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         if b.e2e_range:
             console.print(robustness(rows))
     else:
-        console.print("[bold red]no layout fits in GPU memory[/bold red]: add nodes or use a smaller model")
+        console.print(f"[bold red]no layout fits in GPU memory[/bold red]: {_how_to_fit(args, model, cluster, quant)}")
     if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json("--json", args.json, doc, indent=2)
         console.print(f"wrote {args.json}")
     if args.plot is not None:
         plot_rows(rows, args.plot, table.title)
         console.print(f"wrote {args.plot}")
     return 0 if b else 1
+
+
+def _how_to_fit(args: argparse.Namespace, model, cluster, quant) -> str:
+    """What would fit: more nodes (the fewest, where the cluster has a network), FP8 weights on these nodes, or
+    a smaller model."""
+    workload = Workload(args.batch, args.prompt, args.decode)
+    graphs = not args.no_cuda_graphs
+    ways = []
+    if cluster.has_network:
+        n = fewest_nodes_that_fit(model, cluster, args.nodes, workload, graphs, quant, MAX_NODES)
+        if n is not None:
+            ways.append(f"--nodes {n} (the fewest {cluster.name} nodes on which a layout fits)")
+    else:
+        ways.append(f"a cluster with more GPUs ({cluster.name} is one node without a network)")
+    if quant.linear_weight_bytes > 1:  # 16-bit weights
+        fp8 = get_quantization("fp8")
+        if args.kv_cache_dtype == "fp8":
+            fp8 = fp8.with_fp8_kv_cache()
+        if fits_somewhere(model, cluster, args.nodes, workload, graphs, fp8):
+            ways.append(f"--quantization fp8 (FP8 weights fit on {args.nodes} node(s))")
+    ways.append("a smaller model")
+    return "; or ".join(ways)
 
 
 def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
@@ -363,7 +395,7 @@ def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure("--plot", path, fig, dpi=120)
     plt.close(fig)
 
 
@@ -471,6 +503,6 @@ def run_serve(args: argparse.Namespace, model, cluster) -> int:
             "[bold red]no layout fits and meets the SLO[/bold red]: add GPUs, lower the rate or relax the SLO"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        write_json("--json", args.json, doc, indent=2)
         console.print(f"wrote {args.json}")
     return 0 if good else 1

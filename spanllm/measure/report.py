@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import os
 import platform
 import socket
@@ -13,6 +12,8 @@ import time
 from typing import Any
 
 import torch
+
+from spanllm import output_files
 
 
 def algbw_GBps(nbytes: int, time_us: float) -> float:
@@ -105,7 +106,11 @@ def versions() -> dict[str, Any]:
     return v
 
 
-def write_json(path: str, kind: str, settings: dict[str, Any], rows: list[dict[str, Any]], **extra: Any) -> None:
+def write_json(
+    path: str, kind: str, settings: dict[str, Any], rows: list[dict[str, Any]], flag: str = "--json", **extra: Any
+) -> None:
+    """A result file (kind, creation time, machine, versions, settings, rows), written as `flag PATH` asked:
+    spanllm.output_files keeps the result when the path cannot be written."""
     doc = {
         "kind": kind,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -115,14 +120,4 @@ def write_json(path: str, kind: str, settings: dict[str, Any], rows: list[dict[s
         "rows": rows,
         **extra,
     }
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        raise
+    output_files.write_json(flag, path, doc, indent=1, default=str)

@@ -839,5 +839,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     return cluster_from_dict(data, source=s)
 
 
-def save_cluster(spec: ClusterSpec, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(cluster_to_dict(spec), indent=2) + "\n")
+def save_cluster(spec: ClusterSpec, path: str | Path, flag: str = "--out") -> None:
+    from spanllm.output_files import write_json
+
+    write_json(flag, path, cluster_to_dict(spec), indent=2)

@@ -70,6 +70,41 @@ def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
     return [a for a in PLAN_ALGOS if supports(a, cluster, pl) is None]
 
 
+def fits_somewhere(
+    model: ModelConfig, cluster: ClusterSpec, nodes: int, workload: Workload, cuda_graphs: bool, quant: Quantization
+) -> bool:
+    """Whether any layout of `plan` on `nodes` nodes fits in GPU memory (nominal constants)."""
+    return any(r.fits for r in plan(model, cluster, nodes, workload, cuda_graphs, False, quant))
+
+
+def fewest_nodes_that_fit(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    nodes: int,
+    workload: Workload,
+    cuda_graphs: bool,
+    quant: Quantization,
+    limit: int,
+) -> int | None:
+    """The fewest nodes above `nodes` (where nothing fits) on which some layout fits, up to `limit`; None if
+    none does. Doubling, then bisection: memory per GPU only falls as nodes are added."""
+    lo, hi = nodes, nodes
+    while True:
+        if hi >= limit:
+            return None
+        hi = min(2 * hi, limit)
+        if fits_somewhere(model, cluster, hi, workload, cuda_graphs, quant):
+            break
+        lo = hi
+    while hi - lo > 1:  # fits(hi), not fits(lo)
+        mid = (lo + hi) // 2
+        if fits_somewhere(model, cluster, mid, workload, cuda_graphs, quant):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def plan(
     model: ModelConfig,
     cluster: ClusterSpec,

@@ -102,6 +102,19 @@ def test_timeout_fails_the_request_and_nothing_hangs(server):
     assert "timed out after 0.5 s" in r["errors"][1] and r["duration"] < 5
 
 
+def test_without_a_live_bar_a_status_line_says_how_many_answered(server, monkeypatch, capsys):
+    """A server that keeps a request and never answers is seen before --request-timeout: a line on stderr every
+    STATUS_LINE_S (here 0.2 s) while no progress bar shows."""
+    monkeypatch.setattr(serve, "STATUS_LINE_S", 0.2)
+    samples = [SampleRequest("w w", 3, 2), SampleRequest("SLOW one", 3, 2)]
+    r = run_benchmark(samples, ServeBenchConfig(base_url=server.url, request_timeout_s=1.0, show_progress=False))
+    assert (r["completed"], r["failed"]) == (1, 1)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("bench serve: ")]
+    assert lines, "no status line"
+    assert lines[0].startswith("bench serve: 1 of 2 requests answered, 1 in flight, ")
+    assert lines[0].endswith(" s (--request-timeout 1 s)")
+
+
 def test_unreachable_server_is_a_clear_error():
     with FakeServer() as s:
         url = s.url

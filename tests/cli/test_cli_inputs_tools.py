@@ -6,7 +6,9 @@ any file is written; an option that would have no effect in the run is refused, 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
 import pytest
 from cli_output import one_error_line
@@ -20,6 +22,7 @@ import spanllm.commands.plan
 import spanllm.commands.tune
 from spanllm.cli import main
 from spanllm.commands.demo import table_sizes
+from spanllm.errors import SpanllmError
 from spanllm.measure.report import write_json
 
 AR = ["bench", "allreduce", "--nprocs", "2"]
@@ -139,10 +142,18 @@ def test_good_input_reaches_the_work(no_work, files, argv):
         main(argv)
 
 
-def test_write_json_leaves_no_tmp_file(tmp_path):
-    with pytest.raises(IsADirectoryError):
-        write_json(str(tmp_path), "allreduce", {}, [])
-    assert not os.path.exists(f"{tmp_path}.tmp")
+def test_write_json_to_a_folder_keeps_the_result_elsewhere_and_leaves_no_tmp_file(tmp_path):
+    with pytest.raises(
+        SpanllmError, match=r"--json .*: cannot be written \(Is a directory\); the result was saved to (\S+) instead"
+    ) as e:
+        write_json(str(tmp_path), "allreduce", {"size": 8}, [{"us": 1.5}])
+    kept = e.value.args[0].rsplit("saved to ", 1)[1].removesuffix(" instead")
+    try:
+        doc = json.loads(Path(kept).read_text())
+        assert (doc["kind"], doc["settings"], doc["rows"]) == ("allreduce", {"size": 8}, [{"us": 1.5}])
+    finally:
+        os.remove(kept)
+    assert [p.name for p in tmp_path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_demo_table_ends_at_maxbytes():

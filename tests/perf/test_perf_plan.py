@@ -4,7 +4,8 @@ from spanllm.cli import main
 from spanllm.perf.hardware import PRESETS
 from spanllm.perf.inference import Layout, Workload
 from spanllm.perf.model_shape import MODELS
-from spanllm.perf.plan import best, candidate_layouts, plan
+from spanllm.perf.plan import best, candidate_layouts, fewest_nodes_that_fit, fits_somewhere, plan
+from spanllm.perf.quantization import BF16
 
 DECODE_HEAVY = Workload(batch=8, prompt_len=128, decode_len=1024)
 PREFILL_HEAVY = Workload(batch=8, prompt_len=4096, decode_len=4)
@@ -88,3 +89,27 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert {"ttft_ms", "tpot_ms", "e2e_ms", "decode_ms", "memory_GB", "fits"} <= set(doc["rows"][0])
     assert png.stat().st_size > 1000
     assert "best:" in capsys.readouterr().out
+
+
+def test_fewest_nodes_that_fit_is_the_first_node_count_with_a_fitting_layout():
+    model, cluster = MODELS["llama3.1-405b"], PRESETS["perlmutter"]  # 4 x 40 GB a node
+    fits = [n for n in range(1, 17) if fits_somewhere(model, cluster, n, DECODE_HEAVY, True, BF16)]
+    first = fits[0]
+    assert fits == list(range(first, 17))  # memory per GPU only falls as nodes are added
+    for start in range(1, first):
+        assert fewest_nodes_that_fit(model, cluster, start, DECODE_HEAVY, True, BF16, 4096) == first
+    assert fewest_nodes_that_fit(model, cluster, 1, DECODE_HEAVY, True, BF16, first - 1) is None  # under the limit
+
+
+def test_cli_no_layout_fits_says_what_would(capsys):
+    base = ["plan", "--model", "llama3.1-405b", "--batch", "8", "--prompt", "128", "--decode", "1024"]
+    n = fewest_nodes_that_fit(MODELS["llama3.1-405b"], PRESETS["dgx-h100"], 1, DECODE_HEAVY, True, BF16, 4096)
+    assert main([*base, "--cluster", "dgx-h100", "--nodes", "1"]) == 1
+    last = " ".join(capsys.readouterr().out.split()).rsplit("no layout fits in GPU memory: ", 1)[1]
+    assert last == (
+        f"--nodes {n} (the fewest dgx-h100 nodes on which a layout fits); or --quantization fp8 (FP8 weights fit on 1 "
+        "node(s)); or a smaller model"
+    )
+    assert main([*base, "--cluster", "h200x2", "--nodes", "1", "--quantization", "fp8"]) == 1
+    last = " ".join(capsys.readouterr().out.split()).rsplit("no layout fits in GPU memory: ", 1)[1]
+    assert last == "a cluster with more GPUs (h200x2 is one node without a network); or a smaller model"
