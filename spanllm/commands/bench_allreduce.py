@@ -79,7 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ranks-per-node", type=int, default=None, help="ranks per (virtual) node; default LOCAL_WORLD_SIZE"
     )
     p.add_argument("--graph", dest="graph", action="store_true", default=None, help="CUDA-graph mode (GPU default)")
-    p.add_argument("--no-graph", dest="graph", action="store_false", help="eager launches on GPU")
+    p.add_argument(
+        "--no-graph", dest="graph", action="store_false", default=None, help="eager launches on GPU (default: graphs)"
+    )
     p.add_argument(
         "--buffer-bytes",
         default=None,

@@ -2,9 +2,11 @@
 
 spanllm's FP8 (spanllm/layers/fp8.py): the decoder layers' linear weights (q/k/v/o, gate/up/down) are e4m3, one
 byte per parameter (the per-output-channel fp32 scales add 4 bytes per row: under 0.1% of a layer, not counted);
-the embedding and the LM head stay bf16, and so do the KV cache and the activations. Decode (M <= 64 rows) runs
-W8A16 weight-streaming GEMVs: half the weight bytes, no faster math. Larger M runs W8A8 on FP8 tensor cores at
-`ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without them: weight-only FP8).
+the embedding and the LM head stay bf16, and so do the KV cache and the activations. Decode up to W8A16_MAX_ROWS
+rows runs W8A16 weight-streaming GEMVs: half the weight bytes, no faster math. Larger M runs W8A8 on FP8 tensor
+cores at `ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without them: weight-only FP8). (The
+engine also keeps W8A16 up to 128 rows for the shapes where its measured table found it faster; the model, which
+knows no table, prices those rows at the FP8 rate.)
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Quantization:
         return model.num_layers * self.layer_weight_bytes(model) + 2 * self.head_weight_bytes(model)
 
 
-W8A16_MAX_ROWS = 64
-"""Rows up to which spanllm's FP8 GEMM is W8A16 (spanllm.layers.fp8.FP8_WEIGHT_ONLY_MAX_M): bf16 math."""
+W8A16_MAX_ROWS = 16
+"""Rows up to which spanllm's FP8 GEMM is always W8A16, bf16 math (spanllm.kernels.skinny_gemm's
+FP8_ALWAYS_WEIGHT_ONLY_M; a test holds them equal)."""
 
 
 def gemm_speedup(quant: Quantization, rows: int, fp8_gemm_speedup: float) -> float:

@@ -1,15 +1,17 @@
 """Weight bytes per parameter (spanllm.perf.quantization) in the memory fit, the step costs and `spanllm plan`."""
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from spanllm.cli import main
-from spanllm.perf.hardware import PRESETS
+from spanllm.perf.hardware import FP8_GEMM_SPEEDUP, FP8_GEMM_SPEEDUP_RANGE, PRESETS
 from spanllm.perf.inference import Layout, Workload, estimate, layer_gemm_us, memory_per_gpu
 from spanllm.perf.model_shape import get_model
 from spanllm.perf.plan import best, plan
-from spanllm.perf.quantization import BF16, FP8, QuantizationError, get_quantization
+from spanllm.perf.quantization import BF16, FP8, W8A16_MAX_ROWS, QuantizationError, gemm_speedup, get_quantization
 
 DECODE_HEAVY = Workload(16, 128, 512)
 
@@ -58,9 +60,9 @@ def test_layer_gemm_decode_reads_half_the_bytes_prefill_runs_at_the_fp8_rate():
     acts = 16 * 2 * (4096 + (4096 + 2 * 1024) + 4096 + 4096 + 4096 + 2 * 14336 + 14336 + 4096)
     bw = c.hbm_GBps * 1e3 * c.hbm_efficiency
     assert d_bf16 == pytest.approx((218_103_808 * 2 + acts) / bw) and d_fp8 == pytest.approx((218_103_808 + acts) / bw)
-    # prefill (8192 rows): compute-bound, 1.7x the rate
+    # prefill (8192 rows): compute-bound, 1.55x the rate (FP8_GEMM_SPEEDUP, measured on an H100)
     p_bf16, p_fp8 = layer_gemm_us(m, 8192, 1, c), layer_gemm_us(m, 8192, 1, c, quant=FP8)
-    assert p_bf16 / p_fp8 == pytest.approx(1.7)
+    assert c.fp8_gemm_speedup == FP8_GEMM_SPEEDUP == 1.55 and p_bf16 / p_fp8 == pytest.approx(1.55)
     no_fp8_cores = replace(c, fp8_gemm_speedup=1.0, ranges={})  # weight-only FP8 (an A100)
     assert layer_gemm_us(m, 8192, 1, no_fp8_cores, quant=FP8) == pytest.approx(p_bf16)
 
@@ -129,3 +131,34 @@ def test_cli_kv_cache_dtype(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--serve", "--lengths", "100:10", "--kv-cache-dtype", "fp8"]) == 2
     assert "--kv-cache-dtype fp8 prices the static batch" in capsys.readouterr().err
+
+
+def test_the_model_prices_w8a16_up_to_the_rows_the_engine_always_runs_it():
+    from spanllm.kernels.skinny_gemm import FP8_ALWAYS_WEIGHT_ONLY_M
+
+    assert W8A16_MAX_ROWS == FP8_ALWAYS_WEIGHT_ONLY_M == 16
+    c = PRESETS["dgx-h200"]
+    assert gemm_speedup(FP8, 16, c.fp8_gemm_speedup) == 1.0 and gemm_speedup(FP8, 17, c.fp8_gemm_speedup) == 1.55
+    assert gemm_speedup(BF16, 8192, c.fp8_gemm_speedup) == 1.0
+
+
+def test_fp8_gemm_speedup_is_the_committed_h100_measurement():
+    """The constant and its range come from results/h100/fp8/fp8_gemm.json: the 8B's four layer GEMMs summed, bf16
+    F.linear over FP8 as the engine runs it (quantization fused into the norm / SiLU kernels for qkv, gate_up and
+    down, a pass of its own for o), at M = 256 ... 8,192."""
+    doc = json.loads((Path(__file__).parents[2] / "results/h100/fp8/fp8_gemm.json").read_text())
+    by_m = {}
+    for r in doc["rows"]:
+        if r["model"] == "8b" and r["m"] >= 256:
+            by_m.setdefault(r["m"], {})[r["layer"]] = r
+    ratios = []
+    for m, layers in sorted(by_m.items()):
+        assert sorted(layers) == ["down", "gate_up", "o", "qkv"], m
+        bf16 = sum(r["bf16"]["median_us"] for r in layers.values())
+        fp8 = sum(r["fp8_w8a8" if name == "o" else "fp8_scaled_mm_only"]["median_us"] for name, r in layers.items())
+        ratios.append(bf16 / fp8)
+    assert sorted(by_m) == [256, 512, 1024, 2048, 4096, 8192]
+    low, high = FP8_GEMM_SPEEDUP_RANGE
+    assert min(ratios) == pytest.approx(1.505, abs=5e-4) and max(ratios) == pytest.approx(1.683, abs=5e-4)
+    assert low <= min(ratios) and max(ratios) <= high
+    assert round(sorted(ratios)[2], 2) <= FP8_GEMM_SPEEDUP <= round(sorted(ratios)[3], 2)  # the middle
