@@ -12,7 +12,7 @@ synchronous; the engine's async scheduling takes a step or so more (1,722 agains
 `longest-first` replays the requests sorted by output length (not FCFS: it needs every output length in
 advance). `spanllm plan --serve` prices the same plan with the engine's measured efficiencies instead.
 `--quantization fp8`: the FP8 roofline of the same schedule: layer weights one byte a parameter (the LM head
-bf16), the layers' GEMMs of steps above 64 rows at the H200 preset's fp8_gemm_speedup x the bf16 rate given.
+bf16), the layers' GEMMs of steps above 16 rows at the H200 preset's fp8_gemm_speedup x the bf16 rate given.
 `--kv-cache-dtype fp8`: K and V one byte an element (decode attention reads half), and the default pool twice the
 blocks (the same memory).
 """

@@ -3,7 +3,7 @@
 Per layer on one GPU (tensor parallel degree tp, `tokens` rows in flight):
   GEMMs       max(FLOPs / (peak x eff), (weights + activations) bytes / (HBM x hbm_eff))
               FLOPs = 2 * tokens * layer_params / tp                         (roofline)
-              weights in bf16 or FP8 (spanllm.perf.quantization); FP8 above 64 rows: peak x fp8_gemm_speedup
+              weights in bf16 or FP8 (spanllm.perf.quantization); FP8 above 16 rows: peak x fp8_gemm_speedup
               eff = gemm_efficiency; eager prefill: EngineCost.prefill_efficiency when set, scaled by the
               layer's parameters per GPU (EngineCost.prefill_size_exponent: larger GEMMs run nearer peak)
   attention   decode: KV-cache bytes read / (HBM x hbm_eff), batch x positions x 2 x kv_heads/tp x head_dim x 2 B,

@@ -5,7 +5,7 @@ beat on a GPU with copy bandwidth `bw` (bytes/s) and matmul rate `flops` (FLOP/s
 - weights: every step reads the layers and the LM head once (bf16; in FP8 the layers' linear weights are one
   byte a parameter and the LM head stays bf16, spanllm.perf.quantization);
 - GEMM FLOPs: 2 x parameters per token through the layers, plus the LM head for the rows that sample; in FP8 the
-  layers' GEMMs of a step with more than 64 rows run at `fp8_speedup` x the rate (FP8 tensor cores), the LM
+  layers' GEMMs of a step with more than 16 rows run at `fp8_speedup` x the rate (FP8 tensor cores), the LM
   head and smaller steps (W8A16) at the bf16 rate;
 - decode attention: each decode reads its context's K and V (memory-bound);
 - prefill attention FLOPs (causal: each query against its context).
