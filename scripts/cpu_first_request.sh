@@ -43,8 +43,8 @@ for i in range(3):
 for i in range(2):
     body = {"prompt": f"Hello there friend number {i}", "max_tokens": 1, "stream": True}
     rows.append({"request": len(rows) + 1, "route": "completion", "first_byte_s": first_byte("/v1/completions", body)})
-from spanllm.measure.report import write_json
-write_json(path, "first_request", {"model": "smollm2-135m-instruct", "max_num_batched_tokens": 512}, rows)
+from spanllm.output_files import write_result
+write_result(path, "first_request", {"model": "smollm2-135m-instruct", "max_num_batched_tokens": 512}, rows)
 for r in rows:
     print(f"request {r['request']} ({r['route']} stream): first byte {1e3 * r['first_byte_s']:.1f} ms")
 PY

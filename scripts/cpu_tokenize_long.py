@@ -42,7 +42,7 @@ def main() -> int:
     os.makedirs(args.outdir, exist_ok=True)
     from spanllm.bench.datasets import sample_random
     from spanllm.engine.tokenizer import get_tokenizer
-    from spanllm.measure.report import write_json
+    from spanllm.output_files import write_result
 
     tok = get_tokenizer("llama3.1-8b")
     enc = tok._enc  # quicktok's encoder, for its own encode_with_special
@@ -79,7 +79,7 @@ def main() -> int:
                 flush=True,
             )
     path = os.path.join(args.outdir, "tokenize_long.json")
-    write_json(path, "tokenize_long", {"reps": REPS}, rows)
+    write_result(path, "tokenize_long", {"reps": REPS}, rows)
     print(f"wrote {path}")
     return 0 if all(r["same_ids"] for r in rows) else 1
 

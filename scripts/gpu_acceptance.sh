@@ -36,20 +36,24 @@
 #   gemv          any Hopper GPU: the CUDA-core GEMV's launch configs against the skinny GEMM and F.linear at one row
 #                 (scripts/gpu_gemv.py: what spanllm/kernels/gemv_configs.json should say), then batch-1 decode, FP8
 #                 and bf16, with the committed tables and with the sweep's GEMV table (SPANLLM_GEMV_TABLE)
+#   coverage      any Hopper GPU: code paths no GPU run had met: PDL on = off bit for bit over an FP8 KV cache and in
+#                 fp16, the cascade prefill over an FP8 KV cache against the paged kernel (GPU tests), and an
+#                 oversized --num-kv-blocks refused on the GPU (~5 min)
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
 #                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
 [ -n "$GPU" ] || { echo "no GPU here (nvidia-smi lists none): run it on the device machine"; exit 3; }
 case "$GPU:$PART" in
   *H200*:*) ;;
-  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv) ;;  # any Hopper
+  *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv | \
+  *H100*:coverage) ;;  # any Hopper
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -90,7 +94,7 @@ case "$PART" in
       SPANLLM_GPU_OUT="$R/fp8" bash scripts/gpu_serve_sweep.sh >"$R/fp8_serve.log" 2>&1
     ENGINE_FLAGS="--min-admit 32" RATES=16,32,inf NUM_PROMPTS=500 OVERHEAD=0 SWEEP_TIMEOUT=230 \
       SPANLLM_GPU_OUT="$R/bf16" bash scripts/gpu_serve_sweep.sh >"$R/bf16_serve.log" 2>&1
-    tail -5 "$R/fp8_serve.log" "$R/bf16_serve.log" ;;
+    tail -n 5 "$R/fp8_serve.log" "$R/bf16_serve.log" ;;
   validate)
     timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/engine/test_gpu_pdl.py \
       tests/engine/test_fp8.py tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py} >"$R/pytest.txt" 2>&1
@@ -135,6 +139,19 @@ case "$PART" in
     timeout 150 python3 scripts/gpu_first_request.py "$R/paged.json" --conversation --lengths $L --probe '' \
       -- --model llama3.1-8b --prefill-attention triton >"$R/paged.log" 2>&1
     for f in "$R"/*.log; do echo "== $(basename $f)"; grep -o "^[0-9]* tokens[^:]*: TTFT [0-9.]* s" "$f" | tr '\n' ';'; echo; done ;;
+  coverage)
+    timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+      "tests/engine/test_gpu_engine.py::test_pdl_on_equals_off_bit_for_bit" \
+      "tests/engine/test_gpu_cascade.py::test_engine_short_prompt_after_a_long_cached_prefix" >"$R/pytest.txt" 2>&1
+    TESTS_RC=$?
+    pack
+    # a pool far past the GPU's memory: refused with the numbers before any weight is loaded, no traceback
+    timeout 150 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput --model llama3.1-8b \
+      --num-kv-blocks 100000000 --dataset-name random --input-len 16 --output-len 4 --num-prompts 1 \
+      >"$R/num_kv_blocks.log" 2>&1
+    echo "exit code $?" >>"$R/num_kv_blocks.log"
+    grep -E "passed|failed|^FAILED|^ERROR" "$R/pytest.txt" | tail -12; grep -v "^W[0-9]" "$R/num_kv_blocks.log" | tail -4
+    [ "$TESTS_RC" = 0 ] || { echo "coverage: the GPU tests FAILED (pytest rc $TESTS_RC, $R/pytest.txt)"; exit 1; } ;;
   decode-launch)
     timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
       >"$R/decode_launch.log" 2>&1

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.check_args(sargs)
     dev = torch.device("cuda", 0)
     doc = {
-        "cudnn": torch.backends.cudnn.version(),  # the GPU, torch and CUDA: write_json's machine and versions
+        "cudnn": torch.backends.cudnn.version(),  # the GPU, torch and CUDA: write_result's machine and versions
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
         "settings": {
             "serve_argv": serve_argv,
@@ -239,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(path: str, doc: dict) -> None:
-    from spanllm.measure.report import write_json
+    from spanllm.output_files import write_result
 
     extra = {k: v for k, v in doc.items() if k not in ("settings", "requests")}
-    write_json(path, "first_request", doc["settings"], doc["requests"], **extra)
+    write_result(path, "first_request", doc["settings"], doc["requests"], **extra)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,30 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from spanllm.errors import SpanllmError
+
+
+def write_result(
+    path: str, kind: str, settings: dict[str, Any], rows: list[dict[str, Any]], flag: str = "--json", **extra: Any
+) -> None:
+    """A result file: kind, creation time, machine, versions, settings, rows (and `extra`), as `flag PATH` asked."""
+    from spanllm.measure.report import machine_info, versions
+
+    doc = {
+        "kind": kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "versions": versions(),
+        "settings": settings,
+        "rows": rows,
+        **extra,
+    }
+    write_json(flag, path, doc, indent=1, default=str)
 
 
 def write_text(flag: str, path: str | Path, text: str) -> None:

@@ -63,13 +63,12 @@ def test_first_real_error_wins(bad_rank):
 
 
 def test_stopped_rank_is_named():
-    t0 = time.monotonic()
+    """launch's own timeout_s (5 s) is what ends the wait for the stopped rank: the message names it."""
     with pytest.raises(RankError) as e:
         launch(stop_rank1, "stop", nprocs=2, timeout_s=5)
     msg = str(e.value)
     assert msg.startswith("rank 1 (stopped) stopped answering: rank 0 timed out after 5 s"), msg
     assert "--pg-timeout" in msg and "SPANLLM_PG_TIMEOUT_S" in msg
-    assert time.monotonic() - t0 < 60
 
 
 # --- which error is reported: a pure function of the records ----------------------------------------------

@@ -56,9 +56,12 @@ class RequestOutput:
 
 
 def payload(inp: RequestInput) -> dict[str, Any]:
+    """The request body vLLM's benchmark client sends: greedy unless the extra body says otherwise (vLLM's bench
+    serve sends temperature 0 when none is given; a server's own default, OpenAI's 1, would sample)."""
     body: dict[str, Any] = {
         "model": inp.model,
         "max_tokens": inp.output_len,
+        "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

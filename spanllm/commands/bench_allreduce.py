@@ -23,8 +23,9 @@ from spanllm.comm.nvrar.compile import precompile_sizes
 from spanllm.dtypes import DTYPE_NAMES, dtype_from_name
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch, under_launcher
-from spanllm.measure.report import algbw_GBps, allreduce_busbw_GBps, write_json
+from spanllm.measure.report import algbw_GBps, allreduce_busbw_GBps
 from spanllm.measure.timing import Timing, time_calls
+from spanllm.output_files import write_result
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
 
@@ -250,7 +251,7 @@ def bench_rank(ctx: DistContext, args) -> list[dict]:
                 "buffer_bytes": opts["max_bytes"] if readers(names, ctx.device.type, BUFFERED) else None,
                 "tuning": args.tuning,
             }
-            write_json(args.json, "allreduce", settings, rows)
+            write_result(args.json, "allreduce", settings, rows)
             print(f"# wrote {args.json}")
             if args.plot:
                 import json

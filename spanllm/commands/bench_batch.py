@@ -229,10 +229,10 @@ class PartialRows:
         self.settings = {**asdict(s), "world_size": world}
 
     def add(self, row: dict) -> None:
-        from spanllm.measure.report import write_json
+        from spanllm.output_files import write_result
 
         self.rows.append(row)
-        write_json(self.path, self.kind, self.settings, self.rows, complete=False)
+        write_result(self.path, self.kind, self.settings, self.rows, complete=False)
 
 
 def build_llm(ctx: DistContext, s: BenchSettings, dims: ParallelDims):
@@ -529,10 +529,10 @@ def report(
     for line in skipped:
         print(f"skipped: {line}")
     if json_path:
-        from spanllm.measure.report import write_json
+        from spanllm.output_files import write_result
 
         settings = {**asdict(s), "world_size": world}
-        write_json(json_path, kind, settings, rows, skipped=skipped, complete=True)
+        write_result(json_path, kind, settings, rows, skipped=skipped, complete=True)
         print(f"wrote {json_path}")
         if os.path.exists(partial_path(json_path)):
             os.remove(partial_path(json_path))

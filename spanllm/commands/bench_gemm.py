@@ -34,8 +34,8 @@ from spanllm import checks
 from spanllm.dtypes import model_dtype
 from spanllm.errors import UsageError
 from spanllm.kernels import skinny_gemm as sg
-from spanllm.measure.report import write_json
 from spanllm.measure.timing import graph_us_per_call
+from spanllm.output_files import write_result
 from spanllm.perf.model_shape import get_model
 
 # The (N, K) of each projection per GPU at TP 2, written out as a check on shapes_for():
@@ -337,7 +337,7 @@ def run(args) -> int:
 
     def save(complete: bool):
         if args.json:
-            write_json(
+            write_result(
                 args.json,
                 "gpu_gemm_bench",
                 settings,

@@ -408,7 +408,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send ignore_eos: true (forced on for random and generated-shared-prefix, as the peers do)",
     )
-    g.add_argument("--temperature", type=float, default=None, help="sent in every request (default: not sent)")
+    g.add_argument(
+        "--temperature", type=float, default=None, help="sent in every request (default: 0, greedy, as vLLM's client)"
+    )
     g.add_argument("--top-p", type=float, default=None, help="sent in every request (default: not sent)")
     g.add_argument("--top-k", type=int, default=None, help="sent in every request (default: not sent)")
     g.add_argument("--extra-body", default=None, help="a JSON object merged into every request body")
@@ -579,6 +581,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
         for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
         if v is not None
     }
+    cuts = [f for f, v in (("--top-p", args.top_p), ("--top-k", args.top_k)) if v is not None]
+    if cuts and not (args.temperature or 0.0) > 0.0:
+        raise UsageError(
+            f"{' and '.join(cuts)}: the requests decode greedily (--temperature {args.temperature or 0:g}, the default "
+            f"0 as vLLM's client), which a server refuses or ignores with a cut; give --temperature > 0 to sample"
+        )
     extra = {**sampling, **(parse_extra_body(args.extra_body) or {})} or None
     cfg = ServeBenchConfig(
         base_url=args.base_url or f"http://{args.host}:{args.port}",
@@ -622,7 +630,8 @@ def run(args: argparse.Namespace) -> int:
 
     from spanllm import output_files
     from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
-    from spanllm.measure.report import machine_info, versions, write_json
+    from spanllm.measure.report import machine_info, versions
+    from spanllm.output_files import write_result
 
     resolve_dataset_source(args)
     cfg, rates = config_from_args(args)
@@ -678,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
                 **metadata,
                 "partial": True,
             }
-            write_json(
+            write_result(
                 result_path(args, cfg.label, model, rates, dt),
                 "bench_serve_sweep",
                 settings,
@@ -714,7 +723,7 @@ def run(args: argparse.Namespace) -> int:
             "request_rates": [rate_label(r) for r in rates],
             **metadata,
         }
-        write_json(path, "bench_serve_sweep", settings, saved, flag="--result-dir", **extra)
+        write_result(path, "bench_serve_sweep", settings, saved, flag="--result-dir", **extra)
         png = os.path.splitext(path)[0] + ".png"
         plot_sweep(saved, png, title)
         print(f"wrote {path}\nwrote {png}")

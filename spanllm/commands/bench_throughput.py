@@ -66,6 +66,13 @@ def machine_info(device: torch.device) -> dict:
 def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
     from spanllm.engine.sampler import SamplingParams
 
+    samples = None
+    if ctx.rank == 0:  # the requests before the model: a dataset that cannot be read costs no model load
+        from spanllm.engine.tokenizer import get_tokenizer
+        from spanllm.model.config import resolve_model
+
+        cfg = resolve_model(args.model)
+        samples = requests_from_args(args, get_tokenizer(cfg.name, cfg.checkpoint_dir))
     llm = build_llm(ctx, args)
     llm.get_tokenizer()
     try:
@@ -77,7 +84,6 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
             return None
         describe = llm.describe()
         print(describe, flush=True)
-        samples = requests_from_args(args, llm.get_tokenizer())
         warm = {} if args.no_warmup else warm_up(llm)
         prompts = [r.prompt for r in samples]
         params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=r.output_len) for r in samples]

@@ -8,12 +8,9 @@ import os
 import platform
 import socket
 import subprocess
-import time
 from typing import Any
 
 import torch
-
-from spanllm import output_files
 
 
 def algbw_GBps(nbytes: int, time_us: float) -> float:
@@ -104,20 +101,3 @@ def versions() -> dict[str, Any]:
         if k in os.environ
     }
     return v
-
-
-def write_json(
-    path: str, kind: str, settings: dict[str, Any], rows: list[dict[str, Any]], flag: str = "--json", **extra: Any
-) -> None:
-    """A result file (kind, creation time, machine, versions, settings, rows), written as `flag PATH` asked:
-    spanllm.output_files keeps the result when the path cannot be written."""
-    doc = {
-        "kind": kind,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
-        "versions": versions(),
-        "settings": settings,
-        "rows": rows,
-        **extra,
-    }
-    output_files.write_json(flag, path, doc, indent=1, default=str)

@@ -8,7 +8,9 @@ The prompt is checked against the model (vocabulary, context) by the engine's on
 
 Defaults: max_tokens 16 for completions (OpenAI's); for chat the rest of the context, i.e.
 min(max_model_len, KV pool tokens) - prompt tokens (vLLM's choice); max_completion_tokens wins over max_tokens.
-temperature absent: greedy (0). `n` choices are n engine requests; with a seed, choice i samples with
+temperature absent: 1 (OpenAI's default, and vLLM's for a model without generation defaults); below 1e-5 greedy,
+where a top_k / top_p / min_p that would cut is refused (it would never cut the most likely token: it would be
+accepted and ignored). `n` choices are n engine requests; with a seed, choice i samples with
 seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are the model's raw log-probabilities
 (before temperature and penalties: vLLM v1's default; spanllm.engine.sampler), for the sampled token and the top k.
 """
@@ -29,17 +31,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spanllm.engine.engine_core import RequestError
-from spanllm.engine.sampler import INT32_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from spanllm.engine.sampler import GREEDY_BELOW, INT32_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailable, QueueFull
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
 from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
+from spanllm.serve.response_body import encode_yielding
 
+DEFAULT_TEMPERATURE = 1.0  # a request without temperature samples at 1, as on OpenAI and vLLM
 # Request bodies above this many bytes are parsed and tokenized in a thread of their own (PreparePools).
 LARGE_BODY_BYTES = 256 * 1024
 # A text prompt of more than TEXT_MARGIN x (max characters per token) x (context tokens) characters cannot fit and is
 # refused without tokenizing it. The margin covers normalizers that merge characters (NFC-style: a letter and its
 # combining mark become one); the tokenizers served here have none, for which a margin of 1 would be exact.
 TEXT_MARGIN = 2
+# Logprob entries (n x max_tokens x (top k + 1)) a non-streaming response may hold: ~60 MB of JSON at the top 20
+MAX_RESPONSE_LOGPROB_ENTRIES = 1 << 20
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often the handler checks that its client is still there
 _HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError"}
 _log = logging.getLogger("spanllm.serve")
@@ -63,10 +69,28 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    temperature = req.temperature if req.temperature is not None else DEFAULT_TEMPERATURE
+    if temperature < GREEDY_BELOW:
+        cuts = [
+            f"{name}={value}"
+            for name, value, cuts in (
+                ("top_k", req.top_k, req.top_k not in (None, 0, -1)),
+                ("top_p", req.top_p, req.top_p not in (None, 1.0)),
+                ("min_p", req.min_p, req.min_p != 0.0),
+            )
+            if cuts
+        ]
+        if cuts:
+            raise APIError(
+                f"{' and '.join(cuts)}: temperature={temperature:g} decodes greedily (the most likely token), which "
+                f"{'they' if len(cuts) > 1 else 'it'} would never cut; give temperature > 0 to sample, or drop "
+                f"{' and '.join(c.split('=')[0] for c in cuts)}",
+                cuts[0].split("=")[0],
+            )
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else INT32_MAX,
-            temperature=req.temperature if req.temperature is not None else 0.0,
+            temperature=temperature,
             top_p=req.top_p if req.top_p is not None else 1.0,
             top_k=req.top_k if req.top_k is not None else 0,
             seed=req.seed,
@@ -178,7 +202,7 @@ class LogprobsFormatter:
         return {
             "tokens": [self.token(lp.token_id) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [self._top_by_text(lp.top) for lp in lps],
+            "top_logprobs": [self._top_by_text(lp) for lp in lps],
             "text_offset": offsets,
         }
 
@@ -189,12 +213,15 @@ class LogprobsFormatter:
         keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         return {k: [x for p in parts for x in p[k]] for k in keys}
 
-    def _top_by_text(self, top) -> dict[str, float]:
-        """Completions' {text: logprob} of the top ids (most likely first). Ids that decode to the same text (a
-        byte-level tokenizer's partial characters) share one key: it keeps the most likely one's logprob."""
+    def _top_by_text(self, lp) -> dict[str, float]:
+        """Completions' {text: logprob} of the top ids (most likely first), and of the sampled token where it is not
+        among them (OpenAI: "up to logprobs + 1 elements", so that top_logprobs[i][tokens[i]] always exists). Ids
+        that decode to the same text (a byte-level tokenizer's partial characters) share one key: it keeps the most
+        likely one's logprob."""
         out: dict[str, float] = {}
-        for t, v in top:
+        for t, v in lp.top:
             out.setdefault(self.token(t), v)
+        out.setdefault(self.token(lp.token_id), lp.logprob)
         return out
 
     def _chat_entry(self, lp) -> dict:
@@ -276,7 +303,7 @@ def build_app(
             "created": int(time.time()),
             "owned_by": "spanllm",
             "root": model_name,
-            "max_model_len": max_model_len,
+            "max_model_len": ctx_limit,  # what a request can use: the KV pool may hold less than max_model_len
         }
 
     @app.get("/v1/models")
@@ -300,7 +327,7 @@ def build_app(
 
     def parse(raw: bytes, chat: bool):
         req = validate(
-            parse_body(raw),
+            parse_body(raw, chat),
             chat,
             max_stop_strings=limits.max_stop_strings,
             max_stop_length=limits.max_stop_string_length,
@@ -396,6 +423,19 @@ def build_app(
             return APIError(f"handling this request failed: {ev.error}", None, 500, "InternalServerError")
         return None
 
+    def check_logprob_entries(n: int, max_tokens: int, params: SamplingParams) -> None:
+        """A non-streaming response holds all its logprobs at once, in the front end's memory and its encoding
+        time: at most MAX_RESPONSE_LOGPROB_ENTRIES (a stream holds none: each chunk goes out as it comes)."""
+        entries = n * max_tokens * (params.logprobs + 1)
+        if entries > MAX_RESPONSE_LOGPROB_ENTRIES:
+            most = MAX_RESPONSE_LOGPROB_ENTRIES // (n * (params.logprobs + 1))
+            raise APIError(
+                f"logprobs: n={n} x max_tokens={max_tokens} x (top {params.logprobs} + the sampled token) = {entries} "
+                f"logprob entries in one response, above the {MAX_RESPONSE_LOGPROB_ENTRIES} a non-streaming response "
+                f"holds; stream them (stream=true), or use max_tokens <= {most}, or fewer choices or top logprobs",
+                "logprobs",
+            )
+
     def tokenize(req, chat: bool) -> tuple[list[int], str | None]:
         """(prompt ids, echo text). A text that must be longer than the context in tokens is refused before it is
         tokenized (text_fits)."""
@@ -424,6 +464,8 @@ def build_app(
         loop = asyncio.get_running_loop()
         req, params, prompt_ids, echo_text = await loop.run_in_executor(pools.for_body(len(raw)), prepare, raw, chat)
         chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
+        if not req.stream and params.logprobs is not None:
+            check_logprob_entries(req.n, ctx_limit - len(prompt_ids) if chat_default else params.max_tokens, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         queues = submit(prompt_ids, params, rid, req.n, chat_default)
         lp = None
@@ -484,7 +526,8 @@ def build_app(
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
         num_output = sum(last[i].num_output for i in range(n))
-        return {**base, "object": obj, "choices": choices, "usage": usage(num_prompt, num_output)}
+        body = {**base, "object": obj, "choices": choices, "usage": usage(num_prompt, num_output)}
+        return Response(await encode_yielding(body), media_type="application/json")
 
     async def stream_gen(queues, rid, base, chat, include_usage, num_prompt, echo_text, lp):
         n = len(queues)

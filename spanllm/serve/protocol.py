@@ -8,7 +8,13 @@ max_tokens: int32). A body is refused before validation if it is not UTF-8 JSON 
 400 unless said) naming the field (`param`) and the allowed range; the app renders OpenAI's error body.
 
 Fields OpenAI defines that this server does not serve are refused by name (REFUSED), and so is any key neither
-model knows, except `user` (an end-user id for abuse tracking: it changes no output).
+model knows, except `user` (an end-user id for abuse tracking: it changes no output). A key given twice is refused
+(JSON keeps the last silently: `{"model": "a", "model": "b"}` would ask for b without a word). A top-level field
+given as null is absent (OpenAI declares its optional fields nullable), so it takes its default.
+
+Shapes no request can use are refused from the parsed JSON before the models validate it (validation is CPU work in
+the front end's process, proportional to the body): more than one prompt, more than MAX_MESSAGES messages, a
+message of more than MAX_CONTENT_PARTS parts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ MAX_JSON_DEPTH = 32  # objects / arrays inside each other; OpenAI's deepest body
 MAX_N = 16  # choices per request: each is an engine request of its own
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 4096  # text parts of one message
 
 
 class APIError(Exception):
@@ -50,7 +57,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None  # null or absent: no usage chunk
 
 
 class TextPart(_Strict):
@@ -59,13 +66,14 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """`developer` is OpenAI's newer name for `system` (o1 and later); it reaches the template as system."""
+    """`developer` is OpenAI's newer name for `system` (o1 and later); it reaches the template as system. A content
+    given as parts is their texts joined by newlines (vLLM's rule: "Say" and "hi" stay two words)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class _Sampling(_Strict):
@@ -141,7 +149,7 @@ REFUSED_CHAT = {
     ),
     "tools": (_absent_or([]), "tools (function calling) are not supported"),
     "tool_choice": (_absent_or("none"), "tool_choice other than 'none' is not supported (no tools)"),
-    "parallel_tool_calls": (_absent_or(), "parallel_tool_calls is not supported (no tools)"),
+    "parallel_tool_calls": (_absent_or(True, False), "parallel_tool_calls: true or false (no tools)"),
     "functions": (_absent_or([]), "functions (function calling) are not supported"),
     "function_call": (_absent_or("none"), "function_call is not supported (no tools)"),
     "audio": (_absent_or(), "audio output is not supported"),
@@ -156,10 +164,11 @@ REFUSED_CHAT = {
 }
 
 
-def parse_body(raw: bytes) -> dict:
-    """Raw bytes -> a JSON object of bounded depth whose strings are all valid text."""
+def parse_body(raw: bytes, chat: bool | None = None) -> dict:
+    """Raw bytes -> a JSON object of bounded depth whose strings are all valid text. Given the endpoint (`chat`),
+    the shapes no request can use are refused before the whole body is walked."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_object_without_repeated_keys)
     except RecursionError:
         raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -168,29 +177,48 @@ def parse_body(raw: bytes) -> dict:
         raise APIError(f"the request body holds a value this server cannot read: {e}") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    if chat is not None:
+        _refuse_unusable_shapes(body, chat)
     _check_tree(body)
     return body
 
 
+def _object_without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise APIError(f"the key {key[:80]!r} appears twice in one JSON object; give each key once")
+    return d
+
+
 def _check_tree(body: dict) -> None:
-    """Depth and text, without recursion: a lone surrogate is valid JSON but no UTF-8 text."""
+    """Depth and text, without recursion: a lone surrogate is valid JSON but no UTF-8 text. Scalars are checked in
+    place (a 7 MB list of token ids is a loop, not millions of stack entries); a path is built for containers only."""
     todo: list[tuple[Any, str, int]] = [(body, "", 1)]
     while todo:
         v, path, depth = todo.pop()
-        if isinstance(v, str):
-            _check_text(v, path)
-        elif isinstance(v, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _top(path))
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, x in items:
-                if isinstance(k, str):
-                    _check_text(k, path)
-                child = (f"{path}.{k}" if path else k) if isinstance(k, str) else f"{path}[{k}]"
-                todo.append((x, child, depth + 1))
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _top(path))
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k, path)
+                child = f"{path}.{k}" if path else k
+                if isinstance(x, str):
+                    _check_text(x, child)
+                elif isinstance(x, (dict, list)):
+                    todo.append((x, child, depth + 1))
+        else:
+            for i, x in enumerate(v):
+                if isinstance(x, str):
+                    _check_text(x, f"{path}[{i}]")
+                elif isinstance(x, (dict, list)):
+                    todo.append((x, f"{path}[{i}]", depth + 1))
 
 
 def _check_text(s: str, path: str) -> None:
+    if s.isascii():
+        return
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -211,7 +239,8 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
         if name in body and not ok(body[name]):
             raise APIError(f"{name}: {why}", name)
     model = ChatCompletionRequest if chat else CompletionRequest
-    body = {k: v for k, v in body.items() if k not in refused}
+    body = {k: v for k, v in body.items() if k not in refused and v is not None}  # null: absent
+    _refuse_unusable_shapes(body, chat)
     try:
         req = model.model_validate(body)
     except ValidationError as e:
@@ -240,6 +269,26 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also accepts '²' and Arabic-Indic digits
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|constrained-.*|[A-Z]\w*)$")
+
+
+def _refuse_unusable_shapes(body: dict, chat: bool) -> None:
+    """Before validation: the shapes no request can use, found from list lengths alone."""
+    if not chat:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list)):
+            raise APIError("batched prompts are not supported: send one prompt per request (or use n)", "prompt")
+        return
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return
+    if len(msgs) > MAX_MESSAGES:
+        raise APIError(f"messages: {len(msgs)} messages; at most {MAX_MESSAGES}", "messages")
+    for i, m in enumerate(msgs):
+        parts = m.get("content") if isinstance(m, dict) else None
+        if isinstance(parts, list) and len(parts) > MAX_CONTENT_PARTS:
+            raise APIError(
+                f"messages[{i}].content: {len(parts)} parts; at most {MAX_CONTENT_PARTS} (join the texts)", "messages"
+            )
 
 
 def _as_api_error(e: ValidationError, model: type[BaseModel]) -> APIError:

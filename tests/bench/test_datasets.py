@@ -388,3 +388,18 @@ def test_sharegpt_package_sample_matches_design_averages(capsys):
     except ImportError:
         return
     assert sample_sharegpt(get_tokenizer("llama3.1-8b"), 1000, seed=0, dataset=src).requests == s.requests
+
+
+def test_bench_throughput_reads_the_dataset_before_the_model_loads(tmp_path, capfd):
+    """A dataset corrupt past its first bytes is found by rank 0 before it builds the engine (the engine's describe
+    line, printed once it is built, never appears): a hostile test found it after the model load."""
+    from spanllm.cli import main
+
+    rec = conv(0, 5, 5)
+    path = tmp_path / "corrupt.json"
+    path.write_text(f'[{json.dumps(rec)}, {{"id": tru}}, {json.dumps(rec)}]')
+    rc = main(["bench", "throughput", "--model", "tiny", "--dataset-path", str(path), "--num-prompts", "1"])
+    out, err = capfd.readouterr()
+    assert rc == 2, err
+    assert f"--dataset-path {path}: corrupt JSON array element 1 at offset" in err
+    assert "tiny | TP=1" not in out + err  # no engine was built

@@ -86,7 +86,7 @@ def test_replay_resends_the_conversation_with_the_servers_answers(sharegpt):
             expected.append(render(history, u))
             history.append((u, answer))
         assert prompts == expected  # in order, each with the earlier answers
-    assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in bodies)
+    assert all(b["ignore_eos"] and b["max_tokens"] == 3 and b["temperature"] == 0.0 for b in bodies)
     first_turns = [i for i, b in enumerate(bodies) if b["prompt"].count("User:") == 1]
     assert first_turns == [0, 1, 2]  # every conversation starts before any second turn: turns interleave
     assert r["completed"] == len(bodies) == sum(len(c.user_turns) for c in convs) and r["failed"] == 0

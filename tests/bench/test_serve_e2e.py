@@ -78,6 +78,7 @@ def test_counts_tokens_and_request_body(server, endpoint):
     body = next(b for b in server.bodies if (b["messages"][0]["content"] if "messages" in b else b["prompt"]) == first)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["model"] == "fake-model"
+    assert body["temperature"] == 0.0  # greedy unless asked, as vLLM's client (a server's own default would sample)
     assert ("messages" in body) == ("chat" in endpoint) and body["max_tokens"] == samples[0].output_len
 
 
@@ -288,6 +289,8 @@ def test_cli_sweep_writes_nothing_without_result_dir(server, tmp_path, monkeypat
         (["--num-prompts", "0"], "--num-prompts 0: must be in [1,"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio 1.5: must be in [0, 1)"),
         (["--save-result"], "--save-result writes into --result-dir"),
+        (["--top-p", "0.5"], "--top-p: the requests decode greedily (--temperature 0, the default 0 as vLLM's client)"),
+        (["--top-k", "5", "--temperature", "0"], "--top-k: the requests decode greedily (--temperature 0"),
     ],
 )
 def test_cli_numbers_are_checked(flags, words, capsys):

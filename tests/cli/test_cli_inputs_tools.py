@@ -23,7 +23,7 @@ import spanllm.commands.tune
 from spanllm.cli import main
 from spanllm.commands.demo import table_sizes
 from spanllm.errors import SpanllmError
-from spanllm.measure.report import write_json
+from spanllm.output_files import write_result
 
 AR = ["bench", "allreduce", "--nprocs", "2"]
 TUNE = ["tune", "--out", "t.json"]
@@ -146,7 +146,7 @@ def test_write_json_to_a_folder_keeps_the_result_elsewhere_and_leaves_no_tmp_fil
     with pytest.raises(
         SpanllmError, match=r"--json .*: cannot be written \(Is a directory\); the result was saved to (\S+) instead"
     ) as e:
-        write_json(str(tmp_path), "allreduce", {"size": 8}, [{"us": 1.5}])
+        write_result(str(tmp_path), "allreduce", {"size": 8}, [{"us": 1.5}])
     kept = e.value.args[0].rsplit("saved to ", 1)[1].removesuffix(" instead")
     try:
         doc = json.loads(Path(kept).read_text())

@@ -215,8 +215,13 @@ def test_launch_params_validation(kw, needle):
 
 
 def test_launch_params_limits_accepted():
-    LaunchParams(num_blocks=1, block=16, num_warps=1)
-    LaunchParams(num_blocks=1024, block=1 << 14, num_warps=16)
+    """The limits themselves are accepted as given: nothing clamped, swapped or defaulted."""
+    lo = LaunchParams(num_blocks=1, block=16, num_warps=1)
+    assert (lo.num_blocks, lo.block, lo.num_warps, lo.one_shot, lo.protocol) == (1, 16, 1, False, "ll8")
+    assert lo.short() == "rs/b1x16w1"
+    hi = LaunchParams(num_blocks=1024, block=1 << 14, num_warps=16)
+    assert (hi.num_blocks, hi.block, hi.num_warps, hi.one_shot, hi.protocol) == (1024, 16384, 16, False, "ll8")
+    assert hi.short() == "rs/b1024x16384w16"
 
 
 @pytest.mark.parametrize("nbytes", [2, 8, 1000, 64 << 10])

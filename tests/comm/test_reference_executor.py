@@ -146,4 +146,5 @@ def test_two_subgroups_reduce_concurrently():
 @pytest.mark.parametrize("name", ["gloo", "auto"])
 def test_length_mismatch_gloo_and_auto(name):
     msgs = launch(mismatch_only, name, nprocs=2, timeout_s=20)
+    assert len(msgs) == 2, msgs  # one message per rank
     assert all("rank 0: 37 x torch.float32, rank 1: 38 x torch.float32" in m for m in msgs), msgs

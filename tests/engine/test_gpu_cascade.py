@@ -131,8 +131,9 @@ def test_a_backend_step_with_long_and_short_chunks(kind, nd):
     assert (outs[0] - outs[1]).abs().max().item() < BF16_TOL
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_engine_short_prompt_after_a_long_cached_prefix(kind, monkeypatch):
+def test_engine_short_prompt_after_a_long_cached_prefix(kind, kv_cache_dtype, monkeypatch):
     """A 2-layer slice of the 8B preset in bf16 (cuDNN and flash take no float32): a 6,000-token prompt in
     chunks of 1024 (chunks after >= 1024 keys on the cascade), then that prompt plus 40 tokens (its one chunk
     after a cached prefix of ~6,000 keys). Against the Triton kernel: the first token's top-5 logprobs within
@@ -157,6 +158,7 @@ def test_engine_short_prompt_after_a_long_cached_prefix(kind, monkeypatch):
             max_model_len=8192,
             prefill_attention=mode,
             cascade_min_prefix=None if mode == "triton" else 1024,  # refused where no cascade runs
+            kv_cache_dtype=kv_cache_dtype,  # fp8: the cascade reads the e4m3 cache as the paged kernel does
         )
         llm = LLM("llama3.1-8b:layers=2", cfg, device=DEV)
         assert (kind in llm.describe()) == (mode == kind)

@@ -84,12 +84,21 @@ def test_skinny_decode_gemm_matches_transformers_fp32(hf_checkpoint, hf_referenc
         torch.testing.assert_close(res["logits"][:, i], hf_reference[1][i], atol=5e-3, rtol=0)
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_pdl_on_equals_off_bit_for_bit(hf_checkpoint, quantization):
+@pytest.mark.parametrize(
+    "quantization, dtype, kv_cache_dtype",
+    [
+        (None, torch.bfloat16, "auto"),
+        ("fp8", torch.bfloat16, "auto"),
+        (None, torch.bfloat16, "fp8"),
+        ("fp8", torch.bfloat16, "fp8"),
+        (None, torch.float16, "auto"),
+    ],
+)
+def test_pdl_on_equals_off_bit_for_bit(hf_checkpoint, quantization, dtype, kv_cache_dtype):
     """pdl="on" (every Triton kernel of the forward launched with programmatic dependent launch, in CUDA graphs and
     eagerly) changes when kernels start, never what they compute: tokens and logits equal pdl="off" bit for bit,
-    with the skinny decode GEMMs (bf16) or the FP8 ones, so that the chains norm -> GEMM -> RoPE -> attention are
-    all Triton kernels waiting on each other."""
+    with the skinny decode GEMMs (bf16 or fp16) or the FP8 ones, and over a bf16 or an FP8 KV cache, so that the
+    chains norm -> GEMM -> RoPE -> attention are all Triton kernels waiting on each other."""
     pytest.importorskip("triton")
     from spanllm.kernels import pdl
 
@@ -100,7 +109,12 @@ def test_pdl_on_equals_off_bit_for_bit(hf_checkpoint, quantization):
     for mode in ("off", "on"):
         for graphs in (True, False):
             cfg = engine_config(
-                dtype=torch.bfloat16, decode_gemm="skinny", quantization=quantization, pdl=mode, cuda_graphs=graphs
+                dtype=dtype,
+                decode_gemm="skinny",
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+                pdl=mode,
+                cuda_graphs=graphs,
             )
             llm = LLM(hf_checkpoint[0], cfg, device=dev)
             assert llm.pdl == (mode == "on") and f"PDL {mode}" in llm.describe()

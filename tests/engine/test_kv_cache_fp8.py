@@ -14,6 +14,7 @@ import pytest
 import torch
 from prefix_cache_workers import PREFIX_MAX_TOKENS, PREFIX_PROMPTS, SCENARIOS, prefix_scenario, tp_fp8_kv_scenario
 from serving_workers import hf_greedy, serving_config
+from test_prefix_cache_engine import SCENARIO_HITS, SCENARIO_QUERIES
 
 from spanllm.attention.backend import write_kv
 from spanllm.attention.reference import reference_decode
@@ -81,7 +82,8 @@ def test_fp8_cache_caching_on_equals_off(hf_checkpoint, name):
     for i in range(len(PREFIX_PROMPTS)):
         a, b = runs[True]["results"][i], runs[False]["results"][i]
         assert a["tokens"] == b["tokens"] and a["finish_reason"] == b["finish_reason"], f"request {i}"
-    assert runs[False]["hits"] == 0 and runs[True]["hits"] >= 16
+    assert runs[False]["hits"] == 0 and runs[True]["hits"] == SCENARIO_HITS  # 48: as with a float32 cache
+    assert runs[True]["queries"] == runs[False]["queries"] == SCENARIO_QUERIES
     if name == "preempt":
         assert runs[True]["preemptions"] > 0 and runs[False]["preemptions"] > 0
 
@@ -127,7 +129,8 @@ def test_tp2_fp8_cache_equals_transformers_with_e4m3_rounded_kv(hf_checkpoint, h
     res = launch(tp_fp8_kv_scenario, hf_checkpoint[0], nprocs=2)[0]
     for i, ref in enumerate(want):
         assert res["results"][i]["tokens"] == ref, f"request {i}"
-    assert res["free_blocks"] == res["usable_blocks"] and res["hits"] >= 16
+    assert res["free_blocks"] == res["usable_blocks"]
+    assert res["hits"] == SCENARIO_HITS and res["queries"] == SCENARIO_QUERIES
 
 
 def test_bench_attention_inputs_in_an_fp8_cache():

@@ -224,7 +224,8 @@ def test_configurations_refused():
 
 
 def test_engine_outputs_equal_under_both_policies(monkeypatch):
-    """Greedy tokens per request are the same whichever order requests are admitted in (tiny model, CPU)."""
+    """Greedy tokens per request are the same whichever order requests are admitted in (tiny model, CPU); the
+    policies did admit them in different orders (the prefix policy groups the requests of one system prompt)."""
     from spanllm.engine.config import EngineConfig
     from spanllm.engine.llm import LLM
 
@@ -232,17 +233,35 @@ def test_engine_outputs_equal_under_both_policies(monkeypatch):
     systems = [[rng.randint(10, 200) for _ in range(40)] for _ in range(3)]
     prompts = [systems[i % 3] + [rng.randint(10, 200) for _ in range(rng.randint(1, 9))] for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outs = {}
+    outs, orders = {}, {}
     for policy in ("fcfs", "prefix"):
         llm = LLM(
             "tiny",
             EngineConfig(dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy=policy),
             device=torch.device("cpu"),
         )
+        sched = llm.engine_core.scheduler
+        real_schedule, order = sched.schedule, orders.setdefault(policy, [])
+
+        def schedule(*a, real_schedule=real_schedule, order=order, **k):
+            batch = real_schedule(*a, **k)
+            order.append(_admitted(batch))  # the prefills (new or continued chunks) of each step, in order
+            return batch
+
+        monkeypatch.setattr(sched, "schedule", schedule)
         try:
             outs[policy] = [list(o.output_ids) for o in llm.generate(prompts, params)]
             if policy == "prefix":
                 assert "scheduling policy prefix" in llm.describe()
         finally:
             llm.close()
-    assert outs["fcfs"] == outs["prefix"]
+    assert len(outs["fcfs"]) == 12 and outs["fcfs"] == outs["prefix"]
+    assert orders["fcfs"] != orders["prefix"], orders
+    # the order of first admission: fcfs by arrival; prefix takes the families (prompt i has system prompt i % 3)
+    # together, after the two requests already admitted at the first step
+    first = {
+        p: [int(r.removeprefix("req-")) for r in dict.fromkeys(r for step in o for r in step)]
+        for p, o in orders.items()
+    }
+    assert first["fcfs"] == list(range(12)), orders
+    assert first["prefix"] == [0, 1, 3, 6, 9, 4, 7, 10, 2, 5, 8, 11], orders

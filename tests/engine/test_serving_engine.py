@@ -311,12 +311,21 @@ def test_preemption_keeps_tokens_and_frees_every_block(hf_checkpoint, hf_serving
     assert res["free_blocks"] == res["usable_blocks"] == 13
 
 
-def test_aborts_lose_nothing_else(tp1_llm, hf_serving_reference):
-    res = run_scenario(tp1_llm, aborts={3: 4, 0: 2})
+@pytest.mark.parametrize(
+    "async_scheduling,aborted_lengths",
+    [(False, {0: 3, 3: 0}), (True, {0: 2, 3: 0})],
+    ids=["sync", "async"],
+)
+def test_aborts_lose_nothing_else(hf_checkpoint, hf_serving_reference, async_scheduling, aborted_lengths):
+    """A fresh engine (the shared one's prefix cache would change how far request 3's prefill gets): request 0 is
+    aborted after step 2 with the tokens reported so far (async reports a step late: one fewer), request 3 after
+    step 4, still in its prefill (40 tokens at 16 a step from step 3), with none; the others are untouched."""
+    llm = LLM(hf_checkpoint[0], serving_config(async_scheduling=async_scheduling))
+    res = run_scenario(llm, aborts={3: 4, 0: 2})
     for i, ref in enumerate(hf_serving_reference):
         r = res["results"][i]
         if i in (0, 3):
-            assert r["finish_reason"] == "abort" and r["tokens"] == ref[: len(r["tokens"])]
+            assert r["finish_reason"] == "abort" and r["tokens"] == ref[: aborted_lengths[i]], (i, r)
         else:
             assert r["finish_reason"] == "length" and r["tokens"] == ref
     assert res["free_blocks"] == res["usable_blocks"]
@@ -370,9 +379,11 @@ def test_tp2_equals_transformers_with_chunks_preemption_and_aborts(hf_checkpoint
     assert res["alone"] == hf_serving_reference
     assert _tokens(res["mixed"]) == hf_serving_reference
     assert res["preempt"]["preemptions"] > 0 and _tokens(res["preempt"]) == hf_serving_reference
+    aborted_lengths = {0: 3, 3: 2}  # after the alone and mixed runs on the same engine: request 3's prefix cached
     for i, ref in enumerate(hf_serving_reference):
         r = res["abort"]["results"][i]
-        assert r["tokens"] == (ref if i not in (0, 3) else ref[: len(r["tokens"])])
+        assert r["tokens"] == (ref if i not in (0, 3) else ref[: aborted_lengths[i]]), (i, r)
+        assert r["finish_reason"] == ("abort" if i in (0, 3) else "length"), (i, r)
     for k in ("mixed", "preempt", "abort"):
         assert res[k]["free_blocks"] == res[k]["usable_blocks"]
 
@@ -420,10 +431,16 @@ def test_min_tokens_refused_where_stop_ids_and_eos_forbid_every_token(tp1_llm):
     with pytest.raises(RequestError, match=f"stop_token_ids with the EOS ids cover all {vocab} tokens"):
         tp1_llm.generate([[5, 6]], SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others))
     assert not core.has_unfinished()
-    # ignore_eos leaves EOS samplable; without min_tokens nothing is masked
-    for p in (SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others, ignore_eos=True),
-              SamplingParams(max_tokens=4, stop_token_ids=others)):  # fmt: skip
-        assert tp1_llm.generate([[5, 6]], p)[0].output_ids
+    # ignore_eos leaves EOS samplable: the first 3 tokens are EOS (every other id masked), the 4th a stop id
+    (eos_id,) = eos
+    p = SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=others, ignore_eos=True)
+    out = tp1_llm.generate([[5, 6]], p)[0]
+    assert out.output_ids[:3] == [eos_id] * 3 and len(out.output_ids) == 4, out.output_ids
+    assert out.finish_reason == "stop" and out.stop_reason == out.output_ids[3] and out.stop_reason in others
+    # without min_tokens nothing is masked: the first token is a stop id or EOS, and ends the request
+    out = tp1_llm.generate([[5, 6]], SamplingParams(max_tokens=4, stop_token_ids=others))[0]
+    assert len(out.output_ids) == 1 and out.finish_reason == "stop", (out.output_ids, out.finish_reason)
+    assert out.stop_reason == out.output_ids[0] and out.stop_reason in others, out.stop_reason
 
 
 def test_generate_takes_integer_ids_of_any_kind(tp1_llm):

@@ -322,7 +322,7 @@ def test_prefer_skinny_follows_the_measured_times(monkeypatch):
     F.linear for all four and the LM head, so the skinny path (which hands one row to the GEMV) takes them."""
     if gemm.triton is None:
         assert not gemm.prefer_skinny(1, 6144, 4096)
-        return
+        pytest.skip("without Triton: only checked that F.linear is preferred; the measured table needs Triton")
     from spanllm.kernels import gemv
 
     qkv, o, gate_up, down = SHAPES_8B_TP1

@@ -53,10 +53,15 @@ def test_warm_up_with_the_long_prompt_changes_no_later_tokens(monkeypatch):
     monkeypatch.setattr(warmup, "prefill_warmup_len", lambda _llm: 2 * chunk + warmup.PREFILL_WARMUP_TAIL)
     n = 2 * chunk + 77
     assert warmup.warm_up(llm)["prefill_warmup_tokens"] == n
-    sched = llm.engine_core.scheduler
+    sched, blocks = llm.engine_core.scheduler, llm.engine_core.blocks
     assert sched.prefix_cache_queries == 8 + n  # the short request and the long prompt ran
+    # the long prompt's full blocks are in the prefix cache (the short request's 8 + 3 computed tokens fill none)
+    assert len(blocks.cached) == n // blocks.block_size == 12
     assert [o.output_ids for o in llm.generate(PROMPTS, params)] == cold
     assert sched.prefix_cache_hits == 0  # real prompts share no block with the warm-up's random ids
+    # still cached after the later requests: the warm-up prompt again hits all its blocks but the last token's
+    llm.generate([warmup._prefill_warmup_prompt(llm, n)], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert sched.prefix_cache_hits == (n - 1) // blocks.block_size * blocks.block_size == 192
 
 
 def test_the_chunk_shapes_warm_first_and_in_the_forwards_pdl_scope(monkeypatch):

@@ -59,17 +59,15 @@ def start_cli_server(
 
 
 def sigterm_and_check(proc: subprocess.Popen, descendants: list[int], what: str, outlived: str) -> None:
-    """SIGTERM the server: it must exit within 20 s (waiting up to 30), and `descendants` (its ranks or its
-    front-end process) within 5 s more."""
+    """SIGTERM the server: it must exit within 20 s, and `descendants` (its ranks or its front-end process) within
+    5 s more (bounds that turn a hang into a failure, not speed checks)."""
     import signal
 
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"{what} did not stop within 30 s of SIGTERM") from None
-    assert time.monotonic() - t0 < 20
+        raise AssertionError(f"{what} did not stop within 20 s of SIGTERM") from None
     deadline = time.monotonic() + 5
     while any(alive(p) for p in descendants) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -121,8 +121,8 @@ def test_lone_surrogate_and_deep_nesting(cli_server):
 def test_body_size_limit_before_reading(cli_server):
     proc, base = cli_server
     url = base + "/v1/completions"
-    t0 = time.monotonic()
-    # Content-Length over the limit: 413 at once, the body is never sent (the client's headers alone)
+    # Content-Length over the limit: 413 before the body, which is never sent (the client's headers alone); the
+    # socket's timeout turns a server that waits for the body into a failure
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=10) as s:
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -140,15 +140,15 @@ def test_body_size_limit_before_reading(cli_server):
 
     r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
     _error(r, 413, None, "more than 1000000 bytes")
-    assert time.monotonic() - t0 < 10
     _still_serving(cli_server)
 
 
 def test_body_and_header_timeouts(cli_server):
     proc, base = cli_server
     port = int(base.rsplit(":", 1)[1])
+    # A server that never times the client out would leave recv waiting: the sockets' 10 s timeout (socket.timeout)
+    # turns that hang into a failure. No wall-clock bounds beyond that.
     # a body 100 bytes shorter than its Content-Length: 408 after --body-timeout (1 s)
-    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         body = b'{"prompt": "hi"}'
         s.sendall(
@@ -157,18 +157,17 @@ def test_body_and_header_timeouts(cli_server):
         )
         reply = _read_all(s)
     assert reply.startswith("HTTP/1.1 408") and "--body-timeout" in reply
-    assert time.monotonic() - t0 < 5
-    # half-sent headers: the connection is closed after --header-timeout (2 s)
-    t0 = time.monotonic()
+    # half-sent headers: still open a moment later (not closed before --header-timeout, 2 s), then closed by it
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            s.recv(65536)  # nothing sent back and not closed yet
+        s.settimeout(10)
         assert s.recv(65536) == b""  # closed by the server
-    assert 1.5 < time.monotonic() - t0 < 6
     # a connection that sends nothing: closed too
-    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         assert s.recv(65536) == b""
-    assert time.monotonic() - t0 < 6
     _still_serving(cli_server)
 
 
@@ -275,11 +274,19 @@ def test_clean_shutdown_exits_0(mode, sig):
 
 
 def test_sse_chunks_are_json(cli_server):
+    """max_tokens 3: four JSON chunks of one choice each (one per token, then the last saying "length"), then
+    [DONE]; greedy, their text joined is the text of the same request unstreamed (U+FFFD: the tiny preset's
+    greedy bytes end inside a character)."""
     proc, base = cli_server
-    with httpx.stream("POST", base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}) as r:
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
         lines = [x for x in r.iter_lines() if x.startswith("data:")]
-    assert lines[-1] == "data: [DONE]"
-    assert all("choices" in json.loads(x[5:]) for x in lines[:-1])
+    assert len(lines) == 5 and lines[-1] == "data: [DONE]", lines
+    chunks = [json.loads(x[5:]) for x in lines[:-1]]
+    assert [len(ch["choices"]) for ch in chunks] == [1, 1, 1, 1], chunks
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None, None, None, "length"], chunks
+    whole = httpx.post(base + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    assert whole == "\ufffd" and "".join(ch["choices"][0]["text"] for ch in chunks) == whole, chunks
 
 
 def test_engine_refusals_name_their_field(cli_server):

@@ -20,9 +20,10 @@ def client(server) -> openai.OpenAI:
 
 
 def complete(server, stream=False, **kw):
-    """(texts by choice, finish reasons, usage) of a completions request, streamed or not."""
+    """(texts by choice, finish reasons, usage) of a completions request, streamed or not; greedy unless the test
+    gives a temperature (the server's own default is OpenAI's 1: tests/serve/test_openai_compat.py)."""
     c = client(server)
-    kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 12, **kw}
+    kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 12, "temperature": 0, **kw}
     if not stream:
         r = c.completions.create(**kw)
         return [ch.text for ch in r.choices], [ch.finish_reason for ch in r.choices], r.usage
@@ -39,7 +40,7 @@ def complete(server, stream=False, **kw):
 
 def chat(server, stream=False, **kw):
     c = client(server)
-    kw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, **kw}
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0, **kw}
     if not stream:
         r = c.chat.completions.create(**kw)
         return [ch.message.content for ch in r.choices], [ch.finish_reason for ch in r.choices], r.usage
@@ -65,7 +66,7 @@ REFUSED = [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ("chat", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),  # true / false ask nothing without tools
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -186,23 +187,26 @@ def test_min_p_one_is_greedy(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_logprobs_completions(server, stream):
     """Greedy without bias: the sampled token is the most likely of the raw distribution (the logprobs reported are
-    the raw ones), its logprob the largest of the top k, all <= 0."""
+    the raw ones), its logprob the largest of the top k, all <= 0. The tiny preset's 5 greedy tokens after "Hello"
+    are byte pieces: the first two make the one character "\u079f" of the text (each alone decodes to U+FFFD), the
+    third and fifth have no text, the fourth is a partial character that never completes; text_offset counts the
+    text's characters before each token, as the detokenizer completes them."""
     c = client(server)
-    kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "logprobs": 3}
+    kw = {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "logprobs": 3, "temperature": 0}
     if stream:
-        lps = [
-            ch.choices[0].logprobs
-            for ch in c.completions.create(stream=True, **kw)
-            if ch.choices and ch.choices[0].logprobs
-        ]
+        chunks = [ch for ch in c.completions.create(stream=True, **kw) if ch.choices]
+        text = "".join(ch.choices[0].text for ch in chunks)
+        lps = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
         tokens = sum((x.tokens for x in lps), [])
         token_lps = sum((x.token_logprobs for x in lps), [])
         tops = sum((x.top_logprobs for x in lps), [])
+        offs = sum((x.text_offset for x in lps), [])
     else:
-        lp = c.completions.create(**kw).choices[0].logprobs
-        tokens, token_lps, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
-        offs = lp.text_offset
-        assert offs[0] == 0 and offs == sorted(offs) and offs[-1] <= len(c.completions.create(**kw).choices[0].text)
+        choice = c.completions.create(**kw).choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, token_lps, tops, offs = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    assert text == "\u079f" and tokens == ["\ufffd", "\ufffd", "", "\ufffd", ""], (text, tokens)
+    assert offs == [0, 0, len(text), len(text), len(text)], offs
     assert len(tokens) == len(token_lps) == len(tops) == 5
     for lp_, top in zip(token_lps, tops):
         assert len(top) <= 3 and lp_ <= 0 and abs(lp_ - max(top.values())) < 1e-5
