@@ -474,7 +474,8 @@ def validate_request(
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")
     total = len(prompt_ids) + params.max_tokens  # the lengths first: O(1), before the O(prompt) id checks below
-    if total > max_model_len:
+    # the tighter of the two limits names itself: a pool smaller than max_model_len is what the request meets
+    if total > max_model_len and max_model_len <= capacity_tokens:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the "

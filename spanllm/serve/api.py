@@ -342,8 +342,11 @@ def build_app(
             )
         return req
 
-    def submit(prompt_ids: list[int], params: SamplingParams, rid: str, n: int, chat_default: bool) -> list:
-        """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in."""
+    def submit(
+        prompt_ids: list[int], params: SamplingParams, rid: str, n: int, chat_default: bool, most: int | None = None
+    ) -> list:
+        """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in. `most`: the
+        tokens a chat without max_tokens may take at most besides the context (a non-streaming answer's logprobs)."""
         queued = engine.max_queued_requests
         if queued is not None and n > queued:  # never admissible, even on an idle server: not a 503 to retry
             raise APIError(
@@ -365,6 +368,15 @@ def build_app(
                     f"{room} of this model's context of {ctx_limit}; use min_tokens <= {room}",
                     "min_tokens",
                 )
+            if most is not None and most < room:
+                if params.min_tokens > most:
+                    raise APIError(
+                        f"min_tokens={params.min_tokens}: with n={n} and the top {params.logprobs} logprobs, a "
+                        f"non-streaming response holds at most {most} tokens ({MAX_RESPONSE_LOGPROB_ENTRIES} logprob "
+                        "entries); stream it (stream=true), or lower min_tokens, n or top_logprobs",
+                        "min_tokens",
+                    )
+                room = most  # the default stops where the response's logprob entries would pass their limit
             params = SamplingParams(**{**params.__dict__, "max_tokens": room})
         queues = []
         try:
@@ -464,10 +476,14 @@ def build_app(
         loop = asyncio.get_running_loop()
         req, params, prompt_ids, echo_text = await loop.run_in_executor(pools.for_body(len(raw)), prepare, raw, chat)
         chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
+        most = None
         if not req.stream and params.logprobs is not None:
-            check_logprob_entries(req.n, ctx_limit - len(prompt_ids) if chat_default else params.max_tokens, params)
+            if chat_default:  # max_tokens defaults to the rest of the context, or what the entries allow
+                most = MAX_RESPONSE_LOGPROB_ENTRIES // (req.n * (params.logprobs + 1))
+            else:
+                check_logprob_entries(req.n, params.max_tokens, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        queues = submit(prompt_ids, params, rid, req.n, chat_default)
+        queues = submit(prompt_ids, params, rid, req.n, chat_default, most)
         lp = None
         if params.logprobs is not None:
             lp = LogprobsFormatter(tokenizer, chat, prompt_ids, len(echo_text or ""))

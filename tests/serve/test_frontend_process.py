@@ -67,7 +67,7 @@ def test_frontend_process_serves_the_engines_text_and_stops():
         long = httpx.post(
             base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10_000}, timeout=10
         )
-        assert long.status_code == 400 and "4096" in long.json()["error"]["message"]
+        assert long.status_code == 400 and "the whole pool holds 4080" in long.json()["error"]["message"]
         # /metrics counts exactly what was served (7 requests, their tokens), nothing running.
         assert metric_of(base, "spanllm:request_success_total", finished_reason="length") == 2 * len(PROMPTS) + 1
         assert metric_of(base, "spanllm:generation_tokens_total") == done_tokens

@@ -296,5 +296,5 @@ def test_engine_refusals_name_their_field(cli_server):
     _error(httpx.post(url, json={"prompt": [5, 512]}), 400, "prompt", "512", "[0, 512)")
     _error(httpx.post(url, json={"prompt": "hi", "stop_token_ids": [600]}), 400, "stop_token_ids", "[0, 512)")
     _error(httpx.post(url, json={"prompt": "hi", "logit_bias": {"600": 1}}), 400, "logit_bias", "[0, 512)")
-    _error(httpx.post(url, json={"prompt": "hi", "max_tokens": 5000}), 400, "prompt", "4096")
+    _error(httpx.post(url, json={"prompt": "hi", "max_tokens": 5000}), 400, "prompt", "the whole pool holds 4080")
     _still_serving(cli_server)

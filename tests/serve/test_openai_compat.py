@@ -126,14 +126,13 @@ def test_batched_prompts_and_part_floods_are_refused_before_validation(monkeypat
     with pytest.raises(APIError, match="batched prompts are not supported") as e:
         validate({"prompt": [[1]] * 100_000}, False, **LIMITS)
     assert e.value.param == "prompt"
-    parts = [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)
+    half = [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS // 2)  # the limit counts every message's parts
+    msgs = [{"role": "user", "content": "x"}, {"role": "user", "content": half}, {"role": "user", "content": half}]
     with pytest.raises(APIError) as e:
-        validate({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": parts}]}, True, **LIMITS)
+        validate({"messages": [*msgs, {"role": "user", "content": half[:1]}]}, True, **LIMITS)
     assert e.value.param == "messages"
-    assert (
-        e.value.message
-        == f"messages[1].content: {MAX_CONTENT_PARTS + 1} parts; at most {MAX_CONTENT_PARTS} (join the texts)"
-    )
+    want = f"messages: {MAX_CONTENT_PARTS + 1} content parts in all; at most {MAX_CONTENT_PARTS} (join the texts)"
+    assert e.value.message == want
 
 
 def test_the_encoded_body_is_json_dumps_and_lets_other_tasks_run():
@@ -213,3 +212,57 @@ def test_a_request_without_temperature_samples(server):
     ]
     assert len(set(texts[0])) > 1 and texts[0] == texts[1]
     assert len(set(texts[2])) == 1 and texts[2][0] not in texts[0]
+
+
+def test_a_chat_without_max_tokens_stops_where_its_logprobs_would_pass_the_limit(server, monkeypatch):
+    """A non-streaming chat with logprobs and no max_tokens is not refused for the context it might use: its
+    default max_tokens is the rest of the context or what the entries allow, whichever is less (here the limit is
+    lowered to 4 x (top 1 + 1) = 8 entries: 4 tokens, finish_reason length)."""
+    import spanllm.serve.api as api
+
+    monkeypatch.setattr(api, "MAX_RESPONSE_LOGPROB_ENTRIES", 8)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["content"]) == 4
+    assert r.json()["usage"]["completion_tokens"] == 4
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "min_tokens": 5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "a non-streaming response holds at most 4 tokens (8 logprob entries)" in r.json()["error"]["message"]
+
+
+def test_a_prompt_past_the_pool_names_the_pool_not_max_model_len(server):
+    """The pool (4,080 tokens) is the tighter limit: a 9,000-token prompt is refused naming it, not the larger
+    max_model_len that /v1/models no longer advertises."""
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [5] * 9000, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        "the request needs up to 9001 tokens of KV cache but the whole pool holds 4080"
+    )
+
+
+@pytest.mark.parametrize(
+    "body, chat, where",
+    [
+        ({"prompt": "x", "stop": [1] * 200_000}, False, "stop.0=1"),
+        ({"prompt": [1] + ["a"] * 200_000}, False, "prompt.1='a'"),
+        ({"prompt": "x", "stop_token_ids": ["a"] * 200_000}, False, "stop_token_ids.0='a'"),
+        ({"prompt": "x", "logit_bias": {str(i): "a" for i in range(200_000)}}, False, "logit_bias.0='a'"),
+        ({"messages": [{"role": "user", "content": [1] * 4000}]}, True, "messages.0.content.0=1"),
+    ],
+)
+def test_a_list_of_wrong_items_is_refused_at_its_first(body, chat, where):
+    """Validation stops at the first bad item (pydantic's fail_fast): 200,000 wrong items build one error, not
+    200,000 (a 5 MB body of them held the front end for 17 s)."""
+    from pydantic import ValidationError
+
+    import spanllm.serve.protocol as protocol
+
+    model = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    assert e.value.error_count() <= 4  # one per member of the field's union at most
+    with pytest.raises(APIError) as e:
+        validate(body, chat, **LIMITS)
+    assert e.value.message.startswith(where + ": "), e.value.message
