@@ -35,7 +35,7 @@ from spanllm.engine.sampler import GREEDY_BELOW, INT32_MAX, INT64_MIN, SamplingP
 from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailable, QueueFull
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
 from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
-from spanllm.serve.response_body import encode_yielding
+from spanllm.serve.response_body import RawJSON, dumps, encode_yielding
 
 DEFAULT_TEMPERATURE = 1.0  # a request without temperature samples at 1, as on OpenAI and vLLM
 # Request bodies above this many bytes are parsed and tokenized in a thread of their own (PreparePools).
@@ -170,6 +170,9 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+_COMPLETION_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
 class LogprobsFormatter:
     """TokenLogprob lists -> OpenAI's shapes: completions' {tokens, token_logprobs, top_logprobs, text_offset}
     and chat's {content: [{token, logprob, bytes, top_logprobs}]}. A token's text is tokenizer.decode([id])."""
@@ -210,8 +213,18 @@ class LogprobsFormatter:
         """The events' formatted logprobs of one choice, joined into the whole answer's."""
         if self.chat:
             return {"content": [e for p in parts for e in p["content"]]}
-        keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-        return {k: [x for p in parts for x in p[k]] for k in keys}
+        return {k: [x for p in parts for x in p[k]] for k in _COMPLETION_LOGPROB_KEYS}
+
+    def format_text(self, lps, choice: int = 0) -> dict[str, str]:
+        """`format`'s lists as JSON text without their brackets (a non-streaming answer keeps one string per key
+        and event, not a dict per token: spanllm.serve.response_body)."""
+        return {k: dumps(v)[1:-1] for k, v in self.format(lps, choice).items()}
+
+    @staticmethod
+    def merge_text(parts: list[dict[str, str]]) -> dict[str, RawJSON]:
+        """format_text's events of one choice joined: `merge`'s lists, as RawJSON."""
+        keys = parts[0].keys() if parts else ()
+        return {k: RawJSON("[" + ",".join(p[k] for p in parts if p[k]) + "]") for k in keys}
 
     def _top_by_text(self, lp) -> dict[str, float]:
         """Completions' {text: logprob} of the top ids (most likely first), and of the sampled token where it is not
@@ -505,7 +518,7 @@ def build_app(
     async def complete(request, queues, rid, base, chat, num_prompt, echo_text, lp):
         n = len(queues)
         last: dict[int, Any] = {}
-        lps: dict[int, list[dict]] = {i: [] for i in range(n)}  # each event's formatted logprobs, as streamed
+        lps: dict[int, list[dict]] = {i: [] for i in range(n)}  # each event's logprobs as JSON text (format_text)
         try:
             async for i, d in merged(queues, request):
                 if d is None:
@@ -514,7 +527,7 @@ def build_app(
                 if err is not None:
                     raise err
                 if lp is not None and d.new_logprobs:
-                    lps[i].append(lp.format(d.new_logprobs, i))
+                    lps[i].append(lp.format_text(d.new_logprobs, i))
                 if d.finished:
                     last[i] = d
                     if len(last) == n:
@@ -534,7 +547,7 @@ def build_app(
                 "stop_reason": d.stop_reason,
             }
             if lp is not None:
-                choice["logprobs"] = lp.merge(lps[i])
+                choice["logprobs"] = lp.merge_text(lps[i]) if lps[i] else lp.merge([])
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

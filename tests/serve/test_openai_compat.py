@@ -266,3 +266,22 @@ def test_a_list_of_wrong_items_is_refused_at_its_first(body, chat, where):
     with pytest.raises(APIError) as e:
         validate(body, chat, **LIMITS)
     assert e.value.message.startswith(where + ": "), e.value.message
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_kept_as_text_encode_to_the_same_bytes(chat):
+    """A non-streaming answer keeps each event's logprobs as JSON text (format_text / merge_text: a string per
+    event, not a dict per token); the body it encodes is byte for byte the one of the dicts (format / merge)."""
+    from spanllm.serve.response_body import dumps
+
+    events = [
+        [TokenLogprob(H, -0.5, ((H, -0.5), (I, -1.25)))],
+        [],
+        [TokenLogprob(0xC3 + 3, -2.0, ((J, -0.1),)), TokenLogprob(0xA9 + 3, -0.25, ((I, -0.25),))],  # "é" in 2 bytes
+    ]
+    as_dicts = LogprobsFormatter(ByteTokenizer(), chat=chat)
+    as_text = LogprobsFormatter(ByteTokenizer(), chat=chat)
+    want = {"logprobs": as_dicts.merge([as_dicts.format(e) for e in events])}
+    got = {"logprobs": as_text.merge_text([as_text.format_text(e) for e in events])}
+    assert asyncio.run(encode_yielding(got)).decode() == dumps(want)
+    assert len(want["logprobs"]["content" if chat else "tokens"]) == 3
