@@ -628,10 +628,9 @@ def result_path(args: argparse.Namespace, label: str, model_id: str, rates: Sequ
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from spanllm import output_files
     from spanllm.bench.serve_report import plot_sweep, summary_lines, sweep_table
     from spanllm.measure.report import machine_info, versions
-    from spanllm.output_files import write_result
+    from spanllm.output_files import write_json, write_result
 
     resolve_dataset_source(args)
     cfg, rates = config_from_args(args)
@@ -706,7 +705,7 @@ def run(args: argparse.Namespace) -> int:
         if args.save_result:
             path = result_path(args, cfg.label, model, rates, dt)
             doc = {**saved[0], **metadata, **extra, "machine": machine_info(), "versions": versions()}
-            output_files.write_json("--result-dir", path, doc, indent=1, default=str)
+            write_json("--result-dir", path, doc, indent=1, default=str)
             print(f"wrote {path}")
     else:
         title = (

@@ -66,15 +66,12 @@ def machine_info(device: torch.device) -> dict:
 def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
     from spanllm.engine.sampler import SamplingParams
 
-    samples = None
+    samples, tokenizer = None, None
     if ctx.rank == 0:  # the requests before the model: a dataset that cannot be read costs no model load
-        from spanllm.engine.tokenizer import get_tokenizer
-        from spanllm.model.config import resolve_model
-
-        cfg = resolve_model(args.model)
-        samples = requests_from_args(args, get_tokenizer(cfg.name, cfg.checkpoint_dir))
+        tokenizer = model_tokenizer(args.model)
+        samples = requests_from_args(args, tokenizer)
     llm = build_llm(ctx, args)
-    llm.get_tokenizer()
+    llm.get_tokenizer(tokenizer)
     try:
         core = llm.engine_core
         if core.rank != 0:
@@ -151,6 +148,15 @@ def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
         llm.close()
 
 
+def model_tokenizer(model: str):
+    """The tokenizer of `--model`, without the model."""
+    from spanllm.engine.tokenizer import get_tokenizer
+    from spanllm.model.config import resolve_model
+
+    cfg = resolve_model(model)
+    return get_tokenizer(cfg.name, cfg.checkpoint_dir)
+
+
 def requests_from_args(args: argparse.Namespace, tokenizer):
     from spanllm.bench.sample_file import load_first_samples, save_samples
 
@@ -181,11 +187,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_dataset_arguments(args)
     if args.dry_run:
-        from spanllm.engine.tokenizer import get_tokenizer
-        from spanllm.model.config import resolve_model
-
-        cfg = resolve_model(args.model)
-        s = requests_from_args(args, get_tokenizer(cfg.name, cfg.checkpoint_dir))
+        s = requests_from_args(args, model_tokenizer(args.model))
         print(
             f"{len(s)} requests: mean prompt {s.mean_prompt_len:.1f}, mean output {s.mean_output_len:.1f} tokens"
             + (f"; wrote {args.save_samples}" if args.save_samples else "")

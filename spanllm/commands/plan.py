@@ -232,9 +232,7 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
     from rich.table import Table
 
     workload = Workload(args.batch, args.prompt, args.decode)
-    quant = get_quantization(args.quantization)
-    if args.kv_cache_dtype == "fp8":
-        quant = quant.with_fp8_kv_cache()
+    quant = _quantization(args, args.quantization)
     rows = plan(model, cluster, args.nodes, workload, not args.no_cuda_graphs, not args.no_ranges, quant)
     console = Console(width=170) if not Console().is_terminal else Console()
     if not rows:
@@ -343,7 +341,8 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         if b.e2e_range:
             console.print(robustness(rows))
     else:
-        console.print(f"[bold red]no layout fits in GPU memory[/bold red]: {_how_to_fit(args, model, cluster, quant)}")
+        how = _how_to_fit(args, model, cluster, workload, quant)
+        console.print(f"[bold red]no layout fits in GPU memory[/bold red]: {how}")
     if args.json is not None:
         write_json("--json", args.json, doc, indent=2)
         console.print(f"wrote {args.json}")
@@ -353,10 +352,15 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
     return 0 if b else 1
 
 
-def _how_to_fit(args: argparse.Namespace, model, cluster, quant) -> str:
+def _quantization(args: argparse.Namespace, weights: str | None):
+    """The perf model's quantization of `weights` (None: bf16), with the KV cache that --kv-cache-dtype asks."""
+    quant = get_quantization(weights)
+    return quant.with_fp8_kv_cache() if args.kv_cache_dtype == "fp8" else quant
+
+
+def _how_to_fit(args: argparse.Namespace, model, cluster, workload: Workload, quant) -> str:
     """What would fit: more nodes (the fewest, where the cluster has a network), FP8 weights on these nodes, or
     a smaller model."""
-    workload = Workload(args.batch, args.prompt, args.decode)
     graphs = not args.no_cuda_graphs
     ways = []
     if cluster.has_network:
@@ -366,10 +370,7 @@ def _how_to_fit(args: argparse.Namespace, model, cluster, quant) -> str:
     else:
         ways.append(f"a cluster with more GPUs ({cluster.name} is one node without a network)")
     if quant.linear_weight_bytes > 1:  # 16-bit weights
-        fp8 = get_quantization("fp8")
-        if args.kv_cache_dtype == "fp8":
-            fp8 = fp8.with_fp8_kv_cache()
-        if fits_somewhere(model, cluster, args.nodes, workload, graphs, fp8):
+        if fits_somewhere(model, cluster, args.nodes, workload, graphs, _quantization(args, "fp8")):
             ways.append(f"--quantization fp8 (FP8 weights fit on {args.nodes} node(s))")
     ways.append("a smaller model")
     return "; or ".join(ways)

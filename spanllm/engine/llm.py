@@ -572,12 +572,13 @@ class LLM:
         )
         return executor.generate(prompts, params, micro_batches, self.config.eos_token_ids, keep_logits)
 
-    def get_tokenizer(self):
-        """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once."""
+    def get_tokenizer(self, loaded=None):
+        """The model's tokenizer (checkpoint folder, or Llama 3's for the llama3 presets), loaded once; `loaded`:
+        one the caller already has for this model (spanllm.engine.tokenizer.get_tokenizer's)."""
         if self.tokenizer is None:
             from spanllm.engine.tokenizer import get_tokenizer
 
-            self.tokenizer = get_tokenizer(self.config.name, self.config.checkpoint_dir)
+            self.tokenizer = loaded or get_tokenizer(self.config.name, self.config.checkpoint_dir)
             if self._engine_core is not None:
                 self._engine_core.tokenizer = self.tokenizer
                 if not self._engine_core.eos_token_ids:  # config.json named no EOS: the tokenizer's

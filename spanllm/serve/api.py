@@ -129,9 +129,7 @@ def completion_prompt(req: CompletionRequest, tokenizer, check_text=None) -> tup
     """(prompt ids, prompt text for echo: the string given, or None for token ids). check_text(characters, param),
     if given, may refuse a text before it is tokenized."""
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) > 1:
-            raise APIError("batched prompts are not supported: send one prompt per request (or use n)", "prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # a batch of one (validate refused more)
         p = p[0]
     if isinstance(p, str):
         if not p:
@@ -220,10 +218,9 @@ class LogprobsFormatter:
         and event, not a dict per token: spanllm.serve.response_body)."""
         return {k: dumps(v)[1:-1] for k, v in self.format(lps, choice).items()}
 
-    @staticmethod
-    def merge_text(parts: list[dict[str, str]]) -> dict[str, RawJSON]:
+    def merge_text(self, parts: list[dict[str, str]]) -> dict[str, RawJSON]:
         """format_text's events of one choice joined: `merge`'s lists, as RawJSON."""
-        keys = parts[0].keys() if parts else ()
+        keys = ("content",) if self.chat else _COMPLETION_LOGPROB_KEYS
         return {k: RawJSON("[" + ",".join(p[k] for p in parts if p[k]) + "]") for k in keys}
 
     def _top_by_text(self, lp) -> dict[str, float]:
@@ -340,7 +337,7 @@ def build_app(
 
     def parse(raw: bytes, chat: bool):
         req = validate(
-            parse_body(raw, chat),
+            parse_body(raw),
             chat,
             max_stop_strings=limits.max_stop_strings,
             max_stop_length=limits.max_stop_string_length,
@@ -547,7 +544,7 @@ def build_app(
                 "stop_reason": d.stop_reason,
             }
             if lp is not None:
-                choice["logprobs"] = lp.merge_text(lps[i]) if lps[i] else lp.merge([])
+                choice["logprobs"] = lp.merge_text(lps[i])
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

@@ -169,9 +169,8 @@ REFUSED_CHAT = {
 }
 
 
-def parse_body(raw: bytes, chat: bool | None = None) -> dict:
-    """Raw bytes -> a JSON object of bounded depth whose strings are all valid text. Given the endpoint (`chat`),
-    the shapes no request can use are refused before the whole body is walked."""
+def parse_body(raw: bytes) -> dict:
+    """Raw bytes -> a JSON object (no key twice in any object); `validate` checks what it holds."""
     try:
         body = json.loads(raw, object_pairs_hook=_object_without_repeated_keys)
     except RecursionError:
@@ -182,9 +181,6 @@ def parse_body(raw: bytes, chat: bool | None = None) -> dict:
         raise APIError(f"the request body holds a value this server cannot read: {e}") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    if chat is not None:
-        _refuse_unusable_shapes(body, chat)
-    _check_tree(body)
     return body
 
 
@@ -238,14 +234,17 @@ def _top(path: str) -> str | None:
 
 
 def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int, max_stop_token_ids: int):
-    """A parsed body -> ChatCompletionRequest / CompletionRequest, or APIError naming the field and its range."""
+    """A parsed body -> ChatCompletionRequest / CompletionRequest, or APIError naming the field and its range. The
+    shapes no request can use are refused first (list lengths alone), then the body's depth and text are walked,
+    then the models validate it."""
+    _refuse_unusable_shapes(body, chat)
+    _check_tree(body)
     refused = REFUSED_CHAT if chat else REFUSED_COMPLETIONS
     for name, (ok, why) in refused.items():
         if name in body and not ok(body[name]):
             raise APIError(f"{name}: {why}", name)
     model = ChatCompletionRequest if chat else CompletionRequest
     body = {k: v for k, v in body.items() if k not in refused and v is not None}  # null: absent
-    _refuse_unusable_shapes(body, chat)
     try:
         req = model.model_validate(body)
     except ValidationError as e:
