@@ -186,71 +186,79 @@ async def benchmark_async(
         limit=cfg.max_concurrency or 0, limit_per_host=cfg.max_concurrency or 0, keepalive_timeout=60
     )
     async with aiohttp.ClientSession(connector=connector, trust_env=True) as session:
-        model = cfg.model or await first_model(session, cfg.base_url.rstrip("/"))
-        inputs = _inputs(samples, cfg, model)
-        probe = replace(inputs[0], request_id=None)  # ready check and warm-ups: copies of the first request
-        if cfg.ready_check_timeout_s > 0:
-            await _ready_check(session, probe, cfg)
-        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        if cfg.num_warmups > 0:  # vLLM: num_warmups copies of the first request, under the same concurrency cap
-
-            async def warm() -> RequestOutput:
-                if sem is None:
-                    return await send_request(session, probe, cfg.request_timeout_s)
-                async with sem:
-                    return await send_request(session, probe, cfg.request_timeout_s)
-
-            warm_outs = await asyncio.gather(*(warm() for _ in range(cfg.num_warmups)))
-            failed = [o.error for o in warm_outs if not o.success]
-            if failed:
-                print(
-                    f"warning: {len(failed)} of {cfg.num_warmups} warm-up requests failed: {failed[0]}", file=sys.stderr
-                )
-
-        answered = 0
-
-        async def one(inp: RequestInput) -> RequestOutput:
-            nonlocal answered
-            arrived = time.perf_counter()
-            if sem is None:
-                out = await send_request(session, inp, cfg.request_timeout_s)
-            else:
-                async with sem:
-                    out = await send_request(session, inp, cfg.request_timeout_s)
-            out.client_queue_time = out.start_time - arrived
-            answered += 1
-            if on_request_done:
-                on_request_done()
-            return out
-
-        cache0 = await prefix_cache_counters(session, cfg.base_url)
-        offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
-        start = time.perf_counter()
-        tasks = []
+        # What the run waits for, told every STATUS_LINE_S where no bar shows: a step before the requests (the
+        # model list, the ready check, warm-ups, the /metrics counters) can wait on a silent server too.
+        phase = ["listing the server's models (/v1/models)"]
+        answered, tasks, t0 = 0, [], time.perf_counter()
 
         async def report_status() -> None:
             while True:
                 await asyncio.sleep(STATUS_LINE_S)
+                what = phase[0] or f"{answered} of {len(samples)} requests answered, {len(tasks) - answered} in flight"
                 print(
-                    f"bench serve: {answered} of {len(inputs)} requests answered, {len(tasks) - answered} in flight, "
-                    f"{time.perf_counter() - start:.0f} s (--request-timeout {cfg.request_timeout_s:g} s)",
+                    f"bench serve: {what}, {time.perf_counter() - t0:.0f} s (--request-timeout "
+                    f"{cfg.request_timeout_s:g} s)",
                     file=sys.stderr,
                     flush=True,
                 )
 
         status = asyncio.create_task(report_status()) if status_lines else None
         try:
+            model = cfg.model or await first_model(session, cfg.base_url.rstrip("/"))
+            inputs = _inputs(samples, cfg, model)
+            probe = replace(inputs[0], request_id=None)  # ready check and warm-ups: copies of the first request
+            if cfg.ready_check_timeout_s > 0:
+                phase[0] = "waiting for the first answer (--ready-check-timeout-sec)"
+                await _ready_check(session, probe, cfg)
+            sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+            if cfg.num_warmups > 0:  # vLLM: num_warmups copies of the first request, under the same concurrency cap
+                phase[0] = f"waiting for the {cfg.num_warmups} warm-up requests"
+
+                async def warm() -> RequestOutput:
+                    if sem is None:
+                        return await send_request(session, probe, cfg.request_timeout_s)
+                    async with sem:
+                        return await send_request(session, probe, cfg.request_timeout_s)
+
+                warm_outs = await asyncio.gather(*(warm() for _ in range(cfg.num_warmups)))
+                failed = [o.error for o in warm_outs if not o.success]
+                if failed:
+                    print(
+                        f"warning: {len(failed)} of {cfg.num_warmups} warm-up requests failed: {failed[0]}",
+                        file=sys.stderr,
+                    )
+
+            async def one(inp: RequestInput) -> RequestOutput:
+                nonlocal answered
+                arrived = time.perf_counter()
+                if sem is None:
+                    out = await send_request(session, inp, cfg.request_timeout_s)
+                else:
+                    async with sem:
+                        out = await send_request(session, inp, cfg.request_timeout_s)
+                out.client_queue_time = out.start_time - arrived
+                answered += 1
+                if on_request_done:
+                    on_request_done()
+                return out
+
+            phase[0] = "reading the server's prefix-cache counters (/metrics)"
+            cache0 = await prefix_cache_counters(session, cfg.base_url)
+            offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
+            phase[0] = ""  # the requests: their count
+            start = time.perf_counter()
             for inp, offset in zip(inputs, offsets):
                 delay = start + offset - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(inp)))
             outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+            phase[0] = "reading the server's prefix-cache counters (/metrics)"
+            cache1 = await prefix_cache_counters(session, cfg.base_url)
         finally:
             if status is not None:
                 status.cancel()
-        duration = time.perf_counter() - start
-        cache1 = await prefix_cache_counters(session, cfg.base_url)
 
     metrics = calculate_metrics(
         outputs, duration, cfg.metric_percentiles, cfg.percentile_metrics, cfg.goodput, count_output_tokens

@@ -4,6 +4,7 @@ the CLI sweep writing its table, JSON and PNG."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -114,6 +115,23 @@ def test_without_a_live_bar_a_status_line_says_how_many_answered(server, monkeyp
     assert lines, "no status line"
     assert lines[0].startswith("bench serve: 1 of 2 requests answered, 1 in flight, ")
     assert lines[0].endswith(" s (--request-timeout 1 s)")
+
+
+def test_a_step_before_the_requests_that_waits_is_named_in_the_status_line(server, monkeypatch, capsys):
+    """A server that never answers /metrics held the run 30 s before any request, with no line: the status line
+    covers every step and says which one it waits on."""
+    monkeypatch.setattr(serve, "STATUS_LINE_S", 0.2)
+    real = serve.prefix_cache_counters
+
+    async def slow_counters(session, base_url):
+        await asyncio.sleep(0.5)
+        return await real(session, base_url)
+
+    monkeypatch.setattr(serve, "prefix_cache_counters", slow_counters)
+    r = run_benchmark([SampleRequest("w w", 3, 2)], ServeBenchConfig(base_url=server.url, show_progress=False))
+    assert (r["completed"], r["failed"]) == (1, 0)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("bench serve: ")]
+    assert lines and lines[0].startswith("bench serve: reading the server's prefix-cache counters (/metrics), ")
 
 
 def test_unreachable_server_is_a_clear_error():
