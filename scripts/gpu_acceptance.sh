@@ -39,13 +39,17 @@
 #   coverage      any Hopper GPU: code paths no GPU run had met: PDL on = off bit for bit over an FP8 KV cache and in
 #                 fp16, the cascade prefill over an FP8 KV cache against the paged kernel (GPU tests), and an
 #                 oversized --num-kv-blocks refused on the GPU (~5 min)
+#   w8a8          any Hopper GPU: the Triton W8A8 GEMM's GPU tests, its sweep at decode batch sizes against
+#                 torch._scaled_mm and W8A16 (scripts/gpu_w8a8_gemm.py: what spanllm/kernels/fp8_gemm_configs.json
+#                 should say), then offline ShareGPT in FP8 with an FP8 KV cache, the committed table (empty: every W8A8
+#                 GEMM on torch._scaled_mm, unless one is committed) against the sweep's (SPANLLM_FP8_GEMM_TABLE)
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
 #                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage|w8a8}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
@@ -53,7 +57,7 @@ echo "=== $PART on ${GPU:-no GPU}"
 case "$GPU:$PART" in
   *H200*:*) ;;
   *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv | \
-  *H100*:coverage) ;;  # any Hopper
+  *H100*:coverage | *H100*:w8a8) ;;  # any Hopper
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -164,6 +168,24 @@ case "$PART" in
       pack
     done
     tail -4 "$R"/profile_fp8_kv_*.log ;;
+  w8a8)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py >"$R/pytest.txt" 2>&1
+    tail -2 "$R/pytest.txt"
+    timeout ${W8A8_TIMEOUT:-270} python3 scripts/gpu_w8a8_gemm.py "$R/w8a8" --ms ${W8A8_MS:-64,32,128,256} \
+      --budget-s ${W8A8_BUDGET_S:-240} >"$R/w8a8.log" 2>&1
+    pack
+    grep -E "^8b" "$R/w8a8.log"
+    T="$R/w8a8/fp8_gemm_configs.json"
+    S=results/h200/inputs/sharegpt_llama3_seed0_n1000.json
+    for t in ${W8A8_RUNS:-committed sweep}; do
+      table=""; [ $t = sweep ] && table="$T"
+      SPANLLM_FP8_GEMM_TABLE="$table" timeout 110 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput \
+        --model llama3.1-8b --quantization fp8 --kv-cache-dtype fp8 --num-prompts 1000 --samples-file $S \
+        --json "$R/sharegpt_fp8_kv8_table_$t.json" >"$R/sharegpt_$t.log" 2>&1
+      pack
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], round(d['output_tokens_per_second']), 'output tok/s')" \
+        "$R/sharegpt_fp8_kv8_table_$t.json" 2>/dev/null || tail -3 "$R/sharegpt_$t.log"
+    done ;;
   gemv)
     timeout ${GEMV_TIMEOUT:-230} python3 scripts/gpu_gemv.py "$R/gemv" --budget-s ${GEMV_BUDGET_S:-200} >"$R/gemv.log" 2>&1
     pack

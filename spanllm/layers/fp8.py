@@ -12,7 +12,11 @@ The GEMM, by the number of rows M of x (the same rule on every device, so the CP
   sums (spanllm.kernels.skinny_gemm with weight_scale): the halved bytes are the whole gain at these sizes, and no
   activation-quantization pass is paid.
 - otherwise (prefill chunks, big decode batches): W8A8. x quantized per token (spanllm.kernels.fp8_quant), then
-  torch._scaled_mm with row-wise scales on FP8 tensor cores, fp32 accumulation, output in the model dtype. Where
+  an FP8 tensor-core GEMM with row-wise scales, fp32 accumulation, output in the model dtype: spanllm's Triton
+  kernel (spanllm.kernels.fp8_gemm, W as the MMA's wide operand) at decode sizes where its measured table found it
+  faster, torch._scaled_mm everywhere else. Where the W8A8 table also measured W8A16 at the same shape and rows
+  (17-128), that run's times decide between the two (`uses_activation_quant`), with the separate quantization
+  pass counted where it is paid (below FUSED_QUANT_MIN_ROWS). Where
   x comes from a residual add + RMSNorm (qkv, gate_up) or from SiLU(gate) * up (down), that kernel can quantize
   its own output (an Fp8Activation, asked for by `_Linear.quantizes_input`) so that no separate pass runs: from
   FUSED_QUANT_MIN_ROWS rows, the crossover `scripts/gpu_fused_quant.py` measures (one program per row: below some
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spanllm.kernels import fp8_gemm, interpreter
 from spanllm.kernels.fp8_quant import (
     FP8_DTYPE,
     FP8_MAX,
@@ -67,7 +72,16 @@ FUSED_QUANT_MIN_ROWS: int | None = 32
 
 
 def uses_activation_quant(rows: int, n: int, k: int) -> bool:
-    """Whether a GEMM of `rows` rows with W [n, k] quantizes x (W8A8) or keeps it (W8A16)."""
+    """Whether a GEMM of `rows` rows with W [n, k] quantizes x (W8A8) or keeps it (W8A16). Up to 16 rows W8A16,
+    past 128 W8A8; in between the W8A8 table's entry where it timed W8A16 beside both W8A8 GEMMs in one run (the
+    quantization pass added below FUSED_QUANT_MIN_ROWS), else the skinny GEMM's table (fp8_weight_only)."""
+    if FP8_ALWAYS_WEIGHT_ONLY_M < rows <= FP8_MAX_M:
+        times = fp8_gemm.times(rows, n, k)
+        if times is not None and times.w8a16_us is not None:
+            w8a8 = min(times.kernel_us, times.scaled_mm_us)
+            if FUSED_QUANT_MIN_ROWS is None or rows < FUSED_QUANT_MIN_ROWS:
+                w8a8 += times.quant_us
+            return w8a8 < times.w8a16_us
     return not fp8_weight_only(rows, n, k)
 
 
@@ -84,8 +98,8 @@ def describe_dispatch() -> str:
         else f"x quantized by the norm / SiLU kernel that produces it from {FUSED_QUANT_MIN_ROWS} rows"
     )
     return (
-        f"<= {FP8_ALWAYS_WEIGHT_ONLY_M} rows W8A16, up to {FP8_MAX_M} where the measured table says W8A16 is faster, "
-        f"else W8A8 ({fused})"
+        f"<= {FP8_ALWAYS_WEIGHT_ONLY_M} rows W8A16, up to {FP8_MAX_M} where the measured tables say W8A16 is faster, "
+        f"else W8A8 ({fused}; {fp8_gemm.describe()})"
     )
 
 
@@ -103,10 +117,20 @@ def fp8_linear_reference(
     return F.linear(x2, weight_dequantized).reshape(*lead, weight_dequantized.shape[0])
 
 
+def w8a8_gemm(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(q * scale) @ (weight * weight_scale[:, None])^T on FP8 tensor cores: the Triton kernel where its table
+    measured it faster for this shape and rows (fp8_gemm.takes), else torch._scaled_mm with row-wise scales."""
+    if fp8_gemm.takes(q.shape[0], *weight.shape) and interpreter.runs_kernels(q):
+        return fp8_gemm.w8a8_linear(q, scale, weight, weight_scale, out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+
+
 def scaled_mm_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 on FP8 tensor cores: x2 [M, K] quantized per token, then torch._scaled_mm (row-wise scales)."""
+    """W8A8 on FP8 tensor cores: x2 [M, K] quantized per token, then the W8A8 GEMM (w8a8_gemm)."""
     q, s = quantize_per_token(x2)
-    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), out_dtype=x2.dtype)
+    return w8a8_gemm(q, s, weight, weight_scale, x2.dtype)
 
 
 def fp8_linear(
@@ -124,7 +148,7 @@ def fp8_linear(
             if weight_dequantized is None:
                 raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")
             return F.linear(x.dequantized(), weight_dequantized)
-        return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+        return w8a8_gemm(x.q, x.scale, weight, weight_scale, x.dtype)
     if not x.is_cuda:
         if weight_dequantized is None:
             raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")

@@ -4,8 +4,9 @@ monkeypatch while an interpreter test runs; the GPU path needs neither.
 - `patch_scalar_index`: the interpreter turns a scalar into an int with int(array of shape (1,)), which numpy
   >= 2.4 refuses (triton-lang/triton#9171), so every loop with a runtime bound fails: apply the upstream fix
   (squeeze first), only where numpy needs it.
-- `widen_bf16_dot`: it stores bf16 as raw uint16 bits and its tl.dot multiplies those bits as integers: widen
-  bf16 operands to fp32 first (exact: every bf16 is an fp32), which is what the tensor cores compute.
+- `widen_bf16_dot`: it stores bf16 (and e4m3) as raw bits and its tl.dot multiplies those bits as integers: widen
+  bf16 and float8_e4m3fn operands to fp32 first (exact: every bf16 and e4m3 value is an fp32), which is what the
+  tensor cores compute.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def widen_bf16_dot(monkeypatch) -> None:
     from triton.runtime import interpreter
 
     orig_dot = interpreter.InterpreterBuilder.create_dot
-    bf16 = triton.language.bfloat16
+    narrow = (triton.language.bfloat16, triton.language.float8e4nv)
 
     def widen(h):
-        if h.dtype.scalar != bf16:
+        if h.dtype.scalar not in narrow:
             return h
-        data = interpreter._convert_float(h.data, bf16, triton.language.float32, None).view(np.float32)
+        data = interpreter._convert_float(h.data, h.dtype.scalar, triton.language.float32, None).view(np.float32)
         return interpreter.TensorHandle(data, triton.language.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
