@@ -89,7 +89,7 @@ def sweep_shape(model: str, layer: str, n: int, k: int, m: int, l2: int, deadlin
         try:
             y = fp8_gemm.w8a8_linear(xq, xs, wq[0][0], wq[0][1], x.dtype, config=cfg).float()
             err = ((y - ref).abs().max() / ref.abs().max()).item()
-            if not err < 1e-2:  # bf16 output rounding is ~4e-3 relative: far above is a wrong kernel
+            if not err < 4e-3:  # bf16 rounding (2^-9 of a value) + fp32 sums promoted every 128 products: ~2e-3
                 row["configs"].append({"config": list(cfg), "failed": f"max rel error {err:.3g}"})
                 return
             t = timed(lambda i: fp8_gemm.w8a8_linear(xq, xs, wq[i][0], wq[i][1], x.dtype, config=cfg))

@@ -53,6 +53,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 MAX_M = 256  # rows of x this kernel is measured and tabled for (decode batches); prefill runs torch._scaled_mm
 MIN_BLOCK_M = 16  # the MMA's narrow dimension: at least 16 tokens (rows past M wrap)
 MAX_BLOCK_M = 128  # wider batches take several M tiles (each re-reads W from L2, not HBM)
+PROMOTE_EVERY = 128  # K products an FP8 MMA accumulates before they are added into the fp32 sums (cuBLAS's interval)
 _TABLE_FILE = os.path.join(os.path.dirname(__file__), "fp8_gemm_configs.json")
 TABLE_ENV = "SPANLLM_FP8_GEMM_TABLE"
 
@@ -144,7 +145,6 @@ def times(m: int, n: int, k: int) -> TableEntry | None:
     return measured_table().get((m_bucket(m), n, k))
 
 
-@functools.cache
 def takes(m: int, n: int, k: int) -> bool:
     """Whether a W8A8 GEMM of m rows with W [n, k] runs this kernel: only where the table measured that shape at
     m's own bucket and this kernel was faster than torch._scaled_mm. A pure function of the table."""
@@ -208,6 +208,7 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         PDL: tl.constexpr,
+        PROMOTE_K: tl.constexpr,
     ):
         """y[m, n] = s_w[n] * s_x[m] * sum_k W[n, k] x[m, k] (module docstring); SPLIT_K > 1: each program sums one
         K chunk into part[pid_k, m, n] and the last of the tile's SPLIT_K programs adds them up in split order."""
@@ -233,7 +234,10 @@ if triton is not None:
                 k_ok = (k + offs_k) < K
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_last")
-            acc = tl.dot(w, tl.trans(x), acc)
+            # FP8 wgmma adds products in a narrower accumulator than fp32; Triton on sm_90 would keep them there
+            # for the whole K range. Promoting into the fp32 acc every PROMOTE_K products, as cuBLAS does for
+            # torch._scaled_mm (use_fast_accum=False), keeps the error at _scaled_mm's (15-60x less at K = 4,096).
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out_ok = (offs_n[:, None] < N) & (offs_m[None, :] < M)
@@ -245,15 +249,17 @@ if triton is not None:
             # Partials [SPLIT_K, M, N] fp32. The barrier orders every warp's partial stores before the one
             # thread's acq_rel increment; the last to arrive reads them from L2 (.cg), sums them in split order
             # and resets the tile's counter for the next launch or graph replay (arrival_counters).
-            tile = offs_m[None, :] * N + offs_n[:, None]
-            tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out_ok)
+            tile = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # int64: split * M * N may pass 2^31
+            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=out_ok)
             tl.debug_barrier()
             counter = cnt_ptr + pid_n * tl.num_programs(0) + pid_m
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
-                    total += tl.load(part_ptr + s * M * N + tile, mask=out_ok, other=0.0, cache_modifier=".cg")
+                    total += tl.load(
+                        part_ptr + tl.cast(s, tl.int64) * M * N + tile, mask=out_ok, other=0.0, cache_modifier=".cg"
+                    )
                 tl.store(y_ptrs, (total * scale).to(y_ptr.dtype.element_ty), mask=out_ok)
                 tl.atomic_xchg(counter, 0)
 
@@ -291,15 +297,15 @@ def w8a8_linear(
         raise ValueError(
             f"w8a8_linear: weight_scale must be float32 [N={n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
         )
-    if not weight.is_contiguous() or x_q.stride(1) != 1:
-        raise ValueError("w8a8_linear: weight must be contiguous and x_q's rows contiguous along K")
+    if not weight.is_contiguous() or x_q.stride(1) != 1 or not weight_scale.is_contiguous():
+        raise ValueError("w8a8_linear: weight and weight_scale must be contiguous, and x_q's rows contiguous along K")
     if x_q.device.type != "cuda" and not interpreter.interpreting():
         raise ValueError(
             f"w8a8_linear: tensors must be on a CUDA device, got {x_q.device} "
             "(CPU tensors run only under TRITON_INTERPRET=1)"
         )
-    if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0 or k == 0:
+        return (torch.zeros if k == 0 else torch.empty)((m, n), dtype=out_dtype, device=x_q.device)
     cfg = check_config(config) if config is not None else (table_config(m, n, k) or default_config(m, n, k))
     split = effective_split_k(k, cfg.block_k, cfg.split_k)
     chunk = split_k_chunk(k, cfg.block_k, split)
@@ -327,6 +333,7 @@ def w8a8_linear(
         SPLIT_K=split,
         EVEN_K=(k % cfg.block_k == 0),
         NUM_STAGES=cfg.num_stages,
+        PROMOTE_K=min(PROMOTE_EVERY, cfg.block_k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(x_q.device),

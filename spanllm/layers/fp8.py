@@ -71,15 +71,19 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 FUSED_QUANT_MIN_ROWS: int | None = 32
 
 
-def uses_activation_quant(rows: int, n: int, k: int) -> bool:
+def uses_activation_quant(rows: int, n: int, k: int, fused_input: bool = True) -> bool:
     """Whether a GEMM of `rows` rows with W [n, k] quantizes x (W8A8) or keeps it (W8A16). Up to 16 rows W8A16,
-    past 128 W8A8; in between the W8A8 table's entry where it timed W8A16 beside both W8A8 GEMMs in one run (the
-    quantization pass added below FUSED_QUANT_MIN_ROWS), else the skinny GEMM's table (fp8_weight_only)."""
+    past 128 W8A8; in between the W8A8 table's entry where it timed W8A16 beside both W8A8 GEMMs in one run, else
+    the skinny GEMM's table (fp8_weight_only). W8A8's cost includes the separate quantization pass unless the
+    kernel producing x quantizes it (fused_input: the layer's producer can, i.e. not o_proj, whose input is the
+    attention's output) at the bucket's top row count, so that every row count of a table bucket (and of the CUDA
+    graph bucket that pads it) gets the same answer."""
     if FP8_ALWAYS_WEIGHT_ONLY_M < rows <= FP8_MAX_M:
         times = fp8_gemm.times(rows, n, k)
         if times is not None and times.w8a16_us is not None:
             w8a8 = min(times.kernel_us, times.scaled_mm_us)
-            if FUSED_QUANT_MIN_ROWS is None or rows < FUSED_QUANT_MIN_ROWS:
+            top = fp8_gemm.m_bucket(rows)
+            if not fused_input or FUSED_QUANT_MIN_ROWS is None or top < FUSED_QUANT_MIN_ROWS:
                 w8a8 += times.quant_us
             return w8a8 < times.w8a16_us
     return not fp8_weight_only(rows, n, k)
@@ -103,15 +107,12 @@ def describe_dispatch() -> str:
     )
 
 
-def fp8_linear_reference(
-    x: torch.Tensor, weight_dequantized: torch.Tensor, weight_scale: torch.Tensor | None = None
-) -> torch.Tensor:
+def fp8_linear_reference(x: torch.Tensor, weight_dequantized: torch.Tensor, fused_input: bool = True) -> torch.Tensor:
     """The CPU path: x @ W^T with W already dequantized (in x's dtype), x quantized per token above the
-    W8A16 rows (fake quantization: the values the GPU's FP8 GEMM sees). weight_scale is unused (W carries it)."""
-    del weight_scale
+    W8A16 rows (fake quantization: the values the GPU's FP8 GEMM sees). fused_input: as uses_activation_quant."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if uses_activation_quant(x2.shape[0], *weight_dequantized.shape):
+    if uses_activation_quant(x2.shape[0], *weight_dequantized.shape, fused_input):
         q, s = quantize_per_token_reference(x2)
         x2 = (q.float() * s).to(x.dtype)
     return F.linear(x2, weight_dequantized).reshape(*lead, weight_dequantized.shape[0])
@@ -138,9 +139,11 @@ def fp8_linear(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     weight_dequantized: torch.Tensor | None,
+    fused_input: bool = True,
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale[:, None])^T in x's dtype, by the rule in the module docstring. An
-    Fp8Activation x (quantized by the kernel that produced it) always runs W8A8."""
+    Fp8Activation x (quantized by the kernel that produced it) always runs W8A8. fused_input: whether this layer's
+    input may come quantized by its producer (uses_activation_quant)."""
     if isinstance(x, Fp8Activation):
         if x.q.dim() != 2 or x.q.shape[1] != weight.shape[1]:
             raise ValueError(f"fp8_linear: an Fp8Activation must be [M, K={weight.shape[1]}], got {tuple(x.q.shape)}")
@@ -152,10 +155,10 @@ def fp8_linear(
     if not x.is_cuda:
         if weight_dequantized is None:
             raise RuntimeError("fp8_linear on CPU needs the dequantized weight (Fp8 quantize_ keeps it on CPU)")
-        return fp8_linear_reference(x, weight_dequantized)
+        return fp8_linear_reference(x, weight_dequantized, fused_input)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if uses_activation_quant(x2.shape[0], *weight.shape):
+    if uses_activation_quant(x2.shape[0], *weight.shape, fused_input):
         y = scaled_mm_linear(x2, weight, weight_scale)
     else:
         y = torch.ops.spanllm.fp8_weight_linear(x2, weight, weight_scale)

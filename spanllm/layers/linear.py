@@ -19,9 +19,12 @@ from spanllm.layers.tp import TPContext, divide
 class _Linear(nn.Module):
     """A weight [N, K] (nn.Linear layout) and the GEMM that applies it: the TP context's (model dtype) or FP8's."""
 
-    def __init__(self, tp: TPContext, out_local: int, in_local: int) -> None:
+    def __init__(self, tp: TPContext, out_local: int, in_local: int, fused_input: bool = True) -> None:
         super().__init__()
         self.tp = tp
+        # FP8: whether the kernel producing this layer's input can quantize it (a norm, SiLU x up); o_proj's input,
+        # the attention's output, never comes quantized, so W8A8 always pays the separate pass there
+        self.fused_input = fused_input
         self.weight_scale: nn.Parameter | None = None  # float32 [N] once quantized to FP8
         self.weight_dequantized: torch.Tensor | None = None  # FP8 on CPU: q * scale in the model dtype
         if tp.fp8_weights:  # an FP8 checkpoint fills these (fp8_loaded_ after it)
@@ -39,12 +42,12 @@ class _Linear(nn.Module):
             if isinstance(x, fp8.Fp8Activation):
                 raise TypeError("an Fp8Activation reached a linear layer whose weight is not FP8 (quantizes_input)")
             return self.tp.linear(x, self.weight)
-        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized)
+        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_dequantized, self.fused_input)
 
     def quantizes_input(self, rows: int) -> bool:
         """Whether the kernel producing this layer's input of `rows` rows should quantize it (fused_ops'
         quantize=True): the GEMM runs W8A8 and the fused quantization is on at that size (fp8.producer_quantizes)."""
-        return self.weight_scale is not None and fp8.producer_quantizes(rows, *self.weight.shape)
+        return self.weight_scale is not None and self.fused_input and fp8.producer_quantizes(rows, *self.weight.shape)
 
     @staticmethod
     def _check_fp8_shape(n: int, k: int, checkpoint: bool = False) -> None:
@@ -134,10 +137,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """y = sum over ranks of x_r W_r^T, W split by input columns. The model's one all-reduce call site."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, fused_input: bool = True) -> None:
         self.in_local = divide(in_features, tp.size, "in_features")
         self.in_start = tp.rank * self.in_local
-        super().__init__(tp, out_features, self.in_local)  # W [out, in/tp]
+        super().__init__(tp, out_features, self.in_local, fused_input)  # W [out, in/tp]
 
     def forward(self, x: torch.Tensor | fp8.Fp8Activation) -> torch.Tensor:  # [..., in/tp] -> [..., out]
         y = self.gemm(x)

@@ -32,7 +32,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
+        # its input is the attention's output, which no kernel quantizes (FP8: fused_input)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, fused_input=False)
         self.attn = Attention(self.qkv_proj.num_heads_local, self.qkv_proj.num_kv_heads_local, cfg.head_dim)
 
     def forward(self, h: torch.Tensor | Fp8Activation, meta: AttentionMetadata, cache) -> torch.Tensor:
