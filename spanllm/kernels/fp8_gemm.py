@@ -297,8 +297,16 @@ def w8a8_linear(
         raise ValueError(
             f"w8a8_linear: weight_scale must be float32 [N={n}], got {weight_scale.dtype} {tuple(weight_scale.shape)}"
         )
-    if not weight.is_contiguous() or x_q.stride(1) != 1 or not weight_scale.is_contiguous():
-        raise ValueError("w8a8_linear: weight and weight_scale must be contiguous, and x_q's rows contiguous along K")
+    for name, ok in (
+        ("weight", weight.is_contiguous()),
+        ("weight_scale", weight_scale.is_contiguous()),
+        ("x_q", x_q.stride(1) == 1),
+    ):
+        if not ok:
+            raise ValueError(
+                f"w8a8_linear: {name} must be contiguous (x_q: along K), got strides "
+                f"{dict(weight=weight, weight_scale=weight_scale, x_q=x_q)[name].stride()}; pass .contiguous()"
+            )
     if x_q.device.type != "cuda" and not interpreter.interpreting():
         raise ValueError(
             f"w8a8_linear: tensors must be on a CUDA device, got {x_q.device} "

@@ -77,7 +77,7 @@ def capture(monkeypatch, pdl_on: bool):
     CPU tensors as they take CUDA ones, and launch_options says what it says on a Hopper GPU (PDL on or off)."""
     from triton.runtime.jit import JITFunction
 
-    from spanllm.kernels import fp8_quant, fused_ops, gemv, interpreter, skinny_gemm
+    from spanllm.kernels import fp8_gemm, fp8_quant, fused_ops, gemv, interpreter, skinny_gemm
 
     launches: list = []
 
@@ -89,7 +89,7 @@ def capture(monkeypatch, pdl_on: bool):
 
     monkeypatch.setattr(JITFunction, "run", run)
     monkeypatch.setattr(interpreter, "interpreting", lambda: True)
-    for module in (fused_ops, fp8_quant, gemv, skinny_gemm):
+    for module in (fused_ops, fp8_gemm, fp8_quant, gemv, skinny_gemm):
         monkeypatch.setattr(module, "launch_options", launch_options)
     import spanllm.kernels.paged_attention as pa
 

@@ -84,6 +84,37 @@ def test_skinny_gemm(monkeypatch, pdl_on, prefetch):
         assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl_on, name
 
 
+@pytest.mark.parametrize("pdl_on", [False, True], ids=["no-pdl", "pdl"])
+def test_w8a8_gemm(monkeypatch, tmp_path, pdl_on):
+    """The Triton W8A8 GEMM as the engine launches it (spanllm.layers.fp8.w8a8_gemm with a table that makes it take
+    the 8B's down projection at 17-64 rows): rows not a multiple of 16, two M tiles, split-K; FP8 wgmma in each."""
+    import json
+
+    from spanllm.kernels import fp8_gemm
+    from spanllm.layers import fp8
+
+    cfg = {"m_bucket": 64, "n": 4096, "k": 14336, "config": [64, 64, 128, 4, 4, 4], "kernel_us": 1.0}
+    cfg |= {"scaled_mm_us": 2.0, "quant_us": 1.0, "w8a16_us": 3.0}
+    (tmp_path / "t.json").write_text(json.dumps({"entries": [cfg]}))
+    monkeypatch.setenv(fp8_gemm.TABLE_ENV, str(tmp_path / "t.json"))
+    fp8_gemm.measured_table.cache_clear()
+    try:
+        w, ws = torch.zeros(4096, 14336, dtype=FP8), torch.ones(4096)
+        with capture(monkeypatch, pdl_on) as launches:
+            for m in (40, 64):  # the table's config (bucket 64), rows past M wrapped
+                fp8.w8a8_gemm(torch.zeros(m, 14336, dtype=FP8), torch.ones(m, 1), w, ws, BF16)
+            fp8_gemm.w8a8_linear(
+                torch.zeros(200, 4096, dtype=FP8), torch.ones(200, 1), w[:, :4096].contiguous(), ws, BF16
+            )
+        kernels = _compiled(launches, 3)
+    finally:
+        fp8_gemm.measured_table.cache_clear()
+    assert [kw["SPLIT_K"] for _, _, kw in launches] == [4, 4, 2] and launches[2][2]["BLOCK_M"] == 128
+    for name, k in kernels:
+        assert "wgmma.mma_async.sync.aligned" in k.asm["ptx"] and ".e4m3.e4m3" in k.asm["ptx"], name
+        assert ("griddepcontrol.wait" in k.asm["ptx"]) == pdl_on, name
+
+
 @pytest.mark.parametrize("kv", [BF16, FP8], ids=["bf16-cache", "fp8-cache"])
 def test_attention_kernels(monkeypatch, kv):
     from spanllm.kernels import paged_attention as pa
