@@ -12,6 +12,23 @@ monkeypatch while an interpreter test runs; the GPU path needs neither.
 from __future__ import annotations
 
 
+def require_interpreter(monkeypatch) -> None:
+    """For an interpreter test: skip unless this is the TRITON_INTERPRET=1 child with Triton's interpreter building the
+    kernels, then apply `patch_scalar_index` (every such test needs it)."""
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
+    pytest.importorskip("triton")
+    from spanllm.kernels import interpreter
+
+    if not interpreter.interpreting():
+        pytest.skip("the kernels were not built by Triton's interpreter")
+    patch_scalar_index(monkeypatch)
+
+
 def patch_scalar_index(monkeypatch) -> None:
     import numpy as np
     from triton.runtime import interpreter

@@ -38,14 +38,7 @@ shims = _load("_triton_interpreter_shims", os.path.join(ROOT, "tests", "engine",
 
 @pytest.fixture
 def interp(monkeypatch):
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
-    pytest.importorskip("triton")
-    from spanllm.kernels import interpreter
-
-    if not interpreter.interpreting():
-        pytest.skip("the kernels were not built by Triton's interpreter")
-    shims.patch_scalar_index(monkeypatch)
+    shims.require_interpreter(monkeypatch)
     shims.widen_bf16_dot(monkeypatch)
     return tma
 

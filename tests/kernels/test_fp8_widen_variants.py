@@ -89,14 +89,7 @@ def _exact_bf16_shims(monkeypatch) -> None:
 @pytest.fixture
 def interp(monkeypatch):
     """The script module with interpreted kernels (only in the TRITON_INTERPRET=1 child)."""
-    if not INTERPRETED:
-        pytest.skip("runs in the child pytest with TRITON_INTERPRET=1 (test_interpreter_suite)")
-    pytest.importorskip("triton")
-    from spanllm.kernels import interpreter
-
-    if not interpreter.interpreting():
-        pytest.skip("the kernels were not built by Triton's interpreter")
-    shims.patch_scalar_index(monkeypatch)
+    shims.require_interpreter(monkeypatch)
     _exact_bf16_shims(monkeypatch)
     return widen
 
