@@ -120,12 +120,18 @@ def main() -> None:
     ap.add_argument("--ms", default="64,32,128,256", help="row counts (table bucket tops), in the order run")
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("scripts/gpu_w8a8_gemm.py needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)")
-    ms = [int(v) for v in args.ms.split(",")]
+    try:
+        ms = [int(v) for v in args.ms.split(",")]
+    except ValueError:
+        raise SystemExit(f"--ms {args.ms}: row counts separated by commas, e.g. 64,32,128,256") from None
     for m in ms:
         if fp8_gemm.m_bucket(m) != m or m > fp8_gemm.MAX_M:
             raise SystemExit(f"--ms {m}: each must be a table bucket top (16, 32, ... {fp8_gemm.MAX_M})")
+    unknown = set(args.models.split(",")) - set(SHAPES)
+    if unknown:
+        raise SystemExit(f"--models {','.join(sorted(unknown))}: unknown; choose from {','.join(SHAPES)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("scripts/gpu_w8a8_gemm.py needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)")
     os.makedirs(args.outdir, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)

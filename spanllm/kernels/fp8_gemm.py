@@ -38,7 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-from spanllm.kernels import interpreter
+from spanllm.kernels import interpreter, skinny_gemm
+from spanllm.kernels.fp8_quant import FP8_DTYPE
 from spanllm.kernels.pdl import launch_options
 from spanllm.kernels.split_k import cdiv, effective_split_k, split_k_buffers, split_k_chunk
 
@@ -49,7 +50,6 @@ except ImportError:  # the CPU torch wheel comes without Triton
     triton = None
     tl = None
 
-FP8_DTYPE = torch.float8_e4m3fn
 MAX_M = 256  # rows of x this kernel is measured and tabled for (decode batches); prefill runs torch._scaled_mm
 MIN_BLOCK_M = 16  # the MMA's narrow dimension: at least 16 tokens (rows past M wrap)
 MAX_BLOCK_M = 128  # wider batches take several M tiles (each re-reads W from L2, not HBM)
@@ -86,7 +86,7 @@ def check_config(cfg: tuple) -> W8A8Config:
 
 def m_bucket(m: int) -> int:
     """The table's bucket of M: the next power of two from 16 (16, 32, ... 256)."""
-    return max(MIN_BLOCK_M, 1 << max(0, m - 1).bit_length())
+    return max(MIN_BLOCK_M, skinny_gemm.m_bucket(m))
 
 
 def table_path() -> str:

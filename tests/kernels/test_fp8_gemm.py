@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 import pytest
 import torch
+from kernel_table import use_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,26 +34,13 @@ def _load(name: str, path: str):
 shims = _load("_triton_interpreter_shims", os.path.join(ROOT, "tests", "engine", "triton_interpreter.py"))
 
 
-def _clear_caches():
-    from spanllm.kernels import fp8_gemm, skinny_gemm
-
-    fp8_gemm.measured_table.cache_clear()
-    skinny_gemm.fp8_weight_only.cache_clear()
-
-
 @pytest.fixture
 def table(tmp_path, monkeypatch):
     """Point the W8A8 table at a file of the given entries (the caches cleared before and after)."""
-    from spanllm.kernels import fp8_gemm
+    from spanllm.kernels import fp8_gemm, skinny_gemm
 
-    def use(entries: list[dict]) -> None:
-        path = tmp_path / "fp8_gemm_configs.json"
-        path.write_text(json.dumps({"entries": entries}))
-        monkeypatch.setenv(fp8_gemm.TABLE_ENV, str(path))
-        _clear_caches()
-
-    yield use
-    _clear_caches()
+    caches = (fp8_gemm.measured_table, skinny_gemm.fp8_weight_only)
+    yield from use_entries(tmp_path, monkeypatch, "fp8_gemm_configs.json", fp8_gemm.TABLE_ENV, caches)
 
 
 @pytest.fixture

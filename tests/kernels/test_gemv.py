@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from kernel_table import use_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_gemv.py")
@@ -38,16 +38,8 @@ def table(tmp_path, monkeypatch):
     """Point the GEMV table at a file of the given entries (the caches cleared before and after)."""
     from spanllm.kernels import gemv, skinny_gemm
 
-    def use(entries: list[dict]) -> None:
-        path = tmp_path / "gemv_configs.json"
-        path.write_text(json.dumps({"entries": entries}))
-        monkeypatch.setenv(gemv.TABLE_ENV, str(path))
-        gemv._read_table.cache_clear()
-        skinny_gemm.prefer_skinny.cache_clear()
-
-    yield use
-    gemv._read_table.cache_clear()
-    skinny_gemm.prefer_skinny.cache_clear()
+    caches = (gemv._read_table, skinny_gemm.prefer_skinny)
+    yield from use_entries(tmp_path, monkeypatch, "gemv_configs.json", gemv.TABLE_ENV, caches)
 
 
 @pytest.fixture
