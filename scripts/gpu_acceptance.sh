@@ -50,6 +50,12 @@
 set -u
 cd "$(dirname "$0")/.."
 PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage|w8a8}
+case "$PART" in  # an unknown part is refused before anything else is checked
+  long-prefix | long-serve | serve | fp8 | fp8-serve | validate | diagnose | fp8-profile | conversation | \
+  decode-launch | gemv | coverage | w8a8) ;;
+  *) echo "unknown part $PART: one of long-prefix long-serve serve fp8 fp8-serve validate diagnose fp8-profile" \
+    "conversation decode-launch gemv coverage w8a8"; exit 2 ;;
+esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "=== $PART on ${GPU:-no GPU}"
