@@ -9,7 +9,11 @@ per dtype (geometric mean over the batches): what DECODE_LAUNCH should say. A gr
 the pool where one copy would fit the L2 cache (the first run, results/h100/decode_launch/, did not: its 1 x 8,192
 case was read from L2).
 
-    python3 scripts/gpu_decode_launch.py OUTDIR [--budget-s 150]
+An FP8 cache's tiles widen to fp16 by default (paged_attention.decode_widens_to_f16); --widen fp16,bf16 times both
+widenings at each launch shape, --launches and --dtypes narrow the sweep.
+
+    python3 scripts/gpu_decode_launch.py OUTDIR [--budget-s 150] [--dtypes fp8,bf16] [--launches 128x4x2,64x4x3]
+        [--widen fp16,bf16]
 
 Writes OUTDIR/decode_launch.json (machine, versions, settings, every timing).
 """
@@ -32,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 HQ, HKV, D, BS = 32, 8, 128, 16
 SHAPES = [(256, 256), (256, 512), (256, 1024), (64, 2048), (16, 4096), (1, 8192)]  # (batch, context)
 LAUNCHES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
+DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
 
 def make(batch: int, ctx: int, dtype: torch.dtype, dev):
@@ -51,7 +56,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir")
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--dtypes", default="fp8,bf16", help="KV-cache dtypes, from fp8,bf16")
+    ap.add_argument("--launches", default=None, help="keys x warps x stages list, e.g. 128x4x2,64x4x3 (default: all)")
+    ap.add_argument(
+        "--widen", default=None, help="an FP8 cache's widenings to time, from fp16,bf16 (default: the default)"
+    )
     args = ap.parse_args()
+    dtypes = [DTYPES.get(x) for x in args.dtypes.split(",")]
+    if None in dtypes:
+        sys.exit(f"--dtypes {args.dtypes!r}: a comma list of {', '.join(DTYPES)}")
+    launches = LAUNCHES
+    if args.launches:
+        try:
+            launches = [tuple(int(v) for v in x.split("x")) for x in args.launches.split(",")]
+        except ValueError:
+            launches = []
+        if not launches or any(len(x) != 3 or x not in LAUNCHES for x in launches):
+            sys.exit(f"--launches {args.launches!r}: keys x warps x stages from {sorted(set(LAUNCHES))[:3]}...")
+    widens = [None] if args.widen is None else args.widen.split(",")
+    if any(w not in (None, "fp16", "bf16") for w in widens):
+        sys.exit(f"--widen {args.widen!r}: a comma list of fp16, bf16")
     if not torch.cuda.is_available():
         sys.exit(f"{os.path.basename(__file__)}: needs a CUDA GPU (run it on the device machine)")
     os.makedirs(args.outdir, exist_ok=True)
@@ -63,13 +87,21 @@ def main() -> int:
     t_end = time.monotonic() + args.budget_s
     result = {
         "machine": machine_info(dev),
-        "settings": {"hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS, "shapes": SHAPES},
+        "settings": {
+            "hq": HQ,
+            "hkv": HKV,
+            "head_dim": D,
+            "block_size": BS,
+            "shapes": SHAPES,
+            "launches": launches,
+            "widen": widens,
+        },
         "default_launch": {str(k): v for k, v in kt.DECODE_LAUNCH.items()},
         "rows": [],
         "skipped": [],
     }
     path = os.path.join(args.outdir, "decode_launch.json")
-    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+    for dtype, widen in [(d, w) for d in dtypes for w in (widens if d == torch.float8_e4m3fn else [None])]:
         for batch, ctx in SHAPES:
             q, kc, vc, tables, cl = make(batch, ctx, dtype, dev)
             splits = kt.num_splits_for(batch, HKV, dev)
@@ -80,17 +112,18 @@ def main() -> int:
             copies = [(q, kc, vc, tables, cl)]
             while len(copies) * kv_bytes < 150e6 and len(copies) < 16:
                 copies.append((q, kc.clone(), vc.clone(), tables, cl))
-            for bn, warps, stages in LAUNCHES:
+            for bn, warps, stages in launches:
                 key = {"dtype": str(dtype), "batch": batch, "context": ctx, "block_n": bn, "warps": warps}
                 key["stages"] = stages
+                key["widen"] = widen or ("fp16" if kt.decode_widens_to_f16(q.dtype, kc.dtype) else "none")
                 if time.monotonic() > t_end:
                     result["skipped"].append(key)
                     continue
 
-                def call(i, copies=copies, splits=splits, bn=bn, warps=warps, stages=stages):
+                def call(i, copies=copies, splits=splits, bn=bn, warps=warps, stages=stages, widen=widen):
                     # call i of a graph reads pool copy i mod copies
                     inputs = copies[i % len(copies)]
-                    return kt.decode(*inputs, splits, block_n=bn, num_warps=warps, num_stages=stages)
+                    return kt.decode(*inputs, splits, block_n=bn, num_warps=warps, num_stages=stages, widen=widen)
 
                 try:
                     err = float((call(0).float() - want.float()).abs().max())
@@ -117,6 +150,7 @@ def main() -> int:
                     if r.get("batch") == batch
                     and r.get("context") == ctx
                     and r["dtype"] == str(dtype)
+                    and r["widen"] == key["widen"]
                     and "us_median" in r
                 ),
                 key=lambda r: r["us_median"],
@@ -124,18 +158,21 @@ def main() -> int:
             )
             if best:
                 print(
-                    f"{dtype} b{batch} ctx{ctx}: best {best['block_n']}x{best['warps']}w x{best['stages']}s "
+                    f"{dtype} (widen {best['widen']}) b{batch} ctx{ctx}: best {best['block_n']}x{best['warps']}w "
+                    f"x{best['stages']}s "
                     f"{best['us_median']} us, {best['kv_gb_per_s']} GB/s",
                     flush=True,
                 )
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
-    # the best launch per dtype: geometric mean of its time relative to each shape's best, over every shape
+    # the best launch per dtype (and widening): geometric mean of its time relative to each shape's best (over every
+    # launch and widening of that dtype), over every shape
     summary = {}
-    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        rows = [r for r in result["rows"] if r["dtype"] == str(dtype) and "us_median" in r and r["max_abs_diff"] < 2e-2]
+    for dtype, widen in sorted({(r["dtype"], r["widen"]) for r in result["rows"]}):
+        ok = [r for r in result["rows"] if r["dtype"] == dtype and "us_median" in r and r["max_abs_diff"] < 2e-2]
+        rows = [r for r in ok if r["widen"] == widen]
         best_of = {}
-        for r in rows:
+        for r in ok:
             k = (r["batch"], r["context"])
             best_of[k] = min(best_of.get(k, math.inf), r["us_median"])
         by_launch = {}
@@ -145,11 +182,11 @@ def main() -> int:
             )
         full = {k: v for k, v in by_launch.items() if len(v) == len(best_of)}
         ranked = sorted(full.items(), key=lambda kv: math.exp(statistics.fmean(map(math.log, kv[1]))))
-        summary[str(dtype)] = [
+        summary[f"{dtype} widen {widen}"] = [
             {"launch": list(k), "geomean_vs_best": round(math.exp(statistics.fmean(map(math.log, v))), 3)}
             for k, v in ranked[:5]
         ]
-        print(dtype, summary[str(dtype)][:3], flush=True)
+        print(dtype, "widen", widen, summary[f"{dtype} widen {widen}"][:3], flush=True)
     result["summary"] = summary
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

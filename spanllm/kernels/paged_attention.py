@@ -77,6 +77,20 @@ def prefetch_block_ids(programs: int, device: torch.device) -> bool:
     return programs <= PREFETCH_WAVES * num_sms_of(device)
 
 
+def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> bool:
+    """Whether the decode kernel widens an FP8 cache to fp16 (with q in fp16) rather than to q's bf16."""
+    if widen not in (None, "fp16", "bf16"):
+        raise ValueError(f"widen={widen!r}: one of None (the default, fp16), 'fp16', 'bf16'")
+    if cache_dtype != torch.float8_e4m3fn or q_dtype != torch.bfloat16:
+        if widen is not None:
+            raise ValueError(
+                f"widen={widen!r} applies to an FP8 cache under bf16 queries; this is a {cache_dtype} cache under "
+                f"{q_dtype} queries: pass widen=None"
+            )
+        return False
+    return widen != "bf16"
+
+
 def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
     """Context splits for a decode batch: enough programs for about two waves of the GPU."""
     if device.type != "cuda":
@@ -222,6 +236,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     PREFIX_SPLITS: tl.constexpr,
+    WIDEN_F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_then_release(PDL)
@@ -246,6 +261,14 @@ def _decode_kernel(
         q = tl.load(
             q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
         )
+        score_scale = scale_log2
+        if WIDEN_F16:
+            # An FP8 cache widened to fp16, not bf16: e4m3 -> fp16 is one instruction per two values
+            # (cvt.rn.f16x2.e4m3x2) and e4m3 -> bf16 goes through fp16 (one more instruction per value); the key
+            # loop is bound by that work, not by its loads. q goes to fp16 already scaled (|q| up to 65504 /
+            # scale_log2, ~5e5 at d = 128, fits), p is in [0, 1]: both keep more mantissa than in bf16.
+            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+            score_scale = 1.0
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -262,7 +285,7 @@ def _decode_kernel(
                 v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
                 nxt = offs + BLOCK
                 blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
-                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2 units
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 p = tl.exp2(scores - m_new[:, None])
@@ -277,7 +300,7 @@ def _decode_kernel(
                 blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
                 row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
                 k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [G_PAD, BLOCK], log2 units
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2 units
                 scores = tl.where(ok[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 p = tl.exp2(scores - m_new[:, None])
@@ -346,6 +369,7 @@ def decode(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    widen: str | None = None,
 ) -> torch.Tensor:
     """q [B, hq, d] -> [B, hq, d]. context_lens [B] int32, block_tables [B, W] int32. A row of context 0 is not
     a decode: its programs return at once and its output row is left as it was (a mixed-step graph runs the
@@ -354,7 +378,10 @@ def decode(
     the grid's size selects) let the tests reach every split and both key loops on small inputs. shared: the
     step's shared-prefix plan on the device (spanllm.attention.shared_prefix): stage 1 runs first, over its
     units, then this kernel over each row's own keys, folding the row's stage-1 partials in. block_n, num_warps,
-    num_stages: the key loop's launch shape (default: DECODE_LAUNCH for the cache's element size; a sweep sets them)."""
+    num_stages: the key loop's launch shape (default: DECODE_LAUNCH for the cache's element size; a sweep sets them).
+    widen: what an FP8 cache's keys and values widen to under bf16 queries, "fp16" (the default: one conversion per
+    two values) or "bf16" (the queries' dtype; kept for the sweep that compares them); other caches take q's dtype."""
+    widen_f16 = decode_widens_to_f16(q.dtype, k_cache.dtype, widen)
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -409,6 +436,7 @@ def decode(
         PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
         HAS_PREFIX=shared is not None,
         PREFIX_SPLITS=MAX_PREFIX_SPLITS,
+        WIDEN_F16=widen_f16,
         num_warps=num_warps or launch[1],
         num_stages=num_stages or launch[2],
         **launch_options(q.device),

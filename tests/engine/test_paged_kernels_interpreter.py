@@ -10,6 +10,7 @@ with TRITON_INTERPRET=1 set from the start (`test_interpreter_suite`); in the pa
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -140,7 +141,65 @@ def test_decode_reads_an_fp8_cache_in_its_own_tiles(kernels, splits, min_tiles):
     torch.testing.assert_close(out, pa.reference_decode(q, kc, vc, tables, FP8_CTX), rtol=1e-5, atol=1e-5)
 
 
-INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2 + 2
+def _fp8_reference(q: torch.Tensor, kc, vc, tables, ctx: list[int], widen: str) -> torch.Tensor:
+    """float64 attention over the FP8 cache's values with the kernel's query rounding: widen='fp16' scales q by
+    log2(e) / sqrt(d) and rounds it to fp16, widen='bf16' keeps q as it is (bf16)."""
+    d = q.shape[-1]
+    scale_log2 = math.log2(math.e) / math.sqrt(d)
+    q64 = (q.float() * scale_log2).half().double() if widen == "fp16" else q.double() * scale_log2
+    hkv = kc.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r, n in enumerate(ctx):
+        rows = torch.arange(n)
+        blk = tables[r, rows // kc.shape[1]].long()
+        k = kc[blk, rows % kc.shape[1]].double()  # [n, hkv, d]
+        v = vc[blk, rows % kc.shape[1]].double()
+        for h in range(q.shape[1]):
+            s = k[:, h // (q.shape[1] // hkv)] @ q64[r, h]  # log2 units
+            p = torch.exp2(s - s.max())
+            out[r, h] = (p / p.sum()) @ v[:, h // (q.shape[1] // hkv)]
+    return out
+
+
+@pytest.mark.parametrize("widen", [None, "bf16"], ids=["fp16-default", "bf16"])
+def test_decode_of_bf16_queries_over_an_fp8_cache(kernels, monkeypatch, widen):
+    """bf16 queries over an FP8 cache, as the engine runs them: by default the kernel widens e4m3 to fp16 with q
+    scaled into fp16 first, with widen='bf16' to the queries' dtype. Both within the bf16 output's rounding of the
+    float64 result on the same values (q rounded as the kernel rounds it). One row's queries reach 2e5, past fp16's
+    65,504: q is scaled before it is narrowed, so they stay finite."""
+    from triton_interpreter import widen_bf16_dot
+
+    widen_bf16_dot(monkeypatch)
+    kc, vc, tables = _pool(FP8_CTX, 16, 2, 16, seed=13)
+    kc, vc = (kc * 4).to(torch.float8_e4m3fn), (vc * 4).to(torch.float8_e4m3fn)
+    q = torch.randn(len(FP8_CTX), 8, 16, generator=torch.Generator().manual_seed(6))
+    q[2] *= 4e4  # |q| up to ~2e5
+    q = q.to(torch.bfloat16)
+    cl = torch.tensor(FP8_CTX, dtype=torch.int32)
+    assert kernels.decode_widens_to_f16(q.dtype, kc.dtype, widen) == (widen is None)
+    for splits in (1, 4):
+        out = kernels.decode(q, kc, vc, tables, cl, splits, 1, widen=widen)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        want = _fp8_reference(q, kc, vc, tables, FP8_CTX, "fp16" if widen is None else "bf16")
+        # p is rounded to the widened dtype before P @ V: 2^-11 (fp16) or 2^-8 (bf16) of |v| <= 4 * 448; the output
+        # to bf16 (2^-8 relative)
+        atol = (2.0**-11 if widen is None else 2.0**-8) * 4 * 16
+        torch.testing.assert_close(out.double(), want, rtol=2.0**-8, atol=atol)
+
+
+def test_decode_widen_is_refused_where_it_does_not_apply(kernels):
+    from spanllm.kernels import paged_attention as pa
+
+    with pytest.raises(ValueError, match="widen='fp32': one of None"):
+        pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn, "fp32")
+    with pytest.raises(ValueError, match="applies to an FP8 cache under bf16 queries; this is a torch.bfloat16 cache"):
+        pa.decode_widens_to_f16(torch.bfloat16, torch.bfloat16, "fp16")
+    assert not pa.decode_widens_to_f16(torch.float32, torch.float8_e4m3fn)
+    assert not pa.decode_widens_to_f16(torch.float16, torch.float8_e4m3fn)
+    assert pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn)
+
+
+INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2 + 2 + 2 + 1
 
 
 def test_interpreter_suite():
