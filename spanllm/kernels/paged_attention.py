@@ -77,10 +77,19 @@ def prefetch_block_ids(programs: int, device: torch.device) -> bool:
     return programs <= PREFETCH_WAVES * num_sms_of(device)
 
 
+# What an FP8 cache's tiles widen to under bf16 queries by default. fp16 costs one conversion instruction per two
+# values where bf16 goes through fp16 and one more per value, but compiled for sm_90 at the default FP8 launch (128
+# keys, 4 warps) with block ids one tile ahead, ptxas leaves the fp16 kernel at 32 registers and a 3.5 KB stack
+# (bf16: 255 registers, ~1 KB of spills): bf16 stays until a GPU sweep (scripts/gpu_decode_launch.py --widen
+# fp16,bf16) times them.
+FP8_DECODE_WIDEN = "bf16"
+
+
 def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> bool:
-    """Whether the decode kernel widens an FP8 cache to fp16 (with q in fp16) rather than to q's bf16."""
+    """Whether the decode kernel widens an FP8 cache to fp16 (with q in fp16) rather than to q's bf16 (widen None:
+    FP8_DECODE_WIDEN)."""
     if widen not in (None, "fp16", "bf16"):
-        raise ValueError(f"widen={widen!r}: one of None (the default, fp16), 'fp16', 'bf16'")
+        raise ValueError(f"widen={widen!r}: one of None (the default, FP8_DECODE_WIDEN), 'fp16', 'bf16'")
     if cache_dtype != torch.float8_e4m3fn or q_dtype != torch.bfloat16:
         if widen is not None:
             raise ValueError(
@@ -88,7 +97,7 @@ def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: 
                 f"{q_dtype} queries: pass widen=None"
             )
         return False
-    return widen != "bf16"
+    return (widen or FP8_DECODE_WIDEN) == "fp16"
 
 
 def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -379,8 +388,8 @@ def decode(
     step's shared-prefix plan on the device (spanllm.attention.shared_prefix): stage 1 runs first, over its
     units, then this kernel over each row's own keys, folding the row's stage-1 partials in. block_n, num_warps,
     num_stages: the key loop's launch shape (default: DECODE_LAUNCH for the cache's element size; a sweep sets them).
-    widen: what an FP8 cache's keys and values widen to under bf16 queries, "fp16" (the default: one conversion per
-    two values) or "bf16" (the queries' dtype; kept for the sweep that compares them); other caches take q's dtype."""
+    widen: what an FP8 cache's keys and values widen to under bf16 queries, "fp16" (q in fp16, scaled first) or
+    "bf16" (the queries' dtype); default FP8_DECODE_WIDEN. Other caches take q's dtype."""
     widen_f16 = decode_widens_to_f16(q.dtype, k_cache.dtype, widen)
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape

@@ -161,12 +161,12 @@ def _fp8_reference(q: torch.Tensor, kc, vc, tables, ctx: list[int], widen: str) 
     return out
 
 
-@pytest.mark.parametrize("widen", [None, "bf16"], ids=["fp16-default", "bf16"])
+@pytest.mark.parametrize("widen", [None, "fp16", "bf16"])
 def test_decode_of_bf16_queries_over_an_fp8_cache(kernels, monkeypatch, widen):
-    """bf16 queries over an FP8 cache, as the engine runs them: by default the kernel widens e4m3 to fp16 with q
-    scaled into fp16 first, with widen='bf16' to the queries' dtype. Both within the bf16 output's rounding of the
-    float64 result on the same values (q rounded as the kernel rounds it). One row's queries reach 2e5, past fp16's
-    65,504: q is scaled before it is narrowed, so they stay finite."""
+    """bf16 queries over an FP8 cache, as the engine runs them: widen='fp16' widens e4m3 to fp16 with q scaled into
+    fp16 first, widen='bf16' to the queries' dtype, None as FP8_DECODE_WIDEN says. Each within the bf16 output's
+    rounding of the float64 result on the same values (q rounded as the kernel rounds it). One row's queries reach
+    2e5, past fp16's 65,504: q is scaled before it is narrowed, so they stay finite."""
     from triton_interpreter import widen_bf16_dot
 
     widen_bf16_dot(monkeypatch)
@@ -176,30 +176,33 @@ def test_decode_of_bf16_queries_over_an_fp8_cache(kernels, monkeypatch, widen):
     q[2] *= 4e4  # |q| up to ~2e5
     q = q.to(torch.bfloat16)
     cl = torch.tensor(FP8_CTX, dtype=torch.int32)
-    assert kernels.decode_widens_to_f16(q.dtype, kc.dtype, widen) == (widen is None)
+    to = widen or kernels.FP8_DECODE_WIDEN
+    assert kernels.decode_widens_to_f16(q.dtype, kc.dtype, widen) == (to == "fp16")
     for splits in (1, 4):
         out = kernels.decode(q, kc, vc, tables, cl, splits, 1, widen=widen)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        want = _fp8_reference(q, kc, vc, tables, FP8_CTX, "fp16" if widen is None else "bf16")
-        # p is rounded to the widened dtype before P @ V: 2^-11 (fp16) or 2^-8 (bf16) of |v| <= 4 * 448; the output
+        want = _fp8_reference(q, kc, vc, tables, FP8_CTX, to)
+        # p is rounded to the widened dtype before P @ V: 2^-11 (fp16) or 2^-8 (bf16) of |v| (~4 x 4); the output
         # to bf16 (2^-8 relative)
-        atol = (2.0**-11 if widen is None else 2.0**-8) * 4 * 16
+        atol = (2.0**-11 if to == "fp16" else 2.0**-8) * 4 * 16
         torch.testing.assert_close(out.double(), want, rtol=2.0**-8, atol=atol)
 
 
 def test_decode_widen_is_refused_where_it_does_not_apply(kernels):
     from spanllm.kernels import paged_attention as pa
 
+    assert pa.FP8_DECODE_WIDEN in ("fp16", "bf16")
     with pytest.raises(ValueError, match="widen='fp32': one of None"):
         pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn, "fp32")
     with pytest.raises(ValueError, match="applies to an FP8 cache under bf16 queries; this is a torch.bfloat16 cache"):
         pa.decode_widens_to_f16(torch.bfloat16, torch.bfloat16, "fp16")
     assert not pa.decode_widens_to_f16(torch.float32, torch.float8_e4m3fn)
     assert not pa.decode_widens_to_f16(torch.float16, torch.float8_e4m3fn)
-    assert pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn)
+    assert pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn) == (pa.FP8_DECODE_WIDEN == "fp16")
+    assert pa.decode_widens_to_f16(torch.bfloat16, torch.float8_e4m3fn, "fp16")
 
 
-INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2 + 2 + 2 + 1
+INTERPRETER_TESTS = 2 * 4 + 1 + 2 + 2 + 2 + 3 + 1
 
 
 def test_interpreter_suite():

@@ -138,16 +138,16 @@ def test_attention_kernels(monkeypatch, kv):
         pa.decode(q, kc, vc, tables, ctx, 8, shared=shared)  # stage 1 + stage 2 with the prefix fold
         pa.prefill(qp, kc, vc, tables[:1], cu_q, ctx[:1], tiles)
         if kv == FP8:
-            pa.decode(q, kc, vc, tables, ctx, 1, prefetch=True, widen="bf16")
-    compiled = _compiled(launches, 6 if kv == FP8 else 5)
+            for widen in ("fp16", "bf16"):
+                pa.decode(q, kc, vc, tables, ctx, 1, prefetch=False, widen=widen)
+    compiled = _compiled(launches, 7 if kv == FP8 else 5)
     decodes = [k.asm["ptx"] for name, k in compiled if name == "_decode_kernel"]
-    assert len(decodes) == (4 if kv == FP8 else 3)
-    for ptx in decodes[:3]:
-        # bf16 queries: an FP8 cache widens to fp16 (one cvt per two values, no fp16 -> bf16 step) and the MMAs
-        # take fp16; a bf16 cache is read as it is
-        f16 = kv == FP8
-        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == f16 and "cvt.bf16.f16" not in ptx
-        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx) == f16
-        assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx) == (not f16)
-    if kv == FP8:  # widen="bf16", kept for the sweep: through fp16, then one more conversion per value
-        assert "cvt.rn.f16x2.e4m3x2" in decodes[3] and "cvt.bf16.f16" in decodes[3]
+    assert len(decodes) == (5 if kv == FP8 else 3)
+    f16 = [kv == FP8 and pa.FP8_DECODE_WIDEN == "fp16"] * 3 + [True, False]
+    for ptx, widen_f16 in zip(decodes, f16, strict=False):
+        # bf16 queries: an FP8 cache widened to fp16 takes one cvt per two values and fp16 MMAs; widened to bf16, it
+        # goes through fp16 and one more conversion per value; a bf16 cache is read as it is
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (kv == FP8)
+        assert ("cvt.bf16.f16" in ptx) == (kv == FP8 and not widen_f16)
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx) == widen_f16
+        assert ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx) == (not widen_f16)
