@@ -180,6 +180,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
         "delays the streams by one short step at a time (default: auto, 256 on CPU, no limit on a GPU; 0 = no limit)",
     )
     g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the tokens one prompt's prefill chunk may take in any step (vLLM's flag), so that a long prompt runs "
+        "in short steps that admit new requests beside it (default: auto, 256 on CPU, no limit on a GPU; 0 = no limit)",
+    )
+    g.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="the host waits for each step's tokens before planning the next (default: it plans the next "
@@ -238,6 +246,8 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
         checks.at_least("--long-prefill-attention-budget", args.long_prefill_attention_budget, 0, " (0: no limit)")
     if getattr(args, "prefill_tokens_beside_decodes", None) is not None:
         checks.at_least("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes, 0, " (0: no limit)")
+    if getattr(args, "long_prefill_token_threshold", None) is not None:
+        checks.at_least("--long-prefill-token-threshold", args.long_prefill_token_threshold, 0, " (0: no limit)")
     checks.at_least("--num-kv-blocks", args.num_kv_blocks, 2, " (block 0 is reserved)")
     if getattr(args, "scheduling_policy", "fcfs") == "prefix" and not getattr(args, "enable_prefix_caching", True):
         raise UsageError(
@@ -378,6 +388,8 @@ def engine_config_from_args(args: argparse.Namespace, device: torch.device, **ov
         fields["long_prefill_attention_budget"] = args.long_prefill_attention_budget
     if getattr(args, "prefill_tokens_beside_decodes", None) is not None:
         fields["prefill_tokens_beside_decodes"] = args.prefill_tokens_beside_decodes
+    if getattr(args, "long_prefill_token_threshold", None) is not None:
+        fields["long_prefill_token_threshold"] = args.long_prefill_token_threshold
     if hasattr(args, "enable_prefix_caching"):
         fields["enable_prefix_caching"] = args.enable_prefix_caching
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":

@@ -22,6 +22,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # prefill_tokens_beside_decodes's auto on CPU: a 135M model's step of 256 prefill tokens takes ~1-2 s on two cores,
 # so a long prompt delays the running streams by that much a step, not by its whole prefill (minutes at 8k tokens)
 CPU_PREFILL_TOKENS_BESIDE_DECODES = 256
+# long_prefill_token_threshold's auto on CPU, for the same reason: one prompt's chunk a step, so that an 8k-token
+# prompt takes ~32 steps of 1-2 s, each of which admits the requests that arrived meanwhile, not one of minutes
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
@@ -88,6 +91,9 @@ class EngineConfig:
     # auto (CPU_PREFILL_TOKENS_BESIDE_DECODES on CPU, where a step's time is its tokens; no limit on a GPU), 0 = no
     # limit but max_num_batched_tokens
     prefill_tokens_beside_decodes: int | None = None
+    # Tokens one prompt's prefill chunk may take in any step (vLLM's setting; spanllm.engine.core.scheduler): None =
+    # auto (CPU_LONG_PREFILL_TOKEN_THRESHOLD on CPU; no limit on a GPU), 0 = no limit
+    long_prefill_token_threshold: int | None = None
     # The host plans step t+1 while step t runs (spanllm.engine.engine_core); None: on a GPU at TP = 1
     async_scheduling: bool | None = None
 
@@ -118,11 +124,10 @@ class EngineConfig:
         v = self.long_prefill_attention_budget
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
-        v = self.prefill_tokens_beside_decodes
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise ValueError(
-                f"prefill_tokens_beside_decodes={v!r} must be None (auto) or an integer >= 0 (0: no limit)"
-            )
+        for name in ("prefill_tokens_beside_decodes", "long_prefill_token_threshold"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name}={v!r} must be None (auto) or an integer >= 0 (0: no limit)")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r} must be one of {PREFILL_ATTENTION}")
         v = self.cascade_min_prefix

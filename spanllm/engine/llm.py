@@ -280,6 +280,8 @@ class LLM:
         line += f", prefill attention beside decodes {f'<= {budget:.3g} pairs a step' if budget else 'unlimited'}"
         cap = self.prefill_tokens_beside_decodes
         line += f", prefill tokens beside decodes {f'<= {cap} a step' if cap else 'unlimited'}"
+        cap = self.long_prefill_token_threshold
+        line += f", one prompt's prefill chunk {f'<= {cap} tokens' if cap else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
 
     @property
@@ -291,6 +293,16 @@ class LLM:
         if v is not None:
             return v
         return CPU_PREFILL_TOKENS_BESIDE_DECODES if self.device.type == "cpu" else 0
+
+    @property
+    def long_prefill_token_threshold(self) -> int:
+        """The engine's setting, auto resolved: CPU_LONG_PREFILL_TOKEN_THRESHOLD on CPU, 0 (no limit) on a GPU."""
+        from spanllm.engine.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD
+
+        v = self.engine.long_prefill_token_threshold
+        if v is not None:
+            return v
+        return CPU_LONG_PREFILL_TOKEN_THRESHOLD if self.device.type == "cpu" else 0
 
     def describe_allocator(self) -> str:
         """On a GPU, the CUDA caching allocator's settings (spanllm.engine.cuda_allocator)."""
@@ -502,6 +514,7 @@ class LLM:
             long_prefill_attention_budget=e.long_prefill_attention_budget,
             scheduling_policy=e.scheduling_policy,
             prefill_tokens_beside_decodes=self.prefill_tokens_beside_decodes,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         eos = cfg.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
         return EngineCore(

@@ -43,6 +43,7 @@ except ImportError:
     race_argmax = None
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature samples greedily (1 / T would overflow float32)
+PENALIZED_LOGIT_MAX = 1e30  # apply_penalties' cap: / GREEDY_BELOW is 1e35, finite in float32 (3.4e38)
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed must fit the generator's int64
@@ -239,7 +240,10 @@ def apply_penalties(
     presence / frequency / repetition [R] float32. A neutral value (0, 0, 1) leaves a row's logits bit-exact."""
     seen_out = output_counts > 0
     r = repetition[:, None]
-    repeated = torch.where(logits > 0, logits / r, logits * r)
+    # A tiny penalty (any r in (0, 2] is allowed) divides a positive logit past float32's range: inf would make the
+    # softmax NaN. Capped at PENALIZED_LOGIT_MAX instead, the seen tokens with positive logits still dominate, and
+    # the cap over the smallest temperature (GREEDY_BELOW) stays finite.
+    repeated = torch.where(logits > 0, (logits / r).clamp(max=PENALIZED_LOGIT_MAX), logits * r)
     logits = torch.where(seen_out | prompt_mask, repeated, logits)
     logits = logits - frequency[:, None] * output_counts
     return logits - presence[:, None] * seen_out

@@ -152,12 +152,25 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, check_text=None) -> list[
         raise APIError(str(e), "messages") from None
 
 
-def refused_param(message: str) -> str:
-    """The field an engine refusal (validate_request's message) is about: the prompt unless it names another."""
+def refused_param(message: str, chat: bool = False) -> str:
+    """The field an engine refusal (validate_request's message) is about: the prompt (a chat's messages) unless it
+    names another."""
     for name in ("stop_token_ids", "logit_bias", "stop strings", "top_k"):
         if name in message:
             return name.split()[0]
-    return "prompt"
+    return "messages" if chat else "prompt"
+
+
+def engine_refusal(message: str, chat: bool, max_tokens_field: str = "max_tokens") -> APIError:
+    """An engine refusal as the client's 400: its field (refused_param), and its message in the request's own names,
+    where validate_request's uses the engine's ("the prompt", "max_tokens"): a chat's prompt is its messages, and its
+    length is the field it sent (max_tokens or max_completion_tokens)."""
+    if chat:
+        message = message.replace(" in the prompt, ", " in the messages, ").replace(
+            "Reduce the prompt ", "Reduce the messages "
+        )
+    message = message.replace(" or max_tokens", f" or {max_tokens_field}")
+    return APIError(message, refused_param(message, chat))
 
 
 def usage(num_prompt: int, num_output: int) -> dict:
@@ -173,38 +186,54 @@ _COMPLETION_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_of
 
 class LogprobsFormatter:
     """TokenLogprob lists -> OpenAI's shapes: completions' {tokens, token_logprobs, top_logprobs, text_offset}
-    and chat's {content: [{token, logprob, bytes, top_logprobs}]}. A token's text is tokenizer.decode([id])."""
+    and chat's {content: [{token, logprob, bytes, top_logprobs}]}. A token's text is tokenizer.decode([id]).
+    stop_strings: the request has some, which may cut a choice's text before its last tokens (`format`'s held)."""
 
-    def __init__(self, tokenizer, chat: bool, prompt_ids: list[int] = (), start: int = 0) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
-        # completions' text_offset: each choice's characters so far, by its own detokenizer (the engine's text
-        # before stop strings hold any back), from `start` (the echoed prompt's length)
+    def __init__(
+        self, tokenizer, chat: bool, prompt_ids: list[int] = (), start: int = 0, stop_strings: bool = False
+    ) -> None:
+        self.tokenizer, self.chat, self.stop_strings = tokenizer, chat, stop_strings
+        # text_offset: each choice's characters so far, by its own detokenizer (the engine's text before stop
+        # strings hold any back), from `start` (the echoed prompt's length)
         self._prompt_ids, self._start = list(prompt_ids), start
-        self._choices: dict[int, list] = {}  # choice -> [its detokenizer, characters so far]
+        self._choices: dict[int, _ChoiceText] = {}
 
     def token(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
-    def format(self, lps, choice: int = 0) -> dict:
-        """The logprobs of one engine event's tokens of choice `choice`. text_offset (completions): characters of
-        the choice's text before each token, as the detokenizer produces it: a token that ends inside a character
-        adds none until the character completes, and text that a stop string may still remove counts (the
-        offsets do not wait for it to be emitted), so they are the same streamed or not, with stop strings or
-        without."""
-        if self.chat:
-            return {"content": [self._chat_entry(lp) for lp in lps]}
+    def held(self, d) -> bool:
+        """Whether engine event d's entries wait for their text (format): the choice may still lose text to a stop
+        string, or (its last event) lost some to one."""
+        return self.stop_strings and (not d.finished or isinstance(d.stop_reason, str))
+
+    def format(self, lps, choice: int = 0, new_text: str = "", held: bool = False) -> dict:
+        """The logprobs of one engine event's tokens of choice `choice` (new_text: the text the event emits), with
+        those of earlier events that waited. text_offset (completions): characters of the choice's text before
+        each token, as the detokenizer produces it: a token that ends inside a character adds none until the
+        character completes, and text that a stop string may still remove counts (the offsets do not wait for it to
+        be emitted), so they are the same streamed or not, with stop strings or without.
+        held: an entry waits until the text emitted reaches past its token's start, so that none is sent for a
+        token a stop string then cuts off; at the last event of a choice a stop string ended, those still waiting
+        are the tokens at or after the cut, which gave the text nothing: they are dropped (a token straddling the
+        cut stays). Streamed or not, a choice gets the same entries."""
         state = self._choices.get(choice)
         if state is None:
-            state = self._choices[choice] = [self.tokenizer.detokenizer(self._prompt_ids), self._start]
-        offsets = []
+            state = self._choices[choice] = _ChoiceText(self.tokenizer.detokenizer(self._prompt_ids), self._start)
         for lp in lps:
-            offsets.append(state[1])
-            state[1] += len(state[0].push(lp.token_id))
+            state.waiting.append((lp, state.chars))
+            state.chars += len(state.detok.push(lp.token_id))
+        state.emitted += len(new_text)
+        ready = len(state.waiting)
+        if held:
+            ready = next((k for k, (_, off) in enumerate(state.waiting) if off >= state.emitted), ready)
+        out, state.waiting = state.waiting[:ready], state.waiting[ready:]
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp, _ in out]}
         return {
-            "tokens": [self.token(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [self._top_by_text(lp) for lp in lps],
-            "text_offset": offsets,
+            "tokens": [self.token(lp.token_id) for lp, _ in out],
+            "token_logprobs": [lp.logprob for lp, _ in out],
+            "top_logprobs": [self._top_by_text(lp) for lp, _ in out],
+            "text_offset": [off for _, off in out],
         }
 
     def merge(self, parts: list[dict]) -> dict:
@@ -213,10 +242,10 @@ class LogprobsFormatter:
             return {"content": [e for p in parts for e in p["content"]]}
         return {k: [x for p in parts for x in p[k]] for k in _COMPLETION_LOGPROB_KEYS}
 
-    def format_text(self, lps, choice: int = 0) -> dict[str, str]:
+    def format_text(self, lps, choice: int = 0, new_text: str = "", held: bool = False) -> dict[str, str]:
         """`format`'s lists as JSON text without their brackets (a non-streaming answer keeps one string per key
         and event, not a dict per token: spanllm.serve.response_body)."""
-        return {k: dumps(v)[1:-1] for k, v in self.format(lps, choice).items()}
+        return {k: dumps(v)[1:-1] for k, v in self.format(lps, choice, new_text, held).items()}
 
     def merge_text(self, parts: list[dict[str, str]]) -> dict[str, RawJSON]:
         """format_text's events of one choice joined: `merge`'s lists, as RawJSON."""
@@ -241,6 +270,16 @@ class LogprobsFormatter:
             return {"token": self.token(tid), "logprob": v, "bytes": list(self.tokenizer.token_bytes(tid))}
 
         return {**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+
+
+class _ChoiceText:
+    """LogprobsFormatter's state of one choice."""
+
+    def __init__(self, detok, start: int) -> None:
+        self.detok = detok
+        self.chars = start  # the text's characters before the next token (its text_offset)
+        self.emitted = start  # characters of the text sent (events' new_text)
+        self.waiting: list[tuple] = []  # (TokenLogprob, text_offset) held back (format's held)
 
 
 class PreparePools:
@@ -292,7 +331,12 @@ def build_app(
     async def _internal(request: Request, e: Exception):
         return JSONResponse(error_body(f"{type(e).__name__}: {e}", "InternalServerError", None, 500), 500)
 
-    @app.get("/health")
+    def get(path: str):
+        """A GET route that answers HEAD too (FastAPI's app.get does not: a load balancer probing with HEAD would get
+        405); uvicorn sends a HEAD answer's status and headers without its body."""
+        return app.api_route(path, methods=["GET", "HEAD"])
+
+    @get("/health")
     async def health():
         if engine.alive:
             return Response(status_code=200)
@@ -300,7 +344,7 @@ def build_app(
             error_body(engine.error or "the engine is not running", "ServiceUnavailableError", None, 503), 503
         )
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics_():
         if metrics is None:
             return PlainTextResponse("")
@@ -316,11 +360,11 @@ def build_app(
             "max_model_len": ctx_limit,  # what a request can use: the KV pool may hold less than max_model_len
         }
 
-    @app.get("/v1/models")
+    @get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (client.models.retrieve); ids may hold "/"
+    @get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (client.models.retrieve); ids may hold "/"
     async def model(model: str):
         if model != model_name:
             raise APIError(
@@ -353,10 +397,18 @@ def build_app(
         return req
 
     def submit(
-        prompt_ids: list[int], params: SamplingParams, rid: str, n: int, chat_default: bool, most: int | None = None
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        n: int,
+        chat: bool,
+        max_tokens_field: str,
+        chat_default: bool,
+        most: int | None = None,
     ) -> list:
-        """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in. `most`: the
-        tokens a chat without max_tokens may take at most besides the context (a non-streaming answer's logprobs)."""
+        """n engine requests (ids rid-0, rid-1, ...): their queues. Any refusal aborts those already in (the
+        engine's named in the request's fields: engine_refusal). `most`: the tokens a chat without max_tokens may
+        take at most besides the context (a non-streaming answer's logprobs)."""
         queued = engine.max_queued_requests
         if queued is not None and n > queued:  # never admissible, even on an idle server: not a 503 to retry
             raise APIError(
@@ -397,7 +449,7 @@ def build_app(
                 queues.append(engine.add(f"{rid}-{i}", prompt_ids, p, time.monotonic()))
         except RequestError as e:
             _abort_all(rid, len(queues))
-            raise APIError(str(e), refused_param(str(e))) from None
+            raise engine_refusal(str(e), chat, max_tokens_field) from None
         except (QueueFull, EngineUnavailable) as e:
             _abort_all(rid, len(queues))
             raise APIError(str(e), None, 503, "ServiceUnavailableError") from None
@@ -436,11 +488,11 @@ def build_app(
             for t in tasks:
                 t.cancel()
 
-    def event_error(ev) -> APIError | None:
+    def event_error(ev, chat: bool) -> APIError | None:
         if isinstance(ev, EngineDead):
             return APIError(ev.message, None, 500, "InternalServerError")
         if isinstance(ev, Exception):
-            return APIError(str(ev), "prompt")
+            return engine_refusal(str(ev), chat)
         if getattr(ev, "error", None):
             return APIError(f"handling this request failed: {ev.error}", None, 500, "InternalServerError")
         return None
@@ -493,10 +545,11 @@ def build_app(
             else:
                 check_logprob_entries(req.n, params.max_tokens, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        queues = submit(prompt_ids, params, rid, req.n, chat_default, most)
+        max_tokens_field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        queues = submit(prompt_ids, params, rid, req.n, chat, max_tokens_field, chat_default, most)
         lp = None
         if params.logprobs is not None:
-            lp = LogprobsFormatter(tokenizer, chat, prompt_ids, len(echo_text or ""))
+            lp = LogprobsFormatter(tokenizer, chat, prompt_ids, len(echo_text or ""), stop_strings=bool(params.stop))
         base = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -520,11 +573,11 @@ def build_app(
             async for i, d in merged(queues, request):
                 if d is None:
                     return Response(status_code=499)  # the client is gone; nobody reads this
-                err = event_error(d)
+                err = event_error(d, chat)
                 if err is not None:
                     raise err
-                if lp is not None and d.new_logprobs:
-                    lps[i].append(lp.format_text(d.new_logprobs, i))
+                if lp is not None:
+                    lps[i].append(lp.format_text(d.new_logprobs or [], i, d.new_text, lp.held(d)))
                 if d.finished:
                     last[i] = d
                     if len(last) == n:
@@ -587,15 +640,17 @@ def build_app(
                 elif echo_text:
                     yield chunk(i, echo_text)
             async for i, d in merged(queues, None):
-                err = event_error(d)
+                err = event_error(d, chat)
                 if err is not None:
                     yield sse(error_body(err.message, err.type, err.param, err.status))
                     break
                 num_output[i] = d.num_output
                 if d.new_ids or d.new_text:  # one chunk per token step (text may be "": a partial character)
                     logprobs = None
-                    if lp is not None and d.new_logprobs:
-                        logprobs = lp.format(d.new_logprobs, i)
+                    if lp is not None:
+                        logprobs = lp.format(d.new_logprobs or [], i, d.new_text, lp.held(d))
+                        if not logprobs["content" if chat else "tokens"]:
+                            logprobs = None  # this step's entries wait for their text (LogprobsFormatter.format)
                     yield chunk(i, d.new_text, logprobs)
                 if d.finished:  # OpenAI's last chunk of a choice: no new text, the finish reason
                     done.add(i)

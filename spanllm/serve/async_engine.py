@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError, validate_request
@@ -51,11 +52,64 @@ class EngineDead:
     message: str
 
 
+class QueueLedger:
+    """Which accepted requests the engine can run at once and which wait behind them: what --max-queued-requests
+    counts. Every request is entered when the front door accepts it (before the engine has seen it) and left when it
+    ends. It counts as running when no earlier request waits and its prompt plus its first token fit the KV blocks
+    and sequence slots of those counted as running; else it waits, in arrival order, until the ones ahead of it
+    end. Conservative, as the engine admits at least these: chunked prefill may start a prompt that fits only in
+    part, and prefix caching may share blocks. Output growth is not counted: a running request that outgrows the
+    pool is preempted back into the engine's queue, which the front door reads after each step. O(1) per request
+    (amortized); not thread-safe (the front door holds its lock)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        self.free_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.running: dict[str, int] = {}  # request id -> the blocks counted for it
+        self.waiting: OrderedDict[str, int] = OrderedDict()  # oldest first
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def blocks(self, prompt_len: int) -> int:
+        return -(-(prompt_len + 1) // self.block_size)
+
+    def add(self, request_id: str, prompt_len: int) -> bool:
+        """Enter an accepted request; True when it counts as running."""
+        n = self.blocks(prompt_len)
+        if not self.waiting and len(self.running) < self.max_num_seqs and n <= self.free_blocks:
+            self.running[request_id] = n
+            self.free_blocks -= n
+            return True
+        self.waiting[request_id] = n
+        return False
+
+    def remove(self, request_id: str) -> None:
+        """The request ended (or was never entered): the oldest waiting ones that now fit count as running."""
+        n = self.running.pop(request_id, None)
+        if n is not None:
+            self.free_blocks += n
+        elif self.waiting.pop(request_id, None) is None:
+            return
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            rid, n = next(iter(self.waiting.items()))
+            if n > self.free_blocks:
+                break
+            del self.waiting[rid]
+            self.running[rid] = n
+            self.free_blocks -= n
+
+
 class FrontDoor:
     """What the HTTP handlers hold, in either mode (AsyncEngine here, frontend_process.EngineClient): the
     engine's fixed limits (vocab_size, capacity_tokens, max_model_len, has_tokenizer, eos_token_ids), `alive`, `error`,
     `num_waiting()`, and the two halves every request goes through: `_open_stream` before it goes to the
-    engine, `_deliver` for what comes back. Subclasses count an admitted request in `_count_add`."""
+    engine, `_deliver` for what comes back. Subclasses count an admitted request in `_count_add`, make the
+    QueueLedger (`_ledger`) from the engine's KV pool and say what the engine reported waiting (`_engine_counts`)."""
+
+    _ledger: QueueLedger
 
     def __init__(self, max_queued_requests: int | None) -> None:
         self.max_queued_requests = max_queued_requests
@@ -64,9 +118,21 @@ class FrontDoor:
         self._lock = threading.Lock()
         self._accepting = True
 
+    def _engine_counts(self) -> tuple[int, int]:
+        """(requests in the engine's queue after its last step, accepted requests it had not received then)."""
+        raise NotImplementedError
+
+    def num_waiting(self) -> int:
+        """What --max-queued-requests counts: the requests the ledger counts as waiting, or, where more, those the
+        engine's queue held after its last step (a preempted request; a prompt its token budget held back) plus
+        the ones on their way that the ledger counts as waiting (the newest accepted: those in transit)."""
+        queued = self._ledger.num_waiting
+        engine_waiting, in_transit = self._engine_counts()
+        return max(queued, engine_waiting + min(in_transit, queued))
+
     def _open_stream(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         """Refuse when shutting down (EngineUnavailable), check the request against the engine's fixed limits
-        (RequestError), check the queue bound (QueueFull), count it as waiting, and give it its queue."""
+        (RequestError), check the queue bound (QueueFull), enter it in the ledger, and give it its queue."""
         if not self.alive or not self._accepting:
             raise EngineUnavailable(self.error or "the server is shutting down")
         validate_request(
@@ -85,22 +151,37 @@ class FrontDoor:
                     f"the waiting queue is full ({self.max_queued_requests} requests, "
                     "--max-queued-requests); retry later"
                 )
+            self._ledger.add(request_id, len(prompt_ids))
             self._count_add()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
 
+    def _close_stream(self, request_id: str) -> bool:
+        """The request ended or its client left: forget its queue and its place in the ledger. False if it had no
+        queue (ended already)."""
+        known = self._streams.pop(request_id, None) is not None
+        with self._lock:
+            self._ledger.remove(request_id)
+        return known
+
     def _deliver(self, events: list) -> None:
         """Put each (request id, event) on its request's queue, from any thread: one call_soon_threadsafe per
         event loop. A request's stream ends with its finished Delta, or any other event (an error)."""
         by_loop: dict = {}
+        ended = []
         for rid, ev in events:
             s = self._streams.get(rid)
             if s is None:
                 continue
             if getattr(ev, "finished", True):
                 self._streams.pop(rid, None)
+                ended.append(rid)
             by_loop.setdefault(s[0], []).append((s[1], ev))
+        if ended:
+            with self._lock:
+                for rid in ended:
+                    self._ledger.remove(rid)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -129,7 +210,9 @@ class AsyncEngine(FrontDoor):
         self.on_dead = on_dead  # called (engine thread) after the loop failed: the server stops
         self.heartbeats = heartbeats  # spanllm.serve.health.Heartbeats (--health-port): one beat per pass
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending_adds = 0  # submitted, not yet inside the engine (counts as waiting)
+        self._pending_adds = 0  # submitted, not yet inside the engine
+        self._engine_waiting = 0  # the engine's queue after its last step (engine thread)
+        self._ledger = QueueLedger(core.blocks.num_usable, core.blocks.block_size, core.config.max_num_seqs)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spanllm-engine", daemon=True)
         self.stats_log = StatsLogger()
@@ -179,9 +262,12 @@ class AsyncEngine(FrontDoor):
     def max_num_seqs(self) -> int:
         return self.core.config.max_num_seqs
 
-    def num_waiting(self) -> int:
-        core = self.core
-        return queued_estimate(core.num_waiting, core.num_running, self._pending_adds, self.max_num_seqs)
+    def _engine_counts(self) -> tuple[int, int]:
+        return self._engine_waiting, self._pending_adds
+
+    def _waiting_in_transit(self) -> int:
+        """The submitted requests not yet inside the engine that the ledger counts as waiting (engine thread)."""
+        return min(self._pending_adds, self._ledger.num_waiting)
 
     def abort_all(self) -> None:
         """Stop admitting; abort every request (shutdown): their handlers end with finish_reason abort."""
@@ -205,7 +291,7 @@ class AsyncEngine(FrontDoor):
 
     def abort(self, request_id: str) -> None:
         """The client went away: abort (frees its KV blocks); nothing more is delivered."""
-        if self._streams.pop(request_id, None) is not None:
+        if self._close_stream(request_id):
             self._cmds.put(("abort", request_id))
 
     # --- the engine thread --------------------------------------------------------------------------------
@@ -285,9 +371,13 @@ class AsyncEngine(FrontDoor):
                         events.append((out.request_id, _delta(out)))
                         if out.finished and self.metrics is not None:
                             self.metrics.observe_finished(out.finish_reason, out.metrics)
+                # read here, not live: between taking its commands and its step the queue holds requests the
+                # step admits
+                self._engine_waiting = core.num_waiting
+                in_transit = self._waiting_in_transit()
                 if self.metrics is not None:
-                    self.metrics.update_engine(core, self._pending_adds)
-                self.stats_log.maybe_log(core, self._pending_adds)
+                    self.metrics.update_engine(core, in_transit)
+                self.stats_log.maybe_log(core, in_transit)
                 if events:
                     self._deliver(events)
             self._deliver(self._abort_everything())
@@ -326,11 +416,3 @@ def _delta(out) -> Delta:
         getattr(out, "new_logprobs", None),
         getattr(out, "error", None),
     )
-
-
-def queued_estimate(engine_waiting: int, running: int, in_transit: int, max_num_seqs: int) -> int:
-    """What --max-queued-requests counts: the requests waiting in the engine's queue, plus those still in transit
-    to the engine that will wait there when they arrive (beyond the free running slots); a request in transit
-    to a free slot does not wait."""
-    free = max(0, max_num_seqs - running - engine_waiting)
-    return engine_waiting + max(0, in_transit - free)

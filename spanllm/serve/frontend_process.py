@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from spanllm.engine.engine_core import RequestError
 from spanllm.errors import SpanllmError
-from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor, queued_estimate
+from spanllm.serve.async_engine import AsyncEngine, Delta, EngineDead, EngineUnavailable, FrontDoor, QueueLedger
 
 
 @dataclass
@@ -91,6 +91,9 @@ class PipeEngine(AsyncEngine):
 
     def shutdown_frontend(self) -> None:
         self._send(("shutdown",))
+
+    def _waiting_in_transit(self) -> int:
+        return self._pending_adds  # which of them wait is the front end's ledger's to say (its /metrics do)
 
     def _counts(self) -> tuple[int, int]:
         """(adds received but not yet in the engine, adds received in all), read together: the front end's
@@ -193,6 +196,7 @@ class ProcessServer:
                 "capacity_tokens": core.blocks.capacity_tokens,
                 "max_model_len": core.config.max_model_len,
                 "max_num_seqs": core.config.max_num_seqs,
+                "block_size": core.blocks.block_size,
                 "has_tokenizer": core.tokenizer is not None,
                 "eos_token_ids": tuple(core.eos_token_ids),
             },
@@ -266,6 +270,9 @@ class EngineClient(FrontDoor):
         self.capacity_tokens = limits["capacity_tokens"]
         self.max_model_len = limits["max_model_len"]
         self.max_num_seqs = limits["max_num_seqs"]
+        self._ledger = QueueLedger(
+            limits["capacity_tokens"] // limits["block_size"], limits["block_size"], limits["max_num_seqs"]
+        )
         self.has_tokenizer = limits["has_tokenizer"]
         self.eos_token_ids = tuple(limits["eos_token_ids"])
         self.metrics = metrics
@@ -283,10 +290,9 @@ class EngineClient(FrontDoor):
     def alive(self) -> bool:
         return self.error is None and self._reader.is_alive() and self._accepting
 
-    def num_waiting(self) -> int:
+    def _engine_counts(self) -> tuple[int, int]:
         s = self._snap
-        in_transit = (s["waiting"] - s["engine_waiting"]) + (self._adds_sent - self._adds_received)
-        return queued_estimate(s["engine_waiting"], s["running"], in_transit, self.max_num_seqs)
+        return s["engine_waiting"], (s["waiting"] - s["engine_waiting"]) + (self._adds_sent - self._adds_received)
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -300,12 +306,12 @@ class EngineClient(FrontDoor):
         try:
             self._send(("add", request_id, list(prompt_ids), params, arrival))
         except (OSError, EOFError, ValueError) as e:
-            self._streams.pop(request_id, None)
+            self._close_stream(request_id)
             raise EngineUnavailable(f"the engine process is gone ({type(e).__name__})") from None
         return q
 
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
+        if self._close_stream(request_id):
             try:
                 self._send(("abort", request_id))
             except (OSError, EOFError, ValueError):
@@ -344,7 +350,10 @@ class EngineClient(FrontDoor):
                 self._snap = snap
                 self._adds_received = snap.get("adds_received", self._adds_received)
                 if self.metrics is not None:
-                    self.metrics.apply(snap)
+                    # of the requests on their way, only those the ledger counts as waiting (the newest)
+                    engine_waiting, in_transit = self._engine_counts()
+                    waiting = engine_waiting + min(in_transit, self._ledger.num_waiting)
+                    self.metrics.apply({**snap, "waiting": waiting})
             elif kind == "events":
                 self._deliver(
                     [(rid, RequestError(ev.message) if isinstance(ev, Refusal) else ev) for rid, ev in msg[1]]

@@ -241,6 +241,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: HealthHTTPServer
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - a load balancer's probe: GET's status and headers, no body
+        self._answer(with_body=False)
+
+    def _answer(self, with_body: bool) -> None:
         if self.path.split("?", 1)[0] == "/health":
             srv = self.server
             status, body = verdict(srv.beats.read(), time.monotonic(), srv.stall_timeout_s)
@@ -251,7 +257,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if with_body:
+            self.wfile.write(data)
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
         pass

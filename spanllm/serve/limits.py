@@ -4,7 +4,7 @@ headers and its body take to arrive, and how many connections may be open at onc
 - `ServerLimits`: the values, one flag each in `spanllm serve` (spanllm.commands.serve).
 - `BodyLimitMiddleware` (ASGI): refuses a body whose Content-Length is over the limit before reading a byte of it
   (413), caps a body sent without one (or longer than it said) while it streams in (413), and gives up on a body
-  that stops arriving (408). The app then gets the whole body at once.
+  that stops arriving or trickles in below MIN_BODY_BYTES_PER_S (408). The app then gets the whole body at once.
 - `limited_h11_protocol`: uvicorn's h11 protocol with a deadline on the request line and headers (a client
   that connects and sends nothing, or half its headers, is disconnected; the keep-alive timeout covers the
   idle time between requests), and a connection beyond max_connections answered with OpenAI's error body (503)
@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 
 from spanllm.serve.protocol import error_body
+
+# The slowest average rate a request body may arrive at, after --body-timeout's grace: 16 KiB/s is 128 kbit/s, which
+# a 2G mobile link (EDGE, ~200 kbit/s) beats, and moves the 8 MiB --max-body-bytes in 512 s.
+MIN_BODY_BYTES_PER_S = 16 * 1024
 
 
 @dataclass(frozen=True)
 class ServerLimits:
     max_body_bytes: int = 8 * 1024 * 1024  # 8 MiB: a 128k-token prompt as text is ~0.5 MB
     header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0  # between two chunks of a body
+    body_timeout_s: float = 30.0  # between two chunks of a body (and the whole body's grace: MIN_BODY_BYTES_PER_S)
     keep_alive_s: float = 5.0  # uvicorn's default
     max_connections: int = 2048  # concurrent connections: one beyond gets 503 (limited_h11_protocol)
     max_stop_strings: int = 16
@@ -72,16 +77,23 @@ class BodyLimitMiddleware:
             if int(declared) > cap:
                 return await _send_error(send, 413, "RequestTooLargeError", _too_large(int(declared), cap))
         chunks, size = [], 0
+        started = last = time.monotonic()
         while True:
+            # the whole body's deadline: the gap's grace, plus the bytes (those declared, else those so far) at
+            # MIN_BODY_BYTES_PER_S, so that a trickle of bytes, each within the gap, cannot hold the connection
+            expected = int(declared) if declared is not None else size
+            deadline = started + self.limits.body_timeout_s + expected / MIN_BODY_BYTES_PER_S
+            gap_deadline = last + self.limits.body_timeout_s
             try:
-                msg = await asyncio.wait_for(receive(), self.limits.body_timeout_s)
+                msg = await asyncio.wait_for(receive(), max(min(deadline, gap_deadline) - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                return await _send_error(
-                    send,
-                    408,
-                    "RequestTimeoutError",
-                    f"the request body stopped arriving: nothing for {self.limits.body_timeout_s:g} s (--body-timeout)",
-                )
+                if gap_deadline <= deadline:
+                    what = f"nothing for {self.limits.body_timeout_s:g} s (--body-timeout)"
+                    return await _send_error(
+                        send, 408, "RequestTimeoutError", f"the request body stopped arriving: {what}"
+                    )
+                return await _send_error(send, 408, "RequestTimeoutError", _too_slow(size, expected, self.limits))
+            last = time.monotonic()
             if msg["type"] == "http.disconnect":
                 return None
             chunk = msg.get("body", b"")
@@ -101,6 +113,16 @@ class BodyLimitMiddleware:
             return await receive()  # after the body: the disconnect, for the handler's checks
 
         return await self.app(scope, replay, send)
+
+
+def _too_slow(size: int, expected: int, limits: ServerLimits) -> str:
+    of = f" of {expected}" if expected > size else ""
+    allowed_s = limits.body_timeout_s + expected / MIN_BODY_BYTES_PER_S
+    return (
+        f"the request body arrived too slowly: {size}{of} bytes in {allowed_s:.3g} s; "
+        f"a body must arrive within --body-timeout ({limits.body_timeout_s:g} s) plus 1 s per "
+        f"{MIN_BODY_BYTES_PER_S} bytes (a minimum rate of {MIN_BODY_BYTES_PER_S // 1024} KiB/s); send it faster"
+    )
 
 
 def _too_large(size: int, cap: int, so_far: bool = False) -> str:

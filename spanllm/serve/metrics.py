@@ -104,7 +104,10 @@ class ServerMetrics:
             return Histogram(f"spanllm:{name}", doc, L, buckets=buckets, registry=r).labels(model_name)
 
         self.running = g("num_requests_running", "Requests in the running batch")
-        self.waiting = g("num_requests_waiting", "Requests waiting to be scheduled (engine queue + not yet admitted)")
+        self.waiting = g(
+            "num_requests_waiting",
+            "Requests waiting to be scheduled (engine queue + accepted ones no free slot and KV blocks will take)",
+        )
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
         self.preemptions = c("num_preemptions", "Preemptions (recomputation) since start")
         self.prompt_tokens = c("prompt_tokens", "Prefilled prompt tokens")

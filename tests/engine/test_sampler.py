@@ -142,6 +142,30 @@ def test_repetition_penalty_covers_prompt_and_output():
     assert _steps(SamplingParams(repetition_penalty=1.5), [-1.0, -1.2, -5.0], 2, prompt=[2]) == [0, 1]
 
 
+def test_a_tiny_repetition_penalty_favours_the_repeated_token_without_nan():
+    """repetition 1e-38 (allowed: any value in (0, 2]) divides token 1's logit 5 to 5e38, past float32: capped at
+    PENALIZED_LOGIT_MAX, token 1 (in the prompt) wins greedily and at temperature 0.7; an inf would make the
+    softmax NaN and the sample arbitrary."""
+    from spanllm.engine.sampler import PENALIZED_LOGIT_MAX
+
+    out = apply_penalties(
+        torch.tensor([[2.0, 5.0, -3.0]]),
+        torch.zeros(1, 3, dtype=torch.int32),
+        torch.tensor([[False, True, True]]),
+        torch.zeros(1),
+        torch.zeros(1),
+        torch.tensor([1e-38]),
+    )
+    # float32: the cap as float32 rounds it, -3 x r in float32
+    assert torch.equal(out, torch.tensor([[2.0, PENALIZED_LOGIT_MAX, -3.0]]) * torch.tensor([[1.0, 1.0, 1e-38]]))
+    tiny = SamplingParams(repetition_penalty=1e-38)
+    assert _steps(tiny, [2.0, 5.0, 3.0], 3, prompt=[1]) == [1, 1, 1]
+    s = BatchSampler(CPU, seed=0)
+    warm = SamplingParams(repetition_penalty=1e-38, temperature=0.7)
+    reqs = [Req(f"r{i}", [1]) for i in range(8)]
+    assert _sample(s, torch.tensor([[2.0, 5.0, 3.0]] * 8), [warm] * 8, reqs).tokens.tolist() == [1] * 8
+
+
 def test_token_counts_persist_per_request_grow_and_are_released():
     """frequency 1.5 on [5, 4, 3]: 0, 1 (3.5 < 4), 0 (3.5 > 2.5, 3), 2 (2 < 2.5 < 3). A request that takes a
     released slot starts from zero counts: 0, 1."""

@@ -17,6 +17,7 @@ from serving_workers import (
     tp_scenarios,
 )
 
+from spanllm.engine.config import EngineConfig
 from spanllm.engine.core.block_manager import BlockManager
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig, chunk_pairs, chunk_within_pairs
 from spanllm.engine.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -258,6 +259,47 @@ def test_prefill_tokens_beside_decodes_caps_chunks_only_beside_decodes():
         SchedulerConfig(prefill_tokens_beside_decodes=-1)
 
 
+def test_long_prefill_token_threshold_caps_every_chunk_and_admits_beside_it():
+    """A long prompt's chunk takes at most the threshold in every step, with or without decodes, so the requests that
+    arrive meanwhile are admitted in the next step beside it (the budget left is theirs), not after its whole prompt."""
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, long_prefill_token_threshold=16)
+    sched = Scheduler(cfg, BlockManager(200, 4))
+    sched.add(_seq("long", 50, max_tokens=2))
+    steps = []
+    for i in range(5):
+        if i == 1:
+            sched.add(Sequence("short", list(range(100, 103)), SamplingParams(max_tokens=2)))
+        if i == 2:
+            sched.add(Sequence("mid", list(range(200, 230)), SamplingParams(max_tokens=1)))
+        b = sched.schedule()
+        steps.append([(s.request_id, n) for s, n in b.entries])
+        _run(sched, b)
+    # long: 16, 16, 16, then its last 2 (and samples); short's 3 tokens beside its second chunk, then its decode;
+    # mid (30 tokens) in chunks of 16 and 14 beside both
+    assert steps == [
+        [("long", 16)],
+        [("long", 16), ("short", 3)],
+        [("short", 1), ("long", 16), ("mid", 16)],
+        [("long", 2), ("mid", 14)],
+        [("long", 1)],
+    ]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=-1 must be an integer >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=1.5 must be None"):
+        EngineConfig(long_prefill_token_threshold=1.5)
+
+
+def test_long_prefill_token_threshold_auto_is_a_cpu_default(hf_checkpoint):
+    from spanllm.engine.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD
+
+    auto = LLM(hf_checkpoint[0], serving_config())
+    assert auto.long_prefill_token_threshold == CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    assert auto.engine_core.scheduler.config.long_prefill_token_threshold == CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    assert f"one prompt's prefill chunk <= {CPU_LONG_PREFILL_TOKEN_THRESHOLD} tokens" in auto.describe()
+    off = LLM(hf_checkpoint[0], serving_config(long_prefill_token_threshold=0))
+    assert off.long_prefill_token_threshold == 0 and "one prompt's prefill chunk unlimited" in off.describe()
+
+
 def test_prefill_tokens_beside_decodes_auto_is_a_cpu_default(hf_checkpoint):
     from spanllm.engine.config import CPU_PREFILL_TOKENS_BESIDE_DECODES
 
@@ -284,6 +326,7 @@ def test_alone_equals_transformers(tp1_llm, hf_serving_reference):
         {"block_size": 16, "num_kv_blocks": 20},
         {"long_prefill_attention_budget": 40},
         {"prefill_tokens_beside_decodes": 3},
+        {"long_prefill_token_threshold": 2},
     ],
 )
 @pytest.mark.parametrize("async_scheduling", [False, True])

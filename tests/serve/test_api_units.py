@@ -3,14 +3,17 @@ refused-field and range messages of the request models."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
 from spanllm.engine.sampler import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprob
 from spanllm.engine.tokenizer import ByteTokenizer
 from spanllm.serve.api import LogprobsFormatter, seed_for_choice
-from spanllm.serve.async_engine import queued_estimate
 from spanllm.serve.limits import ServerLimits
 from spanllm.serve.protocol import APIError, validate
+from spanllm.serve.response_body import dumps, encode_yielding
 
 _D = ServerLimits()  # the server's defaults, as api.py hands them to validate
 LIMITS = {
@@ -53,19 +56,6 @@ def test_chat_logprobs_shape():
 def test_seed_for_choice_stays_in_int64():
     assert [seed_for_choice(7, i) for i in range(3)] == [7, 8, 9]
     assert seed_for_choice(INT64_MAX, 1) == INT64_MIN and seed_for_choice(INT64_MIN, 0) == INT64_MIN
-
-
-@pytest.mark.parametrize(
-    "engine_waiting,running,in_transit,max_num_seqs,want",
-    [
-        (0, 0, 100, 256, 0),  # a burst on an idle server: every one has a slot
-        (0, 250, 10, 256, 4),  # six free slots
-        (3, 256, 5, 256, 8),  # full: all wait
-        (10, 0, 0, 256, 10),
-    ],
-)
-def test_queued_estimate(engine_waiting, running, in_transit, max_num_seqs, want):
-    assert queued_estimate(engine_waiting, running, in_transit, max_num_seqs) == want
 
 
 @pytest.mark.parametrize(
@@ -148,6 +138,118 @@ def test_refusals_of_lookalike_values(body, chat, param, words):
     with pytest.raises(APIError) as e:
         validate(body, chat, **LIMITS)
     assert e.value.param == param and words in e.value.message, e.value.message
+
+
+class WordTokenizer:
+    """Token id i is WORDS[i] (whole words: a token's text, and what it adds to the detokenized text)."""
+
+    WORDS = [" Paris", ".", "\n\n", "The", " answer", " is", ":", " Rome"]
+
+    def decode(self, ids):
+        return "".join(self.WORDS[i] for i in ids)
+
+    def token_bytes(self, tid):
+        return self.WORDS[tid].encode()
+
+    def detokenizer(self, prompt_ids):
+        return SimpleNamespace(push=lambda tid: self.WORDS[tid])
+
+
+def _delta(tid, new_text, finished=False, stop_reason=None):
+    from spanllm.serve.async_engine import Delta
+
+    lps = [TokenLogprob(tid, -1.0, ())]
+    return Delta(new_text, [tid], 0, finished, "stop" if finished else None, stop_reason, None, lps)
+
+
+# The engine's events of " Paris.\n\nThe answer is:" with stop "is:": the text's last 2 characters held back until
+# the end (new_text), then ":" completes "is:" and the text is cut before it: " Paris.\n\nThe answer ".
+STOP_EVENTS = [(0, " Par"), (1, "is"), (2, ".\n"), (3, "\nT"), (4, "he answ"), (5, "er "), (6, "")]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_of_tokens_after_a_stop_string_cut_are_dropped(chat):
+    """ ":" (at 22) gave the text (20 characters) nothing: dropped; " is" (at 19) straddles the cut: kept. Streamed, an
+    entry waits until the text sent reaches its token ("." at 6 waits for ".\n"); the whole answer's entries are
+    the stream's, in both representations."""
+    fmt = LogprobsFormatter(WordTokenizer(), chat=chat, stop_strings=True)
+    events = [_delta(t, x, t == 6, "is:" if t == 6 else None) for t, x in STOP_EVENTS]
+    parts = [fmt.format(d.new_logprobs, 0, d.new_text, fmt.held(d)) for d in events]
+    key = "content" if chat else "tokens"
+    words = [[e["token"] for e in p[key]] if chat else p[key] for p in parts]
+    assert words == [[" Paris"], [], [".", "\n\n"], ["The"], [" answer"], [" is"], []]
+    merged = fmt.merge(parts)
+    if chat:
+        assert [e["token"] for e in merged[key]] == [" Paris", ".", "\n\n", "The", " answer", " is"]
+    else:
+        assert merged == {
+            "tokens": [" Paris", ".", "\n\n", "The", " answer", " is"],
+            "token_logprobs": [-1.0] * 6,
+            "top_logprobs": [
+                {" Paris": -1.0},
+                {".": -1.0},
+                {"\n\n": -1.0},
+                {"The": -1.0},
+                {" answer": -1.0},
+                {" is": -1.0},
+            ],
+            "text_offset": [0, 6, 7, 9, 12, 19],
+        }
+    as_text = LogprobsFormatter(WordTokenizer(), chat=chat, stop_strings=True)
+    got = as_text.merge_text([as_text.format_text(d.new_logprobs, 0, d.new_text, as_text.held(d)) for d in events])
+    assert asyncio.run(encode_yielding(got)).decode() == dumps(merged)
+
+
+def test_logprobs_a_stop_string_held_are_all_sent_when_the_choice_ends_otherwise():
+    """With stop strings, a choice that ends at max_tokens (or EOS) keeps every entry: the held ones come with its
+    last event."""
+    fmt = LogprobsFormatter(WordTokenizer(), chat=False, stop_strings=True)
+    events = [_delta(0, " Par"), _delta(7, "is"), _delta(1, " Rome.", finished=True)]
+    parts = [fmt.format(d.new_logprobs, 0, d.new_text, fmt.held(d)) for d in events]
+    assert [p["tokens"] for p in parts] == [[" Paris"], [], [" Rome", "."]]
+    assert fmt.merge(parts)["text_offset"] == [0, 6, 11]
+
+
+def test_engine_refusal_names_the_fields_sent():
+    """validate_request's length refusals name the prompt and max_tokens; a chat's answer names its messages and the
+    length field it sent."""
+    from spanllm.engine.engine_core import RequestError, validate_request
+    from spanllm.serve.api import engine_refusal
+
+    def refusal(max_model_len: int, capacity_tokens: int) -> str:
+        with pytest.raises(RequestError) as e:
+            validate_request(
+                [5] * 10,
+                SamplingParams(max_tokens=100),
+                vocab_size=512,
+                max_model_len=max_model_len,
+                capacity_tokens=capacity_tokens,
+            )
+        return str(e.value)
+
+    context, pool = refusal(64, 4080), refusal(4096, 64)
+    e = engine_refusal(context, chat=False)
+    assert (e.param, e.message) == (
+        "prompt",
+        "this model's maximum context length is 64 tokens. However, you requested 110 tokens (10 in the prompt, 100 "
+        "for the completion). Reduce the prompt or max_tokens",
+    )
+    e = engine_refusal(context, chat=True, max_tokens_field="max_completion_tokens")
+    assert (e.param, e.message) == (
+        "messages",
+        "this model's maximum context length is 64 tokens. However, you requested 110 tokens (10 in the messages, 100 "
+        "for the completion). Reduce the messages or max_completion_tokens",
+    )
+    e = engine_refusal(pool, chat=True)
+    assert (e.param, e.message) == (
+        "messages",
+        "the request needs up to 110 tokens of KV cache but the whole pool holds 64; it could never run. Reduce the "
+        "messages or max_tokens, or give the cache more memory",
+    )
+    e = engine_refusal(pool, chat=False)
+    assert (e.param, e.message) == ("prompt", pool)
+    stop_ids = engine_refusal("stop_token_ids holds 600, outside the vocabulary [0, 512)", chat=True)
+    assert stop_ids.param == "stop_token_ids"
 
 
 def test_best_of_one_is_accepted():

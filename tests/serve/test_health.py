@@ -260,6 +260,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _head_is_get_without_body(base: str, health_base: str) -> None:
+    """A load balancer's HEAD probe of each GET route (the main port's and the health port's /health): GET's status
+    and headers, no body (content-length is GET's where the body's length cannot change between the two)."""
+    for url, status, same_length in (
+        (base + "/health", 200, True),
+        (base + "/v1/models", 200, True),
+        (base + "/v1/models/tiny", 200, True),
+        (base + "/v1/models/other", 404, True),
+        (base + "/metrics", 200, False),
+        (health_base + "/health", 200, False),
+        (health_base + "/nothing", 404, True),
+    ):
+        get, head = httpx.get(url, timeout=5), httpx.head(url, timeout=5)
+        assert (get.status_code, head.status_code, head.content) == (status, status, b""), url
+        assert head.headers.get("content-type") == get.headers.get("content-type"), url
+        if same_length:
+            assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.content)), url
+        else:
+            assert int(head.headers["content-length"]) > 0, url
+    head = httpx.head(base + "/v1/completions", timeout=5)
+    assert (head.status_code, head.content) == (405, b"")
+
+
 @pytest.mark.parametrize("frontend", ["--frontend-process", "--no-frontend-process"])
 def test_cli_health_port_answers_and_exits_with_the_server(frontend):
     hport = _free_port()
@@ -273,6 +296,7 @@ def test_cli_health_port_answers_and_exits_with_the_server(frontend):
         assert httpx.get(base + "/health", timeout=5).status_code == 200  # the main port's, as before
         nope = httpx.get(f"http://127.0.0.1:{hport}/v1/models", timeout=5)
         assert nope.status_code == 404 and nope.json()["error"]["type"] == "NotFoundError", nope.text
+        _head_is_get_without_body(base, f"http://127.0.0.1:{hport}")
         below = descendants(proc.pid)
         cmdlines = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\0") for p in below}
         (health_pid,) = [p for p, c in cmdlines.items() if b"spanllm.commands.serve_health" in c]

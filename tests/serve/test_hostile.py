@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import select
 import signal
 import socket
 import time
@@ -168,6 +170,64 @@ def test_body_and_header_timeouts(cli_server):
     # a connection that sends nothing: closed too
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         assert s.recv(65536) == b""
+    _still_serving(cli_server)
+
+
+def _trickle(port: int, head: bytes, pieces: list[bytes], every_s: float) -> str:
+    """Send head, then a piece every every_s until the server answers; what it sends until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head)
+        for piece in pieces:
+            if select.select([s], [], [], every_s)[0]:
+                break
+            s.sendall(piece)
+        return _read_all(s)
+
+
+SLOW = (
+    r"the request body arrived too slowly: \d+{} bytes in {} s; a body must arrive within --body-timeout \(1 s\) "
+    r"plus 1 s per 16384 bytes \(a minimum rate of 16 KiB/s\); send it faster"
+)
+
+
+def test_a_body_trickled_in_is_refused_below_the_minimum_rate(cli_server):
+    """A byte every 0.3 s never leaves the --body-timeout (1 s) gap, but a body must arrive within 1 s plus 1 s per
+    16 KiB (Content-Length's bytes, else those so far): 408 naming the rate, and the server still serves. A body
+    sent in pieces at a client's pace is served."""
+    proc, base = cli_server
+    port = int(base.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for framing, pieces, slow in (
+        (b"Content-Length: 1000\r\n", [b" "] * 30, SLOW.format(" of 1000", "1.06")),
+        (b"Transfer-Encoding: chunked\r\n", [b"1\r\n \r\n"] * 30, SLOW.format("", "1")),
+    ):
+        reply = _trickle(port, head + framing + b"\r\n", pieces, 0.3)
+        assert reply.startswith("HTTP/1.1 408 "), reply
+        err = json.loads(reply.split("\r\n\r\n", 1)[1])["error"]
+        assert err["type"] == "RequestTimeoutError" and re.fullmatch(slow, err["message"]), err
+        _still_serving(cli_server)
+    body = b'{"prompt": "ok", "max_tokens": 2}'
+    reply = _trickle(port, head + b"Content-Length: %d\r\n\r\n" % len(body), [body[:10], body[10:20], body[20:]], 0.2)
+    assert reply.startswith("HTTP/1.1 200 ") and '"completion_tokens":2' in reply.replace(" ", ""), reply
+
+
+def test_context_refusals_name_the_fields_sent(cli_server):
+    """A prompt past the context: `messages` for a chat (it has no `prompt`), and the length field the client sent."""
+    proc, base = cli_server
+    chat = base + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    n = httpx.post(chat, json={"messages": msgs, "max_tokens": 1}, timeout=30).json()["usage"]["prompt_tokens"]
+    for url, body, param, field in (
+        (chat, {"messages": msgs, "max_completion_tokens": 5000}, "messages", "max_completion_tokens"),
+        (chat, {"messages": msgs, "max_tokens": 5000, "stream": True}, "messages", "max_tokens"),
+        (base + "/v1/completions", {"prompt": [5] * n, "max_tokens": 5000}, "prompt", "max_tokens"),
+    ):
+        r = httpx.post(url, json=body, timeout=30)
+        _error(r, 400, param)
+        assert r.json()["error"]["message"] == (
+            f"the request needs up to {n + 5000} tokens of KV cache but the whole pool holds 4080; it could never "
+            f"run. Reduce the {param} or {field}, or give the cache more memory"
+        )
     _still_serving(cli_server)
 
 

@@ -231,6 +231,42 @@ def test_text_offset_is_the_same_with_a_stop_string(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_logprobs_end_where_a_stop_string_cut_the_text(server, route, stream):
+    """Greedy over "A".."T": the completion of "Hello" (presence_penalty 2 varies the letters) is "NTLKQEDP..." and
+    the chat's answer "QNENEQQQ..."; stop "QE" / "EQ" cuts them after 4 letters, at the 6th token. The entries of
+    the stop string's two tokens (which gave the text nothing) are dropped, streamed or not: every text_offset is
+    inside the text, at its token's text; usage counts the 6 tokens generated."""
+    c = client(server)
+    kw = {"model": "tiny", "max_tokens": 12, "temperature": 0, "logit_bias": LETTERS}
+    if stream:
+        kw |= {"stream": True, "stream_options": {"include_usage": True}}
+    if route == "completions":
+        r = c.completions.create(prompt="Hello", presence_penalty=2, stop=["QE"], logprobs=1, **kw)
+    else:
+        msgs = [{"role": "user", "content": "hi"}]
+        r = c.chat.completions.create(messages=msgs, stop=["EQ"], logprobs=True, top_logprobs=1, **kw)
+    text, tokens, offsets, finish, usage = "", [], [], None, None
+    for ch in r if stream else [r]:
+        usage = ch.usage or usage
+        for x in ch.choices:
+            finish = x.finish_reason or finish
+            if route == "completions":
+                text += x.text
+            else:
+                text += (x.delta.content or "") if stream else x.message.content
+            if x.logprobs and route == "completions":
+                tokens, offsets = tokens + x.logprobs.tokens, offsets + x.logprobs.text_offset
+            elif x.logprobs:
+                tokens += [e.token for e in x.logprobs.content]
+    want = "NTLK" if route == "completions" else "QNEN"
+    assert (text, tokens, finish, usage.completion_tokens) == (want, list(want), "stop", 6)
+    if route == "completions":
+        assert offsets == [0, 1, 2, 3]
+        assert all(o < len(text) and text[o:].startswith(t) for o, t in zip(offsets, tokens))
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_logprobs_chat(server, stream):
     c = client(server)
     kw = {

@@ -32,7 +32,11 @@ pairs (0: no limit); the first prefill of a step always gets at least one token,
 A step without decodes (an idle engine) keeps the whole token budget: its TTFT is unchanged. Short contexts are
 not affected (8,192 tokens at 4k of context are 4e7 pairs, under the default 2^26). Where a step's time is the
 prefill's tokens rather than its attention (a CPU: an 8,000-token prompt is minutes of linear layers), the prefill
-chunks of a step with decodes also take at most `prefill_tokens_beside_decodes` tokens together (0: no limit).
+chunks of a step with decodes also take at most `prefill_tokens_beside_decodes` tokens together (0: no limit),
+and every prefill chunk, in any step, takes at most `long_prefill_token_threshold` tokens of one prompt (vLLM's
+setting of that name; 0: no limit): a long prompt then runs in steps of a few seconds, each of which can admit the
+requests that arrived meanwhile beside it, where one step of its whole prompt would hold the engine loop (new
+arrivals, aborts, the health check's progress) for minutes.
 
 Prefix caching: an admitted sequence first takes the longest run of cached full blocks its tokens start
 with (BlockManager.lookup: never its last token, so a fully cached prompt still runs one token to sample
@@ -93,6 +97,8 @@ class SchedulerConfig:
     # Tokens the prefill chunks of a step with decodes may take together (module docstring); 0 = no limit but
     # max_num_batched_tokens.
     prefill_tokens_beside_decodes: int = 0
+    # Tokens one prompt's prefill chunk may take in any step (module docstring); 0 = no limit.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "min_admit", "admit_max_wait_steps"):
@@ -104,9 +110,10 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_attention_budget={v!r} must be an integer >= 0 (0: no limit)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of {SCHEDULING_POLICIES}")
-        v = self.prefill_tokens_beside_decodes
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"prefill_tokens_beside_decodes={v!r} must be an integer >= 0 (0: no limit)")
+        for name in ("prefill_tokens_beside_decodes", "long_prefill_token_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an integer >= 0 (0: no limit)")
 
 
 @dataclass
@@ -368,6 +375,8 @@ class Scheduler:
         evictable pool leaves fewer free blocks)."""
         cached = len(hits) * self.blocks.block_size
         n = min(seq.num_uncomputed - cached, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
         free = self.blocks.num_free - (self.blocks.num_unreferenced(hits) if hits else 0)
         room = (len(seq.block_table) + len(hits) + free) * self.blocks.block_size - seq.num_computed - cached
         return max(0, min(n, room))
