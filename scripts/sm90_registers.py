@@ -27,7 +27,19 @@ from hopper_compile import TARGET, capture, compile_launch  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 LAYERS_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-SHOWN = ("BLOCK", "BLOCK_N", "BLOCK_K", "SPLIT_K", "NUM_STAGES", "QUANT", "HAS_SCALE", "HAS_RES", "KV_FP8", "PREFETCH")
+SHOWN = (
+    "BLOCK",
+    "BLOCK_N",
+    "BLOCK_K",
+    "SPLIT_K",
+    "NUM_STAGES",
+    "QUANT",
+    "HAS_SCALE",
+    "HAS_RES",
+    "KV_FP8",
+    "PREFETCH",
+    "WIDEN_F16",
+)
 
 
 def launches(pdl_on: bool) -> list[tuple[str, object, tuple, dict]]:
@@ -72,6 +84,11 @@ def launches(pdl_on: bool) -> list[tuple[str, object, tuple, dict]]:
                 tables, ctx = torch.zeros(4, 16, dtype=torch.int32), torch.full((4,), 250, dtype=torch.int32)
                 with case(f"decode, {str(kv)[6:]} cache"):
                     pa.decode(torch.zeros(4, 32, 128, dtype=BF16), kc, vc, tables, ctx, 8, prefetch=True)
+                if kv == FP8:  # the widening FP8_DECODE_WIDEN does not take (paged_attention)
+                    other = "bf16" if pa.FP8_DECODE_WIDEN == "fp16" else "fp16"
+                    with case(f"decode, {str(kv)[6:]} cache widened to {other}"):
+                        q = torch.zeros(4, 32, 128, dtype=BF16)
+                        pa.decode(q, kc, vc, tables, ctx, 8, prefetch=True, widen=other)
                 cu_q, tiles = torch.tensor([0, 96], dtype=torch.int32), torch.zeros(6, 2, dtype=torch.int32)
                 with case(f"prefill, {str(kv)[6:]} cache"):
                     pa.prefill(torch.zeros(96, 32, 128, dtype=BF16), kc, vc, tables[:1], cu_q, ctx[:1], tiles)

@@ -79,9 +79,9 @@ def prefetch_block_ids(programs: int, device: torch.device) -> bool:
 
 # What an FP8 cache's tiles widen to under bf16 queries by default. fp16 costs one conversion instruction per two
 # values where bf16 goes through fp16 and one more per value, but compiled for sm_90 at the default FP8 launch (128
-# keys, 4 warps) with block ids one tile ahead, ptxas leaves the fp16 kernel at 32 registers and a 3.5 KB stack
-# (bf16: 255 registers, ~1 KB of spills): bf16 stays until a GPU sweep (scripts/gpu_decode_launch.py --widen
-# fp16,bf16) times them.
+# keys, 4 warps) with block ids one tile ahead, ptxas leaves the fp16 kernel at 32 registers and ~7 KB of spills
+# (bf16: 255 registers, ~0.8 KB; results/cpu_sm90_compile/): bf16 stays until a GPU sweep
+# (scripts/gpu_decode_launch.py --widen fp16,bf16) times them.
 FP8_DECODE_WIDEN = "bf16"
 
 
