@@ -31,7 +31,8 @@
 #                 tokens, the conversation so far in the prefix cache; scripts/gpu_first_request.py --conversation):
 #                 auto's cuDNN cascade with its cost model (the default) against it on every long-prefix chunk
 #                 (--no-cascade-cost), twice each, and the paged kernel alone (--prefill-attention triton)
-#   decode-launch any Hopper GPU: the paged decode kernel's launch shapes by KV-cache dtype
+#   decode-launch any Hopper GPU: an FP8 cache widened to fp16 against bf16 (what paged_attention.FP8_DECODE_WIDEN
+#                 should say), then the paged decode kernel's launch shapes by KV-cache dtype
 #                 (scripts/gpu_decode_launch.py: what spanllm.kernels.paged_attention.DECODE_LAUNCH should say)
 #   gemv          any Hopper GPU: the CUDA-core GEMV's launch configs against the skinny GEMM and F.linear at one row
 #                 (scripts/gpu_gemv.py: what spanllm/kernels/gemv_configs.json should say), then batch-1 decode, FP8
@@ -163,6 +164,12 @@ case "$PART" in
     grep -E "passed|failed|^FAILED|^ERROR" "$R/pytest.txt" | tail -12; grep -v "^W[0-9]" "$R/num_kv_blocks.log" | tail -4
     [ "$TESTS_RC" = 0 ] || { echo "coverage: the GPU tests FAILED (pytest rc $TESTS_RC, $R/pytest.txt)"; exit 1; } ;;
   decode-launch)
+    # first the FP8 cache's two widenings at the launches the H100 sweep ranked first (what FP8_DECODE_WIDEN should
+    # say), then the whole launch sweep
+    timeout 90 python3 scripts/gpu_decode_launch.py "$R/decode_widen" --dtypes fp8 --widen fp16,bf16 \
+      --launches 128x4x2,128x4x3,64x4x3,128x8x2 --budget-s 70 >"$R/decode_widen.log" 2>&1
+    tail -4 "$R/decode_widen.log"
+    pack
     timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
       >"$R/decode_launch.log" 2>&1
     tail -16 "$R/decode_launch.log" ;;
