@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
@@ -32,6 +31,7 @@ import threading
 import time
 
 import httpx
+from serve_hostile_burst import machine  # scripts/ is on sys.path when this runs as a script
 
 SCENARIOS = ("stall", "idle-long")
 # the arguments of --scenario idle-long, left out of the stall scenario's settings (its JSON is as it was before them)
@@ -52,25 +52,18 @@ def _versions() -> dict:
     return out
 
 
-def _machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "loadavg_before": os.getloadavg(),
-    }
+def poll_health(url: str, latencies: list[float], done: threading.Event) -> None:
+    """GET url/health every 50 ms until done, appending each answer's latency."""
+    while not done.is_set():
+        t = time.monotonic()
+        httpx.get(url + "/health", timeout=120)
+        latencies.append(time.monotonic() - t)
+        time.sleep(0.05)
 
 
 def idle_long(args: argparse.Namespace, prompt: list[int]) -> None:
     """--scenario idle-long: the long prompt alone on the server, a short streamed request --short-delay s later."""
-    facts = _machine()
+    facts = machine()
     main_polls: list[float] = []
     # (s since the long prompt was sent, latency, status, the engine heartbeat's age in a 200: the step running)
     port_polls: list[tuple[float, float, int, float | None]] = []
@@ -78,13 +71,6 @@ def idle_long(args: argparse.Namespace, prompt: list[int]) -> None:
     done = threading.Event()
     long_end: list[float] = []
     long_status: list[int] = []
-
-    def poll_main() -> None:
-        while not done.is_set():
-            t = time.monotonic()
-            httpx.get(args.url + "/health", timeout=120)
-            main_polls.append(time.monotonic() - t)
-            time.sleep(0.05)
 
     def poll_port() -> None:
         while not done.is_set():
@@ -107,7 +93,7 @@ def idle_long(args: argparse.Namespace, prompt: list[int]) -> None:
         long_end.append(time.monotonic())
         long_status.append(r.status_code)
 
-    pollers = [threading.Thread(target=poll_main)]
+    pollers = [threading.Thread(target=poll_health, args=(args.url, main_polls, done))]
     if args.health_url:
         pollers.append(threading.Thread(target=poll_port))
     sender = threading.Thread(target=send_long)
@@ -217,15 +203,8 @@ def main() -> None:
                 if line.startswith("data:"):
                     chunks.append(time.monotonic())
 
-    def poll_health() -> None:
-        while not done.is_set():
-            t = time.monotonic()
-            httpx.get(args.url + "/health", timeout=120)
-            health.append(time.monotonic() - t)
-            time.sleep(0.05)
-
     streamer = threading.Thread(target=stream)
-    poller = threading.Thread(target=poll_health)
+    poller = threading.Thread(target=poll_health, args=(args.url, health, done))
     streamer.start()
     poller.start()
     time.sleep(2.0)

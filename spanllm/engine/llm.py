@@ -284,25 +284,24 @@ class LLM:
         line += f", one prompt's prefill chunk {f'<= {cap} tokens' if cap else 'unlimited'}"
         return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
 
+    def _cpu_token_cap(self, value: int | None, cpu_default: int) -> int:
+        """A scheduler token cap, auto (None) resolved: cpu_default on CPU, where a step's time is its tokens; 0 (no
+        limit) on a GPU."""
+        if value is not None:
+            return value
+        return cpu_default if self.device.type == "cpu" else 0
+
     @property
     def prefill_tokens_beside_decodes(self) -> int:
-        """The engine's setting, auto resolved: CPU_PREFILL_TOKENS_BESIDE_DECODES on CPU, 0 (no limit) on a GPU."""
         from spanllm.engine.config import CPU_PREFILL_TOKENS_BESIDE_DECODES
 
-        v = self.engine.prefill_tokens_beside_decodes
-        if v is not None:
-            return v
-        return CPU_PREFILL_TOKENS_BESIDE_DECODES if self.device.type == "cpu" else 0
+        return self._cpu_token_cap(self.engine.prefill_tokens_beside_decodes, CPU_PREFILL_TOKENS_BESIDE_DECODES)
 
     @property
     def long_prefill_token_threshold(self) -> int:
-        """The engine's setting, auto resolved: CPU_LONG_PREFILL_TOKEN_THRESHOLD on CPU, 0 (no limit) on a GPU."""
         from spanllm.engine.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD
 
-        v = self.engine.long_prefill_token_threshold
-        if v is not None:
-            return v
-        return CPU_LONG_PREFILL_TOKEN_THRESHOLD if self.device.type == "cpu" else 0
+        return self._cpu_token_cap(self.engine.long_prefill_token_threshold, CPU_LONG_PREFILL_TOKEN_THRESHOLD)
 
     def describe_allocator(self) -> str:
         """On a GPU, the CUDA caching allocator's settings (spanllm.engine.cuda_allocator)."""

@@ -122,13 +122,16 @@ class FrontDoor:
         """(requests in the engine's queue after its last step, accepted requests it had not received then)."""
         raise NotImplementedError
 
+    def waiting_in_transit(self, in_transit: int) -> int:
+        """Of the requests on their way to the engine (the newest accepted), those the ledger counts as waiting."""
+        return min(in_transit, self._ledger.num_waiting)
+
     def num_waiting(self) -> int:
         """What --max-queued-requests counts: the requests the ledger counts as waiting, or, where more, those the
         engine's queue held after its last step (a preempted request; a prompt its token budget held back) plus
-        the ones on their way that the ledger counts as waiting (the newest accepted: those in transit)."""
-        queued = self._ledger.num_waiting
+        the ones on their way that the ledger counts as waiting."""
         engine_waiting, in_transit = self._engine_counts()
-        return max(queued, engine_waiting + min(in_transit, queued))
+        return max(self._ledger.num_waiting, engine_waiting + self.waiting_in_transit(in_transit))
 
     def _open_stream(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         """Refuse when shutting down (EngineUnavailable), check the request against the engine's fixed limits
@@ -265,9 +268,10 @@ class AsyncEngine(FrontDoor):
     def _engine_counts(self) -> tuple[int, int]:
         return self._engine_waiting, self._pending_adds
 
-    def _waiting_in_transit(self) -> int:
-        """The submitted requests not yet inside the engine that the ledger counts as waiting (engine thread)."""
-        return min(self._pending_adds, self._ledger.num_waiting)
+    def _transit_for_stats(self) -> int:
+        """The submitted requests not yet inside the engine counted as waiting in /metrics and the log (engine
+        thread)."""
+        return self.waiting_in_transit(self._pending_adds)
 
     def abort_all(self) -> None:
         """Stop admitting; abort every request (shutdown): their handlers end with finish_reason abort."""
@@ -374,7 +378,7 @@ class AsyncEngine(FrontDoor):
                 # read here, not live: between taking its commands and its step the queue holds requests the
                 # step admits
                 self._engine_waiting = core.num_waiting
-                in_transit = self._waiting_in_transit()
+                in_transit = self._transit_for_stats()
                 if self.metrics is not None:
                     self.metrics.update_engine(core, in_transit)
                 self.stats_log.maybe_log(core, in_transit)

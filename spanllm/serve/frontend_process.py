@@ -92,7 +92,7 @@ class PipeEngine(AsyncEngine):
     def shutdown_frontend(self) -> None:
         self._send(("shutdown",))
 
-    def _waiting_in_transit(self) -> int:
+    def _transit_for_stats(self) -> int:
         return self._pending_adds  # which of them wait is the front end's ledger's to say (its /metrics do)
 
     def _counts(self) -> tuple[int, int]:
@@ -352,8 +352,7 @@ class EngineClient(FrontDoor):
                 if self.metrics is not None:
                     # of the requests on their way, only those the ledger counts as waiting (the newest)
                     engine_waiting, in_transit = self._engine_counts()
-                    waiting = engine_waiting + min(in_transit, self._ledger.num_waiting)
-                    self.metrics.apply({**snap, "waiting": waiting})
+                    self.metrics.apply({**snap, "waiting": engine_waiting + self.waiting_in_transit(in_transit)})
             elif kind == "events":
                 self._deliver(
                     [(rid, RequestError(ev.message) if isinstance(ev, Refusal) else ev) for rid, ev in msg[1]]

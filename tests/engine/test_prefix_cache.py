@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_steps import run_step
 
 from spanllm.engine.core.block_manager import BlockManager, hash_block
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig
-from spanllm.engine.core.sequence import FinishReason, Sequence
+from spanllm.engine.core.sequence import Sequence
 from spanllm.engine.sampler import SamplingParams
 
 BS = 4
@@ -140,23 +141,13 @@ def test_reset_prefix_cache_keeps_blocks_in_use():
 
 
 # --- the scheduler: budget and hit counts ------------------------------------------------------------------
-def _run(sched: Scheduler, batch) -> None:
-    """What the engine does after a step: advance what ran, append a token where the step samples."""
-    for seq, n in batch.entries:
-        samples = seq.num_computed + n == seq.num_tokens
-        seq.num_computed += n
-        if samples:
-            seq.output_ids.append(7)
-            if seq.num_output >= seq.params.max_tokens:
-                sched.finish(seq)
-                seq.finish(FinishReason.LENGTH)
 
 
 def _drain(sched: Scheduler, steps: int = 200) -> None:
     for _ in range(steps):
         if not sched.has_work():
             return
-        _run(sched, sched.schedule())
+        run_step(sched, sched.schedule())
     raise AssertionError("did not drain")
 
 
@@ -167,7 +158,7 @@ def test_planned_requests_hit_exactly_and_cached_tokens_skip_the_budget():
     sched.add(a)
     b = sched.schedule()
     assert [(s.request_id, n) for s, n in b.entries] == [("a", 20)]
-    _run(sched, b)
+    run_step(sched, b)
     # a's five blocks are registered at the next schedule; requests added now hit them in that step
     same, ext, one_block, short = (
         _seq("same", BASE, 1),
@@ -223,10 +214,10 @@ def test_preempted_request_takes_its_own_blocks_back():
     a, b = _seq("a", range(1, 4), max_tokens=6), _seq("b", range(40, 52), max_tokens=6)
     sched.add(a)
     sched.add(b)
-    _run(sched, sched.schedule())  # a: 1 block, b: 3 blocks
-    _run(sched, sched.schedule())  # b's 13th position takes the last free block
+    run_step(sched, sched.schedule())  # a: 1 block, b: 3 blocks
+    run_step(sched, sched.schedule())  # b's 13th position takes the last free block
     assert bm.num_free == 0 and sched.num_preemptions == 0
-    _run(sched, sched.schedule())  # a needs a block: b (newest) is preempted; its 3 full blocks stay findable
+    run_step(sched, sched.schedule())  # a needs a block: b (newest) is preempted; its 3 full blocks stay findable
     assert sched.num_preemptions == 1 and b.num_computed == 0 and len(bm.evictable) == 3
     _drain(sched)
     assert b.num_cached_tokens == 12  # re-admitted on its own blocks

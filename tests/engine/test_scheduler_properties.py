@@ -1,7 +1,7 @@
 """The scheduler's invariants (spanllm.engine.core.scheduler's docstring) over random workloads: arrivals at random
 steps, prompts that share prefixes or not, tight and loose KV pools, every token-budget knob (the step's budget, one
 prompt's chunk, prefill beside decodes, the attention budget), prefix caching on and off, both admission policies.
-Each step is checked, then run as the engine runs it (what `_run` in test_serving_engine.py does); every request
+Each step is checked, then run as the engine runs it (scheduler_steps.run_step); every request
 must finish with exactly its max_tokens, and the pool must be whole again at the end."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from scheduler_steps import SAMPLED, run_step  # noqa: E402
 
 from spanllm.engine.core.block_manager import BlockManager  # noqa: E402
 from spanllm.engine.core.scheduler import Scheduler, SchedulerConfig, chunk_pairs  # noqa: E402
-from spanllm.engine.core.sequence import FinishReason, Sequence  # noqa: E402
+from spanllm.engine.core.sequence import Sequence  # noqa: E402
 from spanllm.engine.sampler import SamplingParams  # noqa: E402
 
 MAX_MODEL_LEN = 128
@@ -71,18 +72,6 @@ def _check_step(sched: Scheduler, batch) -> None:
     assert len(held) + blocks.num_free == blocks.num_usable  # no block lost, none counted twice
 
 
-def _run(sched: Scheduler, batch, finished: dict) -> None:
-    for seq, n in batch.entries:
-        samples = seq.num_computed + n == seq.num_tokens
-        seq.num_computed += n
-        if samples:
-            seq.output_ids.append(7)
-            if seq.num_output >= seq.params.max_tokens:
-                sched.finish(seq)
-                seq.finish(FinishReason.LENGTH)
-                finished[seq.request_id] = seq
-
-
 @settings(max_examples=300, deadline=None)
 @given(workloads())
 def test_every_request_finishes_within_the_budgets_and_the_pool_comes_back(workload):
@@ -99,11 +88,11 @@ def test_every_request_finishes_within_the_budgets_and_the_pool_comes_back(workl
         _check_step(sched, batch)
         # an arrived request's step never comes up empty: decodes or a prompt's first token always fit
         assert batch or not sched.has_work()
-        _run(sched, batch, finished)
+        finished.update((s.request_id, s) for s in run_step(sched, batch))
         step += 1
         # far above any schedule's steps (each runs at least one token; preemption recomputes some): a livelock fails
         # here instead of hanging
         assert step <= 16 + 40 * total, "the workload did not finish"
     for i, (_, _, max_tokens) in enumerate(requests):
-        assert finished[f"r{i}"].output_ids == [7] * max_tokens
+        assert finished[f"r{i}"].output_ids == [SAMPLED] * max_tokens
     assert not sched.has_work() and blocks.num_free == blocks.num_usable

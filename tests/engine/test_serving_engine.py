@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scheduler_steps import run_step
 from serving_workers import (
     SERVE_MAX_TOKENS,
     SERVE_PROMPTS,
@@ -30,18 +31,6 @@ from spanllm.launch import launch
 # --- block manager and scheduler, no model ----------------------------------------------------------------
 def _seq(rid: str, n: int, max_tokens: int = 4) -> Sequence:
     return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens))
-
-
-def _run(sched: Scheduler, batch) -> None:
-    """What the engine does after a step: advance what ran, append a token where the step samples."""
-    for seq, n in batch.entries:
-        samples = seq.num_computed + n == seq.num_tokens
-        seq.num_computed += n
-        if samples:
-            seq.output_ids.append(7)
-            if seq.num_output >= seq.params.max_tokens:
-                sched.finish(seq)
-                seq.finish(FinishReason.LENGTH)
 
 
 def test_block_manager_accounting():
@@ -83,7 +72,7 @@ def test_budget_and_sequence_cap_respected():
     b = sched.schedule()
     assert [(s.request_id, n) for s, n in b.entries] == [("r0", 4), ("r1", 4), ("r2", 2)]  # r2 chunked at the budget
     assert b.num_tokens == 10 and len(sched.running) == 3 and b.num_decode == 0
-    _run(sched, b)
+    run_step(sched, b)
     b = sched.schedule()  # two decodes first, then r2's last 2 prompt tokens; r3 waits (3 sequences max)
     assert [(s.request_id, n) for s, n in b.entries] == [("r0", 1), ("r1", 1), ("r2", 2)]
     assert b.num_decode == 2 and [s.request_id for s in sched.waiting] == ["r3", "r4"]
@@ -96,13 +85,13 @@ def test_decode_never_starved_by_a_long_prompt():
     short = [_seq("s0", 2, max_tokens=20), _seq("s1", 2, max_tokens=20)]
     for s in short:
         sched.add(s)
-    _run(sched, sched.schedule())
+    run_step(sched, sched.schedule())
     sched.add(_seq("long", 50, max_tokens=2))
     for _ in range(8):  # the long prompt is prefilled 4 tokens a step while both decodes run every step
         b = sched.schedule()
         names = [(s.request_id, n) for s, n in b.entries]
         assert names[:2] == [("s0", 1), ("s1", 1)] and names[2] == ("long", 4)
-        _run(sched, b)
+        run_step(sched, b)
 
 
 def test_chunk_within_pairs_is_the_largest_chunk_in_the_budget():
@@ -122,14 +111,14 @@ def test_long_prefill_attention_budget_caps_chunks_only_beside_decodes():
     sched = Scheduler(cfg, BlockManager(200, 4))
     for s in (_seq("s0", 2, max_tokens=40), _seq("s1", 2, max_tokens=40)):
         sched.add(s)
-    _run(sched, sched.schedule())
+    run_step(sched, sched.schedule())
     sched.add(_seq("long", 60, max_tokens=2))
     chunks = []
     for _ in range(4):
         b = sched.schedule()
         assert [(s.request_id, n) for s, n in b.entries][:2] == [("s0", 1), ("s1", 1)]
         chunks.append(b.entries[2][1])
-        _run(sched, b)
+        run_step(sched, b)
     # context 0: 13 tokens (91 pairs); 13: 6 (99); 19: 4 (86); 23: 3 (75)
     assert chunks == [13, 6, 4, 3]
     # a context whose one next token alone exceeds the budget still gets one token (the step's first prefill)
@@ -138,13 +127,13 @@ def test_long_prefill_attention_budget_caps_chunks_only_beside_decodes():
         BlockManager(200, 4),
     )
     sched2.add(_seq("d", 2, max_tokens=40))
-    _run(sched2, sched2.schedule())
+    run_step(sched2, sched2.schedule())
     sched2.add(_seq("p", 30, max_tokens=2))
     sizes = []
     for _ in range(3):
         b = sched2.schedule()
         sizes.append(b.entries[1][1])
-        _run(sched2, b)
+        run_step(sched2, b)
     assert sizes == [4, 1, 1]  # 1+2+3+4 = 10 pairs; then 4 keys + 1 = 5 <= 10, two tokens would be 11
     # an idle engine (no decodes) keeps the whole token budget
     idle = Scheduler(cfg, BlockManager(200, 4))
@@ -172,7 +161,7 @@ def test_preemption_by_recompute_takes_the_newest():
     a, b = _seq("a", 4, max_tokens=8), _seq("b", 4, max_tokens=8)
     sched.add(a)
     sched.add(b)
-    _run(sched, sched.schedule())  # both prefilled: 2 blocks each? 1 block each (4 tokens), 1 token out each
+    run_step(sched, sched.schedule())  # both prefilled: 2 blocks each? 1 block each (4 tokens), 1 token out each
     assert len(a.block_table) == 1 and len(b.block_table) == 1
     batch = sched.schedule()  # a's 5th token needs a block; so does b's: 3 usable blocks, 4 needed
     assert sched.num_preemptions == 1 and batch.preempted == [b]
@@ -217,7 +206,7 @@ def test_abort_frees_blocks_from_either_queue():
     a, b = _seq("a", 9), _seq("b", 3)
     sched.add(a)
     sched.add(b)
-    _run(sched, sched.schedule())
+    run_step(sched, sched.schedule())
     assert sched.abort("b").finish_reason is FinishReason.ABORT  # waiting
     assert sched.abort("a").finish_reason is FinishReason.ABORT  # running, with blocks
     assert sched.abort("a") is None and not sched.has_work()
@@ -240,7 +229,7 @@ def test_prefill_tokens_beside_decodes_caps_chunks_only_beside_decodes():
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, prefill_tokens_beside_decodes=5)
     sched = Scheduler(cfg, BlockManager(200, 4))
     sched.add(_seq("d", 2, max_tokens=40))
-    _run(sched, sched.schedule())
+    run_step(sched, sched.schedule())
     sched.add(_seq("p1", 12, max_tokens=2))
     sched.add(Sequence("p2", list(range(100, 112)), SamplingParams(max_tokens=2)))  # no prefix shared with p1
     steps = []
@@ -248,7 +237,7 @@ def test_prefill_tokens_beside_decodes_caps_chunks_only_beside_decodes():
         b = sched.schedule()
         steps.append([(s.request_id, n) for s, n in b.entries[b.num_decode :]])
         assert b.entries[0] == (b.entries[0][0], 1) and b.entries[0][0].request_id == "d"
-        _run(sched, b)
+        run_step(sched, b)
     # 5 prefill tokens a step together beside the decodes, oldest first: p1 5, 5, then its last 2 and p2's
     # first 3; p2 goes on beside p1's decode, 5 then its last 4
     assert steps == [[("p1", 5)], [("p1", 5)], [("p1", 2), ("p2", 3)], [("p2", 5)], [("p2", 4)]]
@@ -273,7 +262,7 @@ def test_long_prefill_token_threshold_caps_every_chunk_and_admits_beside_it():
             sched.add(Sequence("mid", list(range(200, 230)), SamplingParams(max_tokens=1)))
         b = sched.schedule()
         steps.append([(s.request_id, n) for s, n in b.entries])
-        _run(sched, b)
+        run_step(sched, b)
     # long: 16, 16, 16, then its last 2 (and samples); short's 3 tokens beside its second chunk, then its decode;
     # mid (30 tokens) in chunks of 16 and 14 beside both
     assert steps == [
