@@ -12,7 +12,8 @@ import random
 
 import pytest
 import torch
-from test_prefix_cache import _drain, _run
+from scheduler_steps import run_step
+from test_prefix_cache import _drain
 
 from spanllm.engine.core import scheduler as sched_mod
 from spanllm.engine.core.block_manager import BlockManager
@@ -79,7 +80,7 @@ def test_a_family_whose_prefix_is_computed_this_step_waits_for_its_blocks():
         for rid, p in [("a1", A), ("b1", B), ("a2", A), ("b2", B), ("a3", A)]:
             sched.add(_seq(rid, p + [50, 51]))
         first = sched.schedule()
-        _run(sched, first)
+        run_step(sched, first)
         second = sched.schedule()
         if policy == "fcfs":
             assert _admitted(first) == ["a1", "b1", "a2", "b2", "a3"] and _admitted(second) == []
@@ -87,7 +88,7 @@ def test_a_family_whose_prefix_is_computed_this_step_waits_for_its_blocks():
             assert _admitted(first) == ["a1", "b1"]
             assert _admitted(second) == ["a2", "a3", "b2"]
             assert [s.num_cached_tokens for s, _ in second.entries[second.num_decode :]] == [8, 8, 8]
-        _run(sched, second)
+        run_step(sched, second)
         _drain(sched, 500)
         hits[policy] = sched.prefix_cache_hits
         sched.blocks.check([])
@@ -109,7 +110,7 @@ def test_cached_families_overtake_an_older_uncached_request_within_the_bound():
     for _ in range(10):
         batch = sched.schedule()
         order.append(_admitted(batch))
-        _run(sched, batch)
+        run_step(sched, batch)
         if not sched.waiting:
             break
     # step 1: family A (3) then b0 fill the 4 slots, overtaking x 4 times; step 2: x first, then b1, b2
@@ -133,7 +134,7 @@ def test_a_family_waits_for_the_whole_prompt_of_the_member_computing_its_prefix(
     while sched.has_work():
         batch = sched.schedule()
         steps.append([(s.request_id, n) for s, n in batch.entries[batch.num_decode :]])
-        _run(sched, batch)
+        run_step(sched, batch)
     # s0 in chunks of 8, 8, 8, then its last token (a one-token step runs as a decode, not listed); then s1 and
     # s2 each compute only their last token
     assert steps == [[("s0", 8)], [("s0", 8)], [("s0", 8)], [], [("s1", 1), ("s2", 1)]]
@@ -186,7 +187,7 @@ def test_random_walk_under_the_prefix_policy(seed):
             victim = rng.choice(live)
             if not victim.is_finished:
                 sched.abort(victim.request_id)
-        _run(sched, sched.schedule())
+        run_step(sched, sched.schedule())
         in_families = [s for fam in sched.families.values() for s in fam]
         assert sorted(map(id, in_families)) == sorted(id(s) for s in sched.waiting if s.family is not None)
     _drain(sched, 3000)
