@@ -32,7 +32,8 @@
 #                 auto's cuDNN cascade with its cost model (the default) against it on every long-prefix chunk
 #                 (--no-cascade-cost), twice each, and the paged kernel alone (--prefill-attention triton)
 #   decode-launch any Hopper GPU: an FP8 cache widened to fp16 against bf16 (what paged_attention.FP8_DECODE_WIDEN
-#                 should say), then the paged decode kernel's launch shapes by KV-cache dtype
+#                 should say), batch 1 at 256-1,024 keys by tile size and least tiles a split (MIN_TILES_PER_SPLIT),
+#                 then the paged decode kernel's launch shapes by KV-cache dtype
 #                 (scripts/gpu_decode_launch.py: what spanllm.kernels.paged_attention.DECODE_LAUNCH should say)
 #   gemv          any Hopper GPU: the CUDA-core GEMV's launch configs against the skinny GEMM and F.linear at one row
 #                 (scripts/gpu_gemv.py: what spanllm/kernels/gemv_configs.json should say), then batch-1 decode, FP8
@@ -169,6 +170,12 @@ case "$PART" in
     timeout 90 python3 scripts/gpu_decode_launch.py "$R/decode_widen" --dtypes fp8 --widen fp16,bf16 \
       --launches 128x4x2,128x4x3,64x4x3,128x8x2 --budget-s 70 >"$R/decode_widen.log" 2>&1
     tail -4 "$R/decode_widen.log"
+    pack
+    # batch 1 at short contexts: latency, not bytes; how many key tiles a split takes (one each and a merge, or
+    # all in one program) against the tile size
+    timeout 60 python3 scripts/gpu_decode_launch.py "$R/decode_b1" --shapes 1x256,1x512,1x1024 --min-tiles 1,2,4 \
+      --dtypes bf16 --launches 32x4x2,64x4x3,128x4x2 --budget-s 45 >"$R/decode_b1.log" 2>&1
+    tail -8 "$R/decode_b1.log"
     pack
     timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
       >"$R/decode_launch.log" 2>&1

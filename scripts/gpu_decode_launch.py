@@ -9,11 +9,14 @@ per dtype (geometric mean over the batches): what DECODE_LAUNCH should say. A gr
 the pool where one copy would fit the L2 cache (the first run, results/h100/decode_launch/, did not: its 1 x 8,192
 case was read from L2).
 
-An FP8 cache's tiles widen to fp16 by default (paged_attention.decode_widens_to_f16); --widen fp16,bf16 times both
-widenings at each launch shape, --launches and --dtypes narrow the sweep.
+--widen fp16,bf16 times both widenings of an FP8 cache (paged_attention.decode_widens_to_f16) at each launch shape;
+--launches, --dtypes and --shapes narrow the sweep. --min-tiles times each launch at several least key tiles per
+split (paged_attention.MIN_TILES_PER_SPLIT): at batch 1 and a short context the kernel is latency, not bytes (the
+H100's batch-1 FP8 profile: 7.5 us a layer at 256 keys, 1 MB of K/V), and how the 256 keys are split among programs
+(one tile each and a merge, or all of them in one program) decides it.
 
     python3 scripts/gpu_decode_launch.py OUTDIR [--budget-s 150] [--dtypes fp8,bf16] [--launches 128x4x2,64x4x3]
-        [--widen fp16,bf16]
+        [--widen fp16,bf16] [--shapes 1x256,1x1024] [--min-tiles 1,2,4]
 
 Writes OUTDIR/decode_launch.json (machine, versions, settings, every timing).
 """
@@ -61,6 +64,12 @@ def main() -> int:
     ap.add_argument(
         "--widen", default=None, help="an FP8 cache's widenings to time, from fp16,bf16 (default: the default)"
     )
+    ap.add_argument("--shapes", default=None, help="batch x context list, e.g. 1x256,1x1024 (default: the serving set)")
+    ap.add_argument(
+        "--min-tiles",
+        default=None,
+        help="least key tiles per split to time, e.g. 1,2,4 (default: the kernel's default)",
+    )
     args = ap.parse_args()
     dtypes = [DTYPES.get(x) for x in args.dtypes.split(",")]
     if None in dtypes:
@@ -73,6 +82,20 @@ def main() -> int:
             launches = []
         if not launches or any(len(x) != 3 or x not in LAUNCHES for x in launches):
             sys.exit(f"--launches {args.launches!r}: keys x warps x stages from {sorted(set(LAUNCHES))[:3]}...")
+    shapes = SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
+        except ValueError:
+            shapes = []
+        if not shapes or any(len(x) != 2 or min(x) < 1 for x in shapes):
+            sys.exit(f"--shapes {args.shapes!r}: a comma list of batch x context, each >= 1, e.g. 1x256,16x4096")
+    try:
+        min_tiles = [None] if args.min_tiles is None else [int(x) for x in args.min_tiles.split(",")]
+    except ValueError:
+        min_tiles = [0]
+    if any(x is not None and x < 1 for x in min_tiles):
+        sys.exit(f"--min-tiles {args.min_tiles!r}: a comma list of integers >= 1")
     widens = [None] if args.widen is None else args.widen.split(",")
     if any(w not in (None, "fp16", "bf16") for w in widens):
         sys.exit(f"--widen {args.widen!r}: a comma list of fp16, bf16")
@@ -92,17 +115,19 @@ def main() -> int:
             "hkv": HKV,
             "head_dim": D,
             "block_size": BS,
-            "shapes": SHAPES,
+            "shapes": shapes,
+            "min_tiles": min_tiles,
             "launches": launches,
             "widen": widens,
         },
         "default_launch": {str(k): v for k, v in kt.DECODE_LAUNCH.items()},
+        "default_min_tiles": kt.MIN_TILES_PER_SPLIT,
         "rows": [],
         "skipped": [],
     }
     path = os.path.join(args.outdir, "decode_launch.json")
     for dtype, widen in [(d, w) for d in dtypes for w in (widens if d == torch.float8_e4m3fn else [None])]:
-        for batch, ctx in SHAPES:
+        for batch, ctx in shapes:
             q, kc, vc, tables, cl = make(batch, ctx, dtype, dev)
             splits = kt.num_splits_for(batch, HKV, dev)
             want = kt.decode(q, kc, vc, tables, cl, splits)
@@ -112,18 +137,19 @@ def main() -> int:
             copies = [(q, kc, vc, tables, cl)]
             while len(copies) * kv_bytes < 150e6 and len(copies) < 16:
                 copies.append((q, kc.clone(), vc.clone(), tables, cl))
-            for bn, warps, stages in launches:
+            for (bn, warps, stages), mt in itertools.product(launches, min_tiles):
                 key = {"dtype": str(dtype), "batch": batch, "context": ctx, "block_n": bn, "warps": warps}
                 key["stages"] = stages
+                key["min_tiles"] = mt or kt.MIN_TILES_PER_SPLIT
                 key["widen"] = widen or ("fp16" if kt.decode_widens_to_f16(q.dtype, kc.dtype) else "none")
                 if time.monotonic() > t_end:
                     result["skipped"].append(key)
                     continue
 
-                def call(i, copies=copies, splits=splits, bn=bn, warps=warps, stages=stages, widen=widen):
+                def call(i, copies=copies, splits=splits, bn=bn, warps=warps, stages=stages, widen=widen, mt=mt):
                     # call i of a graph reads pool copy i mod copies
                     inputs = copies[i % len(copies)]
-                    return kt.decode(*inputs, splits, block_n=bn, num_warps=warps, num_stages=stages, widen=widen)
+                    return kt.decode(*inputs, splits, mt, block_n=bn, num_warps=warps, num_stages=stages, widen=widen)
 
                 try:
                     err = float((call(0).float() - want.float()).abs().max())
@@ -159,7 +185,7 @@ def main() -> int:
             if best:
                 print(
                     f"{dtype} (widen {best['widen']}) b{batch} ctx{ctx}: best {best['block_n']}x{best['warps']}w "
-                    f"x{best['stages']}s "
+                    f"x{best['stages']}s min_tiles {best['min_tiles']} "
                     f"{best['us_median']} us, {best['kv_gb_per_s']} GB/s",
                     flush=True,
                 )
@@ -177,13 +203,17 @@ def main() -> int:
             best_of[k] = min(best_of.get(k, math.inf), r["us_median"])
         by_launch = {}
         for r in rows:
-            by_launch.setdefault((r["block_n"], r["warps"], r["stages"]), []).append(
+            by_launch.setdefault((r["block_n"], r["warps"], r["stages"], r["min_tiles"]), []).append(
                 r["us_median"] / best_of[(r["batch"], r["context"])]
             )
         full = {k: v for k, v in by_launch.items() if len(v) == len(best_of)}
         ranked = sorted(full.items(), key=lambda kv: math.exp(statistics.fmean(map(math.log, kv[1]))))
         summary[f"{dtype} widen {widen}"] = [
-            {"launch": list(k), "geomean_vs_best": round(math.exp(statistics.fmean(map(math.log, v))), 3)}
+            {
+                "launch": list(k[:3]),
+                "min_tiles": k[3],
+                "geomean_vs_best": round(math.exp(statistics.fmean(map(math.log, v))), 3),
+            }
             for k, v in ranked[:5]
         ]
         print(dtype, "widen", widen, summary[f"{dtype} widen {widen}"][:3], flush=True)
