@@ -160,6 +160,12 @@ class ClusterSpec:
     # FP8 (e4m3) GEMM rate / bf16 GEMM rate at large M (prefill; W8A8 on FP8 tensor cores); 1.0: no FP8 tensor
     # cores, FP8 weights only halve the bytes read
     fp8_gemm_speedup: float = 1.0
+    # FP8 layer weights' streaming rate over bf16's at the same rows, where a GEMM is bound by its weight reads (1.0:
+    # the FP8 kernels stream as fast as the bf16 ones, so half the bytes take half the time). w8a16: up to
+    # quantization.W8A16_MAX_ROWS rows (the weight-only GEMV / skinny GEMM); w8a8: more rows (per-token quantization
+    # and FP8 tensor cores)
+    fp8_read_w8a16: float = 1.0
+    fp8_read_w8a8: float = 1.0
     algos: Mapping[str, AlgoCost] = field(default_factory=dict)
     engine: EngineCost = EngineCost()  # the spanllm engine's costs on this cluster (zeros: an ideal engine)
     transport: Transport = TRANSPORTS["ibgda"]  # NVSHMEM's remote transport (unused without a network)
@@ -197,6 +203,12 @@ class ClusterSpec:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ClusterSpecError(f"{self.name}: {name}={v!r} must lie in (0, 1] (achieved / peak)")
+        for name in ("fp8_read_w8a16", "fp8_read_w8a8"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ClusterSpecError(
+                    f"{self.name}: {name}={v!r} must lie in (0, 1] (FP8 weights' streaming rate / bf16's)"
+                )
         if self.nvlink_GBps < 0 or self.nic_GBps_per_gpu < 0:
             raise ClusterSpecError(
                 f"{self.name}: link bandwidths must be >= 0 "
@@ -365,7 +377,8 @@ def with_constant(spec: ClusterSpec, path: str, value: float) -> ClusterSpec:
 
 # This lab host: 2 x H200 joined by NVLink (NV18), no network card.
 _H200_NVLINK_LATENCY_US = (
-    1.3  # [measured] flag ping-pong over NVLink, one way (results/h200x2/NOTES_nvrar.md, "The two numbers")
+    1.3  # [measured] flag ping-pong over NVLink, one way (results/h200x2/NOTES_nvrar.md, "The two numbers"; the
+    # probe that measured it is not committed)
 )
 
 
@@ -513,8 +526,24 @@ _NCCL_RANGES = {
 # The larger M, the higher. (The team's earlier H200 notes, not in this repository, gave 1.6-1.8x for _scaled_mm.)
 FP8_GEMM_SPEEDUP = 1.55  # [measured on H100] the engine's, the middle of M = 256-8,192
 FP8_GEMM_SPEEDUP_RANGE = (1.5, 1.7)  # [measured on H100] the engine's, M = 256 ... 8,192
-_DGX_RANGES = {
+# Where the layer GEMMs are bound by their weight reads (decode), FP8 halves the bytes but its kernels stream them
+# slower than the bf16 ones stream theirs: weight bytes / time of the four layer GEMMs summed, FP8 (the engine's
+# dispatch) over bf16 at the same rows, on one H100 (results/h100/fp8/fp8_gemm.json, 8B; gemm70b/fp8_gemm.json, 70B
+# at TP 2 and 8; results/h100/gemv/README.md, the one-row GEMVs of both):
+#   W8A16, 1-16 rows: 0.79-0.85 (8B), 0.71-0.89 (70B TP 2), 0.64-0.75 (70B TP 8); the one-row GEMV 0.90 (8B)
+#   W8A8, 32-256 rows: 0.66-0.73 (8B), 0.69-0.78 (70B TP 2), 0.46-0.55 (70B TP 8, whose thin qkv loses to bf16)
+# so an FP8 decode GEMM is 1.6-1.8x faster than bf16's at a few rows and 1.3-1.5x at 32-256, not 2x.
+FP8_READ_W8A16 = 0.82  # [measured on H100] the middle of the 8B's and 70B TP 2's 1-16 rows
+FP8_READ_W8A16_RANGE = (0.64, 0.90)  # [measured on H100] every shape above, 1-16 rows
+FP8_READ_W8A8 = 0.70  # [measured on H100] the middle of the 8B's and 70B TP 2's 32-256 rows
+FP8_READ_W8A8_RANGE = (0.46, 0.78)  # [measured on H100] every shape above, 32-256 rows
+_FP8_RANGES = {
     "fp8_gemm_speedup": FP8_GEMM_SPEEDUP_RANGE,
+    "fp8_read_w8a16": FP8_READ_W8A16_RANGE,
+    "fp8_read_w8a8": FP8_READ_W8A8_RANGE,
+}
+_DGX_RANGES = {
+    **_FP8_RANGES,
     **_KERNEL_RANGES_HOPPER,
     **_LAUNCH_RANGES,
     **_NCCL_RANGES,
@@ -522,6 +551,19 @@ _DGX_RANGES = {
     "nic_latency_us": (1.5, 4.0),
     "transport.post_us": (0.5, 2.5),
 }
+# GPU memory in 1e9 bytes, what the engine and the model count in (spanllm.perf.inference.MEMORY_USABLE_FRACTION
+# of it is usable, as the engine's default --gpu-memory-utilization). A datasheet's "141GB" or "80GB" is GiB, less
+# what the driver keeps: torch reports 139.8 GiB on the H200s (the engine's log lines in results/h200/engine_speed/)
+# and 79.18 GiB on the H100s (the out-of-memory messages in results/h100/); a part not measured takes its
+# datasheet's size in GiB less the same 1% [assumed].
+GIB = 2**30 / 1e9
+H200_MEMORY_GB = 139.8 * GIB  # [measured] 150.1
+H100_MEMORY_GB = 79.18 * GIB  # [measured] 85.0
+GIB_NOMINAL_GB = GIB * 0.99  # [assumed] the H100's 79.18 of 80 and the H200's 139.8 of 141 keep 0.99
+# The H200 presets' large-GEMM rate, 790 TFLOP/s bf16 on random data, is an early microbenchmark on the H200 host
+# whose run is not committed. The committed figures are lower: ~750 TFLOP/s for the engine's GEMMs in an 8,192-token
+# prefill (results/h200/engine_speed/, StepCost.gemm_efficiency) and 696 for F.linear at the 8B's four layer shapes
+# at M = 8,192 on an H100 (results/h100/fp8/fp8_gemm.json): DGX H200's range covers 700-790.
 _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over NDR, one switch tier, transport apart
 
 # [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
@@ -564,17 +606,19 @@ PRESETS: dict[str, ClusterSpec] = {
         description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
         gpu="H200 141GB",
         gpus_per_node=2,
-        gpu_memory_GB=141.0,  # [datasheet] H200 SXM
+        gpu_memory_GB=H200_MEMORY_GB,  # [measured] H200_MEMORY_GB (above)
         hbm_GBps=4800.0,  # [datasheet] H200 HBM3e 4.8 TB/s
         hbm_efficiency=4300.0 / 4800.0,  # [measured] ~4.3 TB/s device-to-device copy
         bf16_TFLOPs=989.0,  # [datasheet] H100/H200 SXM dense bf16
-        gemm_efficiency=790.0 / 989.0,  # [measured] ~790 TFLOP/s bf16 GEMM on random data
+        gemm_efficiency=790.0 / 989.0,  # [measured, not committed] H200_GEMM_TFLOPS (above)
         nvlink_GBps=450.0,  # [datasheet] NVLink 4, 18 links x 25 GB/s per direction
         nvlink_latency_us=_H200_NVLINK_LATENCY_US,
         nic_GBps_per_gpu=0.0,  # [measured] no network card on this host (only rdma_cm)
         nic_latency_us=_H200_NVLINK_LATENCY_US,  # unused: virtual nodes talk over NVLink
-        graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node
+        graph_node_us=0.5,  # [measured] empty Triton kernel as a CUDA-graph node (NOTES_nvrar.md; probe not committed)
         fp8_gemm_speedup=FP8_GEMM_SPEEDUP,  # [measured on H100] FP8_GEMM_SPEEDUP (above)
+        fp8_read_w8a16=FP8_READ_W8A16,  # [measured on H100] FP8_READ_W8A16 (above)
+        fp8_read_w8a8=FP8_READ_W8A8,  # [measured on H100] FP8_READ_W8A8 (above)
         kernel_launch_us=5.0,  # [assumed] eager launch from Python; not measured yet
         algos={
             **default_algo_costs(_H200_NVLINK_LATENCY_US, _H200_NVLINK_LATENCY_US, H200_KERNEL),
@@ -583,14 +627,14 @@ PRESETS: dict[str, ClusterSpec] = {
         },
         engine=_HOST_ENGINE_FIT,
         kernel=H200_KERNEL,  # [fit] this host's sweep (above)
-        ranges={"kernel_launch_us": (3.0, 10.0), "fp8_gemm_speedup": FP8_GEMM_SPEEDUP_RANGE},
+        ranges={"kernel_launch_us": (3.0, 10.0), **_FP8_RANGES},
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100",
         description="DGX H100: 8 x H100 80GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
         gpu="H100 80GB",
         gpus_per_node=8,
-        gpu_memory_GB=80.0,  # [datasheet]
+        gpu_memory_GB=H100_MEMORY_GB,  # [measured] H100_MEMORY_GB (above)
         hbm_GBps=3350.0,  # [datasheet] H100 SXM HBM3 3.35 TB/s
         hbm_efficiency=0.9,  # [assumed] same copy efficiency as measured on H200 (4.3 / 4.8)
         bf16_TFLOPs=989.0,  # [datasheet]
@@ -601,6 +645,8 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] range below
         graph_node_us=0.5,  # [assumed] as measured on H200
         fp8_gemm_speedup=FP8_GEMM_SPEEDUP,  # [measured on H100] same FP8 tensor cores
+        fp8_read_w8a16=FP8_READ_W8A16,  # [measured on H100] FP8_READ_W8A16 (above)
+        fp8_read_w8a8=FP8_READ_W8A8,  # [measured on H100] FP8_READ_W8A8 (above)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
         transport=TRANSPORTS["ibgda"],  # [assumed] IBGDA enabled (NVSHMEM_IB_ENABLE_IBGDA=1); NVSHMEM's default is ibrc
@@ -612,29 +658,34 @@ PRESETS: dict[str, ClusterSpec] = {
         description="DGX H200: 8 x H200 141GB over NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR",
         gpu="H200 141GB",
         gpus_per_node=8,
-        gpu_memory_GB=141.0,  # [datasheet]
+        gpu_memory_GB=H200_MEMORY_GB,  # [measured] on the H200 host
         hbm_GBps=4800.0,  # [datasheet]
         hbm_efficiency=4300.0 / 4800.0,  # [measured] on the H200 host
         bf16_TFLOPs=989.0,  # [datasheet]
-        gemm_efficiency=790.0 / 989.0,  # [measured] on the H200 host
+        gemm_efficiency=790.0 / 989.0,  # [measured, not committed] H200_GEMM_TFLOPS (above)
         nvlink_GBps=450.0,  # [datasheet]
         nvlink_latency_us=1.3,  # [measured] on the H200 host
         nic_GBps_per_gpu=50.0,  # [datasheet] 8 x 400 Gb/s NDR, one per GPU
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] as DGX H100
         graph_node_us=0.5,  # [measured] on the H200 host
         fp8_gemm_speedup=FP8_GEMM_SPEEDUP,  # [measured on H100] FP8_GEMM_SPEEDUP (above)
+        fp8_read_w8a16=FP8_READ_W8A16,  # [measured on H100] FP8_READ_W8A16 (above)
+        fp8_read_w8a8=FP8_READ_W8A8,  # [measured on H100] FP8_READ_W8A8 (above)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibgda"]),
         transport=TRANSPORTS["ibgda"],  # [assumed] as DGX H100
         kernel=H200_KERNEL,  # [measured] on the H200 host
-        ranges={k: v for k, v in _DGX_RANGES.items() if k not in ("graph_node_us", "nvlink_latency_us")},
+        ranges={
+            **{k: v for k, v in _DGX_RANGES.items() if k not in ("graph_node_us", "nvlink_latency_us")},
+            "gemm_efficiency": (700.0 / 989.0, 790.0 / 989.0),
+        },
     ),
     "perlmutter": ClusterSpec(
         name="perlmutter",
         description="NERSC Perlmutter GPU node: 4 x A100 40GB over NVLink 3, 4 x Slingshot-11",
         gpu="A100 40GB",
         gpus_per_node=4,
-        gpu_memory_GB=40.0,  # [datasheet] A100 SXM4 40GB (the NVRAR tuning artifact names this part)
+        gpu_memory_GB=40 * GIB_NOMINAL_GB,  # [datasheet] A100 SXM4 40GB, in GiB (the NVRAR artifact names this part)
         hbm_GBps=1555.0,  # [datasheet] A100 40GB HBM2
         hbm_efficiency=0.85,  # [assumed] typical achieved copy bandwidth on A100
         bf16_TFLOPs=312.0,  # [datasheet] A100 dense bf16
@@ -674,7 +725,7 @@ PRESETS: dict[str, ClusterSpec] = {
         description="TACC Vista GH200 node: 1 x GH200 96GB per node, InfiniBand NDR 400 Gb/s",
         gpu="GH200 96GB",
         gpus_per_node=1,
-        gpu_memory_GB=96.0,  # [datasheet] GH200 HBM3 96 GB
+        gpu_memory_GB=96 * GIB_NOMINAL_GB,  # [datasheet] GH200 HBM3 96 GB, in GiB
         hbm_GBps=4000.0,  # [datasheet] GH200 96GB HBM3 4 TB/s
         hbm_efficiency=0.9,  # [assumed] as measured on H200
         bf16_TFLOPs=989.0,  # [datasheet] Hopper dense bf16
@@ -685,12 +736,14 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_latency_us=_IB_NDR_LATENCY_US,  # [assumed] one switch tier, transport apart
         graph_node_us=0.5,  # [assumed] as measured on H200
         fp8_gemm_speedup=FP8_GEMM_SPEEDUP,  # [measured on H100] same FP8 tensor cores
+        fp8_read_w8a16=FP8_READ_W8A16,  # [measured on H100] FP8_READ_W8A16 (above)
+        fp8_read_w8a8=FP8_READ_W8A8,  # [measured on H100] FP8_READ_W8A8 (above)
         kernel_launch_us=5.0,  # [assumed]
         algos=default_algo_costs(1.3, _IB_NDR_LATENCY_US, H200_KERNEL, TRANSPORTS["ibrc"]),
         transport=TRANSPORTS["ibrc"],  # [source] NVSHMEM_REMOTE_TRANSPORT's default; which one the paper ran: unknown
         kernel=H200_KERNEL,  # [measured on H200] carried: same kernel on GH200
         ranges={
-            "fp8_gemm_speedup": FP8_GEMM_SPEEDUP_RANGE,  # [measured on H100] same FP8 tensor cores
+            **_FP8_RANGES,  # [measured on H100] same FP8 tensor cores
             **_KERNEL_RANGES_HOPPER,
             **_LAUNCH_RANGES,
             **_NCCL_RANGES,
@@ -750,6 +803,10 @@ def _transport_from(value: Any, base: Mapping[str, Any] | None, source: str) -> 
         raise ClusterSpecError(f"{source}: transport: {e}") from None
 
 
+# FP8 constants a cluster file may leave out: 1.0 (no FP8 tensor cores; FP8 weights stream as fast as bf16's)
+_OPTIONAL_FP8 = ("fp8_gemm_speedup", "fp8_read_w8a16", "fp8_read_w8a8")
+
+
 def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from plain values. `base` names a preset whose values fill the fields left out."""
     d = dict(d)
@@ -764,7 +821,7 @@ def cluster_from_dict(d: Mapping[str, Any], source: str = "<dict>") -> ClusterSp
     if unknown:
         raise ClusterSpecError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
     merged = {**base, **d}
-    missing = sorted(known - set(merged) - {"algos", "engine", "transport", "kernel", "ranges", "fp8_gemm_speedup"})
+    missing = sorted(known - set(merged) - {"algos", "engine", "transport", "kernel", "ranges", *_OPTIONAL_FP8})
     if missing:
         raise ClusterSpecError(f"{source}: missing field(s) {missing}; give them or set base = one of {list(PRESETS)}")
     merged["transport"] = _transport_from(d.get("transport"), base.get("transport"), source)

@@ -33,7 +33,7 @@ from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import allreduce_cost, transfer_us
 from spanllm.perf.hardware import ClusterSpec
 from spanllm.perf.model_shape import DTYPE_BYTES, embedding_params, kv_bytes_per_token_layer, layer_params
-from spanllm.perf.quantization import BF16, Quantization, gemm_speedup
+from spanllm.perf.quantization import BF16, Quantization, gemm_speedup, weight_read_factor
 
 KERNELS_PER_LAYER = 12  # [assumed] 2 norms, qkv, rope, attention, o-proj, 2 residual adds, gate_up, act, down, + comm
 P2P_OVERHEAD_US = 10.0  # [assumed] one pipeline send/recv pair through torch.distributed, beyond the wire time
@@ -168,7 +168,9 @@ def layer_gemm_us(
 ) -> float:
     h, f, d = model.hidden_size, model.intermediate_size, DTYPE_BYTES
     kvd = kv_heads_per_gpu(model, tp) * model.head_dim
-    weights = quant.layer_weight_bytes(model) / tp
+    # FP8 weights take fewer bytes but stream slower than bf16's (ClusterSpec.fp8_read_*): priced as more bytes
+    read = weight_read_factor(quant, tokens, cluster.fp8_read_w8a16, cluster.fp8_read_w8a8)
+    weights = quant.layer_weight_bytes(model) / tp / read
     # inputs + outputs of qkv, o, gate_up, down on this GPU
     acts = tokens * d * (h + (h / tp + 2 * kvd) + h / tp + h + h + 2 * f / tp + f / tp + h)
     speedup = gemm_speedup(quant, tokens, cluster.fp8_gemm_speedup)

@@ -3,10 +3,12 @@
 spanllm's FP8 (spanllm/layers/fp8.py): the decoder layers' linear weights (q/k/v/o, gate/up/down) are e4m3, one
 byte per parameter (the per-output-channel fp32 scales add 4 bytes per row: under 0.1% of a layer, not counted);
 the embedding and the LM head stay bf16, and so do the KV cache and the activations. Decode up to W8A16_MAX_ROWS
-rows runs W8A16 weight-streaming GEMVs: half the weight bytes, no faster math. Larger M runs W8A8 on FP8 tensor
-cores at `ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without them: weight-only FP8). (The
-engine also keeps W8A16 up to 128 rows for the shapes where its measured table found it faster; the model, which
-knows no table, prices those rows at the FP8 rate.)
+rows runs W8A16 weight-streaming GEMVs: half the weight bytes, no faster math, streamed at
+`ClusterSpec.fp8_read_w8a16` of the bf16 kernels' rate (`fp8_read_w8a8` above that: both measured below 1). Larger
+M runs W8A8 on FP8 tensor cores at `ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without
+them: weight-only FP8). (The engine also keeps W8A16 up to 128 rows for the shapes where its measured table found
+it faster; the model, which knows no table, prices those rows at the FP8 rate.) The roofline (roofline.py) is a
+bound: it reads FP8 weights at the copy rate.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ FP8_ALWAYS_WEIGHT_ONLY_M; a test holds them equal)."""
 def gemm_speedup(quant: Quantization, rows: int, fp8_gemm_speedup: float) -> float:
     """The layer GEMMs' rate over bf16's at `rows` tokens: FP8 tensor cores above W8A16_MAX_ROWS, else 1."""
     return fp8_gemm_speedup if quant.fp8_gemm and rows > W8A16_MAX_ROWS else 1.0
+
+
+def weight_read_factor(quant: Quantization, rows: int, w8a16: float, w8a8: float) -> float:
+    """The layer weights' streaming rate over bf16's at `rows` tokens (ClusterSpec.fp8_read_w8a16 / fp8_read_w8a8):
+    the factor a weight-bound GEMM's bytes are divided by. 1 for 16-bit weights."""
+    if quant.linear_weight_bytes >= DTYPE_BYTES:
+        return 1.0
+    return w8a16 if rows <= W8A16_MAX_ROWS else w8a8
 
 
 BF16 = Quantization("bf16", DTYPE_BYTES, False)

@@ -44,22 +44,33 @@ def test_405b_memory_per_gpu_on_one_node():
     bf16, fp8 = memory_per_gpu(m, layout, DECODE_HEAVY, h200), memory_per_gpu(m, layout, DECODE_HEAVY, h200, FP8)
     assert bf16.weights_GB == pytest.approx(811.698487296 / 8) and fp8.weights_GB == pytest.approx(410.051936256 / 8)
     assert bf16.kv_cache_GB == fp8.kv_cache_GB and bf16.activations_GB == fp8.activations_GB  # both stay bf16
-    # 8 x H200 (141 GB, 90% usable: 126.9 GB): bf16 fits at this batch too; 8 x H100 (72 GB usable): only FP8
+    # an H200 holds 139.8 GiB (what torch reports), 90% usable: 135.1 GB; an H100 79.18 GiB: 76.5 GB
+    assert bf16.capacity_GB == pytest.approx(0.9 * 139.8 * 2**30 / 1e9) == pytest.approx(135.1, abs=0.05)
+    assert memory_per_gpu(m, layout, DECODE_HEAVY, h100).capacity_GB == pytest.approx(76.5, abs=0.05)
+    # bf16 fits one H200 node; one H100 node holds only FP8
     assert bf16.fits and fp8.fits and bf16.total_GB == pytest.approx(102.5, abs=0.05)
     assert not memory_per_gpu(m, layout, DECODE_HEAVY, h100).fits
     assert memory_per_gpu(m, layout, DECODE_HEAVY, h100, FP8).fits
-    # prefill-heavy batch 64: bf16 TP8 spills out of an H200 (activations of 131k prompt rows), FP8 fits
-    big = Workload(64, 2048, 32)
-    assert not memory_per_gpu(m, layout, big, h200).fits and memory_per_gpu(m, layout, big, h200, FP8).fits
+    # prefill-heavy batch 64 (activations of 131k prompt rows): bf16 TP8 still fits an H200, at 132.5 of 135.1 GB
+    big = memory_per_gpu(m, layout, Workload(64, 2048, 32), h200)
+    assert big.fits and big.total_GB == pytest.approx(132.5, abs=0.05)
+    assert not memory_per_gpu(m, layout, Workload(80, 2048, 32), h200).fits
 
 
 def test_layer_gemm_decode_reads_half_the_bytes_prefill_runs_at_the_fp8_rate():
     m, c = get_model("8b"), PRESETS["h200x2"]
-    # decode (16 rows, W8A16): weight-bound, the time follows the bytes (activations are bf16 in both)
+    # decode (16 rows, W8A16): weight-bound, the time follows the bytes (activations are bf16 in both); FP8's
+    # bytes stream at 0.82 of bf16's rate (FP8_READ_W8A16), 0.70 past 16 rows (FP8_READ_W8A8)
     d_bf16, d_fp8 = layer_gemm_us(m, 16, 1, c), layer_gemm_us(m, 16, 1, c, quant=FP8)
     acts = 16 * 2 * (4096 + (4096 + 2 * 1024) + 4096 + 4096 + 4096 + 2 * 14336 + 14336 + 4096)
     bw = c.hbm_GBps * 1e3 * c.hbm_efficiency
-    assert d_bf16 == pytest.approx((218_103_808 * 2 + acts) / bw) and d_fp8 == pytest.approx((218_103_808 + acts) / bw)
+    assert c.fp8_read_w8a16 == 0.82 and c.fp8_read_w8a8 == 0.70
+    assert d_bf16 == pytest.approx((218_103_808 * 2 + acts) / bw)
+    assert d_fp8 == pytest.approx((218_103_808 / 0.82 + acts) / bw)
+    acts32 = acts * 2
+    assert layer_gemm_us(m, 32, 1, c, quant=FP8) == pytest.approx((218_103_808 / 0.70 + acts32) / bw)
+    ideal = replace(c, fp8_read_w8a16=1.0, fp8_read_w8a8=1.0, ranges={})  # FP8 streaming as fast as bf16
+    assert layer_gemm_us(m, 16, 1, ideal, quant=FP8) == pytest.approx((218_103_808 + acts) / bw)
     # prefill (8192 rows): compute-bound, 1.55x the rate (FP8_GEMM_SPEEDUP, measured on an H100)
     p_bf16, p_fp8 = layer_gemm_us(m, 8192, 1, c), layer_gemm_us(m, 8192, 1, c, quant=FP8)
     assert c.fp8_gemm_speedup == FP8_GEMM_SPEEDUP == 1.55 and p_bf16 / p_fp8 == pytest.approx(1.55)
@@ -162,3 +173,41 @@ def test_fp8_gemm_speedup_is_the_committed_h100_measurement():
     assert min(ratios) == pytest.approx(1.505, abs=5e-4) and max(ratios) == pytest.approx(1.683, abs=5e-4)
     assert low <= min(ratios) and max(ratios) <= high
     assert round(sorted(ratios)[2], 2) <= FP8_GEMM_SPEEDUP <= round(sorted(ratios)[3], 2)  # the middle
+
+
+def _weight_read_ratios(path: str, model: str, rows: range) -> list[float]:
+    """FP8 (the engine's dispatch) over bf16 weight-streaming rate, the four layer GEMMs summed, at each M in rows."""
+    doc = json.loads((Path(__file__).parents[2] / path).read_text())
+    by_m: dict[int, list[float]] = {}
+    for r in doc["rows"]:
+        if r["model"] == model and r["m"] in rows:
+            acc = by_m.setdefault(r["m"], [0.0, 0.0])
+            acc[0] += r["bf16"]["median_us"]
+            acc[1] += r["fp8_engine"]["median_us"]
+    # bf16 reads 2 bytes a weight in bf16_us, FP8 1 byte in fp8_us: rate ratio = (1 / fp8_us) / (2 / bf16_us)
+    return [bf16 / (2 * fp8) for _, (bf16, fp8) in sorted(by_m.items())]
+
+
+F8B, F70B = "results/h100/fp8/fp8_gemm.json", "results/h100/fp8/gemm70b/fp8_gemm.json"
+
+
+def test_fp8_weight_read_factors_are_the_committed_h100_measurements():
+    """FP8_READ_W8A16 / W8A8 and their ranges from results/h100/fp8/fp8_gemm.json (8B) and gemm70b/fp8_gemm.json
+    (70B at TP 2 and 8): the middle of the 8B's and 70B TP 2's ratios, and ranges that hold every shape's."""
+    from spanllm.perf.hardware import FP8_READ_W8A8, FP8_READ_W8A8_RANGE, FP8_READ_W8A16, FP8_READ_W8A16_RANGE
+
+    few, many = range(1, 17), range(32, 257)
+    w8a16 = {k: _weight_read_ratios(f, k, few) for f, k in [(F8B, "8b"), (F70B, "70b-tp2"), (F70B, "70b-tp8")]}
+    w8a8 = {k: _weight_read_ratios(f, k, many) for f, k in [(F8B, "8b"), (F70B, "70b-tp2"), (F70B, "70b-tp8")]}
+    assert [len(v) for v in w8a16.values()] == [5, 5, 5] and [len(v) for v in w8a8.values()] == [4, 4, 4]
+    assert (round(min(w8a16["8b"]), 2), round(max(w8a16["8b"]), 2)) == (0.79, 0.85)
+    assert (round(min(w8a8["8b"]), 2), round(max(w8a8["8b"]), 2)) == (0.66, 0.73)
+    assert (round(min(w8a8["70b-tp8"]), 2), round(max(w8a8["70b-tp8"]), 2)) == (0.46, 0.55)
+    for got, nominal, (low, high) in [
+        (w8a16, FP8_READ_W8A16, FP8_READ_W8A16_RANGE),
+        (w8a8, FP8_READ_W8A8, FP8_READ_W8A8_RANGE),
+    ]:
+        everything = [x for v in got.values() for x in v]
+        assert low <= round(min(everything), 2) and round(max(everything), 2) <= high
+        main = sorted(got["8b"] + got["70b-tp2"])
+        assert main[len(main) // 2 - 1] - 0.01 <= nominal <= main[len(main) // 2] + 0.01  # the middle
