@@ -27,7 +27,9 @@
 # OVERHEAD (1: run the offline bench throughput), INSTALL_WHEELS (auto: only when fastapi/uvicorn/quicktok do not
 # import), SPANLLM_GPU_OUT (results/gpu_run), timeouts SERVER_START_TIMEOUT (300), SWEEP_TIMEOUT (360),
 # LOW_TIMEOUT (200), THROUGHPUT_TIMEOUT (180), STOP_TIMEOUT (60), SERVE_FLAGS (extra flags for spanllm serve only,
-# e.g. --no-frontend-process: the HTTP front end in the engine's process, a thread).
+# e.g. --no-frontend-process: the HTTP front end in the engine's process, a thread; default
+# --no-enable-prefix-caching: every rate re-sends the same prompts to one server, so with caching on each rate after
+# the first is served from the cache the first filled -- results/h100/fp8_serve/ ran so, at 96% hits).
 # Peer knobs (PEER=hf): PEER_RATES (4,inf), PEER_NUM_PROMPTS (200: the first of $SAMPLES), PEER_CKPT (/tmp/hf_ckpt,
 # rebuilt each run), PEER_CKPT_FLAGS (--model $MODEL --dtype bf16 --device cuda), PEER_SERVE_FLAGS (--device cuda:0;
 # any transformers serve flag, e.g. --cb-max-batch-tokens N), timeouts PEER_BUILD_TIMEOUT (300), PEER_START_TIMEOUT
@@ -97,8 +99,9 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 SERVER_PID=""
 start_server() {  # $1 = port; the rest: extra flags
   local port=$1; shift
-  log "spanllm serve --model $MODEL --dtype $DTYPE --port $port $ENGINE_FLAGS ${SERVE_FLAGS:-} $*"
-  python3 -m spanllm.cli serve --model "$MODEL" --dtype "$DTYPE" --port "$port" $ENGINE_FLAGS ${SERVE_FLAGS:-} "$@" \
+  log "spanllm serve --model $MODEL --dtype $DTYPE --port $port $ENGINE_FLAGS ${SERVE_FLAGS---no-enable-prefix-caching} $*"
+  python3 -m spanllm.cli serve --model "$MODEL" --dtype "$DTYPE" --port "$port" $ENGINE_FLAGS \
+    ${SERVE_FLAGS---no-enable-prefix-caching} "$@" \
     >>"$OUT_DIR/serve.log" 2>&1 &
   SERVER_PID=$!
   wait_healthy "$port" server "$OUT_DIR/serve.log" "${SERVER_START_TIMEOUT:-300}" || return 1

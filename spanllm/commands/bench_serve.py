@@ -345,6 +345,10 @@ def run_benchmark(samples: Sequence, config: ServeBenchConfig, tokenizer=None, p
     return result
 
 
+# A sweep's later rate whose prompt tokens hit the prefix cache at least this often is flagged (run_sweep)
+WARM_CACHE_HIT_RATE = 0.5
+
+
 def run_sweep(
     samples: Sequence,
     config: ServeBenchConfig,
@@ -353,7 +357,8 @@ def run_sweep(
     on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One run per rate against the same server with the same requests (the arrival times re-drawn from the same
-    seed at each rate, as separate vLLM invocations would)."""
+    seed at each rate, as separate vLLM invocations would). A later rate served mostly from the prefix cache the
+    earlier rates filled carries `prefix_cache_warning`."""
     runs = []
     progress = _progress() if config.show_progress else None
     if progress is not None:
@@ -368,6 +373,15 @@ def run_sweep(
             r = run_benchmark(
                 samples, replace(config, request_rate=rate, request_id_prefix=prefix), tokenizer, progress
             )
+            hit = r.get("prefix_cache_hit_rate")
+            if k > 0 and hit is not None and hit >= WARM_CACHE_HIT_RATE:
+                # the same prompts again: the server answers them from the cache the earlier rates filled
+                r["prefix_cache_warning"] = (
+                    f"{100 * hit:.0f}% of this rate's prompt tokens hit the server's prefix cache, which the "
+                    f"sweep's earlier rates filled with the same {len(samples)} prompts: its TTFT and throughput are "
+                    "a warm cache's. For cold rates, run each against a fresh server or one started with "
+                    "--no-enable-prefix-caching"
+                )
             runs.append(r)
             if on_result:
                 on_result(r)
@@ -677,6 +691,8 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"Prefix cache hit rate: unknown ({r.get('prefix_cache_note', 'no prompt tokens counted')})")
+        if r.get("prefix_cache_warning"):
+            print(f"warning: rate {rate_label(r['request_rate'])}: {r['prefix_cache_warning']}", file=sys.stderr)
         if r["failed"]:
             errs = "; ".join(f"{n} x {e}" for e, n in list(r["error_counts"].items())[:10])
             print(f"warning: {r['failed']} of {r['num_prompts']} requests failed: {errs}", file=sys.stderr)

@@ -314,3 +314,21 @@ def test_cli_sweep_writes_nothing_without_result_dir(server, tmp_path, monkeypat
 def test_cli_numbers_are_checked(flags, words, capsys):
     rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags])
     assert rc == 2 and words in capsys.readouterr().err
+
+
+def test_sweep_flags_a_later_rate_served_from_the_cache_the_earlier_rates_filled(server, monkeypatch, capsys):
+    """The server's /metrics counters as a caching server would move them: the first rate's prompts miss, the second
+    rate's (the same prompts) hit 96% of their tokens. Only the second run is flagged, and the CLI's report says so."""
+    counters = iter([(0.0, 0.0), (100.0, 0.0), (100.0, 0.0), (200.0, 96.0)])
+
+    async def fake_counters(*args, **kwargs):
+        return next(counters)
+
+    monkeypatch.setattr(serve, "prefix_cache_counters", fake_counters)
+    cfg = ServeBenchConfig(base_url=server.url, ignore_eos=True, show_progress=False)
+    runs = serve.run_sweep(make_samples()[:4], cfg, [50.0, math.inf])
+    assert [r["prefix_cache_hit_rate"] for r in runs] == [0.0, 0.96]
+    assert "prefix_cache_warning" not in runs[0]
+    assert runs[1]["prefix_cache_warning"].startswith("96% of this rate's prompt tokens hit the server's prefix cache")
+    assert "the same 4 prompts" in runs[1]["prefix_cache_warning"]
+    assert "--no-enable-prefix-caching" in runs[1]["prefix_cache_warning"]
