@@ -66,9 +66,15 @@ def load_samples(path: str) -> SampleSet:
 
 def load_first_samples(path: str, num_prompts: int | None) -> SampleSet:
     """The first num_prompts saved requests (all of them for None or <= 0): what `--samples-file` with
-    `--num-prompts` means to every bench command. An empty file is a UsageError."""
+    `--num-prompts` means to every bench command. An empty file, or num_prompts above the file's count (the run
+    would send fewer than asked), is a UsageError."""
     saved = load_samples(path)
-    n = min(num_prompts, len(saved)) if num_prompts is not None and num_prompts > 0 else len(saved)
-    if n < 1:
+    if len(saved) < 1:
         raise UsageError(f"--samples-file {path!r} holds no requests")
+    if num_prompts is not None and num_prompts > len(saved):
+        raise UsageError(
+            f"--num-prompts {num_prompts}: --samples-file {path} holds {len(saved)} requests; give at most "
+            f"{len(saved)} or leave --num-prompts out"
+        )
+    n = num_prompts if num_prompts is not None and num_prompts > 0 else len(saved)
     return SampleSet(saved.requests[:n], {**saved.info, "num_requests": n, "samples_file_requests": len(saved)})

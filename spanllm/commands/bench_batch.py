@@ -108,7 +108,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--breakdown-steps",
         type=int,
         default=None,
-        help="decode steps of the eager per-op timing pass (per-step averages; default 32)",
+        help="decode steps of the eager per-op timing pass (per-step averages; at most decode length - 1; default: "
+        "32, or decode length - 1 if less)",
     )
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--plot", default=None, help="write a PNG of where decode time goes")
@@ -170,6 +171,18 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         )
     breakdown_steps = 32 if args.breakdown_steps is None else args.breakdown_steps
     checks.at_least("--breakdown-steps", breakdown_steps, 1)
+    if args.breakdown_steps is not None and args.breakdown_steps > decode_len - 1:
+        # the pass times the decode steps after the first token: the default is capped there, a given value refused
+        length = "--decode-len" if args.decode_len is not None else f"decode length ({args.workload}: {decode_len})"
+        if decode_len == 1:
+            raise UsageError(
+                f"--breakdown-steps {args.breakdown_steps}: --decode-len 1 leaves no decode step after the first "
+                "token, so no per-op timing pass runs; raise --decode-len or drop --breakdown-steps"
+            )
+        raise UsageError(
+            f"--breakdown-steps {args.breakdown_steps}: at most {length} - 1 = {decode_len - 1} (the decode steps "
+            f"after the first token); give at most {decode_len - 1}, raise --decode-len, or leave --breakdown-steps out"
+        )
     checks.at_least("--iters", args.iters, 1, " (timed runs per row)")
     checks.at_least("--warmup", args.warmup, 0, " (untimed runs per row; 0 = none)")
     world = checks.world_size(args.nprocs)
@@ -181,6 +194,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     allreduce = _csv(args.allreduce, str, "--allreduce")
     checks.allreduce_names(allreduce, device, world=world)
     checks.tuning(args.tuning)
+    checks.output_file("--json", args.json)
+    checks.png_file("--plot", args.plot)
     if args.plot:
         _check_matplotlib()
     return BenchSettings(
@@ -502,7 +517,7 @@ def plot_breakdown(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure("--json", path, fig, dpi=120)
+    save_figure("--plot", path, fig, dpi=120)
     plt.close(fig)
 
 

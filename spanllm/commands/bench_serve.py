@@ -449,7 +449,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples-file",
         default=None,
         help="requests saved by `bench throughput --save-samples` instead of sampling (the first "
-        "--num-prompts of them; all when --num-prompts is larger); no dataset needed",
+        "--num-prompts of them, at most the file's count; all without it); no dataset needed",
     )
     r = parser.add_argument_group("results")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl", help=f"comma-separated, from {','.join(METRICS)}")

@@ -140,15 +140,32 @@ def check_layouts(s: BenchSettings, args: argparse.Namespace) -> None:
     if not valid:
         raise UsageError(f"no layout of {world} ranks can run {cfg.label}: {'; '.join(skipped)}")
     wanted = pp_filter(args.pp)
+    listed = ", ".join(str(d) for d in valid)
     if wanted is not None and not any(d.pp in wanted for d in valid):
-        raise UsageError(
-            f"--pp {args.pp}: no valid layout of {world} ranks has that pipeline degree; valid: "
-            f"{', '.join(str(d) for d in valid)}"
-        )
+        raise UsageError(f"--pp {args.pp}: no valid layout of {world} ranks has that pipeline degree; valid: {listed}")
+    for pp in sorted(wanted or ()):
+        if world % pp:
+            raise UsageError(f"--pp {pp}: does not divide the {world} ranks; valid layouts: {listed} (drop {pp})")
+        if pp not in {d.pp for d in valid}:
+            why = next(line for line in skipped if line.startswith(f"{ParallelDims(world // pp, pp, world)}: "))
+            raise UsageError(f"--pp {pp}: layout {why}; valid layouts: {listed} (drop {pp})")
+    runs = [d for d in valid if wanted is None or d.pp in wanted]
     for d in valid:
         counts = micro_batch_counts(args.micro_batches, d.pp)
-        if wanted is None or d.pp in wanted:
+        if d in runs:
             check_micro_batches(counts, s.batch_sizes, repr(args.micro_batches))
+    # counts above 1 shape pipelined layouts only (one without a pipeline runs one micro-batch)
+    above_one = [t.strip() for t in args.micro_batches.split(",") if t.strip() != "pp" and int(t) > 1]
+    if above_one and all(d.pp == 1 for d in runs):
+        fix = (
+            f"add a pipeline degree to --pp (e.g. --pp {args.pp},{max(d.pp for d in valid)})"
+            if any(d.pp > 1 for d in valid)
+            else "run more ranks (--nprocs) for a pipelined layout"
+        )
+        raise UsageError(
+            f"--micro-batches {','.join(above_one)}: applies to pipeline layouts (pp > 1), and this study runs none "
+            f"({', '.join(str(d) for d in runs)}); {fix}, or drop --micro-batches"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -182,6 +183,7 @@ def check_args(args: argparse.Namespace):
     if not args.serve:
         for flag in ("--batch", "--prompt", "--decode"):
             _positive_int(flag, getattr(args, flag[2:]), 1, 10**7)
+        _fits_context(model, "--prompt + --decode", args.prompt, args.decode)
         return model, cluster
     gpus_all = args.nodes * cluster.gpus_per_node
     if args.gpus is not None:
@@ -215,9 +217,22 @@ def check_args(args: argparse.Namespace):
             p = o = 0
         if p < 1 or o < 1:
             raise UsageError(f"--lengths {args.lengths!r}: expected PROMPT:OUTPUT, two integers >= 1, e.g. 1024:128")
+        _fits_context(model, f"--lengths {args.lengths}", p, o)
     elif not Path(args.samples_file).is_file():
         raise UsageError(f"--samples-file {str(args.samples_file)!r}: no such file")
     return model, cluster
+
+
+def _fits_context(model, what: str, prompt: int, output: int, fix: str = "") -> None:
+    """A sequence of prompt + output tokens within the model's context (max_position_embeddings), as the engine
+    admits it."""
+    limit = model.max_position_embeddings
+    if prompt + output > limit:
+        raise UsageError(
+            f"{what}: {prompt} + {output} = {prompt + output} tokens exceed the {limit}-token context of "
+            f"{model.label} (max_position_embeddings), which the engine would refuse; "
+            + (fix or f"give at most {limit} in all")
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,14 +266,18 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
     }
     b = best(rows)
     doc["best"] = row_to_dict(b, cluster) if b else None
-    if args.json is not None and str(args.json) == "-":
-        print(json.dumps(doc, indent=2))
-        return 0 if b else 1
-    table = Table(
-        title=f"{model.name} ({quant.name}) on {args.nodes} x {cluster.name} "
+    title = (
+        f"{model.name} ({quant.name}) on {args.nodes} x {cluster.name} "
         f"({cluster.gpus_per_node} x {cluster.gpu}), batch {workload.batch}, prompt {workload.prompt_len}, "
         f"decode {workload.decode_len}"
     )
+    if args.json is not None and str(args.json) == "-":
+        print(json.dumps(doc, indent=2))
+        if args.plot is not None:  # stdout holds the JSON: the note goes to stderr
+            plot_rows(rows, args.plot, title)
+            print(f"wrote {args.plot}", file=sys.stderr)
+        return 0 if b else 1
+    table = Table(title=title)
     ranged = any(r.e2e_range for r in rows)
     cols = [
         "#",
@@ -347,7 +366,7 @@ def run_static(args: argparse.Namespace, model, cluster) -> int:
         write_json("--json", args.json, doc, indent=2)
         console.print(f"wrote {args.json}")
     if args.plot is not None:
-        plot_rows(rows, args.plot, table.title)
+        plot_rows(rows, args.plot, title)
         console.print(f"wrote {args.plot}")
     return 0 if b else 1
 
@@ -400,8 +419,9 @@ def plot_rows(rows: list[PlanRow], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def serve_requests(args: argparse.Namespace) -> list:
-    """The trace: the samples file's (or --lengths') requests at the arrival times `bench serve` would send."""
+def serve_requests(args: argparse.Namespace, model) -> list:
+    """The trace: the samples file's (or --lengths') requests at the arrival times `bench serve` would send; a saved
+    request past the model's context is refused (--lengths is checked in check_args)."""
     from spanllm.bench.sample_file import load_samples
     from spanllm.bench.serve_metrics import arrival_offsets_s
     from spanllm.perf.serving import ServeRequest
@@ -414,6 +434,8 @@ def serve_requests(args: argparse.Namespace) -> list:
             lengths = [(r.prompt_len, r.output_len) for r in load_samples(str(args.samples_file)).requests]
         except ValueError as e:
             raise UsageError(str(e)) from None
+        for i, (p, o) in enumerate(lengths):
+            _fits_context(model, f"--samples-file {args.samples_file}: request {i}", p, o, "drop it from the file")
     arrivals = arrival_offsets_s(len(lengths), args.request_rate, args.burstiness, args.seed)
     return [ServeRequest(p, o, a) for (p, o), a in zip(lengths, arrivals)]
 
@@ -425,7 +447,7 @@ def run_serve(args: argparse.Namespace, model, cluster) -> int:
     from spanllm.perf.serving import EngineLimits, Slo, plan_serve, row_to_dict
     from spanllm.perf.step_cost import STEP_COST_RANGES
 
-    requests = serve_requests(args)
+    requests = serve_requests(args, model)
     gpus = args.gpus or args.nodes * cluster.gpus_per_node
     limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens, min_admit=args.min_admit)
     slo = Slo(args.slo_tpot_ms, args.slo_ttft_ms)

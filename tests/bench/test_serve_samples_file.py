@@ -71,32 +71,40 @@ def test_sweep_from_samples_file(server, tmp_path, monkeypatch, capsys):
     assert (out / "sw.png").exists()
 
 
-def test_num_prompts_larger_than_file_takes_all(tmp_path):
+def test_num_prompts_larger_than_file_is_refused(tmp_path):
+    """More requests asked than the file holds: refused, in both commands (it once sent the 3 without a word)."""
+    from spanllm.commands.bench_throughput import requests_from_args
+    from spanllm.errors import UsageError
+
     samples = tmp_path / "s.json"
     _saved(samples, 3)
-    args = type("A", (), {"samples_file": str(samples), "num_prompts": 1000})()
-    got = serve.samples_from_args(args, None)
-    assert len(got) == 3 and got.info["num_requests"] == 3
+    args = type("A", (), {"samples_file": str(samples), "num_prompts": 1000, "save_samples": None})()
+    want = f"--num-prompts 1000: --samples-file {samples} holds 3 requests; give at most 3 or leave --num-prompts out"
+    for read in (serve.samples_from_args, requests_from_args):
+        with pytest.raises(UsageError) as e:
+            read(args, None)
+        assert str(e.value) == want
 
 
 def test_bench_throughput_and_serve_take_the_same_first_requests(tmp_path):
     """Both commands read --samples-file through load_first_samples: the first --num-prompts requests (all for
-    None), the file's size in the info; an empty file refused."""
+    None), the file's size in the info; an empty file refused, also with --num-prompts."""
     from spanllm.bench.sample_file import load_first_samples
     from spanllm.commands.bench_throughput import requests_from_args
     from spanllm.errors import UsageError
 
     samples = tmp_path / "s.json"
     reqs = _saved(samples, 5)
-    for n, want in [(2, 2), (None, 5), (9, 5)]:
+    for n, want in [(2, 2), (None, 5), (5, 5)]:
         args = type("A", (), {"samples_file": str(samples), "num_prompts": n, "save_samples": None})()
         a, b = serve.samples_from_args(args, None), requests_from_args(args, None)
         assert [r.prompt for r in a] == [r.prompt for r in b] == [q.prompt for q in reqs[:want]]
         assert a.info == b.info and a.info["num_requests"] == want and a.info["samples_file_requests"] == 5
     empty = tmp_path / "e.json"
     save_samples(SampleSet([], {}), str(empty))
-    with pytest.raises(UsageError, match="holds no requests"):
-        load_first_samples(str(empty), None)
+    for n in (None, 3):
+        with pytest.raises(UsageError, match="holds no requests"):
+            load_first_samples(str(empty), n)
 
 
 def test_bad_samples_file_is_usage_error(server, tmp_path, monkeypatch, capsys):

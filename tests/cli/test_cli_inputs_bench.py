@@ -12,6 +12,8 @@ from cli_output import one_error_line
 import spanllm.bench.serve_client
 import spanllm.commands.bench_serve
 import spanllm.commands.bench_throughput
+from spanllm.bench.datasets import SampleRequest, SampleSet
+from spanllm.bench.sample_file import save_samples
 from spanllm.cli import main
 
 TP = ["bench", "throughput", "--model", "tiny"]
@@ -39,6 +41,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "turns.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, 7]}]))
     (tmp_path / "adir").mkdir()
+    save_samples(SampleSet([SampleRequest(f"w {i}", 2, 2) for i in range(4)], {}), str(tmp_path / "s4.json"))
     return tmp_path
 
 
@@ -56,6 +59,17 @@ CASES = [
     (TP + ["--samples-file", "/nonexist"], "--samples-file '/nonexist' is not a saved sample (FileNotFoundError"),
     (TP + ["--samples-file", "list.json"], "--samples-file 'list.json' is not a saved sample (TypeError"),
     (TP + ["--samples-file", "adir"], "--samples-file 'adir' is a folder"),
+    (
+        TP + ["--samples-file", "s4.json", "--num-prompts", "10", "--dry-run"],
+        "spanllm: error: --num-prompts 10: --samples-file s4.json holds 4 requests; give at most 4 or leave "
+        "--num-prompts out",
+    ),
+    (TP + ["--samples-file", "s4.json", "--num-prompts", "5"], "--num-prompts 5: --samples-file s4.json holds 4"),
+    (
+        SERVE + ["--model", "tiny", "--samples-file", "s4.json", "--num-prompts", "10"],
+        "spanllm: error: --num-prompts 10: --samples-file s4.json holds 4 requests; give at most 4 or leave "
+        "--num-prompts out",
+    ),
     # 3. bench serve: --extra-body a JSON object, --metric-percentiles numbers in (0, 100]
     (SERVE + ["--extra-body", "[1]"], "--extra-body '[1]': a JSON list, merged into a request body it must be an"),
     (SERVE + ["--extra-body", "{x"], "--extra-body '{x': not JSON"),
@@ -142,3 +156,6 @@ def test_dry_run_samples_file_honours_num_prompts(files, capsys):
     assert main(argv + ["--save-samples", str(saved)]) == 0
     assert main(TP + ["--dry-run", "--samples-file", str(saved), "--num-prompts", "3"]) == 0
     assert "3 requests: mean prompt" in capsys.readouterr().out
+    for n in (["--num-prompts", "4"], []):  # the file's count, or left out: every request
+        assert main(TP + ["--dry-run", "--samples-file", str(saved), *n]) == 0
+        assert "4 requests: mean prompt" in capsys.readouterr().out

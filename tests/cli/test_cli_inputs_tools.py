@@ -24,6 +24,7 @@ from spanllm.cli import main
 from spanllm.commands.demo import table_sizes
 from spanllm.errors import SpanllmError
 from spanllm.output_files import write_result
+from spanllm.perf.model_shape import get_model
 
 AR = ["bench", "allreduce", "--nprocs", "2"]
 TUNE = ["tune", "--out", "t.json"]
@@ -31,6 +32,7 @@ HOST = ["bench", "host"]
 PLAN = ["plan", "--model", "llama3.1-8b", "--cluster", "h200x2", "--nodes", "1"]
 SERVE = PLAN + ["--serve", "--lengths", "8:8"]
 VALIDATE = ["perf", "validate", "--results", "res"]
+CONTEXT = get_model("llama3.1-8b").max_position_embeddings  # the model config's, 131,072 for Llama 3.1
 
 
 class _Worked(Exception):
@@ -105,6 +107,18 @@ CASES = [
     (SERVE + ["--no-cuda-graphs"], "--no-cuda-graphs: prices the static batch"),
     (SERVE + ["--plot", "p2.png"], "--plot p2.png: draws the static batch's rows (serving has no plot)"),
     (SERVE + ["--samples-file", "bad.json"], "--samples-file 'bad.json' and --lengths '8:8' are exclusive"),
+    # plan: sequences past the model's context
+    (
+        PLAN + ["--prompt", "1000000", "--decode", "5", "--batch", "1"],
+        f"--prompt + --decode: 1000000 + 5 = 1000005 tokens exceed the {CONTEXT}-token context of llama3.1-8b "
+        f"(max_position_embeddings), which the engine would refuse; give at most {CONTEXT} in all",
+    ),
+    (PLAN + ["--prompt", str(CONTEXT)], f"--prompt + --decode: {CONTEXT} + 256 = {CONTEXT + 256} tokens exceed"),
+    (
+        PLAN + ["--serve", "--lengths", "200000:5", "--num-requests", "2"],
+        f"--lengths 200000:5: 200000 + 5 = 200005 tokens exceed the {CONTEXT}-token context of llama3.1-8b",
+    ),
+    (PLAN + ["--serve", "--lengths", f"{CONTEXT}:1"], f"--lengths {CONTEXT}:1: {CONTEXT} + 1 = {CONTEXT + 1} tokens"),
     # 5. bench host
     (HOST + ["--question-len", "5"], "--question-len 5: the tokens after a family's shared prefix, and without"),
     (HOST + ["--families", "2", "--prompt-len", "100"], "--question-len 128 (the default): must be in [1, --prompt"),
@@ -134,12 +148,38 @@ def test_bad_input_is_one_line_exit_2(no_work, files, capsys, argv, needle):
         HOST + ["--families", "2", "--question-len", "5"],
         PLAN + ["--batch", "7", "--no-cuda-graphs", "--plot", "p.png", "--json", "p.json"],
         SERVE + ["--max-num-seqs", "8", "--json", "-"],
+        PLAN + ["--prompt", str(CONTEXT - 256)],
+        PLAN + ["--serve", "--lengths", f"{CONTEXT - 1}:1"],
         VALIDATE + ["--out", "v.json", "--plot", "p.png"],
     ],
 )
 def test_good_input_reaches_the_work(no_work, files, argv):
     with pytest.raises(_Worked):
         main(argv)
+
+
+def test_plan_json_to_stdout_still_draws_the_plot(files, capsys):
+    """`--json - --plot P`: the JSON on stdout and the PNG drawn (it was once left out without a word)."""
+    argv = PLAN + ["--batch", "4", "--prompt", "256", "--decode", "32", "--json", "-", "--plot", "p.png"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["rows"] and out.err.strip() == "wrote p.png"
+    assert (files / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_serve_refuses_a_saved_request_past_the_context(files, capsys, monkeypatch):
+    import spanllm.perf.serving
+
+    monkeypatch.setattr(spanllm.perf.serving, "plan_serve", lambda *a, **k: pytest.fail("priced a bad trace"))
+    doc = {"requests": [{"prompt": "a", "prompt_len": 10, "output_len": 2}]}
+    doc["requests"].append({"prompt": "b", "prompt_len": CONTEXT, "output_len": 3})
+    (files / "long.json").write_text(json.dumps(doc))
+    assert main(PLAN + ["--serve", "--samples-file", "long.json"]) == 2
+    assert one_error_line(capsys) == (
+        f"spanllm: error: --samples-file long.json: request 1: {CONTEXT} + 3 = {CONTEXT + 3} tokens exceed the "
+        f"{CONTEXT}-token context of llama3.1-8b (max_position_embeddings), which the engine would refuse; drop it "
+        "from the file"
+    )
 
 
 def test_write_json_to_a_folder_keeps_the_result_elsewhere_and_leaves_no_tmp_file(tmp_path):
