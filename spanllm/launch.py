@@ -297,9 +297,9 @@ def _first_error(
             except (OSError, ValueError):
                 pass
 
-    def from_record(e: dict, message: str | None = None) -> RankError:
+    def from_record(e: dict, message: str | None = None, known: bool | None = None) -> RankError:
         code = e["exit_code"]
-        known = code is not None
+        known = code is not None if known is None else known
         if message is None:
             message = (
                 f"rank {e['rank']}: {e['message']}" if known else f"rank {e['rank']} raised {e['type']}: {e['message']}"
@@ -309,7 +309,7 @@ def _first_error(
             rank=e["rank"],
             type_name=e["type"],
             traceback=e["traceback"],
-            exit_code=code if known else 1,
+            exit_code=1 if code is None else code,
             known=known,
         )
 
@@ -345,7 +345,7 @@ def _first_error(
                 f"ranks {', '.join(map(str, waiting))} timed out after {timeout_s:g} s in a collective "
                 f"({timed_out['message'][:200]}); a rank did not make the same collective call, or {fix}"
             )
-        return from_record(timed_out, message)
+        return from_record(timed_out, message, known=True)  # the message says it all: no traceback without --debug
     other = earliest("interrupt") or earliest("peer")
     if other is not None:
         return from_record(other, f"rank {other['rank']} raised {other['type']}: {other['message']}")

@@ -130,6 +130,14 @@ def test_timeout_names_the_ranks_still_running(tmp_path):
     assert str(err).startswith(
         "rank 1 (sleeping), rank 3 (stopped) stopped answering: ranks 0, 2 timed out after 5 s waiting in a collective"
     )
+    # the message says it all: a known error (the CLI shows the rank's traceback only with --debug), exit code 1
+    assert (err.known, err.exit_code, err.traceback) == (True, 1, "tb")
+
+
+def test_a_timeout_alone_is_a_known_error(tmp_path):
+    err = _first(tmp_path, [_rec(1, 1.0, "timeout", message="Timed out waiting 1ms for send")], exits={1: (1, 1)})
+    assert str(err).startswith("ranks 1 timed out after 5 s in a collective (Timed out waiting 1ms for send)")
+    assert (err.rank, err.known, err.exit_code) == (1, True, 1)
 
 
 # --- workers die with the parent; the folder goes ----------------------------------------------------------

@@ -192,12 +192,12 @@ async def run_conversations(conversations: list[Conversation], cfg: MultiTurnCon
                         return  # the rest of this conversation would resend a history without this answer
                     history.append((user, out.generated_text))
 
-        cache0 = await prefix_cache_counters(session, cfg.base_url)
+        cache0 = await prefix_cache_counters(session, cfg.base_url, cfg.request_timeout_s)
         offsets = arrival_offsets_s(len(conversations), cfg.request_rate, 1.0, cfg.seed)
         start = time.perf_counter()
         await asyncio.gather(*(one(c, o, start) for c, o in zip(conversations, offsets)))
         duration = time.perf_counter() - start
-        cache1 = await prefix_cache_counters(session, cfg.base_url)
+        cache1 = await prefix_cache_counters(session, cfg.base_url, cfg.request_timeout_s)
     return {
         **summarize(records, duration),
         **prefix_cache_result(cache0, cache1),

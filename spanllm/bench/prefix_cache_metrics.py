@@ -30,13 +30,14 @@ def parse_prefix_cache_counters(text: str) -> tuple[float, float] | str:
     return found["prefix_cache_queries_total"], found["prefix_cache_hits_total"]
 
 
-async def prefix_cache_counters(session, base_url: str) -> tuple[float, float] | str:
-    """GET {base_url}/metrics and parse the prefix-cache counters; a string naming the failure otherwise."""
+async def prefix_cache_counters(session, base_url: str, timeout_s: float = 30.0) -> tuple[float, float] | str:
+    """GET {base_url}/metrics (given up after timeout_s: the command's --request-timeout) and parse the prefix-cache
+    counters; a string naming the failure otherwise."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/metrics"
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as r:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status != 200:
                 return f"GET {url} answered {r.status}"
             return parse_prefix_cache_counters(await r.text())

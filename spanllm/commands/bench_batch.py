@@ -402,7 +402,7 @@ def run_layout(
     if dims.tp == 1:
         names = ("none",)  # no tensor parallelism: nothing to all-reduce
     try:
-        described = llm.describe()  # on every rank: it may build the worker, a collective step
+        described = llm.describe(fixed_batch=True)  # on every rank: it may build the worker, a collective step
         if ctx.is_main:
             log(f"{described} | built in {init_s:.1f} s")
         for name in names:

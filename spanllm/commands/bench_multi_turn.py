@@ -24,7 +24,7 @@ TRAFFIC_OPTIONS = (
     ("request_rate", float, math.inf, "conversation starts per second (Poisson; inf: all at once)"),
     ("max_active_conversations", int, 32, "conversations in flight at once, at most"),
     ("max_context_len", int, 8192, "a conversation stops before passing it"),
-    ("request_timeout", float, 600.0, "seconds before a request is given up"),
+    ("request_timeout", float, 600.0, "seconds before a request (or a read of /v1/models, /metrics) is given up"),
 )
 TRAFFIC_DEFAULTS = {dest: default for dest, _, default, _ in TRAFFIC_OPTIONS}
 
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             import aiohttp
 
             async with aiohttp.ClientSession(trust_env=True) as s:
-                return await first_model(s, base_url.rstrip("/"))
+                return await first_model(s, base_url.rstrip("/"), args.request_timeout)
 
         model = asyncio.run(_first())
     cfg = MultiTurnConfig(

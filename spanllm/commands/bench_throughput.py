@@ -15,6 +15,8 @@ bucket, on a GPU a prompt of two full chunks), so no first-call cost lands insid
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
@@ -25,15 +27,25 @@ from spanllm.commands.dataset_args import (
     add_dataset_arguments,
     check_dataset_arguments,
     get_samples,
+    length_flags,
+    num_requests_of,
     resolve_dataset_source,
 )
-from spanllm.commands.engine_args import add_engine_arguments, add_model_arguments, build_llm, check_engine_arguments
+from spanllm.commands.engine_args import (
+    add_engine_arguments,
+    add_model_arguments,
+    build_llm,
+    check_engine_arguments,
+    resolve_dtype,
+)
 from spanllm.engine import cuda_allocator
 from spanllm.engine.warmup import warm_up, warm_up_worker
+from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch
 from spanllm.output_files import write_json
 
 USES_COLLECTIVES = True  # its ranks join a process group (spanllm.launch): --pg-timeout applies
+LONG_SAMPLE_REQUESTS = 100_000  # from this many requests on, sampling says on stderr that it runs (it takes a while)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +75,10 @@ def machine_info(device: torch.device) -> dict:
     return {**report.machine_info(), "device": str(device), "versions": versions}
 
 
-def _rank(ctx: DistContext, args: argparse.Namespace) -> dict | None:
+def _rank(ctx: DistContext, args: argparse.Namespace, samples, tokenizer) -> dict | None:
+    """`samples`: the requests run() sampled and checked with `tokenizer` (the model's), before any rank started."""
     from spanllm.engine.sampler import SamplingParams
 
-    samples, tokenizer = None, None
-    if ctx.rank == 0:  # the requests before the model: a dataset that cannot be read costs no model load
-        tokenizer = model_tokenizer(args.model)
-        samples = requests_from_args(args, tokenizer)
     llm = build_llm(ctx, args)
     llm.get_tokenizer(tokenizer)
     try:
@@ -164,9 +173,82 @@ def requests_from_args(args: argparse.Namespace, tokenizer):
         samples = load_first_samples(args.samples_file, args.num_prompts)
     else:
         samples = get_samples(args, tokenizer)
-    if args.save_samples:
+        if tokenizer is not None:  # a samples file names its tokenizer (check_requests compares it)
+            samples.info["tokenizer"] = tokenizer.name
+    if args.save_samples and int(os.environ.get("RANK", "0")) == 0:
         save_samples(samples, args.save_samples)
     return samples
+
+
+def _length_flags(args: argparse.Namespace) -> str:
+    return f"--samples-file {args.samples_file}" if args.samples_file else length_flags(args)
+
+
+def check_kv_pool_fits(args: argparse.Namespace, cfg) -> None:
+    """--num-kv-blocks on CPU ranks against this machine's memory, by the rank's own rule (kv_cache.size_pool), before
+    the sampling and the model; a GPU's free memory is the rank's to read."""
+    from spanllm import checks
+    from spanllm.engine.config import FP8_KV_CACHE_DTYPES
+    from spanllm.engine.worker.kv_cache import bytes_per_block, size_pool
+
+    world = checks.world_size(args.nprocs)
+    if args.num_kv_blocks is None or checks.device_type(world) != "cpu":
+        return
+    cpu = torch.device("cpu")
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES else resolve_dtype(args.dtype, cpu)
+    kv_heads = max(cfg.num_kv_heads // (args.tp or world), 1)  # a TP rank's KV heads (replicated past them)
+    per_block = bytes_per_block(cfg.num_layers, args.block_size, kv_heads, cfg.head_dim, kv_dtype)
+    size_pool(
+        device=cpu,
+        per_block=per_block,
+        block_size=args.block_size,
+        gpu_memory_utilization=0.0,
+        cpu_kv_cache_bytes=0,
+        reserve_bytes=0,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+
+
+def check_requests(samples, tokenizer, cfg, args: argparse.Namespace) -> None:
+    """The sampled requests against the engine's limits, before any rank starts: each prompt as the engine
+    tokenizes it (its text) + its output within the context (--max-model-len) and the KV pool (--num-kv-blocks);
+    a samples file's saved prompt_len against that count (another tokenizer made it otherwise)."""
+    from spanllm import checks
+    from spanllm.bench.datasets import _num_special_tokens, count_tokens
+
+    reqs = samples.requests
+    if not args.samples_file:  # ShareGPT's oversampled requests repeat its first unique_requests
+        reqs = reqs[: samples.info.get("unique_requests", len(reqs))]
+    # prompt_len: the random-token datasets (their ids kept) count the prompt without the special tokens
+    n_special = _num_special_tokens(tokenizer)
+    lens = [r.prompt_len + (n_special if r.prompt_token_ids else 0) for r in reqs]
+    if args.samples_file:
+        saved_lens, lens = lens, count_tokens(tokenizer, [r.prompt for r in reqs])
+        bad = [i for i, (n, w) in enumerate(zip(lens, saved_lens)) if n != w]
+        if bad:
+            i = bad[0]
+            saved = samples.info.get("tokenizer")
+            raise UsageError(
+                f"--samples-file {args.samples_file}: its prompts were counted by another tokenizer"
+                f"{f' ({saved!r})' if saved else ''}: request {i} was saved as {reqs[i].prompt_len} tokens, and "
+                f"--model {args.model}'s tokenizer ({tokenizer.name!r}) makes {lens[i]} of it ({len(bad)} of "
+                f"{len(reqs)} requests differ; mean prompt {samples.mean_prompt_len:.1f} saved, "
+                f"{sum(lens) / len(lens):.1f} here); run the model it was sampled for, or sample again for this one "
+                "(--save-samples)"
+            )
+    totals = [n + r.output_len for n, r in zip(lens, reqs)]
+    i = max(range(len(totals)), key=totals.__getitem__)
+    what = f"the longest request of the sample, #{i} ({_length_flags(args)})"
+    checks.sequence_fits(lens[i], reqs[i].output_len, cfg, args.max_model_len, what)
+    if args.num_kv_blocks is not None:
+        capacity = (args.num_kv_blocks - 1) * args.block_size
+        if totals[i] > capacity:
+            need = 1 + -(-totals[i] // args.block_size)
+            raise UsageError(
+                f"--num-kv-blocks {args.num_kv_blocks}: the KV pool holds {capacity} tokens (block 0 is reserved, "
+                f"--block-size {args.block_size}), and {what}, needs {totals[i]} ({lens[i]} prompt + "
+                f"{reqs[i].output_len} output); give --num-kv-blocks {need} or more, or shorter requests"
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,25 +257,36 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.bench.sample_file import load_first_samples
 
     resolve_dataset_source(args)
-    check_engine_arguments(args)
+    cfg = check_engine_arguments(args)
     checks.at_least("--num-prompts", args.num_prompts, 1)
     checks.output_file("--json", args.json)
     checks.output_file("--save-samples", args.save_samples)
     checks.no_result_in_dry_run(
         args.dry_run, args.json, "starts no engine", "--save-samples writes the sampled requests"
     )
+    check_kv_pool_fits(args, cfg)
     if args.samples_file:
-        load_first_samples(args.samples_file, args.num_prompts)  # refused here, before any rank starts
+        load_first_samples(args.samples_file, args.num_prompts)  # refused here, before the tokenizer loads
     else:
-        check_dataset_arguments(args)
+        check_dataset_arguments(args, cfg)
+    # the requests before any rank starts: a dataset that cannot be read, or requests the engine would refuse,
+    # cost no model load (on every rank under a launcher: each decides alike)
+    tokenizer = model_tokenizer(args.model)
+    n = None if args.samples_file else num_requests_of(args)
+    if n is not None and n >= LONG_SAMPLE_REQUESTS:
+        print(f"sampling {n} {args.dataset_name} requests before the engine starts ...", file=sys.stderr)
+    t0 = time.perf_counter()
+    samples = requests_from_args(args, tokenizer)
+    if n is not None and n >= LONG_SAMPLE_REQUESTS:
+        print(f"sampled {len(samples)} requests in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    check_requests(samples, tokenizer, cfg, args)
     if args.dry_run:
-        s = requests_from_args(args, model_tokenizer(args.model))
         print(
-            f"{len(s)} requests: mean prompt {s.mean_prompt_len:.1f}, mean output {s.mean_output_len:.1f} tokens"
-            + (f"; wrote {args.save_samples}" if args.save_samples else "")
+            f"{len(samples)} requests: mean prompt {samples.mean_prompt_len:.1f}, mean output "
+            f"{samples.mean_output_len:.1f} tokens" + (f"; wrote {args.save_samples}" if args.save_samples else "")
         )
         return 0
-    results = launch(_rank, args, nprocs=args.nprocs)
+    results = launch(_rank, args, samples, tokenizer, nprocs=args.nprocs)
     r = results[0]
     if r is None:
         return finish(0)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from spanllm import checks
@@ -141,10 +142,11 @@ def resolve_dataset_source(args: argparse.Namespace) -> None:
     _dataset_name(args)
 
 
-def check_dataset_arguments(args: argparse.Namespace) -> None:
+def check_dataset_arguments(args: argparse.Namespace, cfg=None) -> None:
     """The dataset flags on their own, before any work: every option given belongs to --dataset-name, an alias
-    and its option agree, each value is in its range, --dataset-path is a file. (The tokenizer-dependent rules
-    wait for the sampling.)"""
+    and its option agree, each value is in its range, --dataset-path is a file, the requests fit in this host's
+    memory; given the model's ModelConfig (a command that runs it), the lengths asked fit its context
+    (--max-model-len). (The tokenizer-dependent rules wait for the sampling.)"""
     name = _dataset_name(args)
     for other, opts in DATASET_OPTIONS.items():
         for dest in opts:
@@ -215,6 +217,86 @@ def check_dataset_arguments(args: argparse.Namespace) -> None:
                 f"--num-prompts {n} is below --prefix-repetition-num-prefixes {k}: every prefix needs a request; "
                 "raise --num-prompts or lower the number of prefixes"
             )
+    shortest = _shortest_request(args, name)
+    if cfg is not None and shortest is not None:
+        prompt, output, what = shortest
+        if name == "random" and option(args, "random_range_ratio"):
+            what += " (its shortest requests)"
+        checks.sequence_fits(prompt, output, cfg, getattr(args, "max_model_len", None), what)
+    _check_sample_memory(args, name, shortest[0] if shortest else 0)
+
+
+def _given(args: argparse.Namespace, dest: str) -> str:
+    """`--flag value` of a dataset option as the user set it (through its alias, if that was given)."""
+    for alias, targets in ALIASES.items():
+        if dest in targets and getattr(args, alias, None) is not None:
+            return f"{_flag(alias)} {getattr(args, alias)}"
+    return f"{_flag(dest)} {option(args, dest)}"
+
+
+def _shortest_request(args: argparse.Namespace, name: str) -> tuple[int, int, str] | None:
+    """(prompt tokens, output tokens, the flags that set them) of the shortest request the flags ask for, by their
+    nominal lengths; None where the data sets them (sharegpt without an output length)."""
+    if name == "random":
+        r = option(args, "random_range_ratio")
+        prompt = option(args, "random_prefix_len") + math.floor(option(args, "random_input_len") * (1 - r))
+        output = max(math.floor(option(args, "random_output_len") * (1 - r)), 1)
+        prefix = f"{_given(args, 'random_prefix_len')} + " if option(args, "random_prefix_len") else ""
+        ratio = f" at {_given(args, 'random_range_ratio')}" if r else ""
+        return (
+            prompt,
+            output,
+            f"{prefix}{_given(args, 'random_input_len')} with {_given(args, 'random_output_len')}{ratio}",
+        )
+    if name == "generated-shared-prefix":
+        dests = ("gsp_system_prompt_len", "gsp_question_len", "gsp_output_len")
+    elif name == "prefix_repetition":
+        dests = ("prefix_repetition_prefix_len", "prefix_repetition_suffix_len", "prefix_repetition_output_len")
+    elif option(args, "sharegpt_output_len") is not None:  # prompts of at least 4 tokens (vLLM's rule)
+        return 4, option(args, "sharegpt_output_len"), f"{_given(args, 'sharegpt_output_len')} (ShareGPT prompts >= 4)"
+    else:
+        return None
+    a, b, out = (option(args, d) for d in dests)
+    return a + b, out, f"{_given(args, dests[0])} + {_given(args, dests[1])} with {_given(args, dests[2])}"
+
+
+def length_flags(args: argparse.Namespace) -> str:
+    """The flags that set the requests' lengths, as given (for a message about them)."""
+    shortest = _shortest_request(args, _dataset_name(args))
+    return shortest[2] if shortest is not None else "the ShareGPT conversations' own lengths (--output-len sets one)"
+
+
+def _check_sample_memory(args: argparse.Namespace, name: str, prompt_tokens: int) -> None:
+    """The sampled requests live in memory: refuse a --num-prompts whose requests cannot, by a lower bound (the
+    random-token datasets keep each prompt's ids beside its text; ShareGPT repeats its requests by reference)."""
+    avail = checks.available_host_bytes()
+    if avail is None:
+        return
+    n = num_requests_of(args)
+    per_token = {"random": 9, "prefix_repetition": 9, "generated-shared-prefix": 1}.get(name, 0)  # bytes, at least
+    need = n * (8 if name == "sharegpt" else 150 + per_token * prompt_tokens)
+    if need > avail:
+        count = (
+            f"--gsp-num-groups x --gsp-prompts-per-group = {n}"
+            if name == "generated-shared-prefix"
+            else f"--num-prompts {n}"
+        )
+        raise UsageError(
+            f"{count}: {n} {name} requests of at least {prompt_tokens} prompt tokens need at least "
+            f"{need / (1 << 30):.1f} GiB of host memory to sample, and {avail / (1 << 30):.1f} GiB is available; "
+            "ask for fewer requests (or shorter prompts)"
+        )
+
+
+def num_requests_of(args: argparse.Namespace) -> int:
+    """The requests the dataset flags sample (from --num-prompts, or the groups of generated-shared-prefix)."""
+    name = _dataset_name(args)
+    if name == "generated-shared-prefix":
+        return option(args, "gsp_num_groups") * option(args, "gsp_prompts_per_group")
+    if name == "prefix_repetition":  # vLLM's count: the same number per prefix, the remainder dropped
+        k = option(args, "prefix_repetition_num_prefixes")
+        return num_prompts_of(args) // k * k
+    return num_prompts_of(args)
 
 
 def num_prompts_of(args: argparse.Namespace) -> int:

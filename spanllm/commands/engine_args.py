@@ -21,6 +21,7 @@ from spanllm.engine.config import (
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.errors import UsageError
 from spanllm.kernels.pdl import PDL_MODES
+from spanllm.launch import launcher_world_size
 from spanllm.layers.fp8 import MIN_FP8_CAPABILITY
 
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")  # vLLM's spellings as aliases
@@ -82,7 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, serving: bool = Tru
     """The KV cache and the scheduler's limits; with serving=True also the serving loop's own options and the
     parallel layout of a serving engine (TP only)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (largest decode graph bucket)")
+    seqs = "sequences per step (largest decode graph bucket)"
+    if not serving:  # generate: one fixed batch, never split
+        seqs += "; the prompts run as one fixed batch, so at least their number"
+    g.add_argument("--max-num-seqs", type=int, default=256, help=seqs)
     g.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="tokens per step (decodes + prefill chunks)"
     )
@@ -235,9 +239,9 @@ def check_model_arguments(args: argparse.Namespace, world: int):
     return cfg, topo, device
 
 
-def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) -> None:
+def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True):
     """The engine's flags, before any rank starts (EngineConfig repeats the rules for API users); for a serving
-    engine (TP only) also the model and the heads its TP degree must divide."""
+    engine (TP only) also the model and the heads its TP degree must divide, and returns its ModelConfig."""
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         checks.at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     if hasattr(args, "min_admit"):
@@ -355,11 +359,22 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True) ->
             f"{args.attention_backend} on {where}); drop it"
         )
         raise UsageError(f"--prefill-tiling {args.prefill_tiling!r} {why}")
-    if serving:
+    if serving:  # tensor parallel only: every rank in the one TP group
         world = checks.world_size(args.nprocs)
         cfg, topo, _ = check_model_arguments(args, world)
-        tp = args.tp or world
-        checks.layout(tp, max(1, world // tp), world, cfg, topo)
+        checks.at_least("--tp", args.tp, 1, " (tensor-parallel degree; leave it out for the world size)")
+        if args.tp is not None and args.tp != world:
+            local = launcher_world_size() is None
+            ranks = f"--nprocs {world}" if local else f"the launcher started {world}"
+            run_tp = f" (--nprocs {args.tp})" if local else ""
+            raise UsageError(
+                f"--tp {args.tp}: the serving engine is tensor-parallel only (no pipeline stages), so --tp must equal "
+                f"the {world} ranks of this run ({ranks}); give --tp {world} or leave it out, or run {args.tp} "
+                f"rank(s){run_tp}"
+            )
+        checks.layout(args.tp, 1, world, cfg, topo)
+        return cfg
+    return None
 
 
 def engine_config_from_args(args: argparse.Namespace, device: torch.device, **overrides):

@@ -1,5 +1,8 @@
 """`spanllm generate`: generate tokens from a preset (random weights) or an HF checkpoint directory.
 
+The prompts run as one fixed batch (LLM.generate_batch): every decode step runs all of them, so --max-num-seqs
+must cover them; --max-num-batched-tokens cuts the prefill into steps.
+
 spanllm generate --model tiny --prompt-ids 1,2,3 --max-new-tokens 8 --nprocs 2        # CPU, TP=2 on gloo
 torchrun --nproc-per-node 2 -m spanllm.cli generate --model DIR --prompt "Hello" --allreduce nccl
 """
@@ -30,7 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_engine_arguments(parser, serving=False)
     parser.add_argument(
-        "--prompt-ids", action="append", default=[], help="comma-separated token ids; repeat for a batch"
+        "--prompt-ids",
+        action="append",
+        default=[],
+        help="comma-separated token ids; repeat for a batch (the prompts run as one fixed batch: every decode step "
+        "runs all of them, so --max-num-seqs must be at least their number)",
     )
     parser.add_argument(
         "--prompt",
@@ -153,6 +160,15 @@ def check_arguments(args: argparse.Namespace) -> list[list[int]]:
         raise UsageError(
             f"--micro-batches {args.micro_batches}: more than the {len(prompts)} prompt(s) of the batch; give at "
             f"most {len(prompts)}, or more prompts"
+        )
+    # one fixed batch: every decode step runs a whole micro-batch (FixedBatchExecutor), never split by max_num_seqs
+    per_step = -(-len(prompts) // args.micro_batches)
+    if per_step > args.max_num_seqs:
+        split = f" (--micro-batches {args.micro_batches}: {per_step} a step)" if args.micro_batches > 1 else ""
+        raise UsageError(
+            f"--max-num-seqs {args.max_num_seqs}: generate runs its {len(prompts)} prompts as one fixed batch, "
+            f"every decode step {per_step} sequences at once{split}; give --max-num-seqs {per_step} or more, or at "
+            f"most {args.max_num_seqs * args.micro_batches} prompt(s)"
         )
     if args.num_kv_blocks is not None:
         longest = max(len(p) for p in prompts) + args.max_new_tokens

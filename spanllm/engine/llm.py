@@ -140,6 +140,7 @@ class LLM:
             quantize_fp8_(self.model)  # after loading: per-channel scales of the weights as loaded
         self._worker = None
         self._engine_core = None
+        self._ran_fixed_batch = False  # generate_batch ran: describe() names its limits
         self._control_group = None
         self.tokenizer = None  # set by get_tokenizer() / the server
 
@@ -247,8 +248,10 @@ class LLM:
     def cuda_graphs(self) -> bool:
         return self.worker.use_cuda_graphs
 
-    def describe(self) -> str:
-        """The setup in one line (the server logs it; bench rows record it)."""
+    def describe(self, fixed_batch: bool | None = None) -> str:
+        """The setup in one line (the server logs it; bench rows record it), with the limits of the executor in
+        use: `fixed_batch` True for generate_batch's, False for the serving engine's; None: the one this LLM ran
+        (the engine core built, else generate_batch called or pp > 1, where only fixed batches run)."""
         r = self.worker
         if r.use_cuda_graphs:
             graphs = f"on (buckets up to {self.engine.max_num_seqs})"
@@ -264,8 +267,19 @@ class LLM:
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
             f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
             f"CUDA graphs {graphs}{timers}, {self.describe_pdl()} | "
-            f"{self.kv_sizing.describe()}{self.describe_allocator()} | max_num_seqs {self.engine.max_num_seqs}, "
-            f"max_num_batched_tokens "
+            f"{self.kv_sizing.describe()}{self.describe_allocator()} | "
+        )
+        if fixed_batch is None:
+            fixed_batch = self._engine_core is None and (self._ran_fixed_batch or self.dims.pp > 1)
+        if fixed_batch:  # FixedBatchExecutor: no scheduler, only the prefill's token budget applies
+            line += (
+                f"fixed batch: prefill steps of <= {self.engine.max_num_batched_tokens} tokens "
+                f"(max_num_batched_tokens), every decode step the whole batch (per micro-batch), "
+                f"max_model_len {self.max_model_len}"
+            )
+            return line + f" | {self.describe_quantization()} | {self.describe_decode_gemm()}"
+        line += (
+            f"max_num_seqs {self.engine.max_num_seqs}, max_num_batched_tokens "
             f"{self.engine.max_num_batched_tokens}, max_model_len {self.max_model_len}"
         )
         if self._engine_core is not None:
@@ -574,6 +588,7 @@ class LLM:
                 max_model_len=self.max_model_len,
                 capacity_tokens=(runner.cache.num_blocks - 1) * runner.block_size,
             )
+        self._ran_fixed_batch = True
         executor = FixedBatchExecutor(
             runner,
             self.groups,

@@ -130,3 +130,38 @@ def test_prefix_cache_counters_from_the_servers_own_metrics():
     vllm = '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{a="1"} 7\n'
     assert "no *prefix_cache_hits_total" in parse_prefix_cache_counters(vllm)
     assert prefix_cache_result("no page", after) == {"prefix_cache_hit_rate": None, "prefix_cache_note": "no page"}
+
+
+def test_metrics_reads_honour_the_request_timeout(sharegpt):
+    """A server that never answers: every read, /metrics included, gives up after request_timeout_s (the /metrics
+    reads once waited 30 s each, whatever the timeout)."""
+    import socket
+
+    convs, _ = sample_conversations(WordTokenizer(), 1, max_turns=2, min_turns=1, seed=0, dataset=sharegpt)
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = MultiTurnConfig(base_url=url, model="m", request_timeout_s=0.5)
+        r = asyncio.run(asyncio.wait_for(run_conversations(convs, cfg, WordTokenizer()), 10))
+    assert r["completed"] == 0 and r["failed"] == 1
+    assert r["prefix_cache_hit_rate"] is None
+    assert r["prefix_cache_note"].startswith(f"GET {url}/metrics failed: TimeoutError")
+
+
+def test_model_listing_honours_the_request_timeout(monkeypatch, capsys):
+    """Without --model the command asks GET /v1/models with --request-timeout as its timeout."""
+    import spanllm.bench.serve_client
+    from spanllm.cli import main
+    from spanllm.errors import SpanllmError
+
+    asked = []
+
+    async def first_model(session, base_url, timeout_s=30.0):
+        asked.append(timeout_s)
+        raise SpanllmError("no server")
+
+    monkeypatch.setattr(spanllm.bench.serve_client, "first_model", first_model)
+    argv = ["bench", "multi-turn", "--base-url", "http://127.0.0.1:9", "--request-timeout", "0.5"]
+    assert main(argv) == 1
+    assert asked == [0.5] and "no server" in capsys.readouterr().err
