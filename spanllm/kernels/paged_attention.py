@@ -50,11 +50,12 @@ MAX_SPLITS = 16
 PREFETCH_WAVES = 2
 DECODE_NUM_STAGES = 3  # Triton's software pipelining of the key loop
 # The decode key loop's (keys per tile, warps, pipeline stages) by the cache's bytes per element. An FP8 cache's
-# tiles carry half the bytes of a bf16 one's at the same keys: 128 keys, 2 stages read it 8% faster than 64 keys,
-# 3 stages (geometric mean over batches 1-256, contexts 256-8,192); for bf16, 64 keys, 3 stages stays the best
-# (scripts/gpu_decode_launch.py on an H100: results/h100/decode_launch/).
+# tiles carry half the bytes of a bf16 one's at the same keys: 128-key tiles read it ~8% faster than 64 keys, 3
+# stages (geometric mean over batches 1-256, contexts 256-8,192); widened to fp16 (FP8_DECODE_WIDEN), 3 stages beat
+# 2 by 5%; for bf16, 64 keys, 3 stages stays the best (scripts/gpu_decode_launch.py on an H100:
+# results/h100/decode_launch/, results/h100/decode_widen/).
 DECODE_LAUNCH = {
-    1: (128, 4, 2),
+    1: (128, 4, 3),
     2: (BLOCK_N, 4, DECODE_NUM_STAGES),
     4: (BLOCK_N, 4, DECODE_NUM_STAGES),
 }
@@ -78,11 +79,11 @@ def prefetch_block_ids(programs: int, device: torch.device) -> bool:
 
 
 # What an FP8 cache's tiles widen to under bf16 queries by default. fp16 costs one conversion instruction per two
-# values where bf16 goes through fp16 and one more per value, but compiled for sm_90 at the default FP8 launch (128
-# keys, 4 warps) with block ids one tile ahead, ptxas leaves the fp16 kernel at 32 registers and ~7 KB of spills
-# (bf16: 255 registers, ~0.8 KB; results/cpu_sm90_compile/): bf16 stays until a GPU sweep
-# (scripts/gpu_decode_launch.py --widen fp16,bf16) times them.
-FP8_DECODE_WIDEN = "bf16"
+# values where bf16 goes through fp16 and one more per value. Timed on an H100 at the four best launches, six
+# batch x context shapes (results/h100/decode_widen/): fp16 is faster at every one, 1.14-1.25x at 128 keys, 4 warps,
+# 3 stages except at 256 x 256 (1.01x), and the FP8 ShareGPT run gains 3.4%. (ptxas's spills of the fp16 form with
+# block ids one tile ahead, results/cpu_sm90_compile/, do not show in those times.)
+FP8_DECODE_WIDEN = "fp16"
 
 
 def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> bool:
