@@ -566,7 +566,11 @@ GIB_NOMINAL_GB = GIB * 0.99  # [assumed] the H100's 79.18 of 80 and the H200's 1
 # at M = 8,192 on an H100 (results/h100/fp8/fp8_gemm.json): DGX H200's range covers 700-790.
 _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over NDR, one switch tier, transport apart
 
-# [fit] The spanllm engine on this host (bf16, CUDA-graph decode), `spanllm perf calibrate --engine`: least
+# [fit] The spanllm engine of 2026-11 on this host (bf16, CUDA-graph decode): the static-batch engine, since replaced
+# by the one continuous-batching engine, whose own costs the serving planner prices (spanllm.perf.step_cost: `plan
+# --serve`). Its studies' rows (results/h200x2/) are what `perf validate` scores, so the fit stays as they measured
+# it; today's engine decodes the 8B at batch 1 faster (4.47 ms on one H200, results/h200/engine_speed/, where this
+# fit prices 6.2 ms at TP 1). `spanllm perf calibrate --engine`: least
 # squares (relative) over the TPOT and TTFT of the 6 rows H200X2_ENGINE_FIT names (8B, TP=2, NCCL, batch
 # 1 / 8 / 64, prompt 128 / decode 512 and prompt 2048 / decode 32), all-reduce constants from the sweeps.
 # rms error over those rows: TPOT 3.6%, TTFT 15.6% (refitted with the 2026-11-30 all-reduce constants).
@@ -582,8 +586,8 @@ _IB_NDR_LATENCY_US = 2.5  # [assumed] one-way small GPU-to-GPU RDMA write over N
 #                              take 33-53 ms for 32 layers whatever their FLOPs (noisy: iters=1)
 #   prefill_efficiency  0.432  eager prefill, achieved / peak over GEMM + attention FLOPs (428 TFLOP/s; the
 #                              GEMM microbenchmark's 790 is not reached by the engine's TP-split shapes)
-# [code] attends_max_seq_len: inside a CUDA graph decode attends over max_seq_len = prompt + decode under a
-# mask (spanllm/engine/static/model_runner.py; spanllm/commands/bench_batch.py sets max_seq_len = prompt + decode).
+# [code] attends_max_seq_len: inside a CUDA graph that engine's decode attended over max_seq_len = prompt + decode
+# under a mask (its model runner; bench batch set max_seq_len = prompt + decode).
 # HBM efficiency stays the measured copy figure (4.3 TB/s); the fit does not touch it.
 # [fit] prefill_size_exponent 0.175: the TTFT of the 8 Llama 3.1 70B TP=2 NCCL rows of the two 70B studies
 # (H200X2_PREFILL_SIZE_FIT; engine_fit.fit_prefill_size_exponent, rms relative error), the reference size the 8B
@@ -603,7 +607,8 @@ _HOST_ENGINE_FIT = EngineCost(
 PRESETS: dict[str, ClusterSpec] = {
     "h200x2": ClusterSpec(
         name="h200x2",
-        description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual)",
+        description="the lab's 2 x H200 host (NVLink NV18, no NIC; nodes are virtual; engine costs: the 2026-11 "
+        "static-batch engine's fit, slower than today's engine at batch 1)",
         gpu="H200 141GB",
         gpus_per_node=2,
         gpu_memory_GB=H200_MEMORY_GB,  # [measured] H200_MEMORY_GB (above)
