@@ -243,7 +243,8 @@ async def benchmark_async(
                 return out
 
             phase[0] = "reading the server's prefix-cache counters (/metrics)"
-            cache0 = await prefix_cache_counters(session, cfg.base_url)
+            metrics_timeout_s = min(30.0, cfg.request_timeout_s)  # a shorter --request-timeout bounds /metrics too
+            cache0 = await prefix_cache_counters(session, cfg.base_url, metrics_timeout_s)
             offsets = arrival_offsets_s(len(inputs), cfg.request_rate, cfg.burstiness, cfg.seed)
             phase[0] = ""  # the requests: their count
             start = time.perf_counter()
@@ -255,7 +256,7 @@ async def benchmark_async(
             outputs: list[RequestOutput] = await asyncio.gather(*tasks)
             duration = time.perf_counter() - start
             phase[0] = "reading the server's prefix-cache counters (/metrics)"
-            cache1 = await prefix_cache_counters(session, cfg.base_url)
+            cache1 = await prefix_cache_counters(session, cfg.base_url, metrics_timeout_s)
         finally:
             if status is not None:
                 status.cancel()

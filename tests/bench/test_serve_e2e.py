@@ -123,9 +123,9 @@ def test_a_step_before_the_requests_that_waits_is_named_in_the_status_line(serve
     monkeypatch.setattr(serve, "STATUS_LINE_S", 0.2)
     real = serve.prefix_cache_counters
 
-    async def slow_counters(session, base_url):
+    async def slow_counters(session, base_url, timeout_s):
         await asyncio.sleep(0.5)
-        return await real(session, base_url)
+        return await real(session, base_url, timeout_s)
 
     monkeypatch.setattr(serve, "prefix_cache_counters", slow_counters)
     r = run_benchmark([SampleRequest("w w", 3, 2)], ServeBenchConfig(base_url=server.url, show_progress=False))
@@ -332,3 +332,18 @@ def test_sweep_flags_a_later_rate_served_from_the_cache_the_earlier_rates_filled
     assert runs[1]["prefix_cache_warning"].startswith("96% of this rate's prompt tokens hit the server's prefix cache")
     assert "the same 4 prompts" in runs[1]["prefix_cache_warning"]
     assert "--no-enable-prefix-caching" in runs[1]["prefix_cache_warning"]
+
+
+def test_metrics_reads_are_bounded_by_a_shorter_request_timeout(server, monkeypatch):
+    seen = []
+
+    async def counters(session, base_url, timeout_s):
+        seen.append(timeout_s)
+        return "not read"
+
+    monkeypatch.setattr(serve, "prefix_cache_counters", counters)
+    for timeout in (3.0, 1800.0):
+        run_benchmark(
+            make_samples()[:2], ServeBenchConfig(base_url=server.url, request_timeout_s=timeout, show_progress=False)
+        )
+    assert seen == [3.0, 3.0, 30.0, 30.0]  # before and after each run: --request-timeout, at most 30 s
