@@ -74,12 +74,28 @@ R=/tmp/acceptance_$PART
 mkdir -p "$R"
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$PART.tgz" -C "$R" . ; return 0; }
 trap pack EXIT
+# A run cut by `timeout` can leave its engine process behind, holding the GPU's memory (seen: 71 GiB, and the next
+# run out of memory): before each part, and between a part's engine runs, wait for the GPU's processes to end and
+# kill what is left after 20 s.
+gpu_idle() {
+  local i pids
+  for i in $(seq 20); do
+    pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+    [ -z "$pids" ] && return 0
+    sleep 1
+  done
+  echo "killing leftover GPU processes: $pids"
+  echo "$pids" | xargs -r kill -9
+  sleep 2
+}
+gpu_idle
 case "$PART" in
   long-prefix)
     timeout 215 python3 scripts/gpu_long_context.py "$R/long_context" \
       --prefill-config results/h100/long_context/best_prefill_config.json --prefill-attention cudnn-cascade \
       --cascade-min-prefix 0 --chunks 16384 --ttft-reps 3 --no-profile --budget-s 190 >"$R/long_context.log" 2>&1
     pack
+    gpu_idle
     SKIP_SERVE=1 SHARED_PREFIX_ABLATION=0 KV8=1 BUDGET_S=330 bash scripts/gpu_prefix_cache.sh "$R/prefix_cache" \
       >"$R/prefix_cache.log" 2>&1
     grep -h "TTFT\|p99" "$R/long_context.log" | tail -6; tail -8 "$R/prefix_cache.log" ;;
@@ -99,6 +115,7 @@ case "$PART" in
     THROUGHPUT_TIMEOUT=110 timeout 420 bash scripts/gpu_fp8.sh \
       "$R/fp8" decode1 decode1_bf16 throughput throughput_bf16 throughput_kv8 >"$R/fp8.log" 2>&1
     pack
+    gpu_idle
     BUDGET_S=120 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
     tail -15 "$R/fp8.log"; tail -8 "$R/pdl/run.log" ;;
   fp8-serve)
@@ -112,15 +129,18 @@ case "$PART" in
       tests/engine/test_fp8.py tests/engine/test_gpu_paged.py tests/engine/test_gpu_engine.py} >"$R/pytest.txt" 2>&1
     TESTS_RC=$?
     pack
+    gpu_idle
     if [ "${TMA:-0}" = 1 ]; then
       timeout 110 python3 scripts/gpu_fp8_tma.py "$R/tma" --budget-s 95 >"$R/tma.log" 2>&1
       pack
     fi
     timeout 110 python3 scripts/gpu_fused_quant.py "$R/fused" >"$R/fused.log" 2>&1
     pack
+    gpu_idle
     # the fused quantization's rare rows off torch's, each chain against torch (results/h100/fp8/fused_quant/)
     timeout 60 python3 scripts/gpu_fused_quant_check.py "$R/fused_check" >"$R/fused_check.log" 2>&1
     pack
+    gpu_idle
     [ "${SKIP_PDL:-0}" = 1 ] || BUDGET_S=${PDL_BUDGET_S:-200} bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
     grep -E "^E .*differ|passed|failed" "$R/pytest.txt" | tail -12; tail -16 "$R/fused.log"
     grep -h "bytes differ in rows \[[0-9]" "$R/fused_check.log" | head -12
@@ -129,10 +149,12 @@ case "$PART" in
   diagnose)
     timeout 100 python3 scripts/gpu_cascade_probe.py "$R/cascade_probe" >"$R/cascade_probe.log" 2>&1
     pack
+    gpu_idle
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_cascade.py \
       "tests/engine/test_fp8.py::test_gpu_fused_activation_quantization_equals_the_unfused_chain" >"$R/pytest.txt" 2>&1
     timeout 60 python3 scripts/gpu_fused_quant_check.py "$R/fused_check" >"$R/fused_check.log" 2>&1
     pack
+    gpu_idle
     timeout 260 python3 scripts/gpu_long_context.py "$R/long_context" \
       --prefill-config results/h100/long_context/best_prefill_config.json --prefill-attention cudnn-cascade \
       --cascade-min-prefix 0 --chunks 16384 --ttft-reps 3 --no-itl --budget-s 230 >"$R/long_context.log" 2>&1
@@ -157,6 +179,7 @@ case "$PART" in
       "tests/engine/test_gpu_cascade.py::test_engine_short_prompt_after_a_long_cached_prefix" >"$R/pytest.txt" 2>&1
     TESTS_RC=$?
     pack
+    gpu_idle
     # a pool far past the GPU's memory: refused with the numbers before any weight is loaded, no traceback
     timeout 150 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput --model llama3.1-8b \
       --num-kv-blocks 100000000 --dataset-name random --input-len 16 --output-len 4 --num-prompts 1 \
@@ -171,12 +194,14 @@ case "$PART" in
       --launches 128x4x2,128x4x3,64x4x3,128x8x2 --budget-s 70 >"$R/decode_widen.log" 2>&1
     tail -4 "$R/decode_widen.log"
     pack
+    gpu_idle
     # batch 1 at short contexts: latency, not bytes; how many key tiles a split takes (one each and a merge, or
     # all in one program) against the tile size
     timeout 60 python3 scripts/gpu_decode_launch.py "$R/decode_b1" --shapes 1x256,1x512,1x1024 --min-tiles 1,2,4 \
       --dtypes bf16 --launches 32x4x2,64x4x3,128x4x2 --budget-s 45 >"$R/decode_b1.log" 2>&1
     tail -8 "$R/decode_b1.log"
     pack
+    gpu_idle
     timeout 200 python3 scripts/gpu_decode_launch.py "$R/decode_launch" --budget-s ${LAUNCH_BUDGET_S:-170} \
       >"$R/decode_launch.log" 2>&1
     tail -16 "$R/decode_launch.log" ;;
@@ -197,7 +222,8 @@ case "$PART" in
     grep -E "^8b" "$R/w8a8.log"
     T="$R/w8a8/fp8_gemm_configs.json"
     S=results/h200/inputs/sharegpt_llama3_seed0_n1000.json
-    for t in ${W8A8_RUNS:-committed sweep}; do
+    for t in ${W8A8_RUNS-committed sweep}; do  # W8A8_RUNS= (empty): no ShareGPT runs
+      gpu_idle
       table=""; [ $t = sweep ] && table="$T"
       SPANLLM_FP8_GEMM_TABLE="$table" timeout 110 torchrun --standalone --nproc-per-node 1 -m spanllm.cli bench throughput \
         --model llama3.1-8b --quantization fp8 --kv-cache-dtype fp8 --num-prompts 1000 --samples-file $S \
@@ -209,6 +235,7 @@ case "$PART" in
   gemv)
     timeout ${GEMV_TIMEOUT:-230} python3 scripts/gpu_gemv.py "$R/gemv" --budget-s ${GEMV_BUDGET_S:-200} >"$R/gemv.log" 2>&1
     pack
+    gpu_idle
     T="$R/gemv/gemv_configs.json"
     for q in ${GEMV_QUANTS:-fp8 bf16}; do
       qf=""; [ $q = fp8 ] && qf="--quantization fp8"
