@@ -553,7 +553,9 @@ class LLM:
         keep_logits: bool = False,
     ) -> GenerationOutput:
         """One fixed batch of `prompts` (lists of token ids) on every pipeline stage: the study's workload
-        (`bench batch`, `bench study`). Every rank returns the same tokens. Sampling: temperature, top-k / top-p,
+        (`bench batch`, `bench study`). Every decode step runs the whole batch (each micro-batch): max_num_seqs does
+        not split it (the `generate` command refuses a batch wider than its --max-num-seqs); max_num_batched_tokens
+        cuts the prefill into steps. Every rank returns the same tokens. Sampling: temperature, top-k / top-p,
         max_tokens and ignore_eos; the rest of SamplingParams is the serving engine's (`generate`)."""
         from spanllm.engine.engine_core import validate_request
 
