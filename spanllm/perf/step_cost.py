@@ -96,6 +96,10 @@ STEP_COST_RANGES: dict[str, tuple[float, float]] = {
     # [measured] spans on the H200: 700 (prefill GEMMs, README call 9) .. 790 (random-data GEMM) TFLOP/s;
     # weight GEMVs 3.6-4.0 TB/s; attention ~3.5-4.0 TB/s; the overheads +-25% (machine-to-machine spread of a
     # whole run is 2-3%, the per-step residuals 4%; the wider band covers other GPUs' launch gaps [assumed])
+    # Not covered: an H100 streams its weights nearer its peak than an H200 does (its one-row bf16 GEMVs at 2.5-3.2
+    # of 3.35 TB/s, gate_up and the LM head above 3.0, results/h100/gemv/README.md; this range gives 2.5-2.8 there),
+    # so batch-1 bf16 decode on an H100 is predicted 21% slower than measured (6.75 ms against 5.56); its offline
+    # ShareGPT, mostly large steps, within 1% (8,608 against 8,569 output tok/s).
     "gemm_efficiency": (700.0 / 989.0, 790.0 / 989.0),
     "weight_read_efficiency": (3.6 / 4.8, 4.0 / 4.8),
     "attention_read_efficiency": (3.5 / 4.8, 4.0 / 4.8),
