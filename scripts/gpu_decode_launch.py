@@ -55,6 +55,15 @@ def make(batch: int, ctx: int, dtype: torch.dtype, dev):
     return q, kc, vc, tables, cl
 
 
+def _int_tuples(text: str, n: int) -> list[tuple[int, ...]]:
+    """'1x256,16x4096' -> [(1, 256), (16, 4096)] for n = 2; [] where an item is not n integers joined by x."""
+    try:
+        items = [tuple(int(v) for v in x.split("x")) for x in text.split(",")]
+    except ValueError:
+        return []
+    return items if all(len(x) == n for x in items) else []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir")
@@ -74,27 +83,14 @@ def main() -> int:
     dtypes = [DTYPES.get(x) for x in args.dtypes.split(",")]
     if None in dtypes:
         sys.exit(f"--dtypes {args.dtypes!r}: a comma list of {', '.join(DTYPES)}")
-    launches = LAUNCHES
-    if args.launches:
-        try:
-            launches = [tuple(int(v) for v in x.split("x")) for x in args.launches.split(",")]
-        except ValueError:
-            launches = []
-        if not launches or any(len(x) != 3 or x not in LAUNCHES for x in launches):
-            sys.exit(f"--launches {args.launches!r}: keys x warps x stages from {sorted(set(LAUNCHES))[:3]}...")
-    shapes = SHAPES
-    if args.shapes:
-        try:
-            shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
-        except ValueError:
-            shapes = []
-        if not shapes or any(len(x) != 2 or min(x) < 1 for x in shapes):
-            sys.exit(f"--shapes {args.shapes!r}: a comma list of batch x context, each >= 1, e.g. 1x256,16x4096")
-    try:
-        min_tiles = [None] if args.min_tiles is None else [int(x) for x in args.min_tiles.split(",")]
-    except ValueError:
-        min_tiles = [0]
-    if any(x is not None and x < 1 for x in min_tiles):
+    launches = _int_tuples(args.launches, 3) if args.launches else LAUNCHES
+    if not launches or any(x not in LAUNCHES for x in launches):
+        sys.exit(f"--launches {args.launches!r}: keys x warps x stages from {sorted(set(LAUNCHES))[:3]}...")
+    shapes = _int_tuples(args.shapes, 2) if args.shapes else SHAPES
+    if not shapes or any(min(x) < 1 for x in shapes):
+        sys.exit(f"--shapes {args.shapes!r}: a comma list of batch x context, each >= 1, e.g. 1x256,16x4096")
+    min_tiles = [None] if args.min_tiles is None else [x[0] for x in _int_tuples(args.min_tiles, 1)]
+    if not min_tiles or any(x is not None and x < 1 for x in min_tiles):
         sys.exit(f"--min-tiles {args.min_tiles!r}: a comma list of integers >= 1")
     widens = [None] if args.widen is None else args.widen.split(",")
     if any(w not in (None, "fp16", "bf16") for w in widens):
