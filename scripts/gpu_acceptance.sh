@@ -14,8 +14,9 @@
 #                 and queue time beside the client's (scripts/gpu_long_serve.sh; ~250 s)
 #   serve         issue 29 through `spanllm serve`: GSP at SERVE_RATE req/s (1.25 x the offline off run's rate;
 #                 default: the committed H200 run's, 13.8) on vs off, and multi-turn ShareGPT
-#   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 and bf16, FP8 with an FP8 KV cache, and
-#                 --pdl off / on (with and without the weight prefetch) at batch 1
+#   fp8           issue 30: batch-1 decode and offline ShareGPT in FP8 (with an FP8 and a bf16 KV cache) and bf16,
+#                 then the 8B's FP8 vs bf16 GEMM table (M = 1 ... 8192); PDL=1 adds --pdl off / on (with and
+#                 without the weight prefetch) at batch 1
 #   fp8-serve     issue 30: the `spanllm serve` rate sweep in FP8 beside bf16 on the same requests
 #   validate      any Hopper GPU (no H200 needed): the GPU tests of PDL, FP8, the paged kernels and the engine
 #                 (GPU_TESTS names others), with TMA=1 the FP8 decode GEMV with TMA loads and W as the MMA's A
@@ -112,12 +113,17 @@ case "$PART" in
       bash scripts/gpu_prefix_cache.sh "$R/prefix_cache" >"$R/prefix_cache.log" 2>&1
     tail -12 "$R/prefix_cache.log" ;;
   fp8)
-    THROUGHPUT_TIMEOUT=110 timeout 420 bash scripts/gpu_fp8.sh \
-      "$R/fp8" decode1 decode1_bf16 throughput throughput_bf16 throughput_kv8 >"$R/fp8.log" 2>&1
+    # the goals' runs first (a cut call keeps them), then the bf16 baselines, FP8 with a bf16 cache, the 8B's GEMM
+    # table; PDL=1 adds --pdl off / on at batch 1 (scripts/gpu_pdl.sh, ~120 s)
+    THROUGHPUT_TIMEOUT=110 GEMM_MODELS=8b GEMM_TIMEOUT=100 GEMM_DEADLINE=80 timeout 540 bash scripts/gpu_fp8.sh \
+      "$R/fp8" decode1 throughput_kv8 throughput_bf16 decode1_bf16 throughput gemm >"$R/fp8.log" 2>&1
     pack
-    gpu_idle
-    BUDGET_S=120 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
-    tail -15 "$R/fp8.log"; tail -8 "$R/pdl/run.log" ;;
+    if [ "${PDL:-0}" = 1 ]; then
+      gpu_idle
+      BUDGET_S=120 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
+      tail -8 "$R/pdl/run.log"
+    fi
+    tail -20 "$R/fp8.log" ;;
   fp8-serve)
     ENGINE_FLAGS="--min-admit 32 --quantization fp8" RATES=16,32,inf NUM_PROMPTS=500 OVERHEAD=0 SWEEP_TIMEOUT=230 \
       SPANLLM_GPU_OUT="$R/fp8" bash scripts/gpu_serve_sweep.sh >"$R/fp8_serve.log" 2>&1

@@ -69,6 +69,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         logprobs = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if max_tokens is not None and req.min_tokens > max_tokens:  # named as the client sent it (or its default)
+        field = length_field(req, chat)
+        raise APIError(
+            f"min_tokens={req.min_tokens}: more than {field}={max_tokens}"
+            f"{'' if chat or req.max_tokens is not None else ' (the default)'}, the most tokens the completion may "
+            f"have; use min_tokens <= {max_tokens}, or a larger {field}",
+            "min_tokens",
+        )
     temperature = req.temperature if req.temperature is not None else DEFAULT_TEMPERATURE
     if temperature < GREEDY_BELOW:
         cuts = [
@@ -107,6 +115,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
         )
     except SamplingParamsError as e:
         raise APIError(str(e), _leading_name(str(e))) from None
+
+
+def length_field(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> str:
+    """The field that bounds the request's length, as the client sent it: a chat's max_completion_tokens wins over
+    its max_tokens."""
+    return "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
 
 
 def _leading_name(message: str) -> str | None:
@@ -410,18 +424,24 @@ def build_app(
         engine's named in the request's fields: engine_refusal). `most`: the tokens a chat without max_tokens may
         take at most besides the context (a non-streaming answer's logprobs)."""
         queued = engine.max_queued_requests
-        if queued is not None and n > queued:  # never admissible, even on an idle server: not a 503 to retry
-            raise APIError(
-                f"n={n}: the choices wait in the engine's queue at once, and it holds {queued} requests "
-                f"(--max-queued-requests); use n <= {queued}",
-                "n",
-            )
+        if queued is not None:
+            # the choices an idle server runs at once do not wait; more than it runs plus what its queue holds is
+            # never admissible, even on an idle server: a 400, not a 503 to retry
+            runs = engine.most_running(len(prompt_ids))
+            if n > runs + queued:
+                raise APIError(
+                    f"n={n}: an idle server runs {runs} of these choices at once (--max-num-seqs and the KV cache) "
+                    f"and the others wait in its queue, which holds {queued} requests (--max-queued-requests); "
+                    f"use n <= {runs + queued}",
+                    "n",
+                )
         if chat_default:  # chat without max_tokens: the rest of the context
             room = ctx_limit - len(prompt_ids)
             if room < 1:
                 raise APIError(
-                    f"the prompt has {len(prompt_ids)} tokens, which leaves no room in this model's "
-                    f"context of {ctx_limit} tokens",
+                    f"the messages take {len(prompt_ids)} tokens with the chat template, which leaves no room for "
+                    f"an answer in this model's context of {ctx_limit} tokens; shorten them to at most "
+                    f"{ctx_limit - 1} tokens",
                     "messages",
                 )
             if params.min_tokens > room:  # refused, as with an explicit max_tokens, not lowered
@@ -497,16 +517,17 @@ def build_app(
             return APIError(f"handling this request failed: {ev.error}", None, 500, "InternalServerError")
         return None
 
-    def check_logprob_entries(n: int, max_tokens: int, params: SamplingParams) -> None:
+    def check_logprob_entries(n: int, max_tokens: int, params: SamplingParams, field: str = "max_tokens") -> None:
         """A non-streaming response holds all its logprobs at once, in the front end's memory and its encoding
-        time: at most MAX_RESPONSE_LOGPROB_ENTRIES (a stream holds none: each chunk goes out as it comes)."""
+        time: at most MAX_RESPONSE_LOGPROB_ENTRIES (a stream holds none: each chunk goes out as it comes). field:
+        the length field the client sent (length_field)."""
         entries = n * max_tokens * (params.logprobs + 1)
         if entries > MAX_RESPONSE_LOGPROB_ENTRIES:
             most = MAX_RESPONSE_LOGPROB_ENTRIES // (n * (params.logprobs + 1))
             raise APIError(
-                f"logprobs: n={n} x max_tokens={max_tokens} x (top {params.logprobs} + the sampled token) = {entries} "
+                f"logprobs: n={n} x {field}={max_tokens} x (top {params.logprobs} + the sampled token) = {entries} "
                 f"logprob entries in one response, above the {MAX_RESPONSE_LOGPROB_ENTRIES} a non-streaming response "
-                f"holds; stream them (stream=true), or use max_tokens <= {most}, or fewer choices or top logprobs",
+                f"holds; stream them (stream=true), or use {field} <= {most}, or fewer choices or top logprobs",
                 "logprobs",
             )
 
@@ -538,14 +559,14 @@ def build_app(
         loop = asyncio.get_running_loop()
         req, params, prompt_ids, echo_text = await loop.run_in_executor(pools.for_body(len(raw)), prepare, raw, chat)
         chat_default = chat and req.max_completion_tokens is None and req.max_tokens is None
+        max_tokens_field = length_field(req, chat)
         most = None
         if not req.stream and params.logprobs is not None:
             if chat_default:  # max_tokens defaults to the rest of the context, or what the entries allow
                 most = MAX_RESPONSE_LOGPROB_ENTRIES // (req.n * (params.logprobs + 1))
             else:
-                check_logprob_entries(req.n, params.max_tokens, params)
+                check_logprob_entries(req.n, params.max_tokens, params, max_tokens_field)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        max_tokens_field = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         queues = submit(prompt_ids, params, rid, req.n, chat, max_tokens_field, chat_default, most)
         lp = None
         if params.logprobs is not None:

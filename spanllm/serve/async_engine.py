@@ -63,6 +63,7 @@ class QueueLedger:
     (amortized); not thread-safe (the front door holds its lock)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        self.num_blocks = num_blocks
         self.free_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -75,6 +76,10 @@ class QueueLedger:
 
     def blocks(self, prompt_len: int) -> int:
         return -(-(prompt_len + 1) // self.block_size)
+
+    def most_running(self, prompt_len: int) -> int:
+        """How many requests of this prompt length count as running at once on an idle engine."""
+        return min(self.max_num_seqs, self.num_blocks // self.blocks(prompt_len))
 
     def add(self, request_id: str, prompt_len: int) -> bool:
         """Enter an accepted request; True when it counts as running."""
@@ -121,6 +126,10 @@ class FrontDoor:
     def _engine_counts(self) -> tuple[int, int]:
         """(requests in the engine's queue after its last step, accepted requests it had not received then)."""
         raise NotImplementedError
+
+    def most_running(self, prompt_len: int) -> int:
+        """How many requests of this prompt length an idle engine counts as running at once (the rest wait)."""
+        return self._ledger.most_running(prompt_len)
 
     def waiting_in_transit(self, in_transit: int) -> int:
         """Of the requests on their way to the engine (the newest accepted), those the ledger counts as waiting."""

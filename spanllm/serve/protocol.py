@@ -10,7 +10,8 @@ max_tokens: int32). A body is refused before validation if it is not UTF-8 JSON 
 Fields OpenAI defines that this server does not serve are refused by name (REFUSED), and so is any key neither
 model knows, except `user` (an end-user id for abuse tracking: it changes no output). A key given twice is refused
 (JSON keeps the last silently: `{"model": "a", "model": "b"}` would ask for b without a word). A top-level field
-given as null is absent (OpenAI declares its optional fields nullable), so it takes its default.
+given as null is absent (OpenAI declares its optional fields nullable), so it takes its default; so is a message's
+optional field (name, refusal, audio, function_call, tool_calls, annotations) given as null or an empty list.
 
 Shapes no request can use are refused from the parsed JSON before the models validate it (validation is CPU work in
 the front end's process, proportional to the body): more than one prompt, more than MAX_MESSAGES messages, a
@@ -68,12 +69,27 @@ class TextPart(_Strict):
     text: str
 
 
+# OpenAI's optional message fields, absent when null (as a top-level null is) or, for the lists, empty: they ask for
+# nothing. An assistant message replayed as the openai client's `message.model_dump()` holds them all ("refusal":
+# None, "annotations": None or [], "audio": None, "function_call": None, "tool_calls": None); refusing them broke
+# that multi-turn idiom. Any other value is still refused by name (a name, a tool call: nothing the template honours).
+_MESSAGE_FIELDS_EMPTY_IS_ABSENT = {"name": False, "refusal": False, "audio": False, "function_call": False}
+_MESSAGE_FIELDS_EMPTY_IS_ABSENT |= {"tool_calls": True, "annotations": True}  # True: [] asks for nothing too
+
+
 class ChatMessage(_Strict):
     """`developer` is OpenAI's newer name for `system` (o1 and later); it reaches the template as system. A content
     given as parts is their texts joined by newlines (vLLM's rule: "Say" and "hi" stay two words)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(fail_fast=True)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_optional_fields_are_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not _MESSAGE_FIELDS_EMPTY_IS_ABSENT.keys().isdisjoint(data):
+            data = {k: v for k, v in data.items() if not _asks_nothing(k, v)}
+        return data
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
@@ -135,6 +151,12 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         return self
+
+
+def _asks_nothing(key: str, value: Any) -> bool:
+    """A message's optional field given as null (or an empty list where the field is one)."""
+    lists = _MESSAGE_FIELDS_EMPTY_IS_ABSENT.get(key)
+    return lists is not None and (value is None or (lists and isinstance(value, list) and not value))
 
 
 def _absent_or(*allowed):
@@ -248,7 +270,7 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        raise _as_api_error(e, model) from None
+        raise _as_api_error(e, model, body) from None
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > max_stop_strings:
         raise APIError(f"stop: {len(stops)} strings; at most {max_stop_strings} (--max-stop-strings)", "stop")
@@ -294,16 +316,34 @@ def _refuse_unusable_shapes(body: dict, chat: bool) -> None:
         )
 
 
-def _as_api_error(e: ValidationError, model: type[BaseModel]) -> APIError:
+def _real_loc(body: Any, loc: tuple) -> list[str]:
+    """An error's location in the body: its keys and indices, without the names pydantic gives a union's members
+    ("str", "list[TextPart]", "StreamOptions"). Walked through the body itself, so that a key of the client's that
+    looks like such a name ("Temperature", "str", "") is kept: a tag is what the body does not hold there."""
+    out, node = [], body
+    for x in loc:
+        if isinstance(node, dict) and isinstance(x, str) and x in node:
+            node = node[x]
+        elif isinstance(node, list) and isinstance(x, int) and 0 <= x < len(node):
+            node = node[x]
+        elif _UNION_TAG.match(str(x)):
+            continue  # a union member's name: the body has nothing there
+        else:
+            node = None  # a required field the body lacks (the last element)
+        out.append(str(x))
+    return out
+
+
+def _as_api_error(e: ValidationError, model: type[BaseModel], body: dict) -> APIError:
     errors = e.errors(include_url=False)
     # a union (prompt, stop) reports one error per member: the deepest says most (which item, which bound)
     err = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
-    loc = [str(x) for x in err["loc"] if not _UNION_TAG.match(str(x))]
+    loc = _real_loc(body, err["loc"])
     if err["type"] == "value_error":  # our own model validators: "field: reason"
         msg = str(err.get("ctx", {}).get("error", err["msg"]))
         return APIError(msg, msg.split(":", 1)[0])
     param = loc[0] if loc else None
-    where = ".".join(loc) or "the body"
+    where = ".".join(x if x else "''" for x in loc) or "the body"
     if err["type"] == "extra_forbidden":
         return APIError(f"{where}: unknown field (this server refuses what it would not honour)", param)
     if err["type"] == "missing":

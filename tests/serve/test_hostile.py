@@ -296,16 +296,24 @@ def test_max_queued_requests_counts_only_what_waits():
 
 
 def test_requests_that_no_idle_server_could_take_are_400_not_503():
-    """--max-queued-requests 2: n = 3 choices wait at once, which the queue never holds: a 400 naming n (a 503
-    says retry, and the openai client retries it); n = 2 is served. Chat without max_tokens: a min_tokens beyond
-    the context's room is refused as it is with an explicit max_tokens, not lowered to the room."""
+    """--max-num-seqs 2, --max-queued-requests 2: of n = 5 choices an idle server runs 2 and 3 would wait, which the
+    queue never holds: a 400 naming n (a 503 says retry, and the openai client retries it); n = 4 is served. Chat
+    without max_tokens: a min_tokens beyond the context's room is refused as it is with an explicit max_tokens, not
+    lowered to the room."""
     llm = make_llm(max_num_seqs=2)
     r = start_server(llm, model_name="tiny", max_queued_requests=2)
     try:
         body = {"prompt": "p", "max_tokens": 2, "ignore_eos": True}
-        _error(httpx.post(r.base_url + "/v1/completions", json={**body, "n": 3}, timeout=60), 400, "n", "n=3", "<= 2")
-        ok = httpx.post(r.base_url + "/v1/completions", json={**body, "n": 2}, timeout=60)
-        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        _error(
+            httpx.post(r.base_url + "/v1/completions", json={**body, "n": 5}, timeout=60),
+            400,
+            "n",
+            "n=5",
+            "runs 2 of these choices at once",
+            "use n <= 4",
+        )
+        ok = httpx.post(r.base_url + "/v1/completions", json={**body, "n": 4}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
         chat = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100_000}
         _error(
             httpx.post(r.base_url + "/v1/chat/completions", json=chat, timeout=60),
