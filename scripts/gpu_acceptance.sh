@@ -114,14 +114,15 @@ case "$PART" in
     tail -12 "$R/prefix_cache.log" ;;
   fp8)
     # the goals' runs first (a cut call keeps them), then the bf16 baselines, FP8 with a bf16 cache, the 8B's GEMM
-    # table; PDL=1 adds --pdl off / on at batch 1 (scripts/gpu_pdl.sh, ~120 s)
+    # table (FP8_STAGES names others: scripts/gpu_fp8.sh's stages); PDL=1 adds --pdl off / on at batch 1
+    # (scripts/gpu_pdl.sh, ~120 s)
     # the device-to-device copy bandwidth that prices the batch-1 goal's weight-copy bound, measured in this call
     timeout 60 python3 -c "import json, sys, torch; from spanllm.commands.bench_gemm import copy_bandwidth
 d = copy_bandwidth(1.0); d.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 json.dump(d, open(sys.argv[1], 'w'), indent=1); print('device copy', round(d['TBps_read_plus_write'], 3), 'TB/s')" \
       "$R/copy_bandwidth.json" >"$R/copy.log" 2>&1
     THROUGHPUT_TIMEOUT=110 GEMM_MODELS=8b GEMM_TIMEOUT=100 GEMM_DEADLINE=80 timeout 490 bash scripts/gpu_fp8.sh \
-      "$R/fp8" decode1 throughput_kv8 throughput_bf16 decode1_bf16 throughput gemm >"$R/fp8.log" 2>&1
+      "$R/fp8" ${FP8_STAGES:-decode1 throughput_kv8 throughput_bf16 decode1_bf16 throughput gemm} >"$R/fp8.log" 2>&1
     pack
     if [ "${PDL:-0}" = 1 ]; then
       gpu_idle

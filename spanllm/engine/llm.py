@@ -71,6 +71,20 @@ class LLM:
         ranks_per_node: int | None = None,
         tuning=None,
     ) -> None:
+        if not isinstance(model, (str, ModelConfig)):
+            raise UsageError(
+                f"model={model!r} ({type(model).__name__}) is not a model: give a preset name, an HF checkpoint "
+                "folder, a .gguf file or a ModelConfig"
+            )
+        if engine is not None and not isinstance(engine, EngineConfig):
+            raise UsageError(
+                f"engine={engine!r} ({type(engine).__name__}) is not an EngineConfig: pass the engine's settings as "
+                "EngineConfig(...), e.g. LLM(model, EngineConfig(max_model_len=2048))"
+            )
+        if isinstance(device, str):
+            device = torch.device(device)
+        elif device is not None and not isinstance(device, torch.device):
+            raise UsageError(f"device={device!r} ({type(device).__name__}) is not a device: give 'cpu', 'cuda:0' ...")
         self.config = resolve_model(model) if isinstance(model, str) else model
         self.engine = engine or EngineConfig()
         if self.config.fp8_checkpoint is not None and self.engine.quantization is None:
@@ -143,6 +157,8 @@ class LLM:
         self._ran_fixed_batch = False  # generate_batch ran: describe() names its limits
         self._control_group = None
         self.tokenizer = None  # set by get_tokenizer() / the server
+        self._closed = False  # close() ran: nothing runs on this LLM any more
+        self._generating = False  # rank 0 is inside generate (its on_output may not call generate again)
 
     def _check_decode_gemm(self) -> None:
         """decode_gemm="skinny" runs a Triton kernel: refuse a machine without a GPU or Triton, no fallback."""
@@ -557,9 +573,28 @@ class LLM:
         not split it (the `generate` command refuses a batch wider than its --max-num-seqs); max_num_batched_tokens
         cuts the prefill into steps. Every rank returns the same tokens. Sampling: temperature, top-k / top-p,
         max_tokens and ignore_eos; the rest of SamplingParams is the serving engine's (`generate`)."""
-        from spanllm.engine.engine_core import validate_request
+        from spanllm.engine.engine_core import token_ids, validate_request
 
-        params = params or SamplingParams()
+        self._check_open("generate_batch")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise UsageError(
+                f"params={params!r} ({type(params).__name__}) is not a SamplingParams: generate_batch samples the "
+                "whole batch alike; pass one SamplingParams (LLM.generate takes one per prompt)"
+            )
+        batch = [] if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
+        if not batch:
+            raise UsageError(
+                f"prompts={prompts!r}: generate_batch takes a non-empty list of prompts, each a list of token ids"
+            )
+        prompts = batch
+        for i, ids in enumerate(prompts):
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise UsageError(
+                    f"prompt {i} is {ids!r} ({type(ids).__name__}), not a list of token ids: generate_batch takes "
+                    "token ids (LLM.generate takes text)"
+                )
+        prompts = [token_ids(ids) for ids in prompts]  # numpy / torch integer ids as Python ints
         unsupported = [
             n
             for n, v in (
@@ -614,31 +649,45 @@ class LLM:
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
 
-    def generate(self, prompts: list, params=None, on_output=None) -> list:
-        """Serve `prompts` (strings or lists of token ids) to completion on the serving engine; returns one
-        RequestOutput per prompt, in order. Collective: call it on every TP rank (rank 0 schedules and
-        returns the outputs; the others run the step plans it sends and return []). `on_output(out)`, if given,
-        is called on rank 0 with every RequestOutput of every step as it lands (new tokens, `finished`): a
-        progress bar's hook; it runs inside the engine loop, so keep it cheap."""
-        from spanllm.engine.engine_core import RequestError, token_ids
+    def generate(self, prompts, params=None, on_output=None) -> list:
+        """Serve `prompts` to completion on the serving engine; returns one RequestOutput per prompt, in order. A
+        prompt is a string, a list of token ids (Python, numpy or torch integers), or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}; `prompts` is one prompt (a string, a list of ints: vLLM's rule) or a list of
+        them. `params`: one SamplingParams for every prompt, or a list of one per prompt. Collective: call it on
+        every TP rank (rank 0 schedules and returns the outputs; the others run the step plans it sends and
+        return []). `on_output(out)`, if given, is called on rank 0 with every RequestOutput of every step as it
+        lands (new tokens, `finished`): a progress bar's hook; it runs inside the engine loop, so keep it cheap.
+        Every prompt and parameter is checked before any request is admitted."""
+        from spanllm.engine.engine_core import RequestError
+        from spanllm.engine.prompts import params_list, prompt_list, prompt_of
 
+        self._check_open("generate")
+        if self._generating:  # its steps would take the outer call's outputs, which then returned None for them
+            raise UsageError(
+                "generate was called inside generate (from on_output): the engine is serving that call; collect "
+                "what on_output sees and call generate again once it has returned"
+            )
         core = self.engine_core
         if core.rank != 0:
             core.worker_loop()
             return []
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
-        ids_list, texts = [], []
-        try:
-            for p in prompts:
+        self._generating = True
+        try:  # whatever rank 0 refuses, the finally releases the other ranks' worker loops
+            prompts = prompt_list(prompts)
+            plist = params_list(params, len(prompts))
+            if on_output is not None and not callable(on_output):
+                raise UsageError(
+                    f"on_output={on_output!r} ({type(on_output).__name__}) is not callable: give a function of one "
+                    "RequestOutput, or None"
+                )
+            ids_list, texts = [], []
+            for i, p in enumerate(prompts):
+                p = prompt_of(i, p)
                 if isinstance(p, str):
                     ids_list.append(self.get_tokenizer().encode(p))
                     texts.append(True)
                 else:
-                    if p is None:
-                        raise RequestError("a prompt is None: give a string or a list of token ids")
-                    ids_list.append(token_ids(p))  # numpy / torch integer ids as Python ints
+                    ids_list.append(p)
                     texts.append(self.tokenizer is not None)
             for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
                 core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
@@ -665,6 +714,7 @@ class LLM:
                 raise
             return results
         finally:
+            self._generating = False
             core.shutdown_workers()
 
     @contextlib.contextmanager
@@ -683,7 +733,21 @@ class LLM:
             detach()
 
     def close(self) -> None:
-        """Drop CUDA graphs (they hold the communicator's captured calls), then close an owned communicator."""
+        """Drop CUDA graphs (they hold the communicator's captured calls), then close an owned communicator. Nothing
+        runs on this LLM afterwards (generate, generate_batch and scoring refuse); a second close does nothing."""
+        self._closed = True
         if self._worker is not None:
             self._worker.reset_graphs()
         self._close_comm()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise UsageError(
+                f"{what} on a closed LLM: close() released its communicator and CUDA graphs; build a new LLM"
+            )

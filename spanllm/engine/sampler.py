@@ -27,7 +27,7 @@ pays nothing for them but one check per row on the host.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -83,30 +83,39 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+        # Integers and reals of any kind (numpy's, a 0-d tensor's) are taken as Python ints and floats; bools and
+        # anything else are refused by name. None for stop / stop_token_ids / logit_bias means none (vLLM's default).
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            object.__setattr__(self, name, _as_float(getattr(self, name)))
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
+            object.__setattr__(self, name, _as_int(getattr(self, name)))
+        if isinstance(self.ignore_eos, np.bool_):
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(
-                f"temperature={self.temperature} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+                f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
             )
         _check_range("top_p", self.top_p, 0.0, 1.0, "1 = no nucleus cut", open_low=True)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens={self.max_tokens} must be an integer >= 1")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise SamplingParamsError(f"top_k={self.top_k} must be -1 or 0 (off) or a positive integer")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError(f"top_k={self.top_k!r} must be -1 or 0 (off) or a positive integer")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError(
-                f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_tokens}"
+                f"min_tokens={self.min_tokens!r} must be an integer between 0 and max_tokens={self.max_tokens}"
             )
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise SamplingParamsError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1] (int64)")
         if self.top_k > INT32_MAX or self.max_tokens > INT32_MAX:
             raise SamplingParamsError(f"top_k={self.top_k} and max_tokens={self.max_tokens} must be <= {INT32_MAX}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings", one_string=True))
+        ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids, e.g. [2]")
+        object.__setattr__(self, "stop_token_ids", tuple(_as_int(t) for t in ids))
         if any(not isinstance(t, str) or not t for t in self.stop):
             raise SamplingParamsError(f"stop={self.stop!r} must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must hold non-negative integers")
         # once each (in order): every step checks a row's ids, and masks them before min_tokens
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
@@ -152,16 +161,55 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_int(v):
+    """An integer of any kind (numpy's, a 0-d integer tensor) as a Python int; anything else (bools included) as it
+    is, for the checks to name."""
+    if isinstance(v, np.integer) or (isinstance(v, torch.Tensor) and v.dim() == 0 and _integer_dtype(v.dtype)):
+        return int(v)
+    return v
+
+
+def _as_float(v):
+    """A real number of any kind (numpy's, a 0-d tensor) as a Python float or int; anything else as it is."""
+    if isinstance(v, (np.integer, np.floating)) or (
+        isinstance(v, torch.Tensor) and v.dim() == 0 and (v.dtype.is_floating_point or _integer_dtype(v.dtype))
+    ):
+        return v.item()
+    return v
+
+
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _as_tuple(name: str, v, what: str, one_string: bool = False) -> tuple:
+    """A list-valued parameter as a tuple: None is none (vLLM's default), one string one stop string where
+    `one_string`; anything that is not a list of values is refused, naming `what` it must be."""
+    if v is None:
+        return ()
+    if isinstance(v, str) and one_string:
+        return (v,)
+    if isinstance(v, (str, bytes, bytearray, Mapping)) or not isinstance(v, Iterable):
+        raise SamplingParamsError(f"{name}={v!r} ({type(v).__name__}) must be {what}")
+    return tuple(v)
+
+
 def _check_range(name: str, v, lo: float, hi: float, off: str, open_low: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (lo < v if open_low else lo <= v) and v <= hi
+    ok = _is_real(v) and (lo < v if open_low else lo <= v) and v <= hi
     if not ok:
         raise SamplingParamsError(f"{name}={v!r} must be a number in {'(' if open_low else '['}{lo:g}, {hi:g}] ({off})")
 
 
 def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
     pairs = bias.items() if isinstance(bias, Mapping) else bias
     try:
-        pairs = [(t, b) for t, b in pairs]
+        pairs = [(_as_int(t), _as_float(b)) for t, b in pairs]
     except (TypeError, ValueError):
         raise SamplingParamsError(
             f"logit_bias={bias!r} must be (token id, bias) pairs or a {{id: bias}} mapping"

@@ -18,6 +18,7 @@ seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -459,13 +460,15 @@ def build_app(
                         "min_tokens",
                     )
                 room = most  # the default stops where the response's logprob entries would pass their limit
-            params = SamplingParams(**{**params.__dict__, "max_tokens": room})
+            params = dataclasses.replace(params, max_tokens=room)
         queues = []
         try:
             for i in range(n):
                 p = params
                 if i and params.seed is not None:
-                    p = SamplingParams(**{**params.__dict__, "seed": seed_for_choice(params.seed, i)})
+                    # a copy by its fields: choice 0's params may already hold the sampler's cached properties
+                    # (the in-process engine samples it on its own thread), which are not constructor arguments
+                    p = dataclasses.replace(params, seed=seed_for_choice(params.seed, i))
                 queues.append(engine.add(f"{rid}-{i}", prompt_ids, p, time.monotonic()))
         except RequestError as e:
             _abort_all(rid, len(queues))
