@@ -150,11 +150,13 @@ def chat_demo(model: str = REAL_MODEL, questions=QUESTIONS, max_tokens: int = 64
     t0 = time.perf_counter()
     llm = LLM(model, EngineConfig(dtype=torch.float32, max_num_seqs=len(questions), max_model_len=1024))
     try:
-        tok = llm.get_tokenizer()
+        llm.get_tokenizer()
         load_s = time.perf_counter() - t0
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        outs = llm.chat(
+            [[{"role": "user", "content": q}] for q in questions],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        )
         gen_s = time.perf_counter() - t0
     finally:
         llm.close()

@@ -3,6 +3,7 @@ and its worker (the model runner over the paged KV cache); then serves requests 
 
     llm = LLM("llama3.1-8b", EngineConfig(max_num_seqs=256), allreduce="nccl")
     outs = llm.generate(["Hello", [128000, 9906]], SamplingParams(max_tokens=16))   # the serving engine
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))  # through the chat template
     out = llm.generate_batch([[1, 2, 3]], SamplingParams(max_tokens=16))            # one fixed batch (study)
 
 Both run on the same worker (spanllm.engine.worker: one runner, one cache, one attention backend):
@@ -648,6 +649,29 @@ class LLM:
                 if not self._engine_core.eos_token_ids:  # config.json named no EOS: the tokenizer's
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
+
+    def chat(self, messages, params=None, on_output=None) -> list:
+        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts; roles system, user,
+        assistant) or a list of conversations. Each goes through the model's chat template (its tokenizer's, which
+        ends it with the assistant's turn) and is served as `generate` serves token ids; returns one RequestOutput
+        per conversation, its `text` the answer. params and on_output: as generate's. Collective, as generate."""
+        from spanllm.engine.tokenizer import TokenizerError
+
+        one = isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
+        convs = [messages] if one else messages
+        if not isinstance(convs, (list, tuple)) or not convs:
+            raise UsageError(
+                f"messages={messages!r}: give one conversation (a list of {{'role', 'content'}} dicts) or a "
+                "non-empty list of them"
+            )
+        tok = self.get_tokenizer()
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                prompts.append(tok.apply_chat_template(list(conv) if isinstance(conv, tuple) else conv))
+            except TokenizerError as e:
+                raise UsageError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, params, on_output)
 
     def generate(self, prompts, params=None, on_output=None) -> list:
         """Serve `prompts` to completion on the serving engine; returns one RequestOutput per prompt, in order. A

@@ -297,3 +297,13 @@ def test_smollm2_flat_numpy_ids_and_a_string_are_one_prompt_each():
     assert out[0].text == "The capital of France is Paris." and out[0].finish_reason == "stop"
     text = llm.generate("Hello, my name is", SamplingParams(max_tokens=1))
     assert len(text) == 1 and text[0].prompt_ids == tok.encode("Hello, my name is")
+    # LLM.chat (vLLM's): one conversation, or a list of them, through the model's chat template
+    one = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=20))
+    assert len(one) == 1 and one[0].prompt_ids == chat and one[0].output_ids == out[0].output_ids
+    two = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]] * 2, SamplingParams(max_tokens=20))
+    assert [o.text for o in two] == ["The capital of France is Paris."] * 2
+    with pytest.raises(UsageError, match=r"conversation 1: messages\[0\]\.role='robot': expected system, user or"):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "hi"}]])
+    with pytest.raises(UsageError, match=r"messages=\[\]: give one conversation"):
+        llm.chat([])
+    llm.close()
