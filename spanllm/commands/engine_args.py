@@ -373,8 +373,35 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True):
                 f"rank(s){run_tp}"
             )
         checks.layout(args.tp, 1, world, cfg, topo)
+        if hasattr(args, "served_model_name"):  # serve (bench throughput loads the tokenizer and checks its ids)
+            check_tokenizer_fits(cfg)
         return cfg
     return None
+
+
+# The tokenizers check_tokenizer_fits loaded, by checkpoint: build_llm hands a local rank the one it has (no 2nd load)
+_CHECKED_TOKENIZERS: dict[str, object] = {}
+
+
+def check_tokenizer_fits(cfg) -> None:
+    """A serving engine's checkpoint tokenizer, loaded before any rank starts (a missing or broken one names itself
+    here, not after the weights load), with its BOS / EOS ids inside the model's vocabulary: a tokenizer of another
+    model would have the warm-up and every chat prompt send ids the embedding does not have."""
+    if cfg.checkpoint_dir is None:
+        return
+    from spanllm.engine.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(cfg.name, cfg.checkpoint_dir)
+    special = [("BOS", tok.bos_token_id), *(("EOS", e) for e in tok.eos_token_ids)]
+    bad = [(what, i) for what, i in special if i is not None and not 0 <= i < cfg.vocab_size]
+    if bad:
+        what, i = bad[0]
+        raise UsageError(
+            f"--model {cfg.checkpoint_dir}: its tokenizer's {what} token is id {i} ({getattr(tok, 'vocab_size', '?')} "
+            f"tokens), outside the model's vocabulary [0, {cfg.vocab_size}) (vocab_size); the tokenizer files belong "
+            "to another model: copy the checkpoint's own tokenizer.json and tokenizer_config.json"
+        )
+    _CHECKED_TOKENIZERS[cfg.checkpoint_dir] = tok
 
 
 def engine_config_from_args(args: argparse.Namespace, device: torch.device, **overrides):
@@ -440,4 +467,7 @@ def build_llm(ctx, args: argparse.Namespace, *, tp: int | None = None, pp: int =
         ranks_per_node=args.ranks_per_node,
         tuning=tuning,
     )
+    checked = _CHECKED_TOKENIZERS.get(llm.config.checkpoint_dir or "")
+    if checked is not None:
+        llm.get_tokenizer(loaded=checked)
     return llm

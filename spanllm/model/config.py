@@ -8,6 +8,7 @@ says so, so no report can pass it off as the full model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,24 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+def _check_rope_scaling(name: str, r: RopeScaling) -> None:
+    """Llama 3.1 rope scaling values the frequency formula (spanllm.layers.rope) can use: a zero or negative factor,
+    or high_freq_factor <= low_freq_factor, gives infinite or NaN frequencies."""
+    values = (r.factor, r.low_freq_factor, r.high_freq_factor)
+    ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+    if not (ok and r.factor > 0 and 0 < r.low_freq_factor < r.high_freq_factor):
+        raise ModelConfigError(
+            f"{name}: rope scaling factor={r.factor!r}, low_freq_factor={r.low_freq_factor!r}, "
+            f"high_freq_factor={r.high_freq_factor!r}: the llama3 rope type needs finite values with factor > 0 and "
+            "0 < low_freq_factor < high_freq_factor (Llama 3.1: 8, 1, 4)"
+        )
+    o = r.original_max_position_embeddings
+    if not isinstance(o, int) or isinstance(o, bool) or o < 1:
+        raise ModelConfigError(
+            f"{name}: rope scaling original_max_position_embeddings={o!r} must be a positive integer (Llama 3.1: 8192)"
+        )
 
 
 @dataclass(frozen=True)
@@ -66,10 +85,35 @@ class ModelConfig:
             "num_heads",
             "num_kv_heads",
             "head_dim",
+            "max_position_embeddings",
         ):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ModelConfigError(f"{self.name}: {f}={v!r} must be a positive integer")
+        if self.head_dim % 2:
+            raise ModelConfigError(
+                f"{self.name}: head_dim={self.head_dim} must be even: rotary embeddings turn pairs of dimensions"
+            )
+        # NaN fails every comparison: `not x > 0` catches it
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ModelConfigError(
+                f"{self.name}: rope_theta={self.rope_theta!r} must be a finite number > 0 (the rotary base, e.g. "
+                "10000 or 500000); any other value gives NaN or constant positions"
+            )
+        if not (isinstance(self.rms_norm_eps, (int, float)) and 0 <= self.rms_norm_eps < math.inf):
+            raise ModelConfigError(
+                f"{self.name}: rms_norm_eps={self.rms_norm_eps!r} must be a finite number >= 0 (e.g. 1e-5); a "
+                "negative or non-finite one makes the norms NaN"
+            )
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.name, self.rope_scaling)
+        for t in self.eos_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ModelConfigError(
+                    f"{self.name}: eos_token_id {t!r} is not a token id of the vocabulary [0, {self.vocab_size}) "
+                    "(vocab_size), so generation would never stop at it: the config does not belong to these "
+                    "weights, or is corrupted"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}; "
@@ -153,7 +197,11 @@ class ModelConfig:
                 f"{where}: a value has the wrong type ({e}); restore the checkpoint's config.json"
             ) from None
         if checkpoint_dir is not None:
-            out = replace(out, eos_token_ids=_with_generation_eos(out.eos_token_ids, checkpoint_dir))
+            eos_ids = _with_generation_eos(out.eos_token_ids, checkpoint_dir)
+            try:
+                out = replace(out, eos_token_ids=eos_ids)
+            except ModelConfigError as e:  # generation_config.json's ids, outside the vocabulary
+                raise ModelConfigError(f"{os.path.join(checkpoint_dir, GENERATION_CONFIG)}: {e}") from None
         return out
 
     @classmethod
@@ -173,45 +221,81 @@ class ModelConfig:
             raise ModelConfigError(f"hidden_act={cfg['hidden_act']!r} is not supported; Llama uses 'silu'")
         # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = _number(rope, "rope_theta", _number(cfg, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "llama3":
             scaling = RopeScaling(
-                float(rope["factor"]),
-                float(rope["low_freq_factor"]),
-                float(rope["high_freq_factor"]),
-                int(rope["original_max_position_embeddings"]),
+                _number(rope, "factor"),
+                _number(rope, "low_freq_factor"),
+                _number(rope, "high_freq_factor"),
+                _whole(rope, "original_max_position_embeddings"),
             )
         elif rope_type == "default":
             scaling = None
         else:
             raise ModelConfigError(f"rope_type={rope_type!r} is not supported; use 'llama3' or 'default'")
+        hidden, heads, layers = (_whole(cfg, k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+        for k, v in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_hidden_layers", layers)):
+            if v < 1:
+                raise ModelConfigError(f"{k}={v} must be a positive integer")
         try:
-            fp8 = parse_quantization_config(cfg.get("quantization_config"), name, int(cfg.get("num_hidden_layers", 1)))
+            fp8 = parse_quantization_config(cfg.get("quantization_config"), name, layers)
         except FP8CheckpointError as e:
             raise ModelConfigError(str(e)) from None
-        heads = int(cfg["num_attention_heads"])
+        # null num_key_value_heads / head_dim mean the defaults (transformers' LlamaConfig); 0 is refused
+        head_dim = _whole(cfg, "head_dim", hidden // heads)
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(_token_id(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+        tie = cfg.get("tie_word_embeddings") or False  # null: untied, as transformers reads it
+        if not isinstance(tie, bool):
+            raise TypeError(f"tie_word_embeddings={tie!r} is not true or false")
         return cls(
             name=name,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=_whole(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_whole(cfg, "intermediate_size"),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            num_kv_heads=_whole(cfg, "num_key_value_heads", heads),
+            head_dim=head_dim,
+            rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=_whole(cfg, "max_position_embeddings", 8192, none_is_default=False),
+            tie_word_embeddings=tie,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dir=checkpoint_dir,
             fp8_checkpoint=fp8,
         )
+
+
+_REQUIRED = object()
+
+
+def _whole(cfg: dict, key: str, default: Any = _REQUIRED, none_is_default: bool = True) -> Any:
+    """config.json's integer `key`: an int, or a float of whole value (some exporters write 4096.0); a fraction,
+    a bool or a string is a TypeError naming it (a cut 32.7 -> 32 or true -> 1 would build another model). A missing
+    required key is the KeyError that from_hf_config names."""
+    v = cfg[key] if default is _REQUIRED else cfg.get(key, default)
+    if v is None and default is not _REQUIRED and none_is_default:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise TypeError(f"{key}={v!r} is not a whole number")
+    return int(v)
+
+
+def _number(cfg: dict, key: str, default: Any = _REQUIRED) -> float:
+    v = cfg[key] if default is _REQUIRED else cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{key}={v!r} is not a number")
+    return float(v)
+
+
+def _token_id(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"eos_token_id holds {v!r}, which is not a token id (an integer)")
+    return v
 
 
 GENERATION_CONFIG = "generation_config.json"
@@ -228,7 +312,7 @@ def _with_generation_eos(eos_ids: tuple[int, ...], checkpoint_dir: str) -> tuple
             gen = json.load(f)
         eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
         extra = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
-        extra = [int(e) for e in extra]
+        extra = [_token_id(e) for e in extra]
     except (UnicodeDecodeError, ValueError, TypeError) as e:
         raise ModelConfigError(
             f"{path}: unreadable ({type(e).__name__}: {e}); its eos_token_id must be an id or a list of ids: "

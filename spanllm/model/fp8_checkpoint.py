@@ -32,6 +32,7 @@ LINEAR_WEIGHTS = (
     "mlp.down_proj",
 )
 SCALE_SUFFIX = "_scale"  # <module>.weight -> <module>.weight_scale
+REGEX_LAYERS = 100_000  # the decoder layers an ignore list's regex is matched against (0.5 s per regex)
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 USE_INSTEAD = "load the bf16 checkpoint with --quantization fp8 (quantized at load) instead"
 
@@ -197,12 +198,15 @@ def _regex_matches(pattern: str, name: str) -> bool:
 def _only_lm_head_ignored(ignored: Any, where: str, num_layers: int, key: str) -> None:
     """Every entry of an ignore list names the LM head and no decoder linear layer (a 're:' entry is a regex)."""
     entries = ignored if isinstance(ignored, list) else [ignored]
-    decoder = [f"model.layers.{i}.{m}" for i in range(max(1, num_layers)) for m in LINEAR_WEIGHTS]
     others = []
     for x in entries:
         if not isinstance(x, str):
             others.append(x)
         elif x.startswith("re:"):
+            # the decoder's names only for a regex (lazily), of at most REGEX_LAYERS layers: a corrupted count such as
+            # 10**9 would take hours here, and the checkpoint check refuses it (no checkpoint holds those layers)
+            layers = range(max(1, min(num_layers, REGEX_LAYERS)))
+            decoder = (f"model.layers.{i}.{m}" for i in layers for m in LINEAR_WEIGHTS)
             if not _names_lm_head(x) or any(_regex_matches(x[3:], n) for n in decoder):
                 others.append(x)
         elif x != "lm_head":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ import torch
 from spanllm.errors import UsageError
 
 GGUF_SUFFIX = ".gguf"
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 SUPPORTED_ARCHITECTURES = ("llama",)
 # The types the loader is tested on (tests/model/test_gguf_quants.py); the reader is gguf.quants.dequantize.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -66,7 +68,39 @@ def _open_gguf(path: str, size: int, mtime_ns: int):
                 f"{path}: truncated: tensor {t.name!r} needs bytes up to {t.data_offset + int(t.n_bytes)} but the "
                 f"file has {size}; copy or download it again"
             )
+    _check_layout(reader, path, size)
     return reader
+
+
+def _check_layout(reader, path: str, size: int) -> None:
+    """The tensors' data lie back to back in the order of their infos, each padded to the alignment, as llama.cpp
+    writes them and requires ("tensor has offset X, expected Y"): a tensor's type or shape edited in the header
+    changes its byte count, so its bytes would overlap the next tensor's or leave a gap, and the reader would
+    dequantize the wrong bytes without a word."""
+    align = int(reader.alignment)
+    expected, before = 0, None
+    for t in reader.tensors:
+        offset = t.data_offset - reader.data_offset
+        if offset != expected:
+            prev = (
+                f"the tensor before it, {before.name!r} ({before.tensor_type.name}, shape {_torch_shape(before)}), "
+                f"ends at {expected}"
+                if before is not None
+                else "the first tensor starts at 0"
+            )
+            raise GGUFError(
+                f"{path}: tensor {t.name!r} starts at data offset {offset}, but {prev}: a tensor's type or shape in "
+                "the header does not match its data (the file is corrupted); copy or download it again"
+            )
+        expected += -(-int(t.n_bytes) // align) * align
+        before = t
+    if reader.tensors and size > reader.data_offset + expected:
+        last = reader.tensors[-1]
+        raise GGUFError(
+            f"{path}: {size - reader.data_offset - expected} bytes follow the last tensor {last.name!r} "
+            f"({last.tensor_type.name}, shape {_torch_shape(last)}), more than its padding: a tensor's type or shape "
+            "in the header does not match its data (the file is corrupted); copy or download it again"
+        )
 
 
 def _field(reader, key: str, default=None):
@@ -81,6 +115,22 @@ def _required(reader, path: str, key: str):
     if v is None:
         raise GGUFError(f"{path}: metadata key {key!r} is missing, which this engine needs; the file is incomplete")
     return v
+
+
+def _typed(path: str, key: str, v, kind: type):
+    """A metadata value of the kind the key holds (an integer for counts and ids, a number for floats): a list (a
+    per-layer value), a string or a float where an integer belongs is refused, naming the key."""
+    ok = isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        ok = ok or isinstance(v, float)
+    if not ok:
+        what = "one integer" if kind is int else "one number"
+        per_layer = " (per-layer values are not supported)" if isinstance(v, list) else ""
+        raise GGUFError(
+            f"{path}: metadata key {key!r} = {str(v)[:80]} must be {what}{per_layer}; this engine cannot load the "
+            "file as it is"
+        )
+    return kind(v)
 
 
 def config_from_gguf(path: str, name: str | None = None):
@@ -103,46 +153,73 @@ def config_from_gguf(path: str, name: str | None = None):
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise GGUFError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; only unscaled rope is")
+    # llama.cpp scales the positions by a factor (its old key: rope.scale_linear) whatever the type says
+    for k in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = _field(reader, k)
+        if factor not in (None, 0, 1):
+            raise GGUFError(
+                f"{path}: {k}={factor} (rope positions scaled by 1/{factor}, as llama.cpp runs it) is not "
+                "supported; only unscaled rope is (or Llama 3.1's, from the model's HF checkpoint folder)"
+            )
 
-    def key(k):
-        return _required(reader, path, f"{arch}.{k}")
+    def key(k, kind=int):
+        return _typed(path, f"{arch}.{k}", _required(reader, path, f"{arch}.{k}"), kind)
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rot = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    def optional(k, default, kind=int):
+        v = _field(reader, k)
+        return default if v is None else _typed(path, k, v, kind)
+
+    experts = optional(f"{arch}.expert_count", 0)
+    if experts:
+        raise GGUFError(
+            f"{path}: {arch}.expert_count={experts}: a mixture-of-experts model (Mixtral-style); this engine builds "
+            "dense Llama models only"
+        )
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    for k, v in (("embedding_length", hidden), ("attention.head_count", heads)):
+        if v < 1:
+            raise GGUFError(f"{path}: metadata {arch}.{k}={v} must be a positive integer; the file is corrupted")
+    kv_heads = optional(f"{arch}.attention.head_count_kv", heads)
+    head_dim = optional(f"{arch}.attention.key_length", hidden // heads)
+    rot = optional(f"{arch}.rope.dimension_count", head_dim)
     if rot != head_dim:
+        derived = _field(reader, f"{arch}.attention.key_length") is None
         raise GGUFError(
             f"{path}: rope.dimension_count={rot} differs from head_dim={head_dim} (partial rotary); not supported"
+            + (
+                f" (head_dim = {arch}.embedding_length {hidden} // {arch}.attention.head_count {heads}"
+                + (", which does not divide it: is the head count corrupted?)" if hidden % heads else ")")
+                if derived
+                else ""
+            )
         )
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: no token_embd.weight tensor; the file is incomplete")
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are innermost-first: (hidden, vocab)
+    # GGUF shapes are innermost-first: (hidden, vocab)
+    vocab = optional(f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1]))
     eos_ids = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        v = _field(reader, k)
-        if v is not None and int(v) not in eos_ids:
-            eos_ids.append(int(v))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+        v = optional(k, None)
+        if v is not None and v not in eos_ids:
+            eos_ids.append(v)
+    bos = optional("tokenizer.ggml.bos_token_id", None)
     stem = os.path.basename(path)[: -len(GGUF_SUFFIX)]
     try:
         return ModelConfig(
             name=name or stem,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            intermediate_size=key("feed_forward_length"),
+            num_layers=key("block_count"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", float),
+            rope_theta=optional(f"{arch}.rope.freq_base", 10000.0, float),
             rope_scaling=None,
-            max_position_embeddings=int(key("context_length")),
+            max_position_embeddings=key("context_length"),
             tie_word_embeddings="output.weight" not in tensors,
-            bos_token_id=None if bos is None else int(bos),
+            bos_token_id=bos,
             eos_token_ids=tuple(eos_ids),
             checkpoint_dir=os.path.abspath(path),
         )
@@ -177,8 +254,30 @@ def check_gguf(cfg) -> None:
 
     path = cfg.checkpoint_dir
     tensors = {t.name: t for t in open_gguf(path).tensors}
-    for hf_name, shape in expected_tensors(cfg).items():
-        name = gguf_tensor_name(hf_name, cfg.num_layers)
+    # the block count against the blocks present first: a corrupted count (up to 2**32) must not build its names
+    blocks = {int(m.group(1)) for m in map(_BLOCK.match, tensors) if m}
+    absent = next((i for i in range(min(cfg.num_layers, len(blocks) + 1)) if i not in blocks), None)
+    if absent is not None:
+        raise GGUFError(
+            f"{path}: tensor 'blk.{absent}.attn_norm.weight' (model.layers.{absent}.input_layernorm.weight) is "
+            f"missing ({len(tensors)} tensors present); the file is incomplete or its metadata does not match its "
+            f"tensors (block_count={cfg.num_layers}, blocks present: {len(blocks)})"
+        )
+    expected = {gguf_tensor_name(n, cfg.num_layers): (n, shape) for n, shape in expected_tensors(cfg).items()}
+    extra = sorted(set(tensors) - set(expected), key=lambda n: (n.startswith("blk."), n))
+    if extra:
+        beyond = [n for n in extra if (m := _BLOCK.match(n)) and int(m.group(1)) >= cfg.num_layers]
+        why = (
+            f"of a block past block_count={cfg.num_layers} (blocks 0 to {max(blocks)} are present)"
+            if beyond
+            else "which a Llama model of this engine has no place for (biases, other architectures' tensors)"
+        )
+        raise GGUFError(
+            f"{path}: holds tensor {(beyond or extra)[0]!r} ({len(extra)} such tensor(s)), {why}; it would be "
+            "ignored and the model run without it: the file's metadata and tensors disagree, or it is not a plain "
+            "Llama model"
+        )
+    for name, (hf_name, shape) in expected.items():
         t = tensors.get(name)
         if t is None:
             raise GGUFError(

@@ -10,7 +10,9 @@ v_proj; gate_up_proj from gate_proj and up_proj.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,9 @@ from spanllm.model.gguf import GGUFCheckpointReader, check_gguf, is_gguf
 from spanllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# safetensors dtypes of unquantized weights: copied into the run's dtype
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 SCALE_DTYPES = ("F32", "BF16", "F16")
 FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SINGLE_FILE = "model.safetensors"
@@ -80,14 +85,56 @@ def read_safetensors_header(path: str) -> dict[str, dict]:
         try:
             header = json.loads(f.read(n))
             tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+            spans = [(int(v["data_offsets"][0]), int(v["data_offsets"][1])) for v in tensors.values()]
+            end = max((stop for _, stop in spans), default=0)
         except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
             raise CheckpointError(f"{path}: the safetensors header is damaged: {fix}") from None
     if size < 8 + n + end:
         raise CheckpointError(
             f"{path}: truncated: the file has {size} bytes, its header describes {8 + n + end}; {fix}"
         )
+    _check_safetensors_layout(path, tensors, size - 8 - n, fix)
     return tensors
+
+
+# bits per element of safetensors' dtypes (its Dtype::bitsize)
+_SAFETENSORS_BITS = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 8),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+
+def _check_safetensors_layout(path: str, tensors: dict, data_bytes: int, fix: str) -> None:
+    """What safetensors checks when a rank opens the file (its header's tensors back to back from byte 0, each as
+    many bytes as its shape and dtype make, covering the data exactly), here in the launching process: an edited
+    shape or offset fails naming the tensor, not as a rank's SafetensorError traceback after the launch."""
+    pos = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: (int(kv[1]["data_offsets"][0]), kv[0])):
+        start, stop = (int(x) for x in info["data_offsets"])
+        shape, dtype = info.get("shape"), info.get("dtype")
+        bits = _SAFETENSORS_BITS.get(dtype)
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(
+                f"{path}: the safetensors header is damaged: tensor {name!r} has shape {shape!r}; {fix}"
+            )
+        need = None if bits is None else -(-math.prod(shape) * bits // 8)
+        if start != pos or stop < start or (need is not None and stop - start != need):
+            size = f": {need} bytes" if need is not None else ""
+            raise CheckpointError(
+                f"{path}: the safetensors header is damaged: tensor {name!r} ({dtype}, shape {tuple(shape)}{size}) "
+                f"takes bytes [{start}, {stop}) of the data, and the tensors before it end at {pos}; {fix}"
+            )
+        pos = stop
+    if pos != data_bytes:
+        raise CheckpointError(
+            f"{path}: the safetensors header is damaged: its tensors cover {pos} bytes of data, and the file holds "
+            f"{data_bytes} (safetensors refuses bytes no tensor covers); {fix}"
+        )
 
 
 def check_checkpoint(cfg) -> None:
@@ -127,6 +174,15 @@ def check_checkpoint(cfg) -> None:
             if weight_map is None or weight_map.get(name) == fname:
                 found[name] = (path, tuple(info.get("shape", ())))
                 dtypes[name] = info.get("dtype")
+    where = index if weight_map is not None else None
+    # the layer count against the layers present first: a corrupted count must not build its names (it would hang)
+    layers = {int(m.group(1)) for m in map(_LAYER.match, found) if m}
+    absent = next((i for i in range(min(cfg.num_layers, len(layers) + 1)) if i not in layers), None)
+    if absent is not None:
+        raise CheckpointError(
+            _missing(f"model.layers.{absent}.input_layernorm.weight", directory, len(found), where)
+            + f" (config.json: num_hidden_layers={cfg.num_layers}; layers present: {len(layers)})"
+        )
     fp8_weights = {f"model.layers.{i}.{m}.weight" for i in range(cfg.num_layers) for m in LINEAR_WEIGHTS}
     for name, dtype in dtypes.items():
         if str(dtype).startswith("F8") and (cfg.fp8_checkpoint is None or name not in fp8_weights):
@@ -141,15 +197,57 @@ def check_checkpoint(cfg) -> None:
             )
     if cfg.fp8_checkpoint is not None:
         _check_fp8_tensors(cfg, directory, found, dtypes)
-    for name, shape in expected_tensors(cfg).items():
+    expected = expected_tensors(cfg)
+    for name, shape in expected.items():
         if name not in found:
-            raise CheckpointError(_missing(name, directory, len(found), index if weight_map is not None else None))
+            raise CheckpointError(_missing(name, directory, len(found), where))
         path, have = found[name]
         if have != shape:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {have} but config.json implies {shape}; the "
                 "checkpoint and config.json disagree"
             )
+        dtype = dtypes.get(name)
+        if dtype not in WEIGHT_DTYPES and not str(dtype).startswith("F8"):  # FP8: checked above
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is {dtype}; the engine loads floating-point weights "
+                f"({', '.join(WEIGHT_DTYPES)}), and a cast of {dtype} values would run other weights than the "
+                "checkpoint's: an integer-quantized checkpoint is not supported (FP8 ones load with their "
+                "quantization_config), else the file is damaged: copy or download it again"
+            )
+    _check_unused_tensors(cfg, directory, found, expected, fp8_weights)
+
+
+def _check_unused_tensors(cfg, directory: str, found: dict, expected: dict, fp8_weights: set) -> None:
+    """Every tensor of the checkpoint is one the model loads: a bias, a layer past num_hidden_layers or an LM head
+    beside tied embeddings would be ignored, and the engine would run another model than the checkpoint's."""
+    allowed = set(expected)
+    if cfg.fp8_checkpoint is not None:
+        allowed |= {n + SCALE_SUFFIX for n in fp8_weights}
+        if cfg.fp8_checkpoint.kv_cache_scheme_unused:  # named in the engine's description as not applied
+            allowed |= {f"model.layers.{i}.self_attn.{kv}_scale" for i in range(cfg.num_layers) for kv in "kv"}
+    # rotary_emb.inv_freq: a buffer older transformers saved, computed from config.json all the same
+    unused = sorted(n for n in found if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
+    if not unused:
+        return
+    if "lm_head.weight" in unused and cfg.tie_word_embeddings:
+        raise CheckpointError(
+            f"{found['lm_head.weight'][0]}: holds lm_head.weight, but config.json says tie_word_embeddings=true (the "
+            'LM head is the embedding matrix), so it would be ignored; set "tie_word_embeddings": false in '
+            "config.json to load it, or remove it from the checkpoint"
+        )
+    past = [n for n in unused if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_layers]
+    name = (past or unused)[0]
+    why = (
+        f"of a layer past config.json's num_hidden_layers={cfg.num_layers}"
+        if past
+        else "which the model config.json describes has no place for (this engine builds bias-free Llama models; "
+        "FP8 checkpoints: weight scales only, no static input scales)"
+    )
+    raise CheckpointError(
+        f"{found[name][0]}: holds tensor {name!r} ({len(unused)} tensor(s) the model would not load), {why}; it "
+        "would be ignored and another model run than the checkpoint's: config.json does not match the weights"
+    )
 
 
 def _missing(name: str, directory: str, present: int, index: str | None) -> str:
@@ -353,6 +451,11 @@ def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
                 param.zero_()  # padding rows past the vocabulary stay zero
             for pc in pieces:
                 t = reader.read(pc.name, pc.full_shape, pc.dim, pc.start, pc.stop)
+                if not t.is_floating_point():  # an integer or bool tensor: a cast would load other weights
+                    raise CheckpointError(
+                        f"tensor {pc.name!r} is {t.dtype} in the checkpoint; the engine loads floating-point "
+                        "weights (an integer-quantized checkpoint is not supported), else the file is damaged"
+                    )
                 if (t.dtype in FP8_TORCH_DTYPES) != (param.dtype in FP8_TORCH_DTYPES) or (
                     param.dtype in FP8_TORCH_DTYPES and t.dtype != param.dtype
                 ):
