@@ -121,9 +121,18 @@ case "$PART" in
 d = copy_bandwidth(1.0); d.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 json.dump(d, open(sys.argv[1], 'w'), indent=1); print('device copy', round(d['TBps_read_plus_write'], 3), 'TB/s')" \
       "$R/copy_bandwidth.json" >"$R/copy.log" 2>&1
-    THROUGHPUT_TIMEOUT=110 GEMM_MODELS=8b GEMM_TIMEOUT=100 GEMM_DEADLINE=80 timeout 490 bash scripts/gpu_fp8.sh \
-      "$R/fp8" ${FP8_STAGES:-decode1 throughput_kv8 throughput_bf16 decode1_bf16 throughput gemm} >"$R/fp8.log" 2>&1
-    pack
+    # one stage at a time, packed after each (a call cut by its device time keeps what ran); no stage starts after
+    # FP8_BUDGET_S seconds
+    T0=$SECONDS
+    for stage in ${FP8_STAGES:-decode1 throughput_kv8 throughput_bf16 decode1_bf16 throughput gemm}; do
+      if [ $((SECONDS - T0)) -gt "${FP8_BUDGET_S:-420}" ]; then
+        echo "=== $stage skipped: past FP8_BUDGET_S" >>"$R/fp8.log"; continue
+      fi
+      gpu_idle
+      THROUGHPUT_TIMEOUT=110 GEMM_MODELS=8b GEMM_TIMEOUT=100 GEMM_DEADLINE=80 timeout 240 bash scripts/gpu_fp8.sh \
+        "$R/fp8" "$stage" >>"$R/fp8.log" 2>&1
+      pack
+    done
     if [ "${PDL:-0}" = 1 ]; then
       gpu_idle
       BUDGET_S=120 bash scripts/gpu_pdl.sh "$R/pdl" decode >"$R/pdl.log" 2>&1
