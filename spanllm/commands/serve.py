@@ -136,10 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     from spanllm import checks
-    from spanllm.commands.engine_args import check_engine_arguments, model_from_args
+    from spanllm.commands.engine_args import check_engine_arguments, check_tokenizer_fits, model_from_args
 
     model_from_args(args, "spanllm serve")
-    check_engine_arguments(args)
+    cfg = check_engine_arguments(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port in [0, 65535]")
     if args.health_port is not None:
@@ -169,6 +169,8 @@ def check_args(args: argparse.Namespace) -> None:
     checks.at_least("--max-model-len", args.max_model_len, 1)
     if not INT64_MIN <= args.seed <= INT64_MAX:
         raise UsageError(f"--seed {args.seed}: give an integer in [{INT64_MIN}, {INT64_MAX}]")
+    if cfg is not None:  # last: it loads the tokenizer (bench throughput loads its own and checks its ids)
+        check_tokenizer_fits(cfg)
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

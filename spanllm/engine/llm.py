@@ -62,7 +62,7 @@ def default_allreduce(device: torch.device) -> str:
 class LLM:
     def __init__(
         self,
-        model: str | ModelConfig,
+        model: str | os.PathLike | ModelConfig,
         engine: EngineConfig | None = None,
         *,
         dims: ParallelDims | None = None,
@@ -72,6 +72,8 @@ class LLM:
         ranks_per_node: int | None = None,
         tuning=None,
     ) -> None:
+        if isinstance(model, os.PathLike):  # a pathlib.Path of a checkpoint folder or .gguf file
+            model = os.fspath(model)
         if not isinstance(model, (str, ModelConfig)):
             raise UsageError(
                 f"model={model!r} ({type(model).__name__}) is not a model: give a preset name, an HF checkpoint "
@@ -650,13 +652,15 @@ class LLM:
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
 
-    def chat(self, messages, params=None, on_output=None) -> list:
+    def chat(self, messages, params=None, on_output=None, *, sampling_params=None) -> list:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts; roles system, user,
         assistant) or a list of conversations. Each goes through the model's chat template (its tokenizer's, which
         ends it with the assistant's turn) and is served as `generate` serves token ids; returns one RequestOutput
-        per conversation, its `text` the answer. params and on_output: as generate's. Collective, as generate."""
+        per conversation, its `text` the answer. params (or sampling_params) and on_output: as generate's.
+        Collective, as generate."""
         from spanllm.engine.tokenizer import TokenizerError
 
+        params = _one_params(params, sampling_params)
         one = isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
         convs = [messages] if one else messages
         if not isinstance(convs, (list, tuple)) or not convs:
@@ -673,11 +677,12 @@ class LLM:
                 raise UsageError(f"conversation {i}: {e}") from None
         return self.generate(prompts, params, on_output)
 
-    def generate(self, prompts, params=None, on_output=None) -> list:
+    def generate(self, prompts, params=None, on_output=None, *, sampling_params=None) -> list:
         """Serve `prompts` to completion on the serving engine; returns one RequestOutput per prompt, in order. A
         prompt is a string, a list of token ids (Python, numpy or torch integers), or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}; `prompts` is one prompt (a string, a list of ints: vLLM's rule) or a list of
-        them. `params`: one SamplingParams for every prompt, or a list of one per prompt. Collective: call it on
+        them. `params` (or `sampling_params`, vLLM's name): one SamplingParams for every prompt, or a list of one
+        per prompt. Collective: call it on
         every TP rank (rank 0 schedules and returns the outputs; the others run the step plans it sends and
         return []). `on_output(out)`, if given, is called on rank 0 with every RequestOutput of every step as it
         lands (new tokens, `finished`): a progress bar's hook; it runs inside the engine loop, so keep it cheap.
@@ -685,6 +690,7 @@ class LLM:
         from spanllm.engine.engine_core import RequestError
         from spanllm.engine.prompts import params_list, prompt_list, prompt_of
 
+        params = _one_params(params, sampling_params)
         self._check_open("generate")
         if self._generating:  # its steps would take the outer call's outputs, which then returned None for them
             raise UsageError(
@@ -775,3 +781,10 @@ class LLM:
             raise UsageError(
                 f"{what} on a closed LLM: close() released its communicator and CUDA graphs; build a new LLM"
             )
+
+
+def _one_params(params, sampling_params):
+    """generate's and chat's sampling parameters, given by our name or vLLM's (not both)."""
+    if params is not None and sampling_params is not None:
+        raise UsageError("params and sampling_params are the same argument (vLLM's name and ours): give one of them")
+    return params if sampling_params is None else sampling_params

@@ -3,10 +3,7 @@ prompt forms included), one SamplingParams per prompt. Anything else is refused 
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-from spanllm.engine.sampler import SamplingParams
+from spanllm.engine.sampler import SamplingParams, _as_int, _is_int
 from spanllm.errors import UsageError
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
@@ -14,9 +11,7 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPromp
 
 def _is_token_id(x) -> bool:
     """An integer of any kind but bool: a Python or numpy int, a 0-d integer tensor."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    return _is_int(_as_int(x))
 
 
 def prompt_list(prompts) -> list:
@@ -56,6 +51,8 @@ def prompt_of(i: int, p):
             raise RequestError(
                 f"prompt {i}: 'prompt' is {p!r} ({type(p).__name__}); give it text, or use prompt_token_ids"
             )
+        if keys[0] == "prompt_token_ids" and isinstance(p, str):  # not to be encoded as if it were 'prompt'
+            raise RequestError(f"prompt {i}: 'prompt_token_ids' is {p!r} (str); give it token ids, or use 'prompt'")
     if isinstance(p, str):
         return p
     if p is None:

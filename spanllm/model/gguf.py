@@ -133,18 +133,8 @@ def _typed(path: str, key: str, v, kind: type):
     return kind(v)
 
 
-def config_from_gguf(path: str, name: str | None = None):
-    """The ModelConfig described by a GGUF file's metadata (architecture, shapes, rope, BOS/EOS)."""
-    from spanllm.model.config import ModelConfig, ModelConfigError
-
-    reader = open_gguf(path)
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: general.architecture={arch!r} is not supported; this engine builds "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family) GGUF files only"
-        )
-    tensors = {t.name: t for t in reader.tensors}
+def _check_unscaled_rope(reader, path: str, arch: str, tensors: dict) -> None:
+    """The file's rope is the plain one the engine runs for GGUF files: no per-frequency factors, no scaling."""
     if "rope_freqs.weight" in tensors:
         raise GGUFError(
             f"{path}: holds rope_freqs.weight (per-frequency rope factors, Llama 3.1-style scaling), which this "
@@ -161,6 +151,21 @@ def config_from_gguf(path: str, name: str | None = None):
                 f"{path}: {k}={factor} (rope positions scaled by 1/{factor}, as llama.cpp runs it) is not "
                 "supported; only unscaled rope is (or Llama 3.1's, from the model's HF checkpoint folder)"
             )
+
+
+def config_from_gguf(path: str, name: str | None = None):
+    """The ModelConfig described by a GGUF file's metadata (architecture, shapes, rope, BOS/EOS)."""
+    from spanllm.model.config import ModelConfig, ModelConfigError
+
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: general.architecture={arch!r} is not supported; this engine builds "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family) GGUF files only"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    _check_unscaled_rope(reader, path, arch, tensors)
 
     def key(k, kind=int):
         return _typed(path, f"{arch}.{k}", _required(reader, path, f"{arch}.{k}"), kind)

@@ -219,9 +219,13 @@ def check_checkpoint(cfg) -> None:
 
 
 def _check_unused_tensors(cfg, directory: str, found: dict, expected: dict, fp8_weights: set) -> None:
-    """Every tensor of the checkpoint is one the model loads: a bias, a layer past num_hidden_layers or an LM head
-    beside tied embeddings would be ignored, and the engine would run another model than the checkpoint's."""
+    """Every tensor of the checkpoint is one the model loads: a bias or a layer past num_hidden_layers would be
+    ignored, and the engine would run another model than the checkpoint's."""
     allowed = set(expected)
+    if cfg.tie_word_embeddings:
+        # fine-tuning tools may save the tied head beside the embedding: the head is the embedding all the same, and
+        # vLLM skips the copy too (vllm-project/vllm#6758)
+        allowed.add("lm_head.weight")
     if cfg.fp8_checkpoint is not None:
         allowed |= {n + SCALE_SUFFIX for n in fp8_weights}
         if cfg.fp8_checkpoint.kv_cache_scheme_unused:  # named in the engine's description as not applied
@@ -230,12 +234,6 @@ def _check_unused_tensors(cfg, directory: str, found: dict, expected: dict, fp8_
     unused = sorted(n for n in found if n not in allowed and not n.endswith(".rotary_emb.inv_freq"))
     if not unused:
         return
-    if "lm_head.weight" in unused and cfg.tie_word_embeddings:
-        raise CheckpointError(
-            f"{found['lm_head.weight'][0]}: holds lm_head.weight, but config.json says tie_word_embeddings=true (the "
-            'LM head is the embedding matrix), so it would be ignored; set "tie_word_embeddings": false in '
-            "config.json to load it, or remove it from the checkpoint"
-        )
     past = [n for n in unused if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_layers]
     name = (past or unused)[0]
     why = (

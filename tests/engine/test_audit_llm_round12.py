@@ -72,6 +72,7 @@ def test_vllm_prompt_dicts_are_honoured(llm):
         ([{"prompt": "hi", "multi_modal_data": {}}], r"prompt 0 is a dict with keys \['multi_modal_data', 'prompt'\]"),
         ([{"text": "hi"}], r"give \{'prompt': text\} or \{'prompt_token_ids': ids\}"),
         ([{"prompt": [1, 2]}], r"prompt 0: 'prompt' is \[1, 2\] \(list\); give it text, or use prompt_token_ids"),
+        ([{"prompt_token_ids": "hi"}], r"prompt 0: 'prompt_token_ids' is 'hi' \(str\); give it token ids, or use"),
         ([[5, 6], b"hello"], r"prompt 1 is b'hello' \(bytes\), not a prompt: give a string or a list of token ids"),
         ([[5, 6], 7], r"prompt 1 is 7 \(int\), not a prompt"),
         (torch.tensor([1.0, 2.0]), r"prompt 0 is tensor\(1\.\) \(Tensor\), not a prompt"),  # was TypeError, 0-d
@@ -307,3 +308,12 @@ def test_smollm2_flat_numpy_ids_and_a_string_are_one_prompt_each():
     with pytest.raises(UsageError, match=r"messages=\[\]: give one conversation"):
         llm.chat([])
     llm.close()
+
+
+def test_sampling_params_by_vllms_keyword(llm):
+    """generate(prompts, sampling_params=...) as vLLM's LLM takes it: the same tokens as our positional params; both
+    at once refused."""
+    out = llm.generate([[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))
+    assert out[0].output_ids == TINY_567
+    with pytest.raises(UsageError, match="params and sampling_params are the same argument"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), sampling_params=SamplingParams(max_tokens=4))

@@ -10,9 +10,10 @@ Each test failed against the code before its fix:
 - config.json: zero heads (traceback), 32.7 / true / "false" / null ids coerced, 0 KV heads or head_dim replaced
   by the default, a zero or negative context, rope_theta / rms_norm_eps / llama3 rope factors that make NaN, an odd
   head_dim (crashed in the rank), an EOS id outside the vocabulary (never stops);
-- safetensors: a bias, a layer past num_hidden_layers, lm_head.weight beside tied embeddings, integer weights
-  (all ignored or cast silently, the LLM API too); a header safetensors itself refuses (offsets that disagree with a
-  tensor's shape and dtype, bytes past the last tensor: a rank's traceback after the launch);
+- safetensors: a bias, a layer past num_hidden_layers, integer weights (all ignored or cast silently, the LLM API
+  too); a header safetensors itself refuses (offsets that disagree with a tensor's shape and dtype, bytes past the
+  last tensor: a rank's traceback after the launch). An lm_head.weight beside tied embeddings still loads (vLLM
+  skips it: fine-tuning tools save one);
 - serve: a tokenizer of another model (its BOS outside the vocabulary: a traceback at the warm-up).
 """
 
@@ -363,12 +364,6 @@ def _add(name, value):
             "past config.json's num_hidden_layers=2",
         ),
         (
-            {**CONFIG, "tie_word_embeddings": True},
-            None,
-            "holds lm_head.weight, but config.json says tie_word_embeddings=true (the LM head is the embedding "
-            'matrix), so it would be ignored; set "tie_word_embeddings": false in config.json to load it',
-        ),
-        (
             None,
             _add("model.layers.0.mlp.up_proj.weight", torch.ones(64, 32, dtype=torch.int8)),
             "tensor 'model.layers.0.mlp.up_proj.weight' is I8; the engine loads floating-point weights (BF16, F16, "
@@ -380,7 +375,7 @@ def _add(name, value):
             "tensor 'model.norm.weight' is I32; the engine loads floating-point weights",
         ),
     ],
-    ids=["bias", "layer past the count", "lm_head beside tied embeddings", "int8 weight", "int32 norm"],
+    ids=["bias", "layer past the count", "int8 weight", "int32 norm"],
 )
 def test_checkpoint_tensors_the_model_would_not_load(tmp_path, no_ranks, capsys, config, change, message):
     d = _checkpoint(tmp_path / "ckpt", config, change)
@@ -418,16 +413,48 @@ def test_safetensors_header_safetensors_would_refuse_in_the_rank(tmp_path, no_ra
         "again" in line
     )
     d = _checkpoint(tmp_path / "tail")
-    with open(f"{d}/model.safetensors", "ab") as f:
+    path = f"{d}/model.safetensors"
+    b = open(path, "rb").read()
+    data = len(b) - 8 - int.from_bytes(b[:8], "little")
+    with open(path, "ab") as f:
         f.write(bytes(8))
     line = _refused(capsys, _generate(d))
-    assert "the safetensors header is damaged: its tensors cover " in line
-    assert "(safetensors refuses bytes no tensor covers)" in line
+    assert (
+        f"{path}: the safetensors header is damaged: its tensors cover {data} bytes of data, and the file holds "
+        f"{data + 8} (safetensors refuses bytes no tensor covers); copy or download the file again" in line
+    )
 
 
 def test_rotary_inv_freq_buffers_of_older_checkpoints_still_load(tmp_path):
     d = _checkpoint(tmp_path / "ckpt", change=_add("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4)))
     check_checkpoint(ModelConfig.from_hf_config(d))
+
+
+def test_lm_head_beside_tied_embeddings_loads_as_the_embedding(tmp_path):
+    """Fine-tuned checkpoints with tie_word_embeddings=true may hold lm_head.weight too; vLLM skips it
+    (vllm-project/vllm#6758), and so does this engine: the head is the embedding, not the file's lm_head."""
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+
+    d = _checkpoint(tmp_path / "ckpt", {**CONFIG, "tie_word_embeddings": True})
+    assert "lm_head.weight" in safetensors_torch.load_file(f"{d}/model.safetensors")
+    check_checkpoint(ModelConfig.from_hf_config(d))
+    llm = LLM(d, EngineConfig(dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=16), device="cpu")
+    embed = safetensors_torch.load_file(f"{d}/model.safetensors")["model.embed_tokens.weight"]
+    assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
+    assert torch.equal(llm.model.lm_head.weight[: CONFIG["vocab_size"]], embed)
+    llm.close()
+
+
+def test_llm_api_takes_a_pathlib_path(tmp_path):
+    """LLM(Path(folder)) was refused as 'not a model' (it named the checkpoint folder it was given as the fix)."""
+    from spanllm.engine.config import EngineConfig
+    from spanllm.engine.llm import LLM
+
+    d = _checkpoint(tmp_path / "ckpt")
+    llm = LLM(tmp_path / "ckpt", EngineConfig(dtype=torch.float32, max_num_seqs=2, max_num_batched_tokens=16))
+    assert llm.config.checkpoint_dir == d and llm.config.num_layers == CONFIG["num_hidden_layers"]
+    llm.close()
 
 
 def test_llm_api_refuses_integer_weights(tmp_path):
