@@ -1,7 +1,7 @@
 """A progress bar over a batch of requests that an engine runs to completion (`spanllm bench throughput`):
 requests finished / total, output tokens/s since the start, time elapsed.
 
-Shown on a terminal only (rich's Console on stderr decides: FORCE_TERMINAL / TTY_COMPATIBLE / TERM=dumb
+Shown on a terminal only (rich's Console on stderr decides: TTY_COMPATIBLE / FORCE_COLOR / TERM=dumb
 are honoured). Elsewhere (a log file, a pipe, pytest) `on_output` is None, so the engine loop calls
 nothing: runs whose output is captured time exactly what they timed before. On a terminal the hook costs
 a few additions per output, and rich redraws from its own thread a few times a second.

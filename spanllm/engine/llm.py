@@ -652,11 +652,11 @@ class LLM:
                     self._engine_core.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         return self.tokenizer
 
-    def chat(self, messages, params=None, on_output=None, *, sampling_params=None) -> list:
+    def chat(self, messages, params=None, on_output=None, *, sampling_params=None, use_tqdm=False) -> list:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts; roles system, user,
         assistant) or a list of conversations. Each goes through the model's chat template (its tokenizer's, which
         ends it with the assistant's turn) and is served as `generate` serves token ids; returns one RequestOutput
-        per conversation, its `text` the answer. params (or sampling_params) and on_output: as generate's.
+        per conversation, its `text` the answer. params (or sampling_params), on_output and use_tqdm: as generate's.
         Collective, as generate."""
         from spanllm.engine.tokenizer import TokenizerError
 
@@ -675,9 +675,9 @@ class LLM:
                 prompts.append(tok.apply_chat_template(list(conv) if isinstance(conv, tuple) else conv))
             except TokenizerError as e:
                 raise UsageError(f"conversation {i}: {e}") from None
-        return self.generate(prompts, params, on_output)
+        return self.generate(prompts, params, on_output, use_tqdm=use_tqdm)
 
-    def generate(self, prompts, params=None, on_output=None, *, sampling_params=None) -> list:
+    def generate(self, prompts, params=None, on_output=None, *, sampling_params=None, use_tqdm=False) -> list:
         """Serve `prompts` to completion on the serving engine; returns one RequestOutput per prompt, in order. A
         prompt is a string, a list of token ids (Python, numpy or torch integers), or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}; `prompts` is one prompt (a string, a list of ints: vLLM's rule) or a list of
@@ -686,7 +686,10 @@ class LLM:
         every TP rank (rank 0 schedules and returns the outputs; the others run the step plans it sends and
         return []). `on_output(out)`, if given, is called on rank 0 with every RequestOutput of every step as it
         lands (new tokens, `finished`): a progress bar's hook; it runs inside the engine loop, so keep it cheap.
-        Every prompt and parameter is checked before any request is admitted."""
+        `use_tqdm` (vLLM's name): a progress bar of finished requests and output tok/s on stderr, where that is a
+        terminal (spanllm.bench.progress, drawn by rich). Every prompt and parameter is checked before any request
+        is admitted."""
+        from spanllm.bench.progress import RequestProgress
         from spanllm.engine.engine_core import RequestError
         from spanllm.engine.prompts import params_list, prompt_list, prompt_of
 
@@ -710,6 +713,8 @@ class LLM:
                     f"on_output={on_output!r} ({type(on_output).__name__}) is not callable: give a function of one "
                     "RequestOutput, or None"
                 )
+            if not isinstance(use_tqdm, bool):
+                raise UsageError(f"use_tqdm={use_tqdm!r} ({type(use_tqdm).__name__}): give True or False")
             ids_list, texts = [], []
             for i, p in enumerate(prompts):
                 p = prompt_of(i, p)
@@ -728,16 +733,19 @@ class LLM:
                     )
             ids_of: dict[str, int] = {}
             results: list = [None] * len(prompts)
+            bar = RequestProgress(len(prompts), "generate") if use_tqdm else contextlib.nullcontext()
+            hooks = [h for h in (use_tqdm and bar.on_output, on_output) if h]  # the bar's is None off a terminal
             try:
                 for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
                     seq = core.add_request(ids, sp, with_text=t)
                     ids_of[seq.request_id] = i
-                while core.has_unfinished():
-                    for out in core.step():
-                        if on_output is not None:
-                            on_output(out)
-                        if out.finished and out.request_id in ids_of:
-                            results[ids_of[out.request_id]] = out
+                with bar:
+                    while core.has_unfinished():
+                        for out in core.step():
+                            for hook in hooks:
+                                hook(out)
+                            if out.finished and out.request_id in ids_of:
+                                results[ids_of[out.request_id]] = out
             except BaseException:
                 for rid in ids_of:  # nothing of this call stays queued for the next one
                     core.abort_request(rid)

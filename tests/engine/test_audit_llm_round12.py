@@ -317,3 +317,15 @@ def test_sampling_params_by_vllms_keyword(llm):
     assert out[0].output_ids == TINY_567
     with pytest.raises(UsageError, match="params and sampling_params are the same argument"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), sampling_params=SamplingParams(max_tokens=4))
+
+
+def test_use_tqdm_draws_a_bar_on_a_terminal_and_keeps_the_tokens(llm, capsys, monkeypatch):
+    """use_tqdm (vLLM's): a bar of finished requests on stderr where it is a terminal; the tokens are the same."""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich: stderr counts as a terminal
+    seen = []
+    out = llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), on_output=seen.append, use_tqdm=True)
+    assert [o.output_ids for o in out] == [TINY_567] * 3 and sum(o.finished for o in seen) == 3
+    err = capsys.readouterr().err
+    assert "generate" in err and "3/3" in err
+    with pytest.raises(UsageError, match=r"use_tqdm='yes' \(str\): give True or False"):
+        llm.generate([[5, 6, 7]], use_tqdm="yes")
