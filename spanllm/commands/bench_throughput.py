@@ -2,7 +2,7 @@
 contract: requests from ShareGPT V3 (vLLM's sampling) or random lengths, every request with
 temperature 1.0, top_p 1.0, ignore_eos and max_tokens = its output length, all handed to the engine at
 once; prints "Throughput: X requests/s, Y total tokens/s, Z output tokens/s" and writes JSON. On a terminal,
-rank 0 shows a progress bar on stderr while the requests run (spanllm.bench.progress).
+rank 0 shows a progress bar on stderr while the requests run (spanllm.engine.progress).
 
     spanllm bench throughput --model tiny --dataset-name random --input-len 32 --output-len 16 --num-prompts 8
     spanllm bench throughput --model llama3.1-8b --num-prompts 1000 --json results/throughput.json     # GPU
@@ -22,7 +22,6 @@ import time
 import numpy as np
 import torch
 
-from spanllm.bench.progress import RequestProgress
 from spanllm.commands.dataset_args import (
     add_dataset_arguments,
     check_dataset_arguments,
@@ -39,6 +38,7 @@ from spanllm.commands.engine_args import (
     resolve_dtype,
 )
 from spanllm.engine import cuda_allocator
+from spanllm.engine.progress import RequestProgress
 from spanllm.engine.warmup import warm_up, warm_up_worker
 from spanllm.errors import UsageError
 from spanllm.launch import DistContext, finish, launch

@@ -65,6 +65,33 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": handling this request's data failed (the others go on)
 
+    # vLLM's names for the same values, for code written against vllm.RequestOutput: `out.outputs[0].text`,
+    # `out.prompt_token_ids` (one completion per request: n > 1 is the server's, as n requests)
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt_ids
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [
+            CompletionOutput(
+                0, self.text, self.output_ids, self.finish_reason, self.stop_reason, self.logprobs, self.finished
+            )
+        ]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's CompletionOutput fields of a RequestOutput (RequestOutput.outputs)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+
 
 @dataclass
 class _InFlight:

@@ -687,10 +687,10 @@ class LLM:
         return []). `on_output(out)`, if given, is called on rank 0 with every RequestOutput of every step as it
         lands (new tokens, `finished`): a progress bar's hook; it runs inside the engine loop, so keep it cheap.
         `use_tqdm` (vLLM's name): a progress bar of finished requests and output tok/s on stderr, where that is a
-        terminal (spanllm.bench.progress, drawn by rich). Every prompt and parameter is checked before any request
+        terminal (spanllm.engine.progress, drawn by rich). Every prompt and parameter is checked before any request
         is admitted."""
-        from spanllm.bench.progress import RequestProgress
         from spanllm.engine.engine_core import RequestError
+        from spanllm.engine.progress import RequestProgress
         from spanllm.engine.prompts import params_list, prompt_list, prompt_of
 
         params = _one_params(params, sampling_params)

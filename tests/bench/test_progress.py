@@ -1,5 +1,5 @@
 """`bench throughput`'s progress: LLM.generate's on_output hook sees every output of every step, and the bar
-(spanllm.bench.progress) counts finished requests and output tokens; without a terminal there is no hook."""
+(spanllm.engine.progress) counts finished requests and output tokens; without a terminal there is no hook."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import torch
 from rich.console import Console
 
-from spanllm.bench.progress import RequestProgress
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
+from spanllm.engine.progress import RequestProgress
 from spanllm.engine.sampler import SamplingParams
 
 

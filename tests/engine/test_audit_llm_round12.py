@@ -329,3 +329,12 @@ def test_use_tqdm_draws_a_bar_on_a_terminal_and_keeps_the_tokens(llm, capsys, mo
     assert "generate" in err and "3/3" in err
     with pytest.raises(UsageError, match=r"use_tqdm='yes' \(str\): give True or False"):
         llm.generate([[5, 6, 7]], use_tqdm="yes")
+
+
+def test_request_output_answers_to_vllms_names(llm):
+    """out.outputs[0].text / .token_ids / .finish_reason and out.prompt_token_ids, as on vllm.RequestOutput."""
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, logprobs=1))
+    assert out.prompt_token_ids == [5, 6, 7]
+    (c,) = out.outputs
+    assert (c.index, c.token_ids, c.finish_reason, c.finished) == (0, TINY_567, "length", True)
+    assert c.text == out.text and [lp.token_id for lp in c.logprobs] == TINY_567

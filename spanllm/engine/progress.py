@@ -1,5 +1,5 @@
-"""A progress bar over a batch of requests that an engine runs to completion (`spanllm bench throughput`):
-requests finished / total, output tokens/s since the start, time elapsed.
+"""A progress bar over a batch of requests that an engine runs to completion (`LLM.generate(use_tqdm=True)`,
+`spanllm bench throughput`): requests finished / total, output tokens/s since the start, time elapsed.
 
 Shown on a terminal only (rich's Console on stderr decides: TTY_COMPATIBLE / FORCE_COLOR / TERM=dumb
 are honoured). Elsewhere (a log file, a pipe, pytest) `on_output` is None, so the engine loop calls
