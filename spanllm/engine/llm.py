@@ -682,10 +682,10 @@ class LLM:
         prompt is a string, a list of token ids (Python, numpy or torch integers), or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}; `prompts` is one prompt (a string, a list of ints: vLLM's rule) or a list of
         them. `params` (or `sampling_params`, vLLM's name): one SamplingParams for every prompt, or a list of one
-        per prompt. Collective: call it on
-        every TP rank (rank 0 schedules and returns the outputs; the others run the step plans it sends and
-        return []). `on_output(out)`, if given, is called on rank 0 with every RequestOutput of every step as it
-        lands (new tokens, `finished`): a progress bar's hook; it runs inside the engine loop, so keep it cheap.
+        per prompt. Collective: call it on every TP rank (rank 0 schedules and returns the outputs; the others run
+        the step plans it sends and return []). `on_output(out)`, if given, is called on rank 0 with every
+        RequestOutput of every step as it lands (new tokens, `finished`): a progress bar's hook; it runs inside the
+        engine loop, so keep it cheap.
         `use_tqdm` (vLLM's name): a progress bar of finished requests and output tok/s on stderr, where that is a
         terminal (spanllm.engine.progress, drawn by rich). Every prompt and parameter is checked before any request
         is admitted."""
@@ -733,13 +733,13 @@ class LLM:
                     )
             ids_of: dict[str, int] = {}
             results: list = [None] * len(prompts)
-            bar = RequestProgress(len(prompts), "generate") if use_tqdm else contextlib.nullcontext()
-            hooks = [h for h in (use_tqdm and bar.on_output, on_output) if h]  # the bar's is None off a terminal
+            bar = RequestProgress(len(prompts), "generate") if use_tqdm else None
+            hooks = [h for h in (bar and bar.on_output, on_output) if h]  # the bar's hook is None off a terminal
             try:
                 for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
                     seq = core.add_request(ids, sp, with_text=t)
                     ids_of[seq.request_id] = i
-                with bar:
+                with bar or contextlib.nullcontext():
                     while core.has_unfinished():
                         for out in core.step():
                             for hook in hooks:
@@ -773,6 +773,8 @@ class LLM:
     def close(self) -> None:
         """Drop CUDA graphs (they hold the communicator's captured calls), then close an owned communicator. Nothing
         runs on this LLM afterwards (generate, generate_batch and scoring refuse); a second close does nothing."""
+        if self._closed:
+            return
         self._closed = True
         if self._worker is not None:
             self._worker.reset_graphs()

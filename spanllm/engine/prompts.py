@@ -3,7 +3,7 @@ prompt forms included), one SamplingParams per prompt. Anything else is refused 
 
 from __future__ import annotations
 
-from spanllm.engine.sampler import SamplingParams, _as_int, _is_int
+from spanllm.engine.sampler import SamplingParams, as_int, is_int
 from spanllm.errors import UsageError
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
@@ -11,7 +11,7 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPromp
 
 def _is_token_id(x) -> bool:
     """An integer of any kind but bool: a Python or numpy int, a 0-d integer tensor."""
-    return _is_int(_as_int(x))
+    return is_int(as_int(x))
 
 
 def prompt_list(prompts) -> list:

@@ -88,7 +88,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, _as_float(getattr(self, name)))
         for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
-            object.__setattr__(self, name, _as_int(getattr(self, name)))
+            object.__setattr__(self, name, as_int(getattr(self, name)))
         if isinstance(self.ignore_eos, np.bool_):
             object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         if not isinstance(self.ignore_eos, bool):
@@ -98,24 +98,24 @@ class SamplingParams:
                 f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
             )
         _check_range("top_p", self.top_p, 0.0, 1.0, "1 = no nucleus cut", open_low=True)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise SamplingParamsError(f"top_k={self.top_k!r} must be -1 or 0 (off) or a positive integer")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise SamplingParamsError(
                 f"min_tokens={self.min_tokens!r} must be an integer between 0 and max_tokens={self.max_tokens}"
             )
-        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise SamplingParamsError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1] (int64)")
         if self.top_k > INT32_MAX or self.max_tokens > INT32_MAX:
             raise SamplingParamsError(f"top_k={self.top_k} and max_tokens={self.max_tokens} must be <= {INT32_MAX}")
         object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings", one_string=True))
         ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids, e.g. [2]")
-        object.__setattr__(self, "stop_token_ids", tuple(_as_int(t) for t in ids))
+        object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in ids))
         if any(not isinstance(t, str) or not t for t in self.stop):
             raise SamplingParamsError(f"stop={self.stop!r} must hold non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids={self.stop_token_ids!r} must hold non-negative integers")
         # once each (in order): every step checks a row's ids, and masks them before min_tokens
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
@@ -123,7 +123,7 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "0 = off")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "1 = off", open_low=True)
         _check_range("min_p", self.min_p, 0.0, 1.0, "0 = off")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamsError(
                 f"logprobs={self.logprobs!r} must be None (none) or an integer in [0, {MAX_LOGPROBS}] (the sampled "
                 "token's logprob plus that many of the most likely tokens')"
@@ -157,7 +157,7 @@ class SamplingParams:
         return ids, bias
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -165,7 +165,7 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _as_int(v):
+def as_int(v):
     """An integer of any kind (numpy's, a 0-d integer tensor) as a Python int; anything else (bools included) as it
     is, for the checks to name."""
     if isinstance(v, np.integer) or (isinstance(v, torch.Tensor) and v.dim() == 0 and _integer_dtype(v.dtype)):
@@ -209,13 +209,13 @@ def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
         return ()
     pairs = bias.items() if isinstance(bias, Mapping) else bias
     try:
-        pairs = [(_as_int(t), _as_float(b)) for t, b in pairs]
+        pairs = [(as_int(t), _as_float(b)) for t, b in pairs]
     except (TypeError, ValueError):
         raise SamplingParamsError(
             f"logit_bias={bias!r} must be (token id, bias) pairs or a {{id: bias}} mapping"
         ) from None
     for t, b in pairs:
-        if not _is_int(t) or t < 0:
+        if not is_int(t) or t < 0:
             raise SamplingParamsError(f"logit_bias token id {t!r} must be a non-negative integer")
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
             raise SamplingParamsError(
