@@ -286,7 +286,7 @@ class LLM:
             f"[{self.model.layer_ids.start}, {self.model.layer_ids.stop}) | {self.engine.dtype} on {self.device} | "
             f"all-reduce {self.allreduce_name} | attention {r.backend.describe(self.engine.dtype)} | "
             f"CUDA graphs {graphs}{timers}, {self.describe_pdl()} | "
-            f"{self.kv_sizing.describe()}{self.describe_allocator()} | "
+            f"{self.kv_sizing.describe()}{self.describe_fp8_decode()}{self.describe_allocator()} | "
         )
         if fixed_batch is None:
             fixed_batch = self._engine_core is None and (self._ran_fixed_batch or self.dims.pp > 1)
@@ -335,6 +335,21 @@ class LLM:
         from spanllm.engine.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD
 
         return self._cpu_token_cap(self.engine.long_prefill_token_threshold, CPU_LONG_PREFILL_TOKEN_THRESHOLD)
+
+    def describe_fp8_decode(self) -> str:
+        """How the Triton decode kernel reads an FP8 cache under bf16 queries (paged_attention.decode_widen)."""
+        if self.worker.backend.name != "triton" or self.kv_sizing.dtype != torch.float8_e4m3fn:
+            return ""
+        from spanllm.kernels import paged_attention
+
+        widen = paged_attention.decode_widen(self.engine.dtype, torch.float8_e4m3fn)
+        how = {
+            None: f"read in {self.engine.dtype}",
+            "fp16": "keys and values widened to fp16",
+            "bf16": "keys and values widened to bf16",
+            "e4m3": "FP8 dots, q and P rounded to e4m3",
+        }[widen]
+        return f", decode attention: {how}"
 
     def describe_allocator(self) -> str:
         """On a GPU, the CUDA caching allocator's settings (spanllm.engine.cuda_allocator)."""
