@@ -364,12 +364,12 @@ def test_engine_with_an_fp8_cache_graphs_equal_eager_and_reference_backend():
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_decode_fp8_dots_on_the_8b_shapes(splits, prefetch, widen):
-    """widen='e4m3' (both dots on FP8 tensor cores) and 'qk-e4m3' (the scores' only) at 32 query / 8 KV heads of 128 over an FP8 cache: within the
-    bound that rounding each weight to e4m3 allows (0.134 x half the range of the values averaged, the bf16 store's
-    2^-8) of the float64 result of the same quantized q (tests/engine/paged_pools.py). Not against the emulation of
-    P's rounding as on CPU: the GPU's exp2 is approximate, so a weight near a rounding boundary rounds one e4m3 step
-    the other way, and a large weight's step moves the output by up to 2^-4 of it (seen on an H100: 0.079 in one
-    head of 32)."""
+    """widen='e4m3' (both dots on FP8 tensor cores) and 'qk-e4m3' (the scores' only) at 32 query / 8 KV heads of
+    128 over an FP8 cache: within the bound that rounding each weight to e4m3 allows (0.134 x half the range of the
+    values averaged, the bf16 store's 2^-8) of the float64 result of the same quantized q
+    (tests/engine/paged_pools.py). Not against the emulation of P's rounding as on CPU: the GPU's exp2 is
+    approximate, so a weight near a rounding boundary rounds one e4m3 step the other way, and a large weight's step
+    moves the output by up to 2^-4 of it (seen on an H100: 0.079 in one head of 32)."""
     from paged_pools import fp8_dots_reference
 
     ctx = [1, 77, 128, 129, 1000]
