@@ -49,20 +49,15 @@
 #   fp8-profile   any Hopper GPU: where an FP8 ShareGPT run's time goes (scripts/gpu_profile_steps.py: the step trace
 #                 of the 1000 requests and kernel tables of decode at batch 1 / 256, prefill and mixed steps) with
 #                 a bf16 (PROFILE_KV=auto) and an FP8 KV cache (fp8)
-#   fp8-dots      any Hopper GPU: an FP8 cache's decode attention on FP8 tensor cores (widen e4m3: q and P rounded
-#                 to e4m3) against the fp16 widening: the GPU tests, the kernel at the launch shapes
-#                 (scripts/gpu_decode_launch.py --widen fp16,e4m3), then offline ShareGPT in FP8 with an FP8 KV cache,
-#                 FP8_DECODE_WIDEN set per run (DOTS_RUNS, default fp16 e4m3 fp16 e4m3; DOTS_WIDENS and DOTS_LAUNCHES
-#                 narrow the kernel's sweep; qk-e4m3: only the scores' dot on FP8)
 # Carry .whl (fastapi, uvicorn, pydantic, quicktok wheels for the GPU image).
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage|w8a8|fp8-dots}
+PART=${1:?usage: bash scripts/gpu_acceptance.sh long-prefix|long-serve|serve|fp8|fp8-serve|validate|diagnose|fp8-profile|conversation|decode-launch|gemv|coverage|w8a8}
 case "$PART" in  # an unknown part is refused before anything else is checked
   long-prefix | long-serve | serve | fp8 | fp8-serve | validate | diagnose | fp8-profile | conversation | \
-  decode-launch | gemv | coverage | w8a8 | fp8-dots) ;;
+  decode-launch | gemv | coverage | w8a8) ;;
   *) echo "unknown part $PART: one of long-prefix long-serve serve fp8 fp8-serve validate diagnose fp8-profile" \
-    "conversation decode-launch gemv coverage w8a8 fp8-dots"; exit 2 ;;
+    "conversation decode-launch gemv coverage w8a8"; exit 2 ;;
 esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
@@ -71,7 +66,7 @@ echo "=== $PART on ${GPU:-no GPU}"
 case "$GPU:$PART" in
   *H200*:*) ;;
   *H100*:validate | *H100*:diagnose | *H100*:fp8-profile | *H100*:decode-launch | *H100*:conversation | *H100*:gemv | \
-  *H100*:coverage | *H100*:w8a8 | *H100*:fp8-dots) ;;  # any Hopper
+  *H100*:coverage | *H100*:w8a8) ;;  # any Hopper
   *) [ "${ANY_GPU:-0}" = 1 ] || { echo "not an H200 ($GPU): the goals are an H200's; ANY_GPU=1 runs anyway"; exit 3; } ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
@@ -257,30 +252,6 @@ json.dump(d, open(sys.argv[1], 'w'), indent=1); print('device copy', round(d['TB
       pack
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], round(d['output_tokens_per_second']), 'output tok/s')" \
         "$R/sharegpt_fp8_kv8_table_$t.json" 2>/dev/null || tail -3 "$R/sharegpt_$t.log"
-    done ;;
-  fp8-dots)
-    timeout ${PYTEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-      tests/engine/test_gpu_paged.py -k "fp8_dots or fp8_kv_cache_writes" >"$R/pytest.txt" 2>&1
-    tail -3 "$R/pytest.txt"
-    pack
-    gpu_idle
-    timeout 100 python3 scripts/gpu_decode_launch.py "$R/decode_dots" --dtypes fp8 --widen ${DOTS_WIDENS:-fp16,e4m3} \
-      --launches ${DOTS_LAUNCHES:-128x4x3,128x4x2,64x4x3,128x8x2} --budget-s 80 >"$R/decode_dots.log" 2>&1
-    grep -E "best|widen" "$R/decode_dots.log" | tail -14
-    pack
-    S=results/h200/inputs/sharegpt_llama3_seed0_n1000.json
-    i=0
-    for w in ${DOTS_RUNS:-fp16 e4m3 fp16 e4m3}; do
-      i=$((i + 1))
-      gpu_idle
-      # the engine runs in this process on one GPU, so the module's default is what its decode kernels take
-      timeout 110 python3 -c "import sys; import spanllm.kernels.paged_attention as pa; pa.FP8_DECODE_WIDEN = sys.argv[1]
-from spanllm.cli import main; sys.exit(main(sys.argv[2:]))" $w bench throughput \
-        --model llama3.1-8b --quantization fp8 --kv-cache-dtype fp8 --num-prompts 1000 --samples-file $S \
-        --json "$R/sharegpt_fp8_kv8_${w}_$i.json" >"$R/sharegpt_${w}_$i.log" 2>&1
-      pack
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], round(d['output_tokens_per_second']), 'output tok/s')" \
-        "$R/sharegpt_fp8_kv8_${w}_$i.json" 2>/dev/null || tail -3 "$R/sharegpt_${w}_$i.log"
     done ;;
   gemv)
     timeout ${GEMV_TIMEOUT:-230} python3 scripts/gpu_gemv.py "$R/gemv" --budget-s ${GEMV_BUDGET_S:-200} >"$R/gemv.log" 2>&1

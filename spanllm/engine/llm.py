@@ -337,19 +337,16 @@ class LLM:
         return self._cpu_token_cap(self.engine.long_prefill_token_threshold, CPU_LONG_PREFILL_TOKEN_THRESHOLD)
 
     def describe_fp8_decode(self) -> str:
-        """How the Triton decode kernel reads an FP8 cache under bf16 queries (paged_attention.decode_widen)."""
+        """What the Triton decode kernel widens an FP8 cache's keys and values to: fp16 or bf16 under bf16 queries
+        (paged_attention.FP8_DECODE_WIDEN), else the queries' dtype."""
         if self.worker.backend.name != "triton" or self.kv_sizing.dtype != torch.float8_e4m3fn:
             return ""
         from spanllm.kernels import paged_attention
 
-        widen = paged_attention.decode_widen(self.engine.dtype, torch.float8_e4m3fn)
-        how = {
-            None: f"read in {self.engine.dtype}",
-            "fp16": "keys and values widened to fp16",
-            "bf16": "keys and values widened to bf16",
-            "e4m3": "FP8 dots, q and P rounded to e4m3",
-        }[widen]
-        return f", decode attention: {how}"
+        to = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(self.engine.dtype)
+        if paged_attention.decode_widens_to_f16(self.engine.dtype, torch.float8_e4m3fn):
+            to = "fp16"
+        return f", decode attention: keys and values widened to {to}"
 
     def describe_allocator(self) -> str:
         """On a GPU, the CUDA caching allocator's settings (spanllm.engine.cuda_allocator)."""

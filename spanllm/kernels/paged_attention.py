@@ -22,9 +22,7 @@ the few tiles on the diagonal with the causal mask. The host lists tiles heavies
 Numerics: scores and the softmax in float32 (exp2 with log2(e) folded into the scale), P cast to the
 value dtype for the second dot, fp32 accumulation, one rounding at the store. An FP8 cache (--kv-cache-dtype
 fp8: e4m3 values, scale 1) is widened to the query's dtype as each K/V tile is loaded (exact); the dots then
-run as with a bf16 cache, on half the bytes. The decode kernel can instead run both dots on FP8 tensor cores
-(widen="e4m3", FP8_DECODE_WIDEN): q quantized per (token, head) to e4m3 once per program, P scaled by 2^8 and
-rounded to e4m3 per tile; the keys and values are not converted at all (see decode_widen).
+run as with a bf16 cache, on half the bytes.
 """
 
 from __future__ import annotations
@@ -86,36 +84,21 @@ def prefetch_block_ids(programs: int, device: torch.device) -> bool:
 # 3 stages except at 256 x 256 (1.01x), and the FP8 ShareGPT run gains 3.4%. (ptxas's spills of the fp16 form with
 # block ids one tile ahead, results/cpu_sm90_compile/, do not show in those times.)
 FP8_DECODE_WIDEN = "fp16"
-# "e4m3": no widening; both dots on FP8 tensor cores. Exact for the keys and values (they are e4m3 already); q
-# and P are rounded to e4m3 (3 mantissa bits) instead of fp16 (10), which adds error of the cache's own order.
-DECODE_WIDENS = ("fp16", "bf16", "e4m3", "qk-e4m3")
-# P (in [0, 1]) is scaled by 2^8 before it is rounded to e4m3 (_fp8_dots_keys); the dot's result is scaled back by
-# 2^-8 (both exact).
-P_FP8_SCALE = tl.constexpr(256.0)
 
 
-def decode_widen(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> str | None:
-    """What the decode kernel does with an FP8 cache's tiles under bf16 queries: "fp16" (widened to fp16, q in
-    fp16), "bf16" (widened to q's dtype) or "e4m3" (not widened: q and P rounded to e4m3, the dots on FP8 tensor
-    cores); widen None takes FP8_DECODE_WIDEN. None for every other cache and query dtype (their tiles take q's
-    dtype), where a widen is refused."""
-    if widen not in (None, *DECODE_WIDENS):
-        raise ValueError(
-            f"widen={widen!r}: one of None (the default, FP8_DECODE_WIDEN), {', '.join(map(repr, DECODE_WIDENS))}"
-        )
+def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> bool:
+    """Whether the decode kernel widens an FP8 cache to fp16 (with q in fp16) rather than to q's bf16 (widen None:
+    FP8_DECODE_WIDEN)."""
+    if widen not in (None, "fp16", "bf16"):
+        raise ValueError(f"widen={widen!r}: one of None (the default, FP8_DECODE_WIDEN), 'fp16', 'bf16'")
     if cache_dtype != torch.float8_e4m3fn or q_dtype != torch.bfloat16:
         if widen is not None:
             raise ValueError(
                 f"widen={widen!r} applies to an FP8 cache under bf16 queries; this is a {cache_dtype} cache under "
                 f"{q_dtype} queries: pass widen=None"
             )
-        return None
-    return widen or FP8_DECODE_WIDEN
-
-
-def decode_widens_to_f16(q_dtype: torch.dtype, cache_dtype: torch.dtype, widen: str | None = None) -> bool:
-    """Whether the decode kernel widens an FP8 cache to fp16 (with q in fp16): decode_widen(...) == "fp16"."""
-    return decode_widen(q_dtype, cache_dtype, widen) == "fp16"
+        return False
+    return (widen or FP8_DECODE_WIDEN) == "fp16"
 
 
 def num_splits_for(batch: int, kv_heads: int, device: torch.device) -> int:
@@ -227,85 +210,6 @@ def _shared_prefix_kernel(
 
 
 @triton.jit
-def _fp8_dots_keys(
-    q,
-    k_ptr,
-    v_ptr,
-    bt_ptr,
-    b,
-    h,
-    start,
-    n,
-    t0,
-    t1,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_btb,
-    scale_log2,
-    G_PAD: tl.constexpr,
-    D: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PV_FP8: tl.constexpr,
-):
-    """The decode key loop over an FP8 cache with both dots on FP8 tensor cores (widen="e4m3"): key tiles t0..t1
-    of (row b, KV head h) -> (m, l, acc [G_PAD, D]) as the widening loops return them.
-
-    Transposed: S^T = K q^T [BLOCK, G_PAD] and O^T += V^T P^T [D, G_PAD], so the tile's 128 keys (and the head
-    dim) are the MMA's M, which Hopper's wgmma needs (64 rows a warp group) and G_PAD is its N (16: the 4 query
-    heads of a KV head padded). With the query heads as M (the widening loops) Triton lowers an e4m3 dot to
-    mma.sync on fp16 after converting both operands: no saving. Here neither K nor V is converted at all.
-    q is scaled (softmax scale included) and quantized per row to e4m3 as the cache's keys are stored: the row's
-    largest |value| maps to 448 (padding rows are 0 and stay 0: their scale is the floor); the scores come out in
-    units of that scale. P (in [0, 1]) is scaled by 2^8 before it is rounded to e4m3, so that weights down to
-    2^-17 stay representable instead of flushing below e4m3's 2^-9, and l sums the same rounded weights, so the
-    output stays a convex combination of the values. IEEE divisions (div_rn), as the tests' emulation divides."""
-    d = tl.arange(0, D)
-    qf = q.to(tl.float32) * scale_log2
-    q_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(qf), 1), tl.full([G_PAD], 448.0, tl.float32)), 1e-30)
-    q8 = tl.clamp(tl.math.div_rn(qf, q_scale[:, None] + tl.zeros_like(qf)), -448.0, 448.0)
-    q8 = q8.to(k_ptr.dtype.element_ty)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc_t = tl.zeros([D, G_PAD], tl.float32)  # PV_FP8: O^T
-    acc = tl.zeros([G_PAD, D], tl.float32)  # else: O
-    if PREFETCH:
-        nxt = start + t0 * BLOCK + tl.arange(0, BLOCK)
-        blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
-    else:
-        blk = tl.zeros([BLOCK], tl.int32)  # loaded in the loop
-    for t in range(t0, t1):
-        offs = start + t * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        if not PREFETCH:
-            blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
-        row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-        if PREFETCH:  # the next tile's block ids, one iteration ahead
-            nxt = offs + BLOCK
-            blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
-        s_t = tl.dot(k, tl.trans(q8)) * q_scale[None, :]  # [BLOCK, G_PAD], log2 units
-        s_t = tl.where(ok[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        if PV_FP8:
-            p8 = (tl.exp2(s_t - m_new[None, :]) * P_FP8_SCALE).to(k_ptr.dtype.element_ty)
-            l_i = l_i * alpha + tl.sum(p8.to(tl.float32), 0) * (1.0 / P_FP8_SCALE)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p8) * (1.0 / P_FP8_SCALE)
-        else:  # P @ V as the fp16 widening runs it: V widened, P in fp16, the query heads as M (mma.sync)
-            p = tl.trans(tl.exp2(s_t - m_new[None, :]))  # [G_PAD, BLOCK]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        m_i = m_new
-    if PV_FP8:
-        acc = tl.trans(acc_t)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -343,8 +247,6 @@ def _decode_kernel(
     HAS_PREFIX: tl.constexpr,
     PREFIX_SPLITS: tl.constexpr,
     WIDEN_F16: tl.constexpr,
-    FP8_DOTS: tl.constexpr,
-    FP8_PV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_then_release(PDL)
@@ -369,79 +271,54 @@ def _decode_kernel(
         q = tl.load(
             q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
         )
-        if FP8_DOTS:
-            m_i, l_i, acc = _fp8_dots_keys(
-                q,
-                k_ptr,
-                v_ptr,
-                bt_ptr,
-                b,
-                h,
-                start,
-                n,
-                t0,
-                t1,
-                stride_kb,
-                stride_kt,
-                stride_kh,
-                stride_btb,
-                scale_log2,
-                G_PAD,
-                D,
-                CACHE_BLOCK,
-                BLOCK,
-                PREFETCH,
-                FP8_PV,
-            )
-        else:
-            score_scale = scale_log2
-            if WIDEN_F16:
-                # An FP8 cache widened to fp16, not bf16: e4m3 -> fp16 is one instruction per two values
-                # (cvt.rn.f16x2.e4m3x2) and e4m3 -> bf16 goes through fp16 (one more instruction per value); the key
-                # loop is bound by that work, not by its loads. q goes to fp16 already scaled (|q| up to 65504 /
-                # scale_log2, ~5e5 at d = 128, fits), p is in [0, 1]: both keep more mantissa than in bf16.
-                q = (q.to(tl.float32) * scale_log2).to(tl.float16)
-                score_scale = 1.0
-            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, D], tl.float32)
-            if PREFETCH:
-                # Each tile's block ids are loaded one iteration ahead, so a tile costs one trip to memory (its K and
-                # V, issued together) instead of three in a row (block ids, then K, then V after the scores).
-                nxt = start + t0 * BLOCK + tl.arange(0, BLOCK)
+        score_scale = scale_log2
+        if WIDEN_F16:
+            # An FP8 cache widened to fp16, not bf16: e4m3 -> fp16 is one instruction per two values
+            # (cvt.rn.f16x2.e4m3x2) and e4m3 -> bf16 goes through fp16 (one more instruction per value); the key
+            # loop is bound by that work, not by its loads. q goes to fp16 already scaled (|q| up to 65504 /
+            # scale_log2, ~5e5 at d = 128, fits), p is in [0, 1]: both keep more mantissa than in bf16.
+            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+            score_scale = 1.0
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        if PREFETCH:
+            # Each tile's block ids are loaded one iteration ahead, so a tile costs one trip to memory (its K and
+            # V, issued together) instead of three in a row (block ids, then K, then V after the scores).
+            nxt = start + t0 * BLOCK + tl.arange(0, BLOCK)
+            blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
+            for t in range(t0, t1):
+                offs = start + t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                nxt = offs + BLOCK
                 blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
-                for t in range(t0, t1):
-                    offs = start + t * BLOCK + tl.arange(0, BLOCK)
-                    ok = offs < n
-                    row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-                    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                    nxt = offs + BLOCK
-                    blk = tl.load(bt_ptr + b * stride_btb + nxt // CACHE_BLOCK, mask=nxt < n, other=0)
-                    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2
-                    scores = tl.where(ok[None, :], scores, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(scores, 1))
-                    p = tl.exp2(scores - m_new[:, None])
-                    alpha = tl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                    m_i = m_new
-            else:
-                for t in range(t0, t1):
-                    offs = start + t * BLOCK + tl.arange(0, BLOCK)
-                    ok = offs < n
-                    blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
-                    row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
-                    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2
-                    scores = tl.where(ok[None, :], scores, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(scores, 1))
-                    p = tl.exp2(scores - m_new[:, None])
-                    alpha = tl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                    m_i = m_new
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+        else:
+            for t in range(t0, t1):
+                offs = start + t * BLOCK + tl.arange(0, BLOCK)
+                ok = offs < n
+                blk = tl.load(bt_ptr + b * stride_btb + offs // CACHE_BLOCK, mask=ok, other=0)
+                row = blk.to(tl.int64) * stride_kb + (offs % CACHE_BLOCK) * stride_kt + h * stride_kh
+                k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale  # [G_PAD, BLOCK], log2 units
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                p = tl.exp2(scores - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
         out_rows = out_ptr + b * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
         if n_active == 1:  # the whole context in this split: no partials, no merge
             if HAS_PREFIX:
@@ -512,10 +389,9 @@ def decode(
     step's shared-prefix plan on the device (spanllm.attention.shared_prefix): stage 1 runs first, over its
     units, then this kernel over each row's own keys, folding the row's stage-1 partials in. block_n, num_warps,
     num_stages: the key loop's launch shape (default: DECODE_LAUNCH for the cache's element size; a sweep sets them).
-    widen: what an FP8 cache's keys and values widen to under bf16 queries, "fp16" (q in fp16, scaled first),
-    "bf16" (the queries' dtype) or "e4m3" (none: FP8 dots, q and P rounded to e4m3); default FP8_DECODE_WIDEN.
-    Other caches take q's dtype."""
-    widen = decode_widen(q.dtype, k_cache.dtype, widen)
+    widen: what an FP8 cache's keys and values widen to under bf16 queries, "fp16" (q in fp16, scaled first) or
+    "bf16" (the queries' dtype); default FP8_DECODE_WIDEN. Other caches take q's dtype."""
+    widen_f16 = decode_widens_to_f16(q.dtype, k_cache.dtype, widen)
     b, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -570,9 +446,7 @@ def decode(
         PREFETCH=prefetch_block_ids(b * hkv * num_splits, q.device) if prefetch is None else prefetch,
         HAS_PREFIX=shared is not None,
         PREFIX_SPLITS=MAX_PREFIX_SPLITS,
-        WIDEN_F16=widen == "fp16",
-        FP8_DOTS=widen in ("e4m3", "qk-e4m3"),
-        FP8_PV=widen == "e4m3",
+        WIDEN_F16=widen_f16,
         num_warps=num_warps or launch[1],
         num_stages=num_stages or launch[2],
         **launch_options(q.device),

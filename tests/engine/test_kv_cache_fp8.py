@@ -21,6 +21,7 @@ from spanllm.attention.reference import reference_decode
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.llm import LLM
 from spanllm.engine.worker.kv_cache import bytes_per_block
+from spanllm.kernels import paged_attention as pa
 
 FP8 = torch.float8_e4m3fn
 
@@ -47,7 +48,7 @@ def test_write_kv_is_torchs_saturating_cast_and_readers_widen_it():
     assert torch.equal(got, want)
 
 
-def test_an_fp8_pool_holds_twice_the_tokens():
+def test_an_fp8_pool_holds_twice_the_tokens(monkeypatch):
     assert bytes_per_block(32, 16, 8, 128, FP8) * 2 == bytes_per_block(32, 16, 8, 128, torch.bfloat16)
     assert EngineConfig(kv_cache_dtype="fp8").kv_dtype == FP8
     assert EngineConfig(dtype=torch.float16).kv_dtype == torch.float16
@@ -65,6 +66,12 @@ def test_an_fp8_pool_holds_twice_the_tokens():
             assert layer[0].dtype == layer[1].dtype == (FP8 if kv == "fp8" else torch.bfloat16)
             assert f"KV cache: {sizes[kv] - 1} blocks" in llm.describe()
             assert ("torch.float8_e4m3fn, " in llm.describe()) == (kv == "fp8")
+            assert "decode attention:" not in llm.describe()  # the reference backend gathers and widens in torch
+            if kv == "fp8":  # the Triton backend's decode kernel names what it widens the cache to
+                monkeypatch.setattr(runner.backend, "name", "triton")
+                assert ", decode attention: keys and values widened to fp16" in llm.describe()
+                monkeypatch.setattr(pa, "FP8_DECODE_WIDEN", "bf16")
+                assert ", decode attention: keys and values widened to bf16" in llm.describe()
         finally:
             llm.close()
     assert sizes["fp8"] == 2 * sizes["auto"]

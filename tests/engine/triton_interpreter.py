@@ -7,9 +7,6 @@ monkeypatch while an interpreter test runs; the GPU path needs neither.
 - `widen_bf16_dot`: it stores bf16 (and e4m3) as raw bits and its tl.dot multiplies those bits as integers: widen
   bf16 and float8_e4m3fn operands to fp32 first (exact: every bf16 and e4m3 value is an fp32), which is what the
   tensor cores compute.
-- `round_fp8_casts`: its casts to float8_e4m3fn drop the bits below e4m3's mantissa and add the first of them back
-  without a carry, so a value just under a power of two falls to the power below (31.7 -> 16, where the GPU's
-  round-to-nearest-even gives 32): convert through torch instead (round to nearest even, as the GPU's cvt.rn).
 """
 
 from __future__ import annotations
@@ -117,25 +114,3 @@ def interpreted_module(monkeypatch, name: str):
     pytest.importorskip("triton")
     patch_scalar_index(monkeypatch)  # numpy >= 2.4
     return importlib.import_module(name)
-
-
-def round_fp8_casts(monkeypatch) -> None:
-    import numpy as np
-    import torch
-    import triton
-    from triton.runtime import interpreter
-
-    orig = interpreter.InterpreterBuilder.create_fp_to_fp
-    e4m3 = triton.language.float8e4nv
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != e4m3:
-            return orig(self, src, dst_type, rounding_mode)
-        wide = src.data
-        if src.dtype.scalar not in (triton.language.float32, triton.language.float16):
-            wide = interpreter._convert_float(wide, src.dtype.scalar, triton.language.float32, None).view(np.float32)
-        # every caller clamps to +-448 first (the GPU's cvt saturates; torch's cast would give NaN past it)
-        q = torch.from_numpy(np.ascontiguousarray(wide, dtype=np.float32)).to(torch.float8_e4m3fn)
-        return interpreter.TensorHandle(q.view(torch.uint8).numpy(), e4m3)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
