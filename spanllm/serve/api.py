@@ -35,7 +35,15 @@ from spanllm.engine.engine_core import RequestError
 from spanllm.engine.sampler import GREEDY_BELOW, INT32_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailable, QueueFull
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
-from spanllm.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body, validate
+from spanllm.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    clip,
+    error_body,
+    parse_body,
+    validate,
+)
 from spanllm.serve.response_body import RawJSON, dumps, encode_yielding
 
 DEFAULT_TEMPERATURE = 1.0  # a request without temperature samples at 1, as on OpenAI and vLLM
@@ -383,7 +391,10 @@ def build_app(
     async def model(model: str):
         if model != model_name:
             raise APIError(
-                f"The model `{model}` does not exist: this server serves {model_name!r}", "model", 404, "NotFoundError"
+                f"The model `{clip(model)}` does not exist: this server serves {model_name!r}",
+                "model",
+                404,
+                "NotFoundError",
             )
         return model_card()
 
@@ -404,7 +415,7 @@ def build_app(
         )
         if req.model is not None and req.model != model_name:
             raise APIError(
-                f"The model `{req.model}` does not exist: this server serves {model_name!r}",
+                f"The model `{clip(req.model)}` does not exist: this server serves {model_name!r}",
                 "model",
                 404,
                 "NotFoundError",
@@ -582,9 +593,11 @@ def build_app(
         }
         if not req.stream:
             return await complete(request, queues, rid, base, chat, len(prompt_ids), echo_text, lp)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        opts = req.stream_options
+        include_usage = opts is not None and bool(opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
         return StreamingResponse(
-            stream_gen(queues, rid, base, chat, include_usage, len(prompt_ids), echo_text, lp),
+            stream_gen(queues, rid, base, chat, include_usage, continuous, len(prompt_ids), echo_text, lp),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -632,35 +645,29 @@ def build_app(
         body = {**base, "object": obj, "choices": choices, "usage": usage(num_prompt, num_output)}
         return Response(await encode_yielding(body), media_type="application/json")
 
-    async def stream_gen(queues, rid, base, chat, include_usage, num_prompt, echo_text, lp):
+    async def stream_gen(queues, rid, base, chat, include_usage, continuous, num_prompt, echo_text, lp):
+        """continuous (stream_options.continuous_usage_stats): every chunk of choice i also carries the usage so far,
+        with choice i's completion tokens (vLLM's count); the last chunk (include_usage) has all choices'."""
         n = len(queues)
         done: set[int] = set()
         num_output = [0] * n
 
-        def chunk(i: int, text: str | None, logprobs=None, finish=None, **extra) -> str:
+        def chunk(i: int, text: str | None, logprobs=None, finish=None, role: bool = False, **extra) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
+                if role:
+                    delta = {"role": "assistant", **delta}
                 c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}
             else:
                 c = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish, **extra}
+            if continuous:
+                return sse({**base, "choices": [c], "usage": usage(num_prompt, num_output[i])})
             return sse({**base, "choices": [c]})
 
         try:
             for i in range(n):
                 if chat:
-                    yield sse(
-                        {
-                            **base,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                    yield chunk(i, "", role=True)
                 elif echo_text:
                     yield chunk(i, echo_text)
             async for i, d in merged(queues, None):

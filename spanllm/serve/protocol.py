@@ -62,6 +62,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None  # null or absent: no usage chunk
+    # vLLM's: every chunk also carries the usage so far (its choice's completion tokens, as vLLM counts them)
+    continuous_usage_stats: bool | None = None
 
 
 class TextPart(_Strict):
@@ -123,6 +125,12 @@ class _Sampling(_Strict):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
+        o = self.stream_options
+        if o is not None and o.continuous_usage_stats and not o.include_usage:
+            raise ValueError(
+                "stream_options: continuous_usage_stats=true puts the usage in every chunk of a stream that has one; "
+                "give include_usage=true too, or drop continuous_usage_stats"
+            )
         return self
 
 
@@ -193,6 +201,14 @@ REFUSED_CHAT = {
 
 def parse_body(raw: bytes) -> dict:
     """Raw bytes -> a JSON object (no key twice in any object); `validate` checks what it holds."""
+    if not raw.strip():
+        raise APIError("the request body is empty: send a JSON object (Content-Type: application/json)")
+    encoding = json.detect_encoding(raw)
+    if encoding.startswith("utf-16") or encoding.startswith("utf-32"):  # json.loads reads them; JSON is UTF-8
+        raise APIError(
+            f"the request body is not valid JSON: not UTF-8 (its first bytes are those of {encoding.upper()} "
+            "text); send it as UTF-8 (RFC 8259)"
+        )
     try:
         body = json.loads(raw, object_pairs_hook=_object_without_repeated_keys)
     except RecursionError:
@@ -246,13 +262,19 @@ def _check_text(s: str, path: str) -> None:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
         raise APIError(
-            f"{path or 'a key'}: not valid UTF-8 text (a lone surrogate {s[e.start]!r} at character {e.start})",
+            f"{clip(path, 200) or 'a key'}: not valid UTF-8 text (a lone surrogate {s[e.start]!r} at character "
+            f"{e.start})",
             _top(path),
         ) from None
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """A client's string as an error message quotes it: at most `limit` characters, "..." marking a cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _top(path: str) -> str | None:
-    return path.split(".")[0].split("[")[0] or None
+    return clip(path.split(".")[0].split("[")[0]) or None
 
 
 def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: int, max_stop_token_ids: int):
@@ -266,11 +288,18 @@ def validate(body: dict, chat: bool, *, max_stop_strings: int, max_stop_length: 
         if name in body and not ok(body[name]):
             raise APIError(f"{name}: {why}", name)
     model = ChatCompletionRequest if chat else CompletionRequest
+    body_best_of = body.get("best_of")  # 1 or None (REFUSED_COMPLETIONS)
     body = {k: v for k, v in body.items() if k not in refused and v is not None}  # null: absent
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         raise _as_api_error(e, model, body) from None
+    if not chat and body_best_of is not None and req.n > body_best_of:
+        raise APIError(
+            f"best_of={body_best_of} with n={req.n}: best_of candidates are generated and the best n of them "
+            f"returned, so best_of must be >= n; drop best_of (only best_of=1 is served)",
+            "best_of",
+        )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > max_stop_strings:
         raise APIError(f"stop: {len(stops)} strings; at most {max_stop_strings} (--max-stop-strings)", "stop")
@@ -342,14 +371,15 @@ def _as_api_error(e: ValidationError, model: type[BaseModel], body: dict) -> API
     if err["type"] == "value_error":  # our own model validators: "field: reason"
         msg = str(err.get("ctx", {}).get("error", err["msg"]))
         return APIError(msg, msg.split(":", 1)[0])
+    # the client's keys are clipped: an error names them, it does not echo a megabyte key back (twice: param too)
+    loc = [clip(x) for x in loc]
     param = loc[0] if loc else None
     where = ".".join(x if x else "''" for x in loc) or "the body"
     if err["type"] == "extra_forbidden":
         return APIError(f"{where}: unknown field (this server refuses what it would not honour)", param)
     if err["type"] == "missing":
         return APIError(f"{where}: required", param)
-    got = repr(err.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
+    got = clip(repr(err.get("input")), 60)
     bounds = None
     if err["type"] in _BOUND_ERRORS:
         bounds = _bounds(model, loc[0]) if len(loc) == 1 else _ITEM_RANGES.get(loc[0])
