@@ -29,8 +29,11 @@ from spanllm.perf.plan import (
     PREFILL_ALGO,
     PlanRow,
     best,
+    candidate_layouts,
     fewest_nodes_that_fit,
     fits_somewhere,
+    largest_batch_that_fits,
+    nodes_with_layouts,
     plan,
     robustness,
     row_to_dict,
@@ -38,6 +41,10 @@ from spanllm.perf.plan import (
 from spanllm.perf.quantization import get_quantization
 
 MAX_NODES = 4096  # a bound on typos, far above any cluster the presets describe
+MAX_SEED = 2**32 - 1  # numpy's legacy RandomState, which draws the arrivals (spanllm.bench.serve_metrics)
+# Below this the replay's clock (arrival times up to --num-requests / rate seconds) loses the step times' precision
+# (at 1e-300 every TTFT and TPOT came out 0); one request every 10,000 s is far below any serving question.
+MIN_REQUEST_RATE = 1e-4
 # Each mode's own options, None when not given (check_args refuses them in the other mode, then fills these in).
 STATIC_DEFAULTS = {"batch": 16, "prompt": 2048, "decode": 256}
 SERVE_DEFAULTS = {
@@ -179,11 +186,21 @@ def check_args(args: argparse.Namespace):
         raise UsageError("--quantization fp8 prices the static batch; --serve prices bf16 only (drop one of them)")
     if args.kv_cache_dtype != "auto" and args.serve:
         raise UsageError("--kv-cache-dtype fp8 prices the static batch; --serve prices bf16 only (drop one of them)")
+    for flag, value in (("--quantization", args.quantization), ("--kv-cache-dtype", args.kv_cache_dtype)):
+        if value == "fp8" and not has_fp8(cluster):
+            raise UsageError(
+                f"{flag} fp8: cluster {cluster.name}'s {cluster.gpu} has no FP8 tensor cores (fp8_gemm_speedup "
+                f"{cluster.fp8_gemm_speedup:g}), and spanllm refuses FP8 below compute capability 8.9 (Ada, Hopper); "
+                f"drop {flag}, or give a cluster file with fp8_gemm_speedup > 1 for an FP8 GPU"
+            )
+    if args.serve:
+        _serve_flags_that_would_be_ignored(args)
     check_modes(args)
     if not args.serve:
         for flag in ("--batch", "--prompt", "--decode"):
             _positive_int(flag, getattr(args, flag[2:]), 1, 10**7)
         _fits_context(model, "--prompt + --decode", args.prompt, args.decode)
+        _has_layouts(args, model, cluster)
         return model, cluster
     gpus_all = args.nodes * cluster.gpus_per_node
     if args.gpus is not None:
@@ -192,8 +209,12 @@ def check_args(args: argparse.Namespace):
     _positive_int("--max-num-batched-tokens", args.max_num_batched_tokens, 1, 1 << 20)
     _positive_int("--min-admit", args.min_admit, 1, args.max_num_seqs, "at most --max-num-seqs")
     _positive_int("--num-requests", args.num_requests, 1, 10**6)
-    if not args.request_rate > 0:
-        raise UsageError(f"--request-rate {args.request_rate:g}: must be > 0 requests per second (or inf)")
+    if not args.request_rate >= MIN_REQUEST_RATE:
+        raise UsageError(
+            f"--request-rate {args.request_rate:g}: must be > 0 requests per second and at least {MIN_REQUEST_RATE:g} "
+            "(one every 10,000 s; slower, the replay's clock loses the step times), or inf (all at once)"
+        )
+    _positive_int("--seed", args.seed, 0, MAX_SEED, "numpy's RandomState draws the arrivals")
     if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
         raise UsageError(f"--burstiness {args.burstiness:g}: must be a finite number > 0 (1: Poisson arrivals)")
     for flag in ("--slo-tpot-ms", "--slo-ttft-ms"):
@@ -221,6 +242,43 @@ def check_args(args: argparse.Namespace):
     elif not Path(args.samples_file).is_file():
         raise UsageError(f"--samples-file {str(args.samples_file)!r}: no such file")
     return model, cluster
+
+
+def has_fp8(cluster) -> bool:
+    """Whether the cluster's GPUs run spanllm's FP8: FP8 tensor cores, which a ClusterSpec states as
+    fp8_gemm_speedup > 1 (1.0, the default of a cluster file that leaves it out, means none: an A100)."""
+    return cluster.fp8_gemm_speedup > 1.0
+
+
+def _serve_flags_that_would_be_ignored(args: argparse.Namespace) -> None:
+    """Refuse a serving option that the trace would not use: --burstiness when every request arrives at once (rate
+    inf), and --num-requests with a samples file (its requests are the file's). (--seed stays allowed at rate inf,
+    as `bench serve` takes one seed for every rate of a sweep; it draws nothing there.)"""
+    if (args.request_rate is None or math.isinf(args.request_rate)) and args.burstiness is not None:
+        raise UsageError(
+            f"--burstiness {args.burstiness:g}: shapes the arrival gaps, but at --request-rate inf (the default) every "
+            "request arrives at t=0; give --request-rate R, or drop --burstiness"
+        )
+    if args.num_requests is not None and args.samples_file is not None:
+        raise UsageError(
+            f"--num-requests {args.num_requests}: counts the requests of --lengths; --samples-file "
+            f"{str(args.samples_file)!r} brings its own requests; drop --num-requests (or use --lengths P:O)"
+        )
+
+
+def _has_layouts(args: argparse.Namespace, model, cluster) -> None:
+    """Refuse a node count that admits no TP x PP layout of the model (spanllm.perf.plan.candidate_layouts)."""
+    if candidate_layouts(model, cluster, args.nodes, args.batch):
+        return
+    high = MAX_NODES if cluster.has_network else 1
+    below, above = nodes_with_layouts(model, cluster, args.nodes, high)
+    fix = " or ".join(f"--nodes {n}" for n in (below, above) if n is not None) or "a cluster of another node size"
+    g = cluster.gpus_per_node
+    raise UsageError(
+        f"--nodes {args.nodes}: {args.nodes} x {g} = {args.nodes * g} GPUs admit no layout of {model.label}: "
+        f"the TP degree must divide its {model.num_heads} heads and divide a node's {g} GPUs or span whole nodes, "
+        f"and PP = GPUs / TP is at most its {model.num_layers} layers; use {fix}"
+    )
 
 
 def _fits_context(model, what: str, prompt: int, output: int, fix: str = "") -> None:
@@ -378,8 +436,8 @@ def _quantization(args: argparse.Namespace, weights: str | None):
 
 
 def _how_to_fit(args: argparse.Namespace, model, cluster, workload: Workload, quant) -> str:
-    """What would fit: more nodes (the fewest, where the cluster has a network), FP8 weights on these nodes, or
-    a smaller model."""
+    """What would fit: more nodes (the fewest, where the cluster has a network), FP8 weights on these nodes (on
+    GPUs with FP8), a smaller batch on these nodes, or a smaller model."""
     graphs = not args.no_cuda_graphs
     ways = []
     if cluster.has_network:
@@ -388,9 +446,12 @@ def _how_to_fit(args: argparse.Namespace, model, cluster, workload: Workload, qu
             ways.append(f"--nodes {n} (the fewest {cluster.name} nodes on which a layout fits)")
     else:
         ways.append(f"a cluster with more GPUs ({cluster.name} is one node without a network)")
-    if quant.linear_weight_bytes > 1:  # 16-bit weights
+    if quant.linear_weight_bytes > 1 and has_fp8(cluster):  # 16-bit weights, on GPUs that run FP8
         if fits_somewhere(model, cluster, args.nodes, workload, graphs, _quantization(args, "fp8")):
             ways.append(f"--quantization fp8 (FP8 weights fit on {args.nodes} node(s))")
+    b = largest_batch_that_fits(model, cluster, args.nodes, workload, quant)
+    if b is not None:
+        ways.append(f"--batch {b} or fewer sequences (fit on {args.nodes} node(s))")
     ways.append("a smaller model")
     return "; or ".join(ways)
 

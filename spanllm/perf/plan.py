@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from spanllm.model.config import ModelConfig
 from spanllm.perf.allreduce_model import place, supports
 from spanllm.perf.hardware import ClusterSpec
-from spanllm.perf.inference import Estimate, Layout, Workload, estimate, tp_group_shape
+from spanllm.perf.inference import Estimate, Layout, Workload, estimate, memory_per_gpu, tp_group_shape
 from spanllm.perf.quantization import BF16, Quantization
 from spanllm.perf.uncertainty import Range, predict_range, scenarios
 
@@ -48,11 +48,14 @@ class PlanRow:
 
 
 def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, nodes: int, batch: int) -> list[Layout]:
+    """Every (tp, pp, m) of the module docstring on `nodes` nodes; empty where the GPU count admits none (every TP
+    degree that divides the heads and tiles the nodes leaves more than `num_layers` stages: `nodes_with_layouts`)."""
     gpus = nodes * cluster.gpus_per_node
     g = cluster.gpus_per_node
     out = []
-    for tp in range(1, gpus + 1):
-        if gpus % tp or model.num_heads % tp or not (g % tp == 0 or tp % g == 0):
+    # tp divides the heads: walk the heads' divisors, not every integer up to the GPU count
+    for tp in (t for t in range(1, min(gpus, model.num_heads) + 1) if model.num_heads % t == 0):
+        if gpus % tp or not (g % tp == 0 or tp % g == 0):
             continue
         pp = gpus // tp
         if pp > model.num_layers:
@@ -61,6 +64,21 @@ def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, nodes: int, batc
             if batch % m == 0:
                 out.append(Layout(tp, pp, m))
     return out
+
+
+def nodes_with_layouts(
+    model: ModelConfig, cluster: ClusterSpec, nodes: int, limit: int
+) -> tuple[int | None, int | None]:
+    """The nearest node counts below and above `nodes` (within 1..limit) that admit a layout (None: none does).
+    A count admits one when some TP degree divides the heads, tiles the nodes and leaves at most num_layers
+    stages; a prime number of nodes above the layers often admits none (405B: 127 x 4 GPUs)."""
+
+    def admits(n: int) -> bool:
+        return bool(candidate_layouts(model, cluster, n, 1))
+
+    below = next((n for n in range(nodes - 1, 0, -1) if admits(n)), None)
+    above = next((n for n in range(nodes + 1, limit + 1) if admits(n)), None)
+    return below, above
 
 
 def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
@@ -73,8 +91,14 @@ def tp_algos(layout: Layout, cluster: ClusterSpec) -> list[str]:
 def fits_somewhere(
     model: ModelConfig, cluster: ClusterSpec, nodes: int, workload: Workload, cuda_graphs: bool, quant: Quantization
 ) -> bool:
-    """Whether any layout of `plan` on `nodes` nodes fits in GPU memory (nominal constants)."""
-    return any(r.fits for r in plan(model, cluster, nodes, workload, cuda_graphs, False, quant))
+    """Whether any layout of `plan` on `nodes` nodes fits in GPU memory (what `PlanRow.fits` says of its rows).
+
+    The memory does not depend on the all-reduce or on CUDA graphs (`cuda_graphs` is the plan's argument, kept so
+    callers pass the same ones): no row is priced."""
+    return any(
+        memory_per_gpu(model, layout, workload, cluster, quant).fits
+        for layout in candidate_layouts(model, cluster, nodes, workload.batch)
+    )
 
 
 def fewest_nodes_that_fit(
@@ -87,22 +111,36 @@ def fewest_nodes_that_fit(
     limit: int,
 ) -> int | None:
     """The fewest nodes above `nodes` (where nothing fits) on which some layout fits, up to `limit`; None if
-    none does. Doubling, then bisection: memory per GPU only falls as nodes are added."""
-    lo, hi = nodes, nodes
-    while True:
-        if hi >= limit:
-            return None
-        hi = min(2 * hi, limit)
-        if fits_somewhere(model, cluster, hi, workload, cuda_graphs, quant):
-            break
-        lo = hi
-    while hi - lo > 1:  # fits(hi), not fits(lo)
+    none does. Every count in turn: fitting is not monotone in the node count (a count whose stages do not divide
+    the batch has only one micro-batch, so the whole batch's prompt activations; 8B on Perlmutter, batch 256,
+    prompt 4096: 4 and 8 nodes fit, 5-7 do not), so neither doubling nor bisection finds the fewest."""
+    return next(
+        (n for n in range(nodes + 1, limit + 1) if fits_somewhere(model, cluster, n, workload, cuda_graphs, quant)),
+        None,
+    )
+
+
+def largest_batch_that_fits(
+    model: ModelConfig, cluster: ClusterSpec, nodes: int, workload: Workload, quant: Quantization
+) -> int | None:
+    """The largest batch below workload.batch (same prompt and decode) that some layout on `nodes` nodes holds in one
+    micro-batch, so that every smaller batch fits too (memory grows with the batch at m = 1); None if not even one
+    sequence fits. A larger batch may still fit where its stages divide it (micro-batches shrink the activations)."""
+
+    def fits(b: int) -> bool:
+        w = Workload(b, workload.prompt_len, workload.decode_len)
+        return any(
+            memory_per_gpu(model, Layout(t.tp, t.pp, 1), w, cluster, quant).fits
+            for t in candidate_layouts(model, cluster, nodes, 1)
+        )
+
+    lo, hi = 0, workload.batch  # fits(lo) (0: nothing asked), not known at hi
+    if fits(hi):
+        return None  # the caller asks only where the batch does not fit
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits_somewhere(model, cluster, mid, workload, cuda_graphs, quant):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo or None
 
 
 def plan(

@@ -6,9 +6,10 @@ the embedding and the LM head stay bf16, and so do the KV cache and the activati
 rows runs W8A16 weight-streaming GEMVs: half the weight bytes, no faster math, streamed at
 `ClusterSpec.fp8_read_w8a16` of the bf16 kernels' rate (`fp8_read_w8a8` above that: both measured below 1). Larger
 M runs W8A8 on FP8 tensor cores at `ClusterSpec.fp8_gemm_speedup` times the bf16 GEMM rate (1.0 on a GPU without
-them: weight-only FP8). (The engine also keeps W8A16 up to 128 rows for the shapes where its measured table found
-it faster; the model, which knows no table, prices those rows at the FP8 rate.) The roofline (roofline.py) is a
-bound: it reads FP8 weights at the copy rate.
+them: weight-only FP8, which this module prices but the engine refuses, and so does `spanllm plan`). (The engine
+also keeps W8A16 up to 128 rows for the shapes where its measured table found it faster; the model, which knows no
+table, prices those rows at the FP8 rate.) The roofline (roofline.py) is a bound: it reads FP8 weights at the copy
+rate.
 """
 
 from __future__ import annotations

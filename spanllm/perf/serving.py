@@ -297,9 +297,11 @@ def simulate_layout(
     limits: EngineLimits,
     cost: StepCost,
 ) -> ServeRun:
-    """All replicas (requests dealt in turn), merged."""
+    """All replicas (requests dealt in turn), merged; a replica dealt no request (fewer requests than replicas)
+    stays idle."""
     pricer = StepPricer(model, cluster, cost, layout.tp, layout.pp)
-    runs = [simulate(requests[r :: layout.replicas], limits, pricer.step_s) for r in range(layout.replicas)]
+    busy = min(layout.replicas, len(requests))
+    runs = [simulate(requests[r :: layout.replicas], limits, pricer.step_s) for r in range(busy)]
     return ServeRun(
         tuple(t for r in runs for t in r.timings), max(r.steps for r in runs), sum(r.preemptions for r in runs)
     )
