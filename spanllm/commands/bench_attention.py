@@ -142,11 +142,34 @@ def _sizes(flag: str, text: str) -> list[int]:
     return sizes
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The shapes, dtypes and output file, before the GPU is asked for (and any rank starts)."""
+    from spanllm import checks
+    from spanllm.dtypes import model_dtype
+    from spanllm.errors import UsageError
+
+    for flag, v in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--head-dim", args.head_dim)):
+        checks.at_least(flag, v, 1)
+    checks.at_least("--block-size", args.block_size, 1, " (tokens per KV-cache block)")
+    checks.at_least("--reference-max-batch", args.reference_max_batch, 0, " (0: never time the reference)")
+    if args.heads % args.kv_heads:
+        raise UsageError(
+            f"--kv-heads {args.kv_heads}: must divide --heads {args.heads} (each KV head serves a group of query "
+            "heads), e.g. --heads 32 --kv-heads 8"
+        )
+    try:
+        model_dtype(args.dtype)
+    except ValueError as e:
+        raise UsageError(f"--dtype {args.dtype!r}: {e}") from None
+    checks.output_file("--json", args.json)
+
+
 def run(args: argparse.Namespace) -> int:
     from spanllm.errors import UsageError
 
     args.batch_sizes = ",".join(map(str, _sizes("--batch-sizes", args.batch_sizes)))
     args.context_lens = ",".join(map(str, _sizes("--context-lens", args.context_lens)))
+    check_arguments(args)
     if not torch.cuda.is_available():  # before any rank starts
         raise UsageError(
             "bench attention times the Triton kernel: run it on a GPU "

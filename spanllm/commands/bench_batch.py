@@ -311,10 +311,11 @@ def measure(llm, s: BenchSettings, batch: int, micro_batches: int, allreduce: st
             # An untimed eager pass first: the first eager steps of a process pay one-time costs (kernel
             # selection, allocator growth) that hold the host back long enough to leave no step covered
             # (seen on 2 x H200: the first row's steps were all uncovered, later rows' all covered). Short
-            # prompts: its prefill is not what it warms up (a 2048-token 70B prefill at batch 64 takes 18 s).
+            # prompts: its prefill is not what it warms up (a 2048-token 70B prefill at batch 64 takes 18 s). At most
+            # the timed pass's tokens: a prompt of <= 8 tokens plus 3 would pass a max_model_len of prompt + decode.
             llm.generate_batch(
                 [p[:8] for p in prompts],
-                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=min(3, breakdown_steps + 1), ignore_eos=True),
                 micro_batches=mb,
             )
             out = llm.generate_batch(

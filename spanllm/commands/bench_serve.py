@@ -395,12 +395,37 @@ def run_sweep(
 # --------------------------------------------------------------------------------------------- CLI
 
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def check_server_address(base_url: str | None, host: str | None, port: int | None, given: Sequence[str]) -> None:
+    """--base-url, or --host and --port (`given`: those of them given): each well formed, and never both, so that no
+    flag is dropped and a typo in the URL is one line before any request."""
+    if host is not None and not host.strip():
+        raise UsageError(f"--host {host!r}: empty; give the server's host, e.g. --host {DEFAULT_HOST}")
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"--port {port}: must be in [1, 65535], e.g. --port {DEFAULT_PORT}")
+    if base_url is None:
+        return
+    if given:
+        flag = "--" + given[0]
+        raise UsageError(
+            f"{flag} {host if given[0] == 'host' else port}: the server is --base-url {base_url}, which names its "
+            f"host and port; drop {flag}, or drop --base-url"
+        )
+    if not base_url.startswith(("http://", "https://")) or not base_url.split("://", 1)[1].strip("/"):
+        raise UsageError(
+            f"--base-url {base_url!r}: give the server's URL with its scheme and host, e.g. "
+            f"--base-url http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser, default_dataset="sharegpt")
     g = parser.add_argument_group("server and traffic (vLLM's bench serve flags)")
     g.add_argument("--base-url", default=None, help="server URL; default http://HOST:PORT")
-    g.add_argument("--host", default="127.0.0.1", help="server host (without --base-url)")
-    g.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
+    g.add_argument("--host", default=None, help=f"server host, without --base-url (default {DEFAULT_HOST})")
+    g.add_argument("--port", type=int, default=None, help=f"server port, without --base-url (default {DEFAULT_PORT})")
     g.add_argument(
         "--endpoint",
         default=None,
@@ -579,7 +604,21 @@ def check_numbers(args: argparse.Namespace) -> None:
         if not ((lo <= v) if closed_lo else (lo < v)) or not v <= hi:
             raise UsageError(f"{flag} {v}: must be in {'[' if closed_lo else '('}{lo}, {hi}]")
 
-    within("--port", args.port, 1, 65535)
+    check_server_address(
+        args.base_url, args.host, args.port, [k for k in ("host", "port") if getattr(args, k) is not None]
+    )
+    for flag, v in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--label", args.label)):
+        if v is not None and not v.strip():
+            raise UsageError(f"{flag} {v!r}: empty; give a value, or leave {flag} out for its default")
+    if not [m for m in args.percentile_metrics.split(",") if m.strip()]:
+        raise UsageError(
+            f"--percentile-metrics {args.percentile_metrics!r}: no metric; give comma-separated names from "
+            f"{', '.join(METRICS)}, e.g. ttft,tpot,itl"
+        )
+    if args.endpoint is not None and not args.endpoint.startswith("/"):
+        raise UsageError(
+            f"--endpoint {args.endpoint!r}: an API path, starting with '/', e.g. --endpoint /v1/completions"
+        )
     within("--temperature", args.temperature, 0.0, 2.0)
     within("--top-p", args.top_p, 0.0, 1.0, closed_lo=False)
     within("--top-k", args.top_k, -1, 2**31 - 1)
@@ -610,9 +649,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[ServeBenchConfig, list[f
             f"{' and '.join(cuts)}: the requests decode greedily (--temperature {args.temperature or 0:g}, the default "
             f"0 as vLLM's client), which a server refuses or ignores with a cut; give --temperature > 0 to sample"
         )
-    extra = {**sampling, **(parse_extra_body(args.extra_body) or {})} or None
+    body = parse_extra_body(args.extra_body) or {}
+    both = [k for k in sampling if k in body]
+    if both:
+        raise UsageError(
+            f"--{both[0].replace('_', '-')} {sampling[both[0]]} and --extra-body {args.extra_body!r} both set "
+            f"{both[0]!r} (the body would win); give it once"
+        )
+    extra = {**sampling, **body} or None
     cfg = ServeBenchConfig(
-        base_url=args.base_url or f"http://{args.host}:{args.port}",
+        base_url=args.base_url or f"http://{args.host or DEFAULT_HOST}:{args.port or DEFAULT_PORT}",
         endpoint=args.endpoint,
         backend=args.backend,
         model=args.model,

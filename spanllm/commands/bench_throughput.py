@@ -25,6 +25,7 @@ import torch
 from spanllm.commands.dataset_args import (
     add_dataset_arguments,
     check_dataset_arguments,
+    distinct_files,
     get_samples,
     length_flags,
     num_requests_of,
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     checks.at_least("--num-prompts", args.num_prompts, 1)
     checks.output_file("--json", args.json)
     checks.output_file("--save-samples", args.save_samples)
+    distinct_files(("--samples-file", args.samples_file), ("--save-samples", args.save_samples), ("--json", args.json))
     checks.no_result_in_dry_run(
         args.dry_run, args.json, "starts no engine", "--save-samples writes the sampled requests"
     )

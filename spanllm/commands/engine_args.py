@@ -221,11 +221,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return model_dtype(name)
 
 
+# A random-weight preset seeds each rank's generator with seed * RANDOM_INIT_SEED_STRIDE + rank
+# (spanllm.model.loader.random_init), which torch's manual_seed takes only within int64: the seeds that keep it there
+RANDOM_INIT_SEED_STRIDE = 1_000_003
+MIN_ENGINE_SEED = -(2**63 // RANDOM_INIT_SEED_STRIDE)
+MAX_ENGINE_SEED = (2**63 - 1) // RANDOM_INIT_SEED_STRIDE - 1
+
+
+def check_seed(seed: int, cfg) -> None:
+    """--seed of an engine: the sampler's generator takes an int64; a preset's random weights (no checkpoint) draw
+    from seed * 1,000,003 + rank, which must be one too."""
+    from spanllm.engine.sampler import INT64_MAX, INT64_MIN
+
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise UsageError(f"--seed {seed}: give an integer in [{INT64_MIN}, {INT64_MAX}] (int64), e.g. --seed 0")
+    if cfg.checkpoint_dir is None and not MIN_ENGINE_SEED <= seed <= MAX_ENGINE_SEED:
+        raise UsageError(
+            f"--seed {seed}: the random weights of {cfg.name} draw from seed x {RANDOM_INIT_SEED_STRIDE:,} + rank, "
+            f"which must fit int64; give a seed in [{MIN_ENGINE_SEED}, {MAX_ENGINE_SEED}], e.g. --seed 0"
+        )
+
+
 def check_model_arguments(args: argparse.Namespace, world: int):
     """The model options, before any rank starts; returns (ModelConfig, Topology, device type)."""
     device = checks.device_type(world)
     checks.engine_dtype(args.dtype)
     cfg = checks.model(args.model)
+    check_seed(args.seed, cfg)
     topo = checks.topology(world, args.ranks_per_node)
     checks.decode_gemm(args.decode_gemm, device)
     checks.pdl(args.pdl, device)
@@ -262,7 +284,12 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True):
     # are judged by it, never by whether this process sees a GPU
     world = checks.world_size(args.nprocs)
     device = checks.device_type(world)
-    if getattr(args, "allreduce", None):
+    if getattr(args, "allreduce", None) is not None:
+        if not args.allreduce.strip():
+            raise UsageError(
+                "--allreduce '': empty; give a registered all-reduce name (e.g. gloo on CPU ranks), or leave it out "
+                "for the default"
+            )
         checks.allreduce_names([args.allreduce], device, world=world)
     where = "a GPU" if device == "cuda" else "CPU ranks"
     no_triton = args.attention_backend == "torch" or checks.no_triton_gpu(device) is not None

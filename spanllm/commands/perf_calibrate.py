@@ -114,6 +114,11 @@ def check_args(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
         max_bytes = 0
     if max_bytes < 1:
         raise UsageError(f"--max-bytes {args.max_bytes!r}: give a size >= 1 byte, e.g. 4MiB, 512K or 65536")
+    if args.name is not None and not args.name.strip():
+        raise UsageError(
+            f"--name {args.name!r}: empty; give the written preset a name, e.g. --name {cluster.name}-calibrated, or "
+            "leave --name out for the default"
+        )
     missing = [str(f) for f in args.files if not Path(f).is_file()]
     if missing:
         raise UsageError(f"no such file: {', '.join(missing)}; pass `spanllm bench allreduce --json` files")
