@@ -276,7 +276,8 @@ def _has_layouts(args: argparse.Namespace, model, cluster) -> None:
     g = cluster.gpus_per_node
     raise UsageError(
         f"--nodes {args.nodes}: {args.nodes} x {g} = {args.nodes * g} GPUs admit no layout of {model.label}: "
-        f"the TP degree must divide its {model.num_heads} heads and divide a node's {g} GPUs or span whole nodes, "
+        f"the TP degree must be one that shards it ({', '.join(map(str, model.tp_degrees()))}) and divide a "
+        f"node's {g} GPUs or span whole nodes, "
         f"and PP = GPUs / TP is at most its {model.num_layers} layers; use {fix}"
     )
 

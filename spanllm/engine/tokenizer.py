@@ -333,6 +333,11 @@ def get_tokenizer(model: str, checkpoint_dir: str | None = None) -> Tokenizer:
         return Llama3Tokenizer()
     if model == "tiny":
         return ByteTokenizer()
+    if os.sep in model or model.startswith("."):  # a path (a missing .gguf is refused above, by resolve_model)
+        raise TokenizerError(
+            f"no tokenizer at {model!r}: no such folder or file; give a checkpoint folder that holds tokenizer.json, "
+            "a .gguf file, or a Llama 3 preset name"
+        )
     raise TokenizerError(
         f"no tokenizer for {model!r}: presets other than the Llama 3 family have none; serve a "
         "checkpoint folder that holds tokenizer.json or a .gguf file, or send token ids"

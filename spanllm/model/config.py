@@ -144,6 +144,17 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
+    def tp_degrees(self) -> list[int]:
+        """Every TP degree that can shard this model, up to the query heads: it divides the query heads, divides the
+        KV heads or is a multiple of them (each replicated), and divides the MLP width (the engine's rule,
+        spanllm.model.parallel_dims.check_tp_for_model; torch-free, so the performance model takes it too)."""
+        kv = self.num_kv_heads
+        return [
+            t
+            for t in range(1, self.num_heads + 1)
+            if self.num_heads % t == 0 and (kv % t == 0 or t % kv == 0) and self.intermediate_size % t == 0
+        ]
+
     def with_layers(self, n: int) -> ModelConfig:
         full = self.truncated_from or self.num_layers
         if n == full:

@@ -81,12 +81,7 @@ class ParallelDims:
 
 def tp_degrees_for(cfg: ModelConfig) -> list[int]:
     """Every TP degree that can shard `cfg` (check_tp_for_model's rule), up to the query heads."""
-    kv = cfg.num_kv_heads
-    return [
-        t
-        for t in range(1, cfg.num_heads + 1)
-        if cfg.num_heads % t == 0 and (kv % t == 0 or t % kv == 0) and cfg.intermediate_size % t == 0
-    ]
+    return cfg.tp_degrees()
 
 
 def check_tp_for_model(tp: int, cfg: ModelConfig) -> None:

@@ -53,9 +53,9 @@ def candidate_layouts(model: ModelConfig, cluster: ClusterSpec, nodes: int, batc
     gpus = nodes * cluster.gpus_per_node
     g = cluster.gpus_per_node
     out = []
-    # tp divides the heads: walk the heads' divisors, not every integer up to the GPU count
-    for tp in (t for t in range(1, min(gpus, model.num_heads) + 1) if model.num_heads % t == 0):
-        if gpus % tp or not (g % tp == 0 or tp % g == 0):
+    # the TP degrees the engine can shard the model by (check_tp_for_model: heads, KV heads, MLP width)
+    for tp in model.tp_degrees():
+        if tp > gpus or gpus % tp or not (g % tp == 0 or tp % g == 0):
             continue
         pp = gpus // tp
         if pp > model.num_layers:
@@ -70,8 +70,8 @@ def nodes_with_layouts(
     model: ModelConfig, cluster: ClusterSpec, nodes: int, limit: int
 ) -> tuple[int | None, int | None]:
     """The nearest node counts below and above `nodes` (within 1..limit) that admit a layout (None: none does).
-    A count admits one when some TP degree divides the heads, tiles the nodes and leaves at most num_layers
-    stages; a prime number of nodes above the layers often admits none (405B: 127 x 4 GPUs)."""
+    A count admits one when some TP degree shards the model (heads, KV heads, MLP), tiles the nodes and leaves at
+    most num_layers stages; a prime number of nodes above the layers often admits none (405B: 127 x 4 GPUs)."""
 
     def admits(n: int) -> bool:
         return bool(candidate_layouts(model, cluster, n, 1))

@@ -137,6 +137,13 @@ def test_presets_without_tokenizer_say_so():
         get_tokenizer("gpt2")
 
 
+@pytest.mark.parametrize("path", ["/nonexistent/tok", "./missing"])
+def test_a_tokenizer_path_that_is_not_there_says_so(path):
+    """A path (not a preset name) that names no folder or file: said as such, not as a preset without a tokenizer."""
+    with pytest.raises(TokenizerError, match=rf"no tokenizer at '{path}': no such folder or file; give a checkpoint"):
+        get_tokenizer(path)
+
+
 EMOJI = "👨\u200d👩 ok 🦜"  # characters of 3-4 UTF-8 bytes that byte-level tokenizers split across tokens
 
 

@@ -142,9 +142,9 @@ def _every_integer_layouts(model, cluster, nodes, batch):
 def test_cli_refuses_a_node_count_without_layouts(capsys, no_pricing):
     """Was: 'no layout of llama3.1-405b fits the rules on 127 x 4 GPUs' on stdout (also under --json -), exit 1."""
     assert _error(capsys, ["plan", "--nodes", "127"]) == (
-        "--nodes 127: 127 x 4 = 508 GPUs admit no layout of llama3.1-405b: the TP degree must divide its 128 heads "
-        "and divide a node's 4 GPUs or span whole nodes, and PP = GPUs / TP is at most its 126 layers; use --nodes "
-        "126 or --nodes 128"
+        "--nodes 127: 127 x 4 = 508 GPUs admit no layout of llama3.1-405b: the TP degree must be one that shards it "
+        "(1, 2, 4, 8, 16, 32, 64, 128) and divide a node's 4 GPUs or span whole nodes, and PP = GPUs / TP is at most "
+        "its 126 layers; use --nodes 126 or --nodes 128"
     )
     err = _error(capsys, ["plan", "--model", "8b", "--nodes", "4096", "--batch", "1", "--prompt", "1", "--decode", "1"])
     assert err.startswith("--nodes 4096: 4096 x 4 = 16384 GPUs admit no layout of llama3.1-8b") and err.endswith(
@@ -331,3 +331,22 @@ def test_fp8_never_takes_more_memory_and_the_best_row_fits(cluster, model, nodes
         rows = plan(m, c, nodes, w, True, False, quant)
         b = best(rows)
         assert (b is None) == (not any(r.fits for r in rows)) and (b is None or b.fits)
+
+
+def test_candidate_layouts_take_only_tp_degrees_the_engine_can_shard():
+    """A TP degree must divide the query heads and divide or be a multiple of the KV heads, and divide the MLP width
+    (spanllm.model.parallel_dims.check_tp_for_model); the planner listed every divisor of the heads. 12 heads over 4
+    KV heads on one 12-GPU node: 3 and 6 divide the heads and tile the node, but neither divides 4 nor is a multiple
+    of it (the engine refuses them); 12 is a multiple of 4 (each KV head on 3 ranks)."""
+    import dataclasses
+
+    from spanllm.perf.hardware import PRESETS
+    from spanllm.perf.model_shape import get_model
+    from spanllm.perf.plan import candidate_layouts
+
+    base = get_model("8b")
+    model = dataclasses.replace(base, num_heads=12, num_kv_heads=4, intermediate_size=12 * 1024)
+    cluster = dataclasses.replace(PRESETS["dgx-h100"], gpus_per_node=12)
+    assert sorted({layout.tp for layout in candidate_layouts(model, cluster, 1, 1)}) == [1, 2, 4, 12]
+    odd_mlp = dataclasses.replace(model, intermediate_size=12 * 1024 + 2)  # divisible by 2, not by 3, 4 or 12
+    assert sorted({layout.tp for layout in candidate_layouts(odd_mlp, cluster, 1, 1)}) == [1, 2]
