@@ -221,25 +221,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return model_dtype(name)
 
 
-# A random-weight preset seeds each rank's generator with seed * RANDOM_INIT_SEED_STRIDE + rank
-# (spanllm.model.loader.random_init), which torch's manual_seed takes only within int64: the seeds that keep it there
-RANDOM_INIT_SEED_STRIDE = 1_000_003
-MIN_ENGINE_SEED = -(2**63 // RANDOM_INIT_SEED_STRIDE)
-MAX_ENGINE_SEED = (2**63 - 1) // RANDOM_INIT_SEED_STRIDE - 1
-
-
 def check_seed(seed: int, cfg) -> None:
     """--seed of an engine: the sampler's generator takes an int64; a preset's random weights (no checkpoint) draw
-    from seed * 1,000,003 + rank, which must be one too."""
+    from a generator seeded by it (spanllm.model.loader.check_random_init_seed)."""
     from spanllm.engine.sampler import INT64_MAX, INT64_MIN
+    from spanllm.model.loader import check_random_init_seed
 
     if not INT64_MIN <= seed <= INT64_MAX:
         raise UsageError(f"--seed {seed}: give an integer in [{INT64_MIN}, {INT64_MAX}] (int64), e.g. --seed 0")
-    if cfg.checkpoint_dir is None and not MIN_ENGINE_SEED <= seed <= MAX_ENGINE_SEED:
-        raise UsageError(
-            f"--seed {seed}: the random weights of {cfg.name} draw from seed x {RANDOM_INIT_SEED_STRIDE:,} + rank, "
-            f"which must fit int64; give a seed in [{MIN_ENGINE_SEED}, {MAX_ENGINE_SEED}], e.g. --seed 0"
-        )
+    if cfg.checkpoint_dir is None:
+        check_random_init_seed(seed, cfg.name, "--seed ")
 
 
 def check_model_arguments(args: argparse.Namespace, world: int):

@@ -10,6 +10,7 @@ import torch
 from spanllm.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from spanllm.attention.cascade import PREFILL_ATTENTION
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
+from spanllm.dtypes import MODEL_DTYPES
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
 from spanllm.kernels.pdl import PDL_MODES
 from spanllm.kernels.prefill_config import PrefillConfig
@@ -103,11 +104,25 @@ class EngineConfig:
         return torch.float8_e4m3fn if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if isinstance(self.dtype, str) and self.dtype in MODEL_DTYPES:  # vLLM's spelling: dtype="float32"
+            object.__setattr__(self, "dtype", MODEL_DTYPES[self.dtype])
+        if self.dtype not in MODEL_DTYPES.values():
+            raise ValueError(
+                f"dtype={self.dtype!r} is not a model dtype: give torch.float32, torch.bfloat16 or torch.float16 "
+                "(or their names, e.g. 'float32')"
+            )
+        for name in ("cuda_graphs", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be None (auto), True or False")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "min_admit", "cpu_kv_cache_bytes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1] (int64), e.g. seed=0")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -115,10 +130,11 @@ class EngineConfig:
                 f"{self.max_num_seqs}: a step of decodes alone would not fit the budget and the newest "
                 "sequences would never decode; raise max_num_batched_tokens or lower max_num_seqs"
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 2 (block 0 is reserved)")
+        v = self.gpu_memory_utilization
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={v!r} must be a number in (0, 1]")
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2 (block 0 is reserved)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
         v = self.long_prefill_attention_budget
@@ -159,3 +175,7 @@ class EngineConfig:
             raise ValueError(f"pdl={self.pdl!r} must be one of {PDL_MODES}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm={self.decode_gemm!r} must be one of {DECODE_GEMMS}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

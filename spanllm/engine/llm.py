@@ -41,7 +41,7 @@ from spanllm.layers.linear import linear_layers, quantize_fp8_
 from spanllm.layers.tp import Communicator, TPContext
 from spanllm.model.config import ModelConfig, resolve_model
 from spanllm.model.llama import LlamaForCausalLM
-from spanllm.model.loader import load_checkpoint, random_init
+from spanllm.model.loader import check_random_init_seed, load_checkpoint, random_init
 from spanllm.model.parallel_dims import ParallelDims, ParallelGroups, build_groups, stage_layers
 
 
@@ -149,6 +149,7 @@ class LLM:
         if self.config.checkpoint_dir is not None:
             load_checkpoint(self.model, self.config.checkpoint_dir)
         else:
+            check_random_init_seed(self.engine.seed, self.config.name, "EngineConfig seed=")
             random_init(self.model, self.engine.seed, self.rank)
         if fp8_checkpoint:
             for layer in linear_layers(self.model):
@@ -737,7 +738,10 @@ class LLM:
                     ids_list.append(p)
                     texts.append(self.tokenizer is not None)
             for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
-                core.validate(ids, sp)  # all or nothing: nothing is admitted before every request is checked
+                try:  # all or nothing: nothing is admitted before every request is checked
+                    core.validate(ids, sp)
+                except RequestError as e:
+                    raise RequestError(f"prompt {i}: {e}") from None
                 if sp.stop and not t:
                     raise RequestError(
                         f"prompt {i}: stop strings need text output; give a text prompt or load the "

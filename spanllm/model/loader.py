@@ -482,6 +482,23 @@ def load_checkpoint(model: LlamaForCausalLM, directory: str) -> None:
         reader.close()
 
 
+# Rank r draws its random weights from a generator seeded with seed * RANDOM_INIT_SEED_STRIDE + r, which torch's
+# manual_seed takes only within int64: the engine seeds that keep it there.
+RANDOM_INIT_SEED_STRIDE = 1_000_003
+RANDOM_INIT_SEEDS = (-(2**63 // RANDOM_INIT_SEED_STRIDE), (2**63 - 1) // RANDOM_INIT_SEED_STRIDE - 1)
+
+
+def check_random_init_seed(seed: int, model_name: str, given: str) -> None:
+    """Refuse an engine seed whose random-weight generator seed would overflow int64 (random_init), before any
+    weight is drawn; `given`: how the user set it, up to the value ("--seed ", "EngineConfig seed=")."""
+    lo, hi = RANDOM_INIT_SEEDS
+    if not lo <= seed <= hi:
+        raise UsageError(
+            f"{given}{seed}: the random weights of {model_name} draw from seed x {RANDOM_INIT_SEED_STRIDE:,} + "
+            f"rank, which must fit int64; give a seed in [{lo}, {hi}], e.g. 0"
+        )
+
+
 @torch.no_grad()
 def random_init(model: LlamaForCausalLM, seed: int, rank: int, std: float = 0.02) -> None:
     """Seeded N(0, std) weights generated on the parameters' device (norm weights = 1).
@@ -491,7 +508,7 @@ def random_init(model: LlamaForCausalLM, seed: int, rank: int, std: float = 0.02
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed * 1_000_003 + rank)
+    gen.manual_seed(seed * RANDOM_INIT_SEED_STRIDE + rank)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)

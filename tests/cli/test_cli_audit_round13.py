@@ -21,7 +21,7 @@ import spanllm.commands.serve
 from spanllm.bench.datasets import SampleRequest, SampleSet
 from spanllm.bench.sample_file import save_samples
 from spanllm.cli import main
-from spanllm.commands.engine_args import MAX_ENGINE_SEED
+from spanllm.model.loader import RANDOM_INIT_SEEDS
 
 GEN = ["generate", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "2"]
 TP = ["bench", "throughput", "--model", "tiny"]
@@ -70,9 +70,9 @@ CASES = [
     (GEN + ["--seed", HUGE], f"--seed {HUGE}: give an integer in [-9223372036854775808, 9223372036854775807] (int64)"),
     (BATCH + ["--seed", HUGE], f"--seed {HUGE}: give an integer in [-9223372036854775808, 9223372036854775807]"),
     (
-        GEN + ["--seed", str(MAX_ENGINE_SEED + 1)],
-        f"--seed {MAX_ENGINE_SEED + 1}: the random weights of tiny draw from seed x 1,000,003 + rank, which must fit "
-        f"int64; give a seed in [-9223344366821, {MAX_ENGINE_SEED}]",
+        GEN + ["--seed", str(RANDOM_INIT_SEEDS[1] + 1)],
+        f"--seed {RANDOM_INIT_SEEDS[1] + 1}: the random weights of tiny draw from seed x 1,000,003 + rank, which "
+        f"must fit int64; give a seed in [-9223344366821, {RANDOM_INIT_SEEDS[1]}]",
     ),
     (BATCH + ["--seed", str(2**62)], f"--seed {2**62}: the random weights of tiny draw from seed x 1,000,003"),
     (RANDOM + ["--seed", str(2**62), "--dry-run"], f"--seed {2**62}: the random weights of tiny draw from seed"),
@@ -173,7 +173,7 @@ def test_good_launcher_variables_and_seeds_reach_the_launch(no_work, monkeypatch
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(_Worked):
-        main(GEN + ["--seed", str(MAX_ENGINE_SEED)])
+        main(GEN + ["--seed", str(RANDOM_INIT_SEEDS[1])])
     monkeypatch.delenv("RANK")
     with pytest.raises(_Worked):
         main(GEN + ["--seed", "-1"])  # a negative engine seed stays valid
