@@ -65,8 +65,12 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": handling this request's data failed (the others go on)
 
-    # vLLM's names for the same values, for code written against vllm.RequestOutput: `out.outputs[0].text`,
-    # `out.prompt_token_ids` (one completion per request: n > 1 is the server's, as n requests)
+    # LLM.generate's output for a prompt with SamplingParams.n > 1: every sample's own RequestOutput, in order (the
+    # fields above are sample 0's); None for one sample, and in the engine's step outputs (one per engine request)
+    samples: list[RequestOutput] | None = None
+
+    # vLLM's names for the same values, for code written against vllm.RequestOutput: `out.outputs[i].text`,
+    # `out.prompt_token_ids`
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.prompt_ids
@@ -74,9 +78,8 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         return [
-            CompletionOutput(
-                0, self.text, self.output_ids, self.finish_reason, self.stop_reason, self.logprobs, self.finished
-            )
+            CompletionOutput(i, s.text, s.output_ids, s.finish_reason, s.stop_reason, s.logprobs, s.finished)
+            for i, s in enumerate(self.samples or [self])
         ]
 
 
@@ -500,6 +503,11 @@ def validate_request(
     ids before min_tokens."""
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")
+    if params.n != 1:
+        raise RequestError(
+            f"n={params.n}: an engine request is one sample; LLM.generate and the server serve n samples as n "
+            "requests (give each n=1)"
+        )
     total = len(prompt_ids) + params.max_tokens  # the lengths first: O(1), before the O(prompt) id checks below
     # the tighter of the two limits names itself: a pool smaller than max_model_len is what the request meets
     if total > max_model_len and max_model_len <= capacity_tokens:

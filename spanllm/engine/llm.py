@@ -30,7 +30,7 @@ from spanllm.checks import ALLOW_LONG_CONTEXT_ENV
 from spanllm.comm.topology import Topology
 from spanllm.engine.config import EngineConfig
 from spanllm.engine.fixed_batch import FixedBatchExecutor, GenerationOutput, build_token_groups
-from spanllm.engine.sampler import BatchSampler, SamplingParams
+from spanllm.engine.sampler import BatchSampler, SamplingParams, seed_for_sample
 from spanllm.engine.timers import Timers
 from spanllm.errors import UsageError
 from spanllm.kernels import gemv, pdl
@@ -624,6 +624,7 @@ class LLM:
                 ("min_p", params.min_p > 0.0),
                 ("logit_bias", bool(params.logit_bias)),
                 ("logprobs", params.logprobs is not None),
+                ("n", params.n != 1),
             )
             if v
         ]
@@ -737,7 +738,10 @@ class LLM:
                 else:
                     ids_list.append(p)
                     texts.append(self.tokenizer is not None)
-            for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
+            # n > 1: sample j of a prompt is an engine request of its own, seeded seed_for_sample(seed, j)
+            samples = [[_sample_params(sp, j) for j in range(sp.n)] for sp in plist]
+            for i, (ids, sps, t) in enumerate(zip(ids_list, samples, texts)):
+                sp = sps[0]
                 try:  # all or nothing: nothing is admitted before every request is checked
                     core.validate(ids, sp)
                 except RequestError as e:
@@ -747,26 +751,28 @@ class LLM:
                         f"prompt {i}: stop strings need text output; give a text prompt or load the "
                         "tokenizer first (get_tokenizer), or use stop_token_ids"
                     )
-            ids_of: dict[str, int] = {}
-            results: list = [None] * len(prompts)
-            bar = RequestProgress(len(prompts), "generate") if use_tqdm else None
+            ids_of: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, sample)
+            results: list[list] = [[None] * len(sps) for sps in samples]
+            bar = RequestProgress(sum(map(len, samples)), "generate") if use_tqdm else None
             hooks = [h for h in (bar and bar.on_output, on_output) if h]  # the bar's hook is None off a terminal
             try:
-                for i, (ids, sp, t) in enumerate(zip(ids_list, plist, texts)):
-                    seq = core.add_request(ids, sp, with_text=t)
-                    ids_of[seq.request_id] = i
+                for i, (ids, sps, t) in enumerate(zip(ids_list, samples, texts)):
+                    for j, sp in enumerate(sps):
+                        seq = core.add_request(ids, sp, with_text=t)
+                        ids_of[seq.request_id] = (i, j)
                 with bar or contextlib.nullcontext():
                     while core.has_unfinished():
                         for out in core.step():
                             for hook in hooks:
                                 hook(out)
                             if out.finished and out.request_id in ids_of:
-                                results[ids_of[out.request_id]] = out
+                                i, j = ids_of[out.request_id]
+                                results[i][j] = out
             except BaseException:
                 for rid in ids_of:  # nothing of this call stays queued for the next one
                     core.abort_request(rid)
                 raise
-            return results
+            return [outs[0] if len(outs) == 1 else replace(outs[0], samples=outs) for outs in results]
         finally:
             self._generating = False
             core.shutdown_workers()
@@ -807,6 +813,15 @@ class LLM:
             raise UsageError(
                 f"{what} on a closed LLM: close() released its communicator and CUDA graphs; build a new LLM"
             )
+
+
+def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sample j of a prompt's `params` (n samples): one engine request, n = 1, seeded seed_for_sample(seed, j)."""
+    if params.n == 1:
+        return params
+    # a copy by its fields (dataclasses.replace), not of the sampler's cached properties
+    seed = None if params.seed is None else seed_for_sample(params.seed, j)
+    return replace(params, n=1, seed=seed)
 
 
 def _one_params(params, sampling_params):

@@ -46,7 +46,6 @@ GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature samples greedil
 PENALIZED_LOGIT_MAX = 1e30  # apply_penalties' cap: / GREEDY_BELOW is 1e35, finite in float32 (3.4e38)
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (vLLM's default max_logprobs)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed must fit the generator's int64
 
 
 class SamplingParamsError(ValueError):
@@ -54,6 +53,14 @@ class SamplingParamsError(ValueError):
 
 
 INT32_MAX = 2**31 - 1  # top_k, max_tokens and token ids live in int32 / int64 arrays
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed must fit the generator's int64
+MAX_N = 16  # samples per prompt (SamplingParams.n): each is an engine request of its own
+
+
+def seed_for_sample(seed: int, i: int) -> int:
+    """Sample i's seed of a request with `seed` and n > 1: seed itself for sample 0, then seed + i wrapped into int64
+    (the server's choices and LLM.generate's samples alike)."""
+    return (seed - INT64_MIN + i) % 2**64 + INT64_MIN if i else seed
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty / repetition_penalty / min_p / logit_bias / logprobs: see the module
     docstring. logit_bias: (token id, bias) pairs (a {id: bias} mapping is taken too); the ids are checked
     against the vocabulary at admission (engine_core.validate_request). logprobs: None for none, k for the
-    sampled token's logprob and the k most likely tokens' (TokenLogprob)."""
+    sampled token's logprob and the k most likely tokens' (TokenLogprob). n: samples of the prompt (LLM.generate
+    serves them as n engine requests, sample i seeded by seed_for_sample; an engine request itself is one sample)."""
 
     temperature: float = 0.0  # below 1e-5: greedy
     top_p: float = 1.0
@@ -81,13 +89,14 @@ class SamplingParams:
     min_p: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Integers and reals of any kind (numpy's, a 0-d tensor's) are taken as Python ints and floats; bools and
         # anything else are refused by name. None for stop / stop_token_ids / logit_bias means none (vLLM's default).
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, _as_float(getattr(self, name)))
-        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "n"):
             object.__setattr__(self, name, as_int(getattr(self, name)))
         if isinstance(self.ignore_eos, np.bool_):
             object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
@@ -129,6 +138,8 @@ class SamplingParams:
                 "token's logprob plus that many of the most likely tokens')"
             )
         object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n={self.n!r} must be an integer in [1, {MAX_N}] (samples of the prompt)")
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ min(max_model_len, KV pool tokens) - prompt tokens (vLLM's choice); max_completi
 temperature absent: 1 (OpenAI's default, and vLLM's for a model without generation defaults); below 1e-5 greedy,
 where a top_k / top_p / min_p that would cut is refused (it would never cut the most likely token: it would be
 accepted and ignored). `n` choices are n engine requests; with a seed, choice i samples with
-seed_for_choice(seed, i), so the whole answer is reproducible. Logprobs are the model's raw log-probabilities
+seed_for_sample(seed, i), so the whole answer is reproducible. Logprobs are the model's raw log-probabilities
 (before temperature and penalties: vLLM v1's default; spanllm.engine.sampler), for the sampled token and the top k.
 """
 
@@ -32,7 +32,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spanllm.engine.engine_core import RequestError
-from spanllm.engine.sampler import GREEDY_BELOW, INT32_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from spanllm.engine.sampler import (
+    GREEDY_BELOW,
+    INT32_MAX,
+    SamplingParams,
+    SamplingParamsError,
+    seed_for_sample,
+)
 from spanllm.serve.async_engine import AsyncEngine, EngineDead, EngineUnavailable, QueueFull
 from spanllm.serve.limits import BodyLimitMiddleware, ServerLimits
 from spanllm.serve.protocol import (
@@ -62,11 +68,6 @@ _log = logging.getLogger("spanllm.serve")
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.status), status_code=e.status)
-
-
-def seed_for_choice(seed: int, i: int) -> int:
-    """Choice i's seed: seed itself for choice 0, then seed + i wrapped into int64."""
-    return (seed - INT64_MIN + i) % 2**64 + INT64_MIN if i else seed
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) -> SamplingParams:
@@ -479,7 +480,7 @@ def build_app(
                 if i and params.seed is not None:
                     # a copy by its fields: choice 0's params may already hold the sampler's cached properties
                     # (the in-process engine samples it on its own thread), which are not constructor arguments
-                    p = dataclasses.replace(params, seed=seed_for_choice(params.seed, i))
+                    p = dataclasses.replace(params, seed=seed_for_sample(params.seed, i))
                 queues.append(engine.add(f"{rid}-{i}", prompt_ids, p, time.monotonic()))
         except RequestError as e:
             _abort_all(rid, len(queues))

@@ -26,10 +26,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from spanllm.engine.sampler import INT32_MAX, INT64_MAX, INT64_MIN
+from spanllm.engine.sampler import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N
 
 MAX_JSON_DEPTH = 32  # objects / arrays inside each other; OpenAI's deepest body (tools' JSON schemas) fits easily
-MAX_N = 16  # choices per request: each is an engine request of its own
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096  # text parts of all messages together

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from spanllm.engine.sampler import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprob
+from spanllm.engine.sampler import INT64_MAX, INT64_MIN, SamplingParams, TokenLogprob, seed_for_sample
 from spanllm.engine.tokenizer import ByteTokenizer
-from spanllm.serve.api import LogprobsFormatter, seed_for_choice
+from spanllm.serve.api import LogprobsFormatter
 from spanllm.serve.limits import ServerLimits
 from spanllm.serve.protocol import APIError, validate
 from spanllm.serve.response_body import dumps, encode_yielding
@@ -53,9 +53,9 @@ def test_chat_logprobs_shape():
     }
 
 
-def test_seed_for_choice_stays_in_int64():
-    assert [seed_for_choice(7, i) for i in range(3)] == [7, 8, 9]
-    assert seed_for_choice(INT64_MAX, 1) == INT64_MIN and seed_for_choice(INT64_MIN, 0) == INT64_MIN
+def test_seed_for_sample_stays_in_int64():
+    assert [seed_for_sample(7, i) for i in range(3)] == [7, 8, 9]
+    assert seed_for_sample(INT64_MAX, 1) == INT64_MIN and seed_for_sample(INT64_MIN, 0) == INT64_MIN
 
 
 @pytest.mark.parametrize(

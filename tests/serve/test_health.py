@@ -145,7 +145,7 @@ def test_frontend_stall_answers_503_naming_the_front_end_while_it_is_blocked(llm
     beats = Heartbeats.create()
     proc = HealthProcess(beats, host="127.0.0.1", port=0, stall_timeout_s=0.5)
     r = start_server(llm, model_name="tiny", heartbeats=beats)
-    real_seed = api.seed_for_choice
+    real_seed = api.seed_for_sample
     entered, gate = threading.Event(), threading.Event()
 
     def slow_seed(seed, i):
@@ -160,7 +160,7 @@ def test_frontend_stall_answers_503_naming_the_front_end_while_it_is_blocked(llm
         while httpx.get(url, timeout=5).status_code != 200:
             assert time.monotonic() < deadline, httpx.get(url).text
             time.sleep(0.05)
-        monkeypatch.setattr(api, "seed_for_choice", slow_seed)
+        monkeypatch.setattr(api, "seed_for_sample", slow_seed)
         answer: list = []
         body = {"prompt": "block the event loop", "max_tokens": 2, "n": 2, "seed": 424242}
         t = threading.Thread(

@@ -104,7 +104,7 @@ def test_max_tokens_n_seed_user_stop(server, fn, stream):
     texts, reasons, usage = fn(server, stream, max_tokens=5, extra_body={"ignore_eos": True})
     assert reasons == ["length"] and usage.completion_tokens == 5
     assert fn(server, stream, max_tokens=5, user="alice", extra_body={"ignore_eos": True})[0] == texts
-    # n: independent samples, reproducible with a seed (choice i: seed_for_choice(seed, i)); another seed differs
+    # n: independent samples, reproducible with a seed (choice i: seed_for_sample(seed, i)); another seed differs
     kw = {"n": 4, "temperature": 1.0, "seed": 7, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
     t1, r1, u1 = fn(server, stream, **kw)
     t2, _, _ = fn(server, stream, **kw)
