@@ -389,13 +389,14 @@ class EngineCore:
         detok = self._detok.get(seq.request_id)
         if detok is not None:
             piece = detok.push(tok)
-            if not (checks and (is_stop_id or is_eos)):
+            # an ending id's text is left out (EOS always; a stop id unless include_stop_str_in_output)
+            if not (checks and (is_eos or (is_stop_id and not p.include_stop_str_in_output))):
                 seq.text += piece
                 if p.stop and checks:
                     hit = _find_stop(seq.text, len(piece), p.stop)
                     if hit is not None:
                         cut, s = hit
-                        seq.text = seq.text[:cut]
+                        seq.text = seq.text[: cut + len(s) if p.include_stop_str_in_output else cut]
                         finish, stop_reason = FinishReason.STOP, s
         if finish is None and checks:
             if is_stop_id:

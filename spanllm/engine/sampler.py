@@ -66,7 +66,8 @@ def seed_for_sample(seed: int, i: int) -> int:
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM's names and meanings. stop: strings that end the output (not included in it); stop_token_ids:
-    ids that end it besides EOS (the id itself is kept, as EOS is); min_tokens: EOS and stop ids are
+    ids that end it besides EOS (the id itself is kept, as EOS is; its text is not: include_stop_str_in_output keeps
+    the stop string, or the stop id's text, at the end of the text, as vLLM's does); min_tokens: EOS and stop ids are
     masked until this many tokens exist; ignore_eos: EOS does not end the output (stop ids still do).
     presence_penalty / frequency_penalty / repetition_penalty / min_p / logit_bias / logprobs: see the module
     docstring. logit_bias: (token id, bias) pairs (a {id: bias} mapping is taken too); the ids are checked
@@ -90,6 +91,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     n: int = 1
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Integers and reals of any kind (numpy's, a 0-d tensor's) are taken as Python ints and floats; bools and
@@ -98,10 +100,11 @@ class SamplingParams:
             object.__setattr__(self, name, _as_float(getattr(self, name)))
         for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "n"):
             object.__setattr__(self, name, as_int(getattr(self, name)))
-        if isinstance(self.ignore_eos, np.bool_):
-            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if isinstance(getattr(self, name), np.bool_):
+                object.__setattr__(self, name, bool(getattr(self, name)))
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name}={getattr(self, name)!r} must be True or False")
         if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(
                 f"temperature={self.temperature!r} must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"

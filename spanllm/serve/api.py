@@ -122,6 +122,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
             min_p=req.min_p,
             logit_bias=tuple(sorted((int(k), v) for k, v in (req.logit_bias or {}).items())),
             logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except SamplingParamsError as e:
         raise APIError(str(e), _leading_name(str(e))) from None

@@ -119,6 +119,7 @@ class _Sampling(_Strict):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
