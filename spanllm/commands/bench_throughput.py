@@ -285,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(
             f"{len(samples)} requests: mean prompt {samples.mean_prompt_len:.1f}, mean output "
-            f"{samples.mean_output_len:.1f} tokens" + (f"; wrote {args.save_samples}" if args.save_samples else "")
+            f"{samples.mean_output_len:.1f} tokens"
+            + (f"; wrote {args.save_samples}" if args.save_samples else "")
+            + "; dry run: the engine flags were checked against them, no engine started"
         )
         return 0
     results = launch(_rank, args, samples, tokenizer, nprocs=args.nprocs)

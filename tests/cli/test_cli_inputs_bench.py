@@ -155,7 +155,8 @@ def test_dry_run_samples_file_honours_num_prompts(files, capsys):
     argv = RANDOM + ["--dry-run", "--input-len", "6", "--output-len", "2", "--num-prompts", "4"]
     assert main(argv + ["--save-samples", str(saved)]) == 0
     assert main(TP + ["--dry-run", "--samples-file", str(saved), "--num-prompts", "3"]) == 0
-    assert "3 requests: mean prompt" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 requests: mean prompt" in out and "dry run: the engine flags were checked against them" in out
     for n in (["--num-prompts", "4"], []):  # the file's count, or left out: every request
         assert main(TP + ["--dry-run", "--samples-file", str(saved), *n]) == 0
         assert "4 requests: mean prompt" in capsys.readouterr().out
