@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spanllm.comm import registry
-from spanllm.comm.base import AllReduce, Capability
+from spanllm.comm.base import AllReduce, AllReduceInputError, Capability
 from spanllm.comm.selection import Candidate, Choice, select
 from spanllm.comm.torch_dist import default_backend, device_type_of
 from spanllm.comm.tuning import TuningTable
@@ -22,6 +22,7 @@ CANDIDATES = {
 
 class AutoAllReduce(AllReduce):
     name = "auto"
+    refusal_fix = " (no candidate of auto takes it: pass a supported dtype on a supported device)"
     capability = Capability(
         dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}),
         device_types=frozenset({"cpu", "cuda"}),
@@ -40,6 +41,14 @@ class AutoAllReduce(AllReduce):
         super().__init__(group, topology)
         device_type = device.type if device is not None else device_type_of(self.group)
         self.device_type = device_type
+        if tuning is not None and not any(e.topology == str(self.topology) for e in tuning.entries):
+            # A table measured elsewhere would never match a call: refuse it rather than fall back silently.
+            have = sorted({e.topology for e in tuning.entries})
+            raise AllReduceInputError(
+                f"auto: the tuning table has no entry for this topology {self.topology} (it covers "
+                f"{', '.join(have) if have else 'nothing: it has no entries'}); run `spanllm tune` on this "
+                "topology and pass that table (tables merge: --tuning A.json,B.json), or pass no table"
+            )
         self.table = tuning
         names = candidates or CANDIDATES[device_type]
         self.backends: dict[str, AllReduce] = {}
@@ -53,6 +62,9 @@ class AutoAllReduce(AllReduce):
                 name, group=self.group, topology=self.topology, tuning=tuning, device=device, **options
             )
         self._candidates = [Candidate(n, b.capability, b.max_bytes) for n, b in self.backends.items()]
+        # Agree over the group when every candidate does (gloo, the reference), so input that auto itself
+        # refuses on one rank, or an empty tensor on one rank only, raises everywhere instead of a hang.
+        self.check_sizes = bool(self.backends) and all(b.check_sizes for b in self.backends.values())
         self.last_choice: Choice | None = None
 
     def choose(self, x: torch.Tensor) -> Choice:

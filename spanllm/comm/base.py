@@ -59,20 +59,48 @@ class Capability:
         return None
 
 
+def collective_failure(e: RuntimeError, where: str) -> RuntimeError:
+    """torch's error `e` (a peer timed out or went away) with `where` (algorithm, rank, phase) in front. Same
+    type as `e`, so the launcher still tells a peer's failure from this rank's own (spanllm.launch.error_kind)."""
+    msg = f"{where}: {e}; every rank must make the same all-reduce calls in the same order"
+    try:
+        return type(e)(msg)
+    except Exception:  # an error type that cannot be built from a message
+        return RuntimeError(msg)
+
+
 _DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPE_NAMES)}  # dtype -> small integer, for check_same_input
 
 
-def check_same_input(x: torch.Tensor, group: dist.ProcessGroup, name: str) -> None:
+def check_same_input(x: torch.Tensor, group: dist.ProcessGroup, name: str, refused: str | None = None) -> None:
     """Raise AllReduceInputError on every rank unless all ranks of `group` pass the same element count and
-    dtype. One small all-gather: a mismatch becomes an error instead of a hang, an abort or a partial sum."""
+    dtype and no rank refused its tensor (`refused`: the message of this rank's own check_input error). One small
+    all-gather: a mismatch, or bad input on one rank only, becomes an error on every rank instead of a hang
+    (the other ranks waiting in the collective the refusing rank never enters), an abort or a partial sum.
+    The refusing rank raises its own error; the others name it."""
     code = _DTYPE_CODES.get(x.dtype, -1)
-    mine = torch.tensor([x.numel(), code], dtype=torch.int64, device=x.device)
+    mine = torch.tensor([x.numel(), code, 0 if refused is None else 1], dtype=torch.int64, device=x.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    try:
+        dist.all_gather(everyone, mine, group=group)
+    except RuntimeError as e:  # a peer timed out or went away
+        raise collective_failure(
+            e,
+            f"{name}: rank {dist.get_rank(group)} failed in the size check before any data moved (all-gather of "
+            "element count and dtype)",
+        ) from e
+    if refused is not None:
+        raise AllReduceInputError(refused)
     seen = [tuple(int(v) for v in t.tolist()) for t in everyone]
-    if len(set(seen)) != 1:
-        names = {v: k for k, v in _DTYPE_CODES.items()}
-        desc = ", ".join(f"rank {r}: {n} x {names.get(c, 'unknown dtype')}" for r, (n, c) in enumerate(seen))
+    names = {v: k for k, v in _DTYPE_CODES.items()}
+    desc = ", ".join(f"rank {r}: {n} x {names.get(c, 'unsupported dtype')}" for r, (n, c, _) in enumerate(seen))
+    bad = [r for r, (_, _, b) in enumerate(seen) if b]
+    if bad:
+        raise AllReduceInputError(
+            f"{name}: rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} refused its tensor ({desc}); "
+            "every rank raises so that none waits for it: fix the input there (its error says why)"
+        )
+    if len({(n, c) for n, c, _ in seen}) != 1:
         raise AllReduceInputError(
             f"{name}: ranks passed different tensors ({desc}); every rank must pass the same element count and dtype"
         )
@@ -88,6 +116,10 @@ class AllReduce(ABC):
 
     name: ClassVar[str]
     capability: ClassVar[Capability]
+    # With check_sizes, every call first agrees over the group (check_same_input): one small all-gather.
+    check_sizes: bool = False
+    # How to get past a refused input (auto overrides it: it cannot point at itself).
+    refusal_fix: ClassVar[str] = " (use algorithm 'auto', which falls back to one that fits, or a supported input)"
 
     def __init__(self, group: dist.ProcessGroup | None = None, topology: Topology | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
@@ -130,12 +162,28 @@ class AllReduce(ABC):
             )
         reason = self.unsupported_reason(x)
         if reason is not None:
-            fix = " (use algorithm 'auto', which falls back to one that fits, or a supported input)"
-            raise AllReduceInputError(f"{self.name} cannot reduce this tensor: {reason}{fix}")
+            raise AllReduceInputError(f"{self.name} cannot reduce this tensor: {reason}{self.refusal_fix}")
+
+    def check_call(self, x: torch.Tensor) -> None:
+        """check_input on this rank; with `check_sizes`, also on every rank together (check_same_input), so
+        input refused on one rank, or a different size or dtype, raises on all of them (also for empty
+        tensors) instead of leaving the others waiting in a collective."""
+        if not self.check_sizes or self.closed or not isinstance(x, torch.Tensor):
+            self.check_input(x)  # no agreement asked for, or a local programming error
+            return
+        # Only the message is kept: a stored exception forms a frame <-> traceback cycle that holds this
+        # communicator, and with it the process group, past destroy_process_group (gloo then aborted a rank
+        # at exit now and then: "terminate called without an active exception").
+        refused = None
+        try:
+            self.check_input(x)
+        except AllReduceInputError as e:
+            refused = str(e)
+        check_same_input(x, self.group, self.name, refused)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place; returns `x`."""
-        self.check_input(x)
+        self.check_call(x)
         if x.numel() == 0:
             return x
         self._all_reduce_(x)

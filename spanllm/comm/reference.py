@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spanllm.comm.base import _DTYPE_CODES, AllReduce, Capability, check_same_input
+from spanllm.comm.base import _DTYPE_CODES, AllReduce, Capability, collective_failure
 from spanllm.comm.schedule import SCHEDULES, Schedule
 
 
 class RefAllReduce(AllReduce):
     """Executes `SCHEDULES[schedule_name]`. `check_sizes` verifies that every rank passed the same
-    element count and dtype before running (one small all-gather), so a mismatch is an error and not
-    a hang or a silent partial sum."""
+    element count and dtype, and that no rank refused its tensor, before running (one small all-gather,
+    `AllReduce.check_call`), so a mismatch is an error on every rank and not a hang or a silent partial sum."""
 
     schedule_name: str
     capability = Capability(dtypes=frozenset(_DTYPE_CODES), device_types=frozenset({"cpu", "cuda"}))
@@ -36,10 +36,16 @@ class RefAllReduce(AllReduce):
         return self._schedules[length]
 
     def _all_reduce_(self, x: torch.Tensor) -> None:
-        if self.check_sizes:
-            check_same_input(x, self.group, self.name)
+        # Like torch.distributed's collectives, the reduction writes x's data outside autograd: under
+        # inference mode, a leaf that requires grad or an inference tensor is reduced like any other
+        # instead of raising on some ranks mid-schedule (which would leave the others waiting on a send).
+        with torch.inference_mode():
+            self._run_schedule(x)
+
+    def _run_schedule(self, x: torch.Tensor) -> None:
         flat = x.view(-1)
-        for rnd in self.schedule(flat.numel()).rounds:
+        rounds = self.schedule(flat.numel()).rounds
+        for k, rnd in enumerate(rounds):
             works, incoming = [], []
             for s in rnd.sends:
                 works.append(dist.isend(flat[s.start : s.stop], self._global[s.peer], group=self.group))
@@ -47,18 +53,21 @@ class RefAllReduce(AllReduce):
                 buf = torch.empty(r.stop - r.start, dtype=x.dtype, device=x.device)
                 works.append(dist.irecv(buf, self._global[r.peer], group=self.group))
                 incoming.append((r, buf))
-            for w in works:
-                w.wait()
+            try:
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:  # gloo / NCCL: a peer timed out or went away
+                peers = sorted({m.peer for m in rnd.sends + rnd.recvs})
+                where = (
+                    f"{self.name}: rank {self.rank} failed in round {k + 1} of {len(rounds)} "
+                    f"({rnd.phase or self.schedule_name}) exchanging {flat.numel()} elements with ranks {peers}"
+                )
+                raise collective_failure(e, where) from e
             for r, buf in incoming:
                 if r.op == "reduce":
                     flat[r.start : r.stop] += buf
                 else:
                     flat[r.start : r.stop] = buf
-
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        self._all_reduce_(x)  # also for empty tensors: every rank must still agree on the size
-        return x
 
 
 class RefRingAllReduce(RefAllReduce):

@@ -51,6 +51,7 @@ class Recv:
 class Round:
     sends: tuple[Send, ...] = ()
     recvs: tuple[Recv, ...] = ()
+    phase: str = field(default="", compare=False)  # for errors: which step of the algorithm this round is
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def ring_schedule(rank: int, world_size: int, length: int) -> Schedule:
             shift = k if phase == "reduce" else k - 1
             s = chunks[(rank - shift) % P]
             r = chunks[(rank - shift - 1) % P]
-            rounds.append(Round(_nonempty([Send(nxt, *s)]), _nonempty([Recv(prv, *r, phase)])))
+            name = "reduce-scatter" if phase == "reduce" else "all-gather"
+            rounds.append(Round(_nonempty([Send(nxt, *s)]), _nonempty([Recv(prv, *r, phase)]), name))
     return Schedule("ring", rank, P, length, tuple(rounds))
 
 
@@ -117,6 +119,16 @@ def ring_schedule(rank: int, world_size: int, length: int) -> Schedule:
 
 def _recursive_doubling_rounds(members: list[int], me: int, start: int, stop: int) -> list[Round]:
     """Rounds that all-reduce [start, stop) among `members` (global ranks); `me` is one of them."""
+    rounds = _recursive_doubling_steps(members, me, start, stop)
+    n = len(members)
+    p2 = 1 << (n.bit_length() - 1)
+    names = [f"exchange {k + 1} of {p2.bit_length() - 1}" for k in range(p2.bit_length() - 1)]
+    if n > p2:
+        names = ["fold"] + names + ["unfold"]
+    return [Round(r.sends, r.recvs, f"recursive doubling {name}") for r, name in zip(rounds, names, strict=True)]
+
+
+def _recursive_doubling_steps(members: list[int], me: int, start: int, stop: int) -> list[Round]:
     n = len(members)
     if n == 1:
         return []
@@ -173,12 +185,13 @@ def hierarchical_schedule(rank: int, topology: Topology, length: int) -> Schedul
         # of its own shard, in local-rank order (a fixed order keeps the result deterministic).
         sends = _nonempty(Send(peers[j], *shards[j]) for j in range(g) if j != local)
         recvs = _nonempty(Recv(peers[j], *shards[local], "reduce") for j in range(g) if j != local)
-        rounds.append(Round(sends, recvs))
-    rounds += _recursive_doubling_rounds(topology.rail_ranks(local), rank, *shards[local])
+        rounds.append(Round(sends, recvs, "intra-node reduce-scatter"))
+    inter = _recursive_doubling_rounds(topology.rail_ranks(local), rank, *shards[local])
+    rounds += [Round(r.sends, r.recvs, f"inter-node {r.phase}") for r in inter]
     if g > 1:
         sends = _nonempty(Send(peers[j], *shards[local]) for j in range(g) if j != local)
         recvs = _nonempty(Recv(peers[j], *shards[j], "copy") for j in range(g) if j != local)
-        rounds.append(Round(sends, recvs))
+        rounds.append(Round(sends, recvs, "intra-node all-gather"))
     return Schedule("hierarchical", rank, topology.world_size, length, tuple(rounds))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from spanllm.comm.base import AllReduce, AllReduceInputError, Capability, check_same_input
+from spanllm.comm.base import AllReduce, AllReduceInputError, Capability, collective_failure
 
 GROUP_COLLECTIVE = {"cuda": "nccl", "cpu": "gloo"}
 """Device type -> the process group's own collective: torch.distributed's backend name, which is also the
@@ -52,16 +52,12 @@ class TorchDistAllReduce(AllReduce):
                 f"use the algorithm named after the group's backend"
             )
 
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
-        if self.check_sizes:  # also for empty tensors: every rank must agree
-            check_same_input(x, self.group, self.name)
-        if x.numel():
-            self._all_reduce_(x)
-        return x
-
     def _all_reduce_(self, x: torch.Tensor) -> None:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as e:  # a peer timed out or went away (gloo raises here; NCCL reports later)
+            where = f"{self.name}: rank {self.rank} failed in {self.backend}'s all_reduce of {x.numel()} elements"
+            raise collective_failure(e, where) from e
 
 
 _DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64})

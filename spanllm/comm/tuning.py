@@ -7,6 +7,7 @@ Written by `spanllm tune`, read by `auto` and `nvrar`. Lookup takes the smallest
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -60,6 +61,8 @@ class TuningTable:
         """One table, or several comma-separated ones (e.g. one per topology) merged."""
         if "," in path:
             tables = [cls.load(p) for p in path.split(",") if p]
+            if not tables:
+                raise ValueError(f"tuning table list {path!r} names no file; pass PATH or PATH1,PATH2")
             return cls([e for t in tables for e in t.entries], tables[0].meta)
         try:
             with open(path) as f:
@@ -72,13 +75,54 @@ class TuningTable:
             kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
             raise ValueError(f"{path!r} is not a tuning table (kind={kind!r}); write one with `spanllm tune`")
         meta = {k: v for k, v in doc.items() if k not in ("kind", "entries")}
+        if not isinstance(doc["entries"], list):
+            raise ValueError(
+                f"{path!r}: 'entries' is a {type(doc['entries']).__name__}, not a list of tuning entries; "
+                "regenerate the table with `spanllm tune`"
+            )
         entries = []
         for i, e in enumerate(doc["entries"]):
             try:
-                entries.append(TuningEntry(**e))
+                entry = TuningEntry(**e)
             except TypeError as err:
                 raise ValueError(
                     f"{path!r}: entry {i} ({e!r}) is not a tuning entry ({err}); "
                     "regenerate the table with `spanllm tune`"
                 ) from None
+            problem = _entry_problem(entry)
+            if problem is not None:
+                raise ValueError(
+                    f"{path!r}: entry {i}: {problem}; fix that entry or regenerate the table with `spanllm tune`"
+                )
+            entries.append(entry)
         return cls(entries, meta)
+
+
+_TOPOLOGY_RE = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
+
+
+def _entry_problem(e: TuningEntry) -> str | None:
+    """Why a loaded entry could never be used (a value no lookup or backend accepts), else None. A table
+    entry that is silently never matched, or names a backend that does not exist, would hide that the
+    table is not being used."""
+    from spanllm.comm.registry import ALGORITHMS  # registry imports the backends; keep this module light
+
+    if not isinstance(e.topology, str) or not _TOPOLOGY_RE.fullmatch(e.topology):
+        return f"topology={e.topology!r} is not NODESxRANKS_PER_NODE (e.g. '1x8', '2x4')"
+    if e.dtype not in DTYPE_NAMES.values():
+        return f"dtype={e.dtype!r} is not one of {sorted(DTYPE_NAMES.values())}"
+    if not isinstance(e.size, int) or isinstance(e.size, bool) or e.size < 0:
+        return f"size={e.size!r} must be a byte count (an integer >= 0)"
+    if not isinstance(e.best, str) or e.best not in ALGORITHMS or e.best == "auto":
+        known = ", ".join(n for n in ALGORITHMS if n != "auto")
+        return f"best={e.best!r} is not a registered algorithm (one of {known})"
+    if e.nvrar_launch is not None:
+        from spanllm.comm.nvrar.allreduce import LaunchParams
+
+        try:
+            LaunchParams(**e.nvrar_launch)
+        except (TypeError, ValueError) as err:
+            return f"nvrar_launch={e.nvrar_launch!r} is not valid nvrar launch parameters ({err})"
+    if not isinstance(e.times_us, dict):
+        return f"times_us={e.times_us!r} must be a mapping algorithm -> microseconds"
+    return None
