@@ -27,6 +27,12 @@ def at_least(flag: str, value: int | float | None, minimum: int | float, what: s
         raise UsageError(f"{flag} {value}: must be >= {minimum}{what}")
 
 
+def not_empty(flag: str, value: str | None, fix: str) -> None:
+    """A string option given but empty (or blank), which would otherwise fall back to a default or name nothing."""
+    if value is not None and not value.strip():
+        raise UsageError(f"{flag} {value!r}: empty; {fix}")
+
+
 def temperature(value: float) -> None:
     """--temperature in [0, MAX_TEMPERATURE] (nan fails too)."""
     if not 0.0 <= value <= MAX_TEMPERATURE:

@@ -228,43 +228,6 @@ def report_error(exc: BaseException, code: int) -> None:
     print(f"spanllm: error: {prefix}{' '.join(str(message).split())}{hint}", file=sys.stderr)
 
 
-# The launchers' variables spanllm.launch reads as integers under a launcher (RANK and WORLD_SIZE set)
-LAUNCHER_INT_ENV = (
-    ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"),
-    ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
-    ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-)
-
-
-def check_launcher_env() -> None:
-    """Under a launcher (RANK and WORLD_SIZE set), the variables a rank reads as its place in the job: integers, with
-    0 <= RANK < WORLD_SIZE, checked before any rank joins (a bad one used to end in a traceback, or a rendezvous that
-    waits for ranks that do not exist)."""
-    from spanllm.errors import UsageError
-
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return
-    values = {}
-    for names in LAUNCHER_INT_ENV:
-        n = next((n for n in names if os.environ.get(n)), None)  # the one spanllm.launch reads: the first set
-        if n is not None:
-            text = os.environ[n]
-            try:
-                values[names[0]] = int(text)
-            except ValueError:
-                raise UsageError(
-                    f"{n}={text!r}: not an integer; under a launcher (RANK and WORLD_SIZE set) it is this rank's place "
-                    "in the job: let torchrun / srun / mpiexec set it, or unset RANK and WORLD_SIZE to run local ranks"
-                ) from None
-    world, rank = values.get("WORLD_SIZE", 1), values.get("RANK", 0)
-    if world < 1 or not 0 <= rank < world:
-        raise UsageError(
-            f"RANK={rank} WORLD_SIZE={world}: a rank must be in [0, WORLD_SIZE) of a world >= 1; let the launcher set "
-            "them, or unset RANK and WORLD_SIZE to run local ranks"
-        )
-
-
 def _run(words: str, module: str, argv: list[str], leading_pg_timeout: float | None) -> int:
     from spanllm.errors import UsageError
 
@@ -276,6 +239,8 @@ def _run(words: str, module: str, argv: list[str], leading_pg_timeout: float | N
             f"--pg-timeout: `spanllm {words}` starts no ranks, so it has no collectives to time out; leave it out"
         )
     if uses_collectives(mod):
+        from spanllm.launch import check_launcher_env
+
         check_launcher_env()
     _apply_global(getattr(args, "debug", False) is True, pg_timeout)
     return int(mod.run(args) or 0)

@@ -57,7 +57,12 @@ from spanllm.checks import MAX_COLLECTIVE_TIMEOUT_S
 from spanllm.comm.torch_dist import default_backend
 from spanllm.errors import Interrupted, RankError, UsageError, exit_code
 
-_WORLD_ENV = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # the launchers' world-size variables
+# Each value a rank reads from its launcher (torchrun, srun, mpiexec), by the variables that may hold it: the first
+# one set wins
+_RANK_ENV = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+_WORLD_ENV = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+_LOCAL_RANK_ENV = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_WORLD_ENV = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 TIMEOUT_ENV = "SPANLLM_PG_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -103,10 +108,37 @@ def under_launcher() -> bool:
 
 
 def _env_int(*names: str, default: int) -> int:
+    from spanllm.errors import UsageError
+
     for n in names:
         if os.environ.get(n):
-            return int(os.environ[n])
+            text = os.environ[n]
+            try:
+                return int(text)
+            except ValueError:
+                raise UsageError(
+                    f"{n}={text!r}: not an integer; under a launcher (RANK and WORLD_SIZE set) it is this rank's place "
+                    "in the job: let torchrun / srun / mpiexec set it, or unset RANK and WORLD_SIZE to run local ranks"
+                ) from None
     return default
+
+
+def check_launcher_env() -> None:
+    """Under a launcher (RANK and WORLD_SIZE set), the variables a rank reads as its place in the job: integers, with
+    0 <= RANK < WORLD_SIZE, checked before any rank joins (a bad one used to end in a traceback, or a rendezvous that
+    waits for ranks that do not exist)."""
+    from spanllm.errors import UsageError
+
+    if not under_launcher():
+        return
+    rank, world = _env_int(*_RANK_ENV, default=0), _env_int(*_WORLD_ENV, default=1)
+    _env_int(*_LOCAL_RANK_ENV, default=0)
+    _env_int(*_LOCAL_WORLD_ENV, default=world)
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(
+            f"RANK={rank} WORLD_SIZE={world}: a rank must be in [0, WORLD_SIZE) of a world >= 1; let the launcher set "
+            "them, or unset RANK and WORLD_SIZE to run local ranks"
+        )
 
 
 def launcher_world_size() -> int | None:
@@ -117,10 +149,10 @@ def launcher_world_size() -> int | None:
 def init_from_launcher(backend: str | None = None, timeout_s: float | None = None) -> DistContext:
     """Join the job that torchrun/srun/mpiexec started (env:// rendezvous)."""
     timeout_s = pg_timeout_s() if timeout_s is None else timeout_s
-    rank = _env_int("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", default=0)
+    rank = _env_int(*_RANK_ENV, default=0)
     world = _env_int(*_WORLD_ENV, default=1)
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
+    local_rank = _env_int(*_LOCAL_RANK_ENV, default=0)
+    local_world = _env_int(*_LOCAL_WORLD_ENV, default=world)
     if backend is None:
         backend = default_backend("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "nccl":

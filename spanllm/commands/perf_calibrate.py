@@ -104,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
 def check_args(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
     """Every argument, before any file is read: the cluster, --max-bytes, the files, the output's folder."""
+    from spanllm import checks
+
     try:
         cluster = load_cluster(args.cluster)
     except (ClusterSpecError, OSError, ValueError) as e:
@@ -114,18 +116,16 @@ def check_args(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
         max_bytes = 0
     if max_bytes < 1:
         raise UsageError(f"--max-bytes {args.max_bytes!r}: give a size >= 1 byte, e.g. 4MiB, 512K or 65536")
-    if args.name is not None and not args.name.strip():
-        raise UsageError(
-            f"--name {args.name!r}: empty; give the written preset a name, e.g. --name {cluster.name}-calibrated, or "
-            "leave --name out for the default"
-        )
+    checks.not_empty(
+        "--name",
+        args.name,
+        f"give the written preset a name, e.g. --name {cluster.name}-calibrated, or leave --name out for the default",
+    )
     missing = [str(f) for f in args.files if not Path(f).is_file()]
     if missing:
         raise UsageError(f"no such file: {', '.join(missing)}; pass `spanllm bench allreduce --json` files")
     if not args.files and not Path(args.results).is_dir():
         raise UsageError(f"--results {str(args.results)!r} is not a folder; pass the folder of benchmark JSON files")
-    from spanllm import checks
-
     checks.output_file("--out", str(args.out))
     return cluster, max_bytes
 

@@ -12,6 +12,7 @@ from spanllm.attention.cascade import PREFILL_ATTENTION
 from spanllm.attention.shared_prefix import SHARED_PREFIX_ATTENTION
 from spanllm.dtypes import MODEL_DTYPES
 from spanllm.engine.core.scheduler import DEFAULT_LONG_PREFILL_ATTENTION_BUDGET, SCHEDULING_POLICIES
+from spanllm.engine.sampler import INT64_MAX, INT64_MIN, is_int
 from spanllm.kernels.pdl import PDL_MODES
 from spanllm.kernels.prefill_config import PrefillConfig
 from spanllm.layers.fp8 import QUANTIZATIONS
@@ -118,11 +119,11 @@ class EngineConfig:
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be None (auto), True or False")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "min_admit", "cpu_kv_cache_bytes"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
-        if not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63:
+        if not is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX:
             raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1] (int64), e.g. seed=0")
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r} must be an integer >= 2 (or None)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -133,7 +134,7 @@ class EngineConfig:
         v = self.gpu_memory_utilization
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v <= 1.0:
             raise ValueError(f"gpu_memory_utilization={v!r} must be a number in (0, 1]")
-        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
+        if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2 (block 0 is reserved)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
@@ -175,7 +176,3 @@ class EngineConfig:
             raise ValueError(f"pdl={self.pdl!r} must be one of {PDL_MODES}")
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm={self.decode_gemm!r} must be one of {DECODE_GEMMS}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
